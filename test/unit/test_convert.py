@@ -145,6 +145,21 @@ def test_logit_drift(converted, tiny_dirs, source, scheme):
         assert bf16_med < 0.08 and f32_med < 0.08 and f32_max < 0.4
 
 
+@pytest.mark.parametrize("source", ["fp8", "int4"])
+def test_exact_paths_fp32_drift_beyond_bf16_storage(converted, tiny_dirs, source):
+    """The fp32 drift of test_logit_drift comes only from storing non-expert weights in BF16 (which the issue
+    asks for): give the source runner that same rounding and the exact expert paths agree within 1e-3 of max
+    |logit| in fp32 too (measured ~4e-7 for fp8, 0 for int4)."""
+    ref_runner = CpuRunner(tiny_dirs[source], dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref_runner.model.named_parameters():
+            if ".mlp.experts." not in name and ".mlp.gate." not in name:  # the router stays fp32 in DST
+                p.copy_(p.to(torch.bfloat16))
+    ref = ref_runner.logits(ROWS, prefill_len=8)
+    out = CpuRunner(converted[(source, "fp8-blockwise")][0], dtype=torch.float32).logits(ROWS, prefill_len=8)
+    assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-3
+
+
 def test_experts_split_across_shards_and_accounting(converted, tiny_dirs):
     index = json.loads((tiny_dirs["fp8"] / INDEX).read_text())["weight_map"]
     shards = {f for k, f in index.items() if k.startswith("model.layers.1.mlp.experts.")}
