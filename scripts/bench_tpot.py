@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 import tempfile
 from pathlib import Path
 
+from kimi_k2_neuron.launch import add_compiled_args, add_verbose, script_parser, sdk_missing, start
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compiled", required=True, help="folder written by scripts/compile_and_save.py")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the one it was compiled from)")
+    p = script_parser(__doc__)
+    add_compiled_args(p)
     p.add_argument("--num-runs", type=int, default=20, help="measured generations after one warm-up")
     p.add_argument("--report", default="bench_tpot.json", help="JSON report path")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_verbose(p)
     return p
 
 
@@ -55,8 +53,7 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
-    os.environ.update({"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"})  # FP8 experts, before the SDK
+    start(args)
 
     from transformers import GenerationConfig
 
@@ -64,8 +61,7 @@ def main(argv=None) -> int:
         from kimi_k2_neuron.neuron.serving import load_compiled, read_record
         from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return sdk_missing(e)
 
     record = read_record(args.compiled)
     app = load_compiled(args.compiled, args.model)

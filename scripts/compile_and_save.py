@@ -16,16 +16,15 @@ Arguments are parsed before the Neuron SDK is imported, so --help works on any m
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import time
 from pathlib import Path
 
+from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, start
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
                                                   "HF folder is converted first, once, into <model>-neuron-<experts>")
     p.add_argument("--out", required=True, help="compiled folder to write")
@@ -48,13 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how prefill runs the routed experts: NxD's blockwise NKI kernel (falling back to torch), "
                         "the torch blockwise path, or every token through every expert")
     p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit")
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_verbose(p)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    start(args)  # logging, and the FP8 environment torch-xla reads when the SDK is imported below
 
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
@@ -76,15 +75,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    # FP8 needs these before torch-xla is imported (inference_demo.py:465-467).
-    os.environ.update({"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"})
     try:
         from kimi_k2_neuron.neuron import contract
         from kimi_k2_neuron.neuron.loader import ensure_converted
         from kimi_k2_neuron.neuron.serving import compile_model
     except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return sdk_missing(e)
 
     try:
         t0 = time.monotonic()

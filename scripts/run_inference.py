@@ -12,17 +12,15 @@ Arguments are parsed before the Neuron SDK is imported, so --help works on any m
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 import time
 
+from kimi_k2_neuron.launch import add_compiled_args, add_verbose, script_parser, sdk_missing, start
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--compiled", required=True, help="folder written by scripts/compile_and_save.py")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the one it was compiled from)")
+    p = script_parser(__doc__)
+    add_compiled_args(p)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -31,15 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50, help="with --temperature > 0 (<= the compiled global top-k)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("-v", "--verbose", action="store_true")
+    add_verbose(p)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    start(args)
     sample = args.temperature > 0 and not args.greedy
-    os.environ.update({"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"})  # FP8 experts, before the SDK
 
     import torch
 
@@ -48,8 +45,7 @@ def main(argv=None) -> int:
     try:
         from kimi_k2_neuron.neuron.serving import generate, load_compiled, load_tokenizer, read_record
     except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return sdk_missing(e)
 
     torch.manual_seed(args.seed)
     checkpoint = args.model or read_record(args.compiled)["checkpoint"]

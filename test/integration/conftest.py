@@ -61,7 +61,9 @@ class Served:
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory) -> Served:
-    os.environ.update({"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"})
+    from kimi_k2_neuron.launch import set_fp8_env
+
+    set_fp8_env()  # before the SDK import below
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.neuron.serving import load_compiled, load_tokenizer, read_record
 

@@ -33,6 +33,7 @@ import torch
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert.layout import NXD_TYPE
 from kimi_k2_neuron.errors import KimiInputError, listing
+from kimi_k2_neuron.launch import FP8_ENV
 from kimi_k2_neuron.model.router import NoAuxTcRouter
 
 # (import name, pip name). torch_xla comes with torch-neuronx.
@@ -60,9 +61,8 @@ def missing_neuron_packages() -> list[str]:
 # Expert storage formats (the names plan.py uses) -> NxD quantization_type (NxD quantization_config.py:65-70): the
 # converter's FP8 schemes, plus unquantized bf16.
 EXPERT_FORMATS = {**NXD_TYPE, "bf16": None}
-# The e4m3 reinterpretation NxDI asks for (inference_demo.py:465-467). NxDI adds the matching compiler flag itself
-# (model_wrapper.py:148-157), keyed on quantization_dtype == "f8e4m3" exactly.
-FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
+# FP8_ENV (launch.py) is what NxDI asks for with this dtype; NxDI keys its matching compiler flag on
+# quantization_dtype == "f8e4m3" exactly (model_wrapper.py:148-157).
 FP8_DTYPE = "f8e4m3"
 # How prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1485-1497), as
 # blockwise_matmul_config (moe_configs.py:79-129). "kernel": NxD's choice, the NKI blockwise kernel when
