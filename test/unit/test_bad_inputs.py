@@ -342,28 +342,29 @@ def set_element(index, value):
     return edit
 
 
-def test_fp8_scale_grid_wrong_shape(ckpt):
-    d = ckpt("fp8")
-    edit_tensor(d, O_PROJ + ".weight_scale_inv", lambda t: torch.ones(3, 1))
-    one_line_error(lambda: CpuRunner(d), O_PROJ + ".weight_scale_inv", "expected shape [2, 1]", "got [3, 1]")
+# A tensor stored with the wrong dtype or shape: (format, tensor, edit, words the one-line error must hold).
+WRONG_STORAGE = {
+    "fp8 scale grid shape": ("fp8", O_PROJ + ".weight_scale_inv", lambda t: torch.ones(3, 1),
+                             ["expected shape [2, 1]", "got [3, 1]"]),
+    "fp8 scale as bf16": ("fp8", O_PROJ + ".weight_scale_inv", lambda t: t.to(torch.bfloat16),
+                          ["expected float32", "bfloat16"]),
+    "fp8 weight as int8": ("fp8", O_PROJ + ".weight", lambda t: t.view(torch.int8),
+                           ["expected a 2-D float8_e4m3fn tensor", "int8"]),
+    "plain weight as int": ("fp8", NORM, lambda t: t.to(torch.int32),
+                            [SHARD1, "torch.int32", "expected bf16/fp16/fp32"]),
+    "int4 scale as int": ("int4", EXPERT + ".weight_scale", lambda t: t.to(torch.int32),
+                          ["expected floating [64, 6]", "int32"]),
+    "int4 packed as int64": ("int4", EXPERT + ".weight_packed", lambda t: t.to(torch.int64),
+                             ["expected int32 [64, 24]", "int64"]),
+}
 
 
-def test_fp8_scale_stored_as_bf16(ckpt):
-    d = ckpt("fp8")
-    edit_tensor(d, O_PROJ + ".weight_scale_inv", lambda t: t.to(torch.bfloat16))
-    one_line_error(lambda: CpuRunner(d), O_PROJ + ".weight_scale_inv", "expected float32", "bfloat16")
-
-
-def test_fp8_weight_stored_as_int8(ckpt):
-    d = ckpt("fp8")
-    edit_tensor(d, O_PROJ + ".weight", lambda t: t.view(torch.int8))
-    one_line_error(lambda: CpuRunner(d), O_PROJ + ".weight", "expected a 2-D float8_e4m3fn tensor", "int8")
-
-
-def test_plain_weight_stored_as_int(ckpt):
-    d = ckpt("fp8")
-    edit_tensor(d, NORM, lambda t: t.to(torch.int32))
-    one_line_error(lambda: CpuRunner(d), SHARD1, NORM, "torch.int32", "expected bf16/fp16/fp32")
+@pytest.mark.parametrize("case", WRONG_STORAGE)
+def test_tensor_stored_wrong(ckpt, case):
+    fmt, name, edit, words = WRONG_STORAGE[case]
+    d = ckpt(fmt)
+    edit_tensor(d, name, edit)
+    one_line_error(lambda: CpuRunner(d), name, *words)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
@@ -380,18 +381,6 @@ def test_int4_bad_scale_value(ckpt, bad, streamed):
     d = ckpt("int4")
     edit_tensor(d, EXPERT + ".weight_scale", set_element((5, 2), bad))
     one_line_error(lambda: load(d, streamed), EXPERT + ".weight_scale", "NaN or inf", "expected finite scales")
-
-
-def test_int4_scale_stored_as_int(ckpt):
-    d = ckpt("int4")
-    edit_tensor(d, EXPERT + ".weight_scale", lambda t: t.to(torch.int32))
-    one_line_error(lambda: CpuRunner(d), EXPERT + ".weight_scale", "expected floating [64, 6]", "int32")
-
-
-def test_int4_packed_stored_as_int64(ckpt):
-    d = ckpt("int4")
-    edit_tensor(d, EXPERT + ".weight_packed", lambda t: t.to(torch.int64))
-    one_line_error(lambda: CpuRunner(d), EXPERT + ".weight_packed", "expected int32 [64, 24]", "int64")
 
 
 def test_int4_weight_shape_disagrees_with_config(ckpt):
