@@ -323,6 +323,11 @@ class Checker:
                         used.add(node.attr)
         for attr in sorted(used):
             (self.ok if attr in known else self.fail)(f"NeuronConfig attribute {attr}")
+        # The ModelBuilder rank window NeuronKimiK2ForCausalLM.shard_weights narrows (`builder.x`).
+        builder = self.attrs_assigned("neuronx_distributed.trace.model_builder", "ModelBuilder")
+        for attr in sorted({n.attr for _, tree in trees for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                            and isinstance(n.value, ast.Name) and n.value.id == "builder"}):
+            (self.ok if attr in builder else self.fail)(f"ModelBuilder attribute {attr}")
 
     def check_overrides(self, trees):
         for rel, tree in trees:

@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     import torch
 
     from kimi_k2_neuron.config import KimiK2Config
+    from kimi_k2_neuron.errors import KimiInputError
 
     try:
         from kimi_k2_neuron.neuron.serving import generate, load_compiled, load_tokenizer, read_record
@@ -54,9 +55,13 @@ def main(argv=None) -> int:
     tok = load_tokenizer(checkpoint)
     stream = (lambda s: print(s, end="", flush=True)) if len(args.prompt) == 1 else None
     t0 = time.monotonic()
-    rows = generate(app, tok, args.prompt, cfg, chat=not args.no_chat, max_new_tokens=args.max_new_tokens,
-                    do_sample=sample, temperature=args.temperature if sample else 1.0,
-                    top_k=args.top_k if sample else 1, top_p=args.top_p if sample else 1.0, stream=stream)
+    try:
+        rows = generate(app, tok, args.prompt, cfg, chat=not args.no_chat, max_new_tokens=args.max_new_tokens,
+                        do_sample=sample, temperature=args.temperature if sample else 1.0,
+                        top_k=args.top_k if sample else 1, top_p=args.top_p if sample else 1.0, stream=stream)
+    except KimiInputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     seconds = time.monotonic() - t0
     if stream:
         print()

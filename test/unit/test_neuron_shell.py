@@ -161,6 +161,8 @@ def test_enforce_neuron_config_restores_our_settings_and_is_idempotent():
     ({"sequence_parallel_enabled": True}, "sequence_parallel_enabled=True"),
     ({"moe_fused_nki_kernel_enabled": True}, "selection-only bias"),
     ({"padding_side": "left"}, "padding_side='left'"),
+    ({"qkv_kernel_fuse_residual_add": True}, "returns no residual"),
+    ({"torch_dtype": torch.bfloat16, "attention_dtype": torch.float32}, "attention_dtype=torch.float32 != torch_dtype"),
 ])
 def test_enforce_neuron_config_refuses_what_is_not_implemented(over, needle):
     with pytest.raises(KimiInputError, match="unsupported NeuronConfig") as e:
@@ -192,6 +194,23 @@ def test_logits_output_and_collective_flags():
         tp=64, checkpoint="/c", quant_record=PER_CHANNEL, on_device_sampling=False, output_logits=True))
     # without on-device sampling the lm_head already gathers the vocab; output_logits would gather it again
     assert kw["output_logits"] is False and kw["disable_numeric_cc_token"] is True
+
+
+def test_a_one_token_prompt_is_not_batched_with_longer_ones():
+    contract.check_prompt_lengths([1, 1])
+    contract.check_prompt_lengths([3, 2, 7])
+    with pytest.raises(KimiInputError, match="one-token prompt cannot share a batch"):
+        contract.check_prompt_lengths([5, 1])
+
+
+@pytest.mark.parametrize("start,size,env,want", [
+    (0, 64, {}, [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (40, 8), (48, 8), (56, 8)]),
+    (0, 2, {}, [(0, 2)]),
+    (16, 20, {}, [(16, 8), (24, 8), (32, 4)]),
+    (0, 64, {"NXD_LAYOUT_TRANSFORMATION_OPTIONS": "on_cpu_and_serialize"}, [(0, 64)]),
+])
+def test_presharding_passes_cover_every_rank_once(start, size, env, want):
+    assert contract.rank_passes(start, size, env) == want
 
 
 def test_enforce_neuron_config_refuses_a_decode_batch_below_the_cache_batch():
@@ -493,6 +512,10 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     bad_shape = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(KimiInputError, match="model.norm.weight|norm.weight has shape"):
         contract.to_neuron_state_dict(bad_shape, cfg, nc)
+    scale = layout.scale_key(layout.down_key(1))
+    bad_scale = dict(tensors, **{scale: tensors[scale][:, :, :-1]})  # per-channel [E, 1, H] is one column short
+    with pytest.raises(KimiInputError, match="down_proj.scale has shape"):
+        contract.to_neuron_state_dict(bad_scale, cfg, nc)
 
 
 def test_mmap_checkpoint_reads_what_safetensors_reads(tmp_path):

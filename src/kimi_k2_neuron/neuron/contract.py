@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert.layout import NXD_TYPE
+from kimi_k2_neuron.convert.layout import NXD_TYPE, ExpertScheme
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.launch import FP8_ENV
 from kimi_k2_neuron.model.router import NoAuxTcRouter
@@ -297,6 +297,8 @@ UNSUPPORTED = (
     ("moe_ep_degree", (1,), "MoE-internal EP is not wired; use ep_degree"),
     ("hybrid_sharding_config", (None, False), "hybrid MoE sharding is not wired"),
     ("lora_config", (None, False), "LoRA is not implemented"),
+    # The decoder layer returns no residual; with this flag prefill adds `residual + hidden` (model_base.py:1421-24).
+    ("qkv_kernel_fuse_residual_add", (False,), "the QKV kernel does not compute MLA; the layer returns no residual"),
     # A TKG batch below the KV cache batch takes kv_cache_manager.py:537-569, which builds V's scatter index and its
     # zero-filled update from K's shape (`scatter_index_new_v = scatter_index_new_k`, `updated_latest_kv_shape =
     # k_cache.shape[:1] + latest_k.shape[1:]`): with the 1-wide latent V slot the scatter fails.
@@ -319,6 +321,12 @@ def enforce_neuron_config(nc) -> None:
     if tkg_b is not None and kv_b is not None and tkg_b < kv_b:  # kv_cache_manager.py:537-569, see UNSUPPORTED
         bad.append(f"tkg_batch_size={tkg_b} < kv_cache_batch_size={kv_b} (that KV update path assumes V is shaped "
                    f"like K; the latent V slot is 1 wide)")
+    # The cache is allocated in attention_dtype (kv_cache_manager.py:141-146) and its writes (kvcache/utils.py:76-84,
+    # kv_cache_manager.py:577-585) need the update in that dtype; the layer produces the latent in torch_dtype.
+    att = getattr(nc, "attention_dtype", None)
+    if att is not None and att != getattr(nc, "torch_dtype", att):
+        bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
+                   f"torch_dtype)")
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     nc.normalize_top_k_affinities = False
@@ -327,6 +335,38 @@ def enforce_neuron_config(nc) -> None:
     rc = getattr(nc, "router_config", None)
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
+
+
+# -- generation through NxDI's HF adapter --------------------------------------------------------------------------
+
+def check_prompt_lengths(lengths: list[int]) -> None:
+    """Refuse a batch NxDI's HuggingFaceGenerationAdapter would get wrong: it gives right-padding slots position 1
+    (hf_adapter.py:283-294), so a one-token row among longer ones reads its first token from a pad slot
+    (model_base.py:974 takes the argmax position) and decodes from position 2 (hf_adapter.py:296-298)."""
+    if not lengths or min(lengths) < 1:
+        raise KimiInputError("every prompt needs at least one token")
+    if min(lengths) == 1 < max(lengths):
+        raise KimiInputError("a one-token prompt cannot share a batch with longer prompts (NxDI's HF adapter "
+                             "positions its padding wrongly); run it in a batch of its own")
+
+
+# -- pre-sharding in passes ---------------------------------------------------------------------------------------
+
+# NxD's shard_checkpoint keeps every rank's sharded dict until the last rank is written (trace/model_builder.py:
+# 827-858), and the stride-2 split of gate_up makes each rank's part a real copy (trace/trace.py:678-684): ~10 GB per
+# rank for Kimi-K2, ~680 GB for 64 ranks at once. Sharding a few ranks per pass bounds it at ~85 GB.
+SHARD_RANKS_PER_PASS = 8
+# NxD's weight-layout option (trace/hlo_utils.py:36) transforms the window the builder had at trace time
+# (model_builder.py:1301-1321), i.e. every rank, after sharding (application_base.py:262-265): it must run once.
+LAYOUT_TRANSFORM_ENV = "NXD_LAYOUT_TRANSFORMATION_OPTIONS"
+
+
+def rank_passes(start: int, size: int, env: Mapping[str, str],
+                per_pass: int = SHARD_RANKS_PER_PASS) -> list[tuple[int, int]]:
+    """(start_rank_id, local_ranks_size) windows that together cover [start, start + size), for pre-sharding."""
+    if LAYOUT_TRANSFORM_ENV in env:
+        return [(start, size)]
+    return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]
 
 
 # -- compiler arguments -------------------------------------------------------------------------------------------
@@ -511,6 +551,22 @@ def expected_shapes(cfg: KimiK2Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def expert_scale_shapes(cfg: KimiK2Config, nc) -> dict[str, tuple[int, ...]]:
+    """Full shapes of the FP8 expert scales the NeuronConfig's scheme loads (NxD sizes them per rank from the block,
+    quantization_layers.py:244-299; the sharder slices the full tensor to that)."""
+    fmt = experts_format(nc)
+    if fmt == "bf16":
+        return {}
+    scheme = ExpertScheme(fmt, None if fmt == "fp8-per-channel" else tuple(nc.quantization_block_size))
+    e, h, i_moe = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    out = {}
+    for layer in (i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)):
+        m = f"layers.{layer}.mlp.expert_mlps.mlp_op."
+        out[m + "gate_up_proj.scale"] = scheme.scale_shape(e, h, 2 * i_moe)
+        out[m + "down_proj.scale"] = scheme.scale_shape(e, i_moe, h)
+    return out
+
+
 def experts_format(nc) -> str:
     """The expert storage format a NeuronConfig describes (inverse of EXPERT_FORMATS)."""
     if not getattr(nc, "quantized", False):
@@ -545,7 +601,7 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
     if unexpected:
         raise KimiInputError(f"{where}: {len(unexpected)} tensor(s) the model has no place for (experts={experts}): "
                              f"{listing(sorted(unexpected))}")
-    for name, shape in expected_shapes(cfg).items():
+    for name, shape in (expected_shapes(cfg) | expert_scale_shapes(cfg, nc)).items():
         if tuple(out[name].shape) != shape:
             raise KimiInputError(f"{where}: tensor {name} has shape {list(out[name].shape)}, expected {list(shape)}")
     fp8 = experts != "bf16"

@@ -4,8 +4,11 @@ NxDI's default loader reads every shard whole into one dict (application_base.py
 modules/checkpoint.py:113-123); for a ~1 TB checkpoint that is ~1 TB of anonymous memory per call, and without
 pre-sharding the call repeats at every load (application_base.py:375-421). Here each tensor is a read-only view of
 its memory-mapped shard: NxD's sharder slices one rank's part at a time (trace.py:678-698), so the bytes come
-through the page cache and a rank's slice is the only copy made. Pre-sharding (save_sharded_checkpoint, set by
-contract.neuron_config_kwargs) means this runs once, inside compile().
+through the page cache; most slices are views, gate_up's (stride 2) are copies, which NxD holds for every rank of a
+pass (hence NeuronKimiK2ForCausalLM.shard_weights's passes of contract.SHARD_RANKS_PER_PASS ranks). Pre-sharding
+(save_sharded_checkpoint, set by contract.neuron_config_kwargs) means this runs once per pass, inside compile().
+NxDI's load() then reads each rank's pre-sharded file whole (application_base.py:389-399): ~18 GB per rank for
+Kimi-K2 at TP=64, ~1.2 TB of host RAM on a trn2.48xlarge (2 TiB).
 
 The converted layout is kimi_k2_neuron.convert.layout (keys keep the HF `model.` prefix, fused experts, FP8 with
 `.scale`, float32 router); contract.to_neuron_state_dict renames and checks it strictly. This file needs no SDK.

@@ -219,6 +219,21 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
         return load_neuron_state_dict(path, self.config)
 
+    def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
+        """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why): the builder's rank window
+        (ModelBuilder(start_rank_id=, local_ranks_size=), model_builder.py:482-483, read by shard_checkpoint at
+        l.823-853) is narrowed for each pass and restored after."""
+        if pre_shard_weights_hook:
+            pre_shard_weights_hook(self)
+        builder = self.get_builder(debug)
+        window = (builder.start_rank_id, builder.local_ranks_size)
+        try:
+            for start, size in contract.rank_passes(*window, os.environ):
+                builder.start_rank_id, builder.local_ranks_size = start, size
+                super().shard_weights(compiled_model_path, debug)
+        finally:
+            builder.start_rank_id, builder.local_ranks_size = window
+
     # Per-submodel compiler args (the Qwen3-MoE pattern, qwen3_moe/modeling_qwen3_moe.py:503-513): the base calls
     # get_compiler_args inside each enable_* (model_base.py:3107-3153).
     def enable_context_encoding(self, **model_init_kwargs):

@@ -109,6 +109,7 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
         raise ValueError(f"{len(prompts)} prompts, but the model was compiled for batch {batch}")
     prompts = prompts + [prompts[-1]] * (batch - len(prompts))  # fill the compiled batch
     enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    contract.check_prompt_lengths([len(e) for e in enc])
     width = max(len(e) for e in enc)
     nc = app.neuron_config
     # The prompt must fit the CTE bucket (model_wrapper.py:771-778 raises otherwise), and every decode step must write
