@@ -290,15 +290,17 @@ class Checker:
                    "fp8-blockwise": {"quantized": True, "quantization_dtype": "f8e4m3",
                                      "quantization_type": "blockwise_symmetric", "quantization_block_axis": [1, 2],
                                      "quantization_block_size": [32, 32], "quantization_scale_dtype": "f32"}}
-        for experts, rec in records.items():
-            o = contract.ServeOptions(tp=64, experts=experts, checkpoint="/ckpt", quant_record=rec)
+        cases = [(experts, rec, 1) for experts, rec in records.items()] + [("fp8-blockwise",
+                                                                            records["fp8-blockwise"], 8)]
+        for experts, rec, ep in cases:
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48, experts=experts, checkpoint="/ckpt", quant_record=rec)
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
                 if key in names or key in popped:
-                    self.ok(f"MoENeuronConfig({key}=) [{experts}]")
+                    self.ok(f"MoENeuronConfig({key}=) [{experts}, ep {ep}]")
                 else:
-                    self.fail(f"contract.neuron_config_kwargs [{experts}]: MoENeuronConfig/NeuronConfig read no "
-                              f"{key!r}")
+                    self.fail(f"contract.neuron_config_kwargs [{experts}, ep {ep}]: MoENeuronConfig/NeuronConfig "
+                              f"read no {key!r}")
             for key in kw.get("on_device_sampling_config", {}):
                 (self.ok if key in ods_names | ods_popped else self.fail)(f"OnDeviceSamplingConfig({key}=)")
             for key in kw.get("router_config", {}):

@@ -29,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "HF folder is converted first, once, into <model>-neuron-<experts>")
     p.add_argument("--out", required=True, help="compiled folder to write")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (logical cores per model replica)")
-    p.add_argument("--ep", type=int, default=1, help="NxD expert-parallel degree (world = tp x ep); >1 needs "
-                                                     "batch >= n_routed_experts / top_k and no shared experts "
-                                                     "(refused for Kimi-K2: see contract.check_serve_options)")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree; "
+                                                     "experts split ep ways, each tp/ep ways); >1 needs batch >= "
+                                                     "n_routed_experts / top_k (NxD decodes EP on all experts)")
     p.add_argument("--lnc", type=int, default=2, choices=(1, 2), help="logical NeuronCore config (trn2 default 2)")
     p.add_argument("--seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
     p.add_argument("--max-context-length", type=int, default=None, help="prefill bucket (default: --seq-len)")

@@ -220,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
-    s.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (logical cores per EP group)")
-    s.add_argument("--ep", type=int, default=1, help="expert-parallel degree (world size = tp*ep)")
+    s.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (ranks = logical cores used)")
+    s.add_argument("--ep", type=int, default=1, help="expert parallelism inside the tp ranks: experts split ep "
+                                                     "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
     s.add_argument("--lnc", type=int, default=2, help="physical cores per logical core (trn2 default 2)")
     s.add_argument("--seq-len", type=int, required=True)
     s.add_argument("--batch", type=int, default=1)

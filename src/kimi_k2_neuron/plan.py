@@ -112,11 +112,10 @@ def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, batch, experts, kv_slots) ->
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
     cores = _logical_cores(lnc)
-    if tp * ep > cores:
-        raise KimiInputError(f"--tp {tp} x --ep {ep} = {tp * ep} ranks exceeds the {cores} logical cores of a "
-                             f"trn2.48xlarge at --lnc {lnc}")
-    if cfg.n_routed_experts % ep:
-        raise KimiInputError(f"--ep {ep}: does not divide n_routed_experts={cfg.n_routed_experts}")
+    if tp > cores:
+        raise KimiInputError(f"--tp {tp}: exceeds the {cores} logical cores of a trn2.48xlarge at --lnc {lnc}")
+    if tp % ep or cfg.n_routed_experts % ep:
+        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
 
 
 def _logical_cores(lnc: int) -> int:
@@ -145,9 +144,9 @@ def default_block(cfg: KimiK2Config) -> tuple[int, int]:
 
 
 def _expert_bytes(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> tuple[int, int]:
-    """(weight bytes, scale bytes) of one MoE layer's routed experts on one rank: E/ep experts, each with its
-    gate_up [H, 2I/tp] and down [I/tp, H] slices (§3.4)."""
-    h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp)
+    """(weight bytes, scale bytes) of one MoE layer's routed experts on one rank: E/ep experts (expert parallelism
+    inside the tp ranks, NxDI moe_ep_degree), each with its gate_up [H, 2I/(tp/ep)] and down [I/(tp/ep), H] slices."""
+    h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp // ep)
     params = e_local * 3 * h * i_local
     if experts == "bf16":
         return params * BF16, 0
@@ -175,7 +174,7 @@ def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> l
         Row("shared experts (TP)", "bf16",
             n_moe * 3 * h * _div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp) * BF16),
         Row("router + bias (replicated)", "fp32", n_moe * (cfg.n_routed_experts * (h + 1)) * FP32),
-        Row("routed experts (E/ep, I/tp)", "bf16" if experts == "bf16" else "fp8", n_moe * expert_w),
+        Row("routed experts (E/ep, I/(tp/ep))", "bf16" if experts == "bf16" else "fp8", n_moe * expert_w),
     ]
     if expert_s:
         rows.append(Row(f"routed expert scales ({experts[4:]})", "fp32", n_moe * expert_s))
@@ -191,10 +190,12 @@ def _allowance(cfg: KimiK2Config, seq_len: int, batch: int) -> list[Row]:
 
 def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, block=None) -> tuple[float, int]:
     """Bytes one decode step reads per rank: every non-expert weight (the embedding only for its B rows), the
-    routed experts the batch is expected to hit, and the latent KV cache once (the duplicate V slot is not read)."""
+    routed experts the step runs, and the latent KV cache once (the duplicate V slot is not read)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    # Uniform, independent routing: an expert is missed by one token with probability 1 - k/E.
-    active = (e // ep) * (1 - (1 - k / e) ** batch)
+    if ep > 1 or batch * k >= e:  # NxD runs every local expert (expert_mlps_v2.py:1473-1481; with EP it must)
+        active = float(e // ep)
+    else:  # selective loading: uniform, independent routing misses an expert per token with probability 1 - k/E
+        active = (e // ep) * (1 - (1 - k / e) ** batch)
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     expert_w, expert_s = _expert_bytes(cfg, tp, ep, experts, block)
     non_expert = sum(r.bytes for r in weights if not r.kind.startswith(("routed", "embedding")))
@@ -237,8 +238,9 @@ def _assumptions(kv_slots: int) -> tuple[str, ...]:
         kv,
         "allowance is calibrated on the AWS DeepSeek-V3 contrib's measured footprint (1.55 GiB runtime + prefill "
         "scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages); it is an estimate",
-        "TPOT bound: bytes read per decode step / per-core HBM bandwidth; routing assumed uniform and independent "
-        "(distinct experts hit, each read once); ignores compute, collectives and launch overheads",
+        "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
+        "n_routed_experts or EP > 1 (NxD's all-experts decode), else the distinct experts uniform, independent "
+        "routing hits, each read once; ignores compute, collectives and launch overheads",
     )
 
 
@@ -246,7 +248,7 @@ def format_plan(p: Plan) -> str:
     w = 58
     lines = [f"plan for {p.model}",
              f"trn2.48xlarge LNC={p.lnc}: {p.logical_cores} logical cores x {p.capacity_bytes / GiB:.2f} GiB HBM, "
-             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s each; TP={p.tp} x EP={p.ep} = {p.tp * p.ep} ranks",
+             f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s each; TP={p.tp} ranks, experts EP={p.ep} x {p.tp // p.ep}",
              f"seq_len {p.seq_len}, batch {p.batch}, routed experts {p.experts}",
              "",
              f"{'per logical core':<{w}}{'dtype':>6}{'GiB':>10}"]

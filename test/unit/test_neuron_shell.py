@@ -233,15 +233,34 @@ def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
     (dict(tp=32, ep=2, batch=1), "needs batch >= 48"),
     (dict(tp=64, quant_record=None), "needs a converted checkpoint"),
     (dict(tp=64, experts="fp8-blockwise"), "holds expert_wise_per_channel_symmetric"),
-    (dict(tp=64, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2]}), "shard only for TP in [1, 2]"),
+    (dict(tp=64, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2]}), "shard only [1, 2] ways"),
     (dict(tp=64, seq_len=512, max_context_length=1024), "--max-context-length 1024"),
-    (dict(tp=32, ep=2, batch=48), "count the TP-sharded shared expert 2 times"),
+    (dict(tp=64, ep=3, batch=48), "--ep 3: must divide --tp 64"),
+    (dict(tp=64, ep=2, batch=48, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2, 4, 8, 16]}),
+     "experts split 32 ways (tp / ep)"),
+    (dict(tp=64, ep=8, batch=48, extra={"ep_degree": 2}), None),
 ])
 def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     o = {"checkpoint": "/c", "quant_record": PER_CHANNEL, **opts}
+    if needle is None:  # NxD's global ep_degree passes through `extra`; the config check refuses it
+        kw = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(**o))
+        with pytest.raises(KimiInputError, match="ep_degree=2 \\(global EP counts the shared expert"):
+            contract.enforce_neuron_config(_reloaded_moe_neuron_config(ep_degree=kw["ep_degree"]))
+        return
     with pytest.raises(KimiInputError) as e:
         contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(**o))
     assert needle in str(e.value)
+
+
+def test_ep_is_moe_internal_expert_parallelism():
+    """--ep splits the routed experts inside the TP ranks (NxDI moe_ep_degree x moe_tp_degree = tp_degree), so
+    attention and the shared expert stay TP-sharded over every rank and MoE's single reduction counts each once."""
+    o = contract.ServeOptions(tp=64, ep=8, batch=48, checkpoint="/c", quant_record=PER_CHANNEL)
+    kw = contract.neuron_config_kwargs(kimi_cfg(), o)
+    assert (kw["tp_degree"], kw["moe_ep_degree"], kw["moe_tp_degree"]) == (64, 8, 8) and "ep_degree" not in kw
+    one = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(tp=64, checkpoint="/c",
+                                                                        quant_record=PER_CHANNEL))
+    assert "moe_ep_degree" not in one and "moe_tp_degree" not in one  # EP=1 keeps NxDI's defaults
 
 
 def _neuron_parallel_linears(cfg: KimiK2Config) -> tuple[list[str], list[str]]:

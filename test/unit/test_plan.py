@@ -112,8 +112,10 @@ def test_expert_scale_shapes_at_tp64(kimi):
     assert _row(int4, "routed expert scales") == n_moe * e * (224 * 64 + 1 * 7168) * 4
     per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
     assert _row(per_channel, "routed expert scales") == n_moe * e * (2 * i_local + h) * 4  # [E,1,2I/tp] + [E,1,H]
-    ep2 = plan(c, tp=32, ep=2, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
-    assert _row(ep2, "routed experts (") == n_moe * (e // 2) * 3 * h * (c.moe_intermediate_size // 32)
+    # --ep splits experts inside the 64 ranks: E/8 experts, each 64/8 = 8 ways; the same expert bytes per rank.
+    ep8 = plan(c, tp=64, ep=8, lnc=2, seq_len=1, batch=48, experts="fp8-per-channel")
+    assert _row(ep8, "routed experts (") == n_moe * (e // 8) * 3 * h * (c.moe_intermediate_size // 8)
+    assert _row(ep8, "routed experts (") == _row(per_channel, "routed experts (")
 
 
 def test_kv_cache_and_slots(kimi):
@@ -128,15 +130,19 @@ def test_roofline(kimi):
     assert p1.active_experts_per_layer == pytest.approx(kimi.num_experts_per_tok)
     assert p1.hbm_bytes_per_s == pytest.approx(2.9e12 / 4)
     assert p1.tpot_lower_bound_s == pytest.approx(p1.bytes_per_token / p1.hbm_bytes_per_s)
-    p64 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=64, experts="fp8-blockwise")
-    assert 8 < p64.active_experts_per_layer < kimi.n_routed_experts
-    assert p64.bytes_per_token > p1.bytes_per_token
+    p32 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=32, experts="fp8-blockwise")
+    assert 8 < p32.active_experts_per_layer < kimi.n_routed_experts  # selective loading: the experts hit
+    assert p32.bytes_per_token > p1.bytes_per_token
+    # batch * top_k >= E: NxD runs every expert (expert_mlps_v2.py:1473-1478); with EP > 1 it always does
+    p48 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=48, experts="fp8-blockwise")
+    ep8 = plan(kimi, tp=64, ep=8, lnc=2, seq_len=1024, batch=48, experts="fp8-blockwise")
+    assert p48.active_experts_per_layer == kimi.n_routed_experts and ep8.active_experts_per_layer == 384 // 8
     # Lower bound: at least the expert bytes it is expected to touch, never more than everything on the core.
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(tp=128), "--tp 128"), (dict(tp=64, ep=2), "--ep 2"), (dict(lnc=3), "--lnc"),
+    (dict(tp=128), "--tp 128"), (dict(tp=16, ep=32), "--ep 32: must divide --tp 16"), (dict(lnc=3), "--lnc"),
     (dict(seq_len=0), "--seq-len"), (dict(batch=0), "--batch"), (dict(experts="int4"), "--experts"),
     (dict(kv_slots=3), "--kv-slots"), (dict(tp=1, ep=5), "--ep 5"),
 ])

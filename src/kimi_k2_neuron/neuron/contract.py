@@ -78,7 +78,9 @@ MOE_PREFILL = {"kernel": {}, "torch": {"use_torch_block_wise": True}, "all-exper
 class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
 
-    tp: int
+    tp: int  # ranks (logical cores); attention, embedding, lm_head and the shared expert split tp ways
+    # Expert parallelism inside those ranks (NxDI moe_ep_degree / moe_tp_degree, moe_v2.py:135-161): routed experts
+    # split ep ways, each expert's intermediate tp / ep ways. Not NxD's global ep_degree (see UNSUPPORTED).
     ep: int = 1
     lnc: int | None = 2  # None: NxDI's choice (NEURON_LOGICAL_NC_CONFIG, else the platform's, config.py:729-759)
     seq_len: int = 1024
@@ -124,24 +126,14 @@ def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     for name, n in dims.items():
         if n % o.tp:
             raise KimiInputError(f"--tp {o.tp}: config.json field {name}={n} is not divisible by {o.tp}")
-    if cfg.n_routed_experts % o.ep:
-        raise KimiInputError(f"--ep {o.ep}: does not divide n_routed_experts={cfg.n_routed_experts}")
-    # With EP > 1, NxD has no selective-loading decode path (expert_mlps_v2.py:1480-1481); decode must take the
-    # all-experts path, which needs batch * top_k >= E (model_utils.py:93 threshold 1.0).
+    if o.tp % o.ep or cfg.n_routed_experts % o.ep:
+        raise KimiInputError(f"--ep {o.ep}: must divide --tp {o.tp} and n_routed_experts={cfg.n_routed_experts}")
+    # With EP > 1, NxD has no selective-loading decode path (expert_mlps_v2.py:1480-1481, the MoE EP group); decode
+    # must take the all-experts path, which needs batch * top_k >= E (model_utils.py:93 threshold 1.0).
     if o.ep > 1 and o.batch * cfg.num_experts_per_tok < cfg.n_routed_experts:
         need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
         raise KimiInputError(f"--ep {o.ep} with --batch {o.batch}: NxD decodes with EP > 1 only on the all-experts "
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
-    # With EP > 1 the non-expert layers are data-parallel replicas across the EP ranks (NxD parallel_state.py:424-430:
-    # DP_nonexp = DP_exp x EP), and MoE all-reduces its output over the WORLD group when EP is on (NxD
-    # modules/moe/model.py:236-240 `reduce_from_tensor_model_parallel_region(output, process_group=
-    # parallel_state.get_world_group())`). The shared expert is TP-sharded on the TP group and added before that
-    # reduction (model.py:220 `_apply_shared_experts`, l.333/359 `output = output + shared_output`), so every EP
-    # replica's copy is summed: the shared expert's output would be multiplied by ep.
-    if o.ep > 1 and cfg.n_shared_experts:
-        raise KimiInputError(f"--ep {o.ep}: not supported with shared experts (n_shared_experts="
-                             f"{cfg.n_shared_experts}); NxD's MoE reduces over all tp x ep ranks, which would count "
-                             f"the TP-sharded shared expert {o.ep} times. Use --ep 1")
     if o.experts != "bf16":
         _check_quant_record(o)
     if o.moe_prefill not in MOE_PREFILL:
@@ -166,9 +158,10 @@ def _check_quant_record(o: ServeOptions) -> None:
         raise KimiInputError(f"--experts {o.experts}: the checkpoint holds {rec.get('quantization_type')} "
                              f"{rec.get('quantization_dtype')} experts, expected {EXPERT_FORMATS[o.experts]} "
                              f"{FP8_DTYPE}")
-    tps = rec.get("valid_moe_tp_degrees")
-    if tps is not None and o.tp not in tps:
-        raise KimiInputError(f"--tp {o.tp}: this checkpoint's expert scales shard only for TP in {tps}")
+    tps, moe_tp = rec.get("valid_moe_tp_degrees"), o.tp // o.ep
+    if tps is not None and moe_tp not in tps:
+        raise KimiInputError(f"--tp {o.tp} --ep {o.ep}: experts split {moe_tp} ways (tp / ep), but this checkpoint's "
+                             f"expert scales shard only {tps} ways")
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
@@ -176,7 +169,6 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     check_serve_options(cfg, o)
     kw: dict[str, Any] = dict(
         tp_degree=o.tp,
-        ep_degree=o.ep,
         seq_len=o.seq_len,
         max_context_length=o.context_length,
         # Only batch_size sets all four (config.py:161-167); setting them explicitly makes the CTE and TKG graphs
@@ -211,6 +203,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     )
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
+    if o.ep > 1:  # MoE-internal EP: build_moe's initialize_moe_process_group makes the groups (moe_v2.py:147-154)
+        kw.update(moe_ep_degree=o.ep, moe_tp_degree=o.tp // o.ep)
     # The MoE kernel's LNC defaults to the platform's (model_utils.py:96), not to the NeuronConfig's.
     lnc = {} if o.lnc is None else {"logical_nc_config": o.lnc}
     kw["blockwise_matmul_config"] = {**lnc, **MOE_PREFILL[o.moe_prefill]}
@@ -294,7 +288,10 @@ UNSUPPORTED = (
     ("kv_quant_config", (None,), "the latent cache stays bf16"),
     ("padding_side", ("right",), "masks assume right padding"),
     ("moe_fused_nki_kernel_enabled", (None, False), "the stock fused TKG kernel cannot apply the selection-only bias"),
-    ("moe_ep_degree", (1,), "MoE-internal EP is not wired; use ep_degree"),
+    # NxD's global EP makes attention data-parallel across EP replicas, and MoE then reduces its output over all
+    # tp x ep ranks (modules/moe/model.py:236-240) after adding the shared expert, which is TP-sharded within each
+    # replica (l.220, 333-359): the shared expert would be counted ep times. --ep sets moe_ep_degree instead.
+    ("ep_degree", (1,), "global EP counts the shared expert ep times; --ep sets moe_ep_degree"),
     ("hybrid_sharding_config", (None, False), "hybrid MoE sharding is not wired"),
     ("lora_config", (None, False), "LoRA is not implemented"),
     # The decoder layer returns no residual; with this flag prefill adds `residual + hidden` (model_base.py:1421-24).
