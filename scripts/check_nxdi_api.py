@@ -291,7 +291,7 @@ class Checker:
                                      "quantization_type": "blockwise_symmetric", "quantization_block_axis": [1, 2],
                                      "quantization_block_size": [32, 32], "quantization_scale_dtype": "f32"}}
         cases = [(experts, rec, 1) for experts, rec in records.items()] + [("fp8-blockwise",
-                                                                            records["fp8-blockwise"], 8)]
+                                                                            records["fp8-blockwise"], 16)]
         for experts, rec, ep in cases:
             o = contract.ServeOptions(tp=64, ep=ep, batch=48, experts=experts, checkpoint="/ckpt", quant_record=rec)
             kw = contract.neuron_config_kwargs(cfg, o)

@@ -96,6 +96,20 @@ class Plan:
         return d
 
 
+# --ep layouts by (tp, lnc). NxD builds the MoE groups with its trn2 replica-group logic (parallel_state.py:355-378):
+# at 64 ranks on LNC=2, 4 x 16, 16 x 4 and 64 x 1 (tp x replicas) are documented to work, 8 x 8 as unsupported, and
+# 32 x 2 takes LOGIC2, whose expert-TP groups mix the two EP halves (the prefill token-to-block MAX-reduce over that
+# group, expert_mlps_v2.py:1312-1328, would merge two expert sets). 1 x 64 is what NxDI's MiniMax-M3 contrib runs.
+# Kimi-K2 only fits at TP=64 LNC=2, so no other layout is listed. (The Neuron shell refuses the rest too.)
+EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+
+
+def check_ep_layout(tp: int, ep: int, lnc: int | None) -> None:
+    if ep > 1 and ep not in EP_LAYOUTS.get((tp, lnc), ()):
+        raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
+                             f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
+
+
 def _div(n: int, parts: int) -> int:
     """One rank's share of n split `parts` ways (NxD pads uneven splits, so round up)."""
     return -(-n // parts)
@@ -116,6 +130,7 @@ def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, batch, experts, kv_slots) ->
         raise KimiInputError(f"--tp {tp}: exceeds the {cores} logical cores of a trn2.48xlarge at --lnc {lnc}")
     if tp % ep or cfg.n_routed_experts % ep:
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
+    check_ep_layout(tp, ep, lnc)
 
 
 def _logical_cores(lnc: int) -> int:

@@ -196,6 +196,22 @@ def test_logits_output_and_collective_flags():
     assert kw["output_logits"] is False and kw["disable_numeric_cc_token"] is True
 
 
+@pytest.mark.parametrize("over,needle", [
+    (dict(moe_tp_degree=8), "moe_tp_degree=8 x moe_ep_degree=16 != tp_degree=64"),
+    (dict(moe_ep_degree=8, moe_tp_degree=8), "moe_ep_degree=8 at tp_degree=64"),
+    (dict(blockwise_matmul_config=SimpleNamespace(parallelize_token_to_block_mapping=False, block_size=512)),
+     "no spmd_rank"),
+    (dict(blockwise_matmul_config=SimpleNamespace(parallelize_token_to_block_mapping=True, block_size=2**30)),
+     "all-experts prefill with EP"),
+])
+def test_enforce_neuron_config_rechecks_moe_ep(over, needle):
+    ep = dict(tp_degree=64, logical_nc_config=2, moe_ep_degree=16, moe_tp_degree=4)
+    contract.enforce_neuron_config(_reloaded_moe_neuron_config(**ep))
+    with pytest.raises(KimiInputError, match="unsupported NeuronConfig") as e:
+        contract.enforce_neuron_config(_reloaded_moe_neuron_config(**{**ep, **over}))
+    assert needle in str(e.value)
+
+
 def test_a_one_token_prompt_is_not_batched_with_longer_ones():
     contract.check_prompt_lengths([1, 1])
     contract.check_prompt_lengths([3, 2, 7])
@@ -230,15 +246,18 @@ def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
 
 @pytest.mark.parametrize("opts,needle", [
     (dict(tp=3), "num_attention_heads=64 is not divisible by 3"),
-    (dict(tp=32, ep=2, batch=1), "needs batch >= 48"),
+    (dict(tp=64, ep=4, batch=1), "needs batch >= 48"),
+    (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
+    (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
+    (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant"),
     (dict(tp=64, quant_record=None), "needs a converted checkpoint"),
     (dict(tp=64, experts="fp8-blockwise"), "holds expert_wise_per_channel_symmetric"),
     (dict(tp=64, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2]}), "shard only [1, 2] ways"),
     (dict(tp=64, seq_len=512, max_context_length=1024), "--max-context-length 1024"),
     (dict(tp=64, ep=3, batch=48), "--ep 3: must divide --tp 64"),
-    (dict(tp=64, ep=2, batch=48, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2, 4, 8, 16]}),
-     "experts split 32 ways (tp / ep)"),
-    (dict(tp=64, ep=8, batch=48, extra={"ep_degree": 2}), None),
+    (dict(tp=64, ep=4, batch=48, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2, 4, 8]}),
+     "experts split 16 ways (tp / ep)"),
+    (dict(tp=64, ep=16, batch=48, extra={"ep_degree": 2}), None),
 ])
 def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     o = {"checkpoint": "/c", "quant_record": PER_CHANNEL, **opts}
@@ -255,9 +274,9 @@ def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
 def test_ep_is_moe_internal_expert_parallelism():
     """--ep splits the routed experts inside the TP ranks (NxDI moe_ep_degree x moe_tp_degree = tp_degree), so
     attention and the shared expert stay TP-sharded over every rank and MoE's single reduction counts each once."""
-    o = contract.ServeOptions(tp=64, ep=8, batch=48, checkpoint="/c", quant_record=PER_CHANNEL)
+    o = contract.ServeOptions(tp=64, ep=16, batch=48, checkpoint="/c", quant_record=PER_CHANNEL)
     kw = contract.neuron_config_kwargs(kimi_cfg(), o)
-    assert (kw["tp_degree"], kw["moe_ep_degree"], kw["moe_tp_degree"]) == (64, 8, 8) and "ep_degree" not in kw
+    assert (kw["tp_degree"], kw["moe_ep_degree"], kw["moe_tp_degree"]) == (64, 16, 4) and "ep_degree" not in kw
     one = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(tp=64, checkpoint="/c",
                                                                         quant_record=PER_CHANNEL))
     assert "moe_ep_degree" not in one and "moe_tp_degree" not in one  # EP=1 keeps NxDI's defaults

@@ -112,10 +112,10 @@ def test_expert_scale_shapes_at_tp64(kimi):
     assert _row(int4, "routed expert scales") == n_moe * e * (224 * 64 + 1 * 7168) * 4
     per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
     assert _row(per_channel, "routed expert scales") == n_moe * e * (2 * i_local + h) * 4  # [E,1,2I/tp] + [E,1,H]
-    # --ep splits experts inside the 64 ranks: E/8 experts, each 64/8 = 8 ways; the same expert bytes per rank.
-    ep8 = plan(c, tp=64, ep=8, lnc=2, seq_len=1, batch=48, experts="fp8-per-channel")
-    assert _row(ep8, "routed experts (") == n_moe * (e // 8) * 3 * h * (c.moe_intermediate_size // 8)
-    assert _row(ep8, "routed experts (") == _row(per_channel, "routed experts (")
+    # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank.
+    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=1, batch=48, experts="fp8-per-channel")
+    assert _row(ep16, "routed experts (") == n_moe * (e // 16) * 3 * h * (c.moe_intermediate_size // 4)
+    assert _row(ep16, "routed experts (") == _row(per_channel, "routed experts (")
 
 
 def test_kv_cache_and_slots(kimi):
@@ -135,14 +135,15 @@ def test_roofline(kimi):
     assert p32.bytes_per_token > p1.bytes_per_token
     # batch * top_k >= E: NxD runs every expert (expert_mlps_v2.py:1473-1478); with EP > 1 it always does
     p48 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=48, experts="fp8-blockwise")
-    ep8 = plan(kimi, tp=64, ep=8, lnc=2, seq_len=1024, batch=48, experts="fp8-blockwise")
-    assert p48.active_experts_per_layer == kimi.n_routed_experts and ep8.active_experts_per_layer == 384 // 8
+    ep4 = plan(kimi, tp=64, ep=4, lnc=2, seq_len=1024, batch=48, experts="fp8-blockwise")
+    assert p48.active_experts_per_layer == kimi.n_routed_experts and ep4.active_experts_per_layer == 384 // 4
     # Lower bound: at least the expert bytes it is expected to touch, never more than everything on the core.
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(tp=128), "--tp 128"), (dict(tp=16, ep=32), "--ep 32: must divide --tp 16"), (dict(lnc=3), "--lnc"),
+    (dict(tp=128), "--tp 128"), (dict(tp=16, ep=32), "--ep 32: must divide --tp 16"),
+    (dict(tp=64, ep=8), "--ep 8 at --tp 64 --lnc 2: not an expert layout"), (dict(lnc=3), "--lnc"),
     (dict(seq_len=0), "--seq-len"), (dict(batch=0), "--batch"), (dict(experts="int4"), "--experts"),
     (dict(kv_slots=3), "--kv-slots"), (dict(tp=1, ep=5), "--ep 5"),
 ])

@@ -35,6 +35,7 @@ from kimi_k2_neuron.convert.layout import NXD_TYPE, ExpertScheme
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.launch import FP8_ENV
 from kimi_k2_neuron.model.router import NoAuxTcRouter
+from kimi_k2_neuron.plan import EP_LAYOUTS, check_ep_layout
 
 # (import name, pip name). torch_xla comes with torch-neuronx.
 NEURON_PACKAGES = (
@@ -128,6 +129,10 @@ def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
             raise KimiInputError(f"--tp {o.tp}: config.json field {name}={n} is not divisible by {o.tp}")
     if o.tp % o.ep or cfg.n_routed_experts % o.ep:
         raise KimiInputError(f"--ep {o.ep}: must divide --tp {o.tp} and n_routed_experts={cfg.n_routed_experts}")
+    check_ep_layout(o.tp, o.ep, o.lnc)
+    if o.ep > 1 and o.moe_prefill == "all-experts":  # forward_all_experts indexes all E experts of a local slice
+        raise KimiInputError(f"--moe-prefill all-experts with --ep {o.ep}: NxD's all-experts prefill has no EP "
+                             f"variant (expert_mlps_v2.py:384-390, 1492-1494); use kernel or torch")
     # With EP > 1, NxD has no selective-loading decode path (expert_mlps_v2.py:1480-1481, the MoE EP group); decode
     # must take the all-experts path, which needs batch * top_k >= E (model_utils.py:93 threshold 1.0).
     if o.ep > 1 and o.batch * cfg.num_experts_per_tok < cfg.n_routed_experts:
@@ -324,6 +329,7 @@ def enforce_neuron_config(nc) -> None:
     if att is not None and att != getattr(nc, "torch_dtype", att):
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
+    bad += _moe_ep_problems(nc)
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     nc.normalize_top_k_affinities = False
@@ -364,6 +370,26 @@ def rank_passes(start: int, size: int, env: Mapping[str, str],
     if LAYOUT_TRANSFORM_ENV in env:
         return [(start, size)]
     return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]
+
+
+def _moe_ep_problems(nc) -> list[str]:
+    """What check_serve_options guarantees for moe_ep_degree > 1, re-checked on any NeuronConfig (a reloaded
+    neuron_config.json, `extra`): NxDI checks none of it (config.py:833-834, moe_v2.py:147-150)."""
+    ep, tp = getattr(nc, "moe_ep_degree", 1), getattr(nc, "tp_degree", None)
+    if ep <= 1:
+        return []
+    out = []
+    if getattr(nc, "moe_tp_degree", None) * ep != tp:
+        out.append(f"moe_tp_degree={nc.moe_tp_degree} x moe_ep_degree={ep} != tp_degree={tp}")
+    if ep not in EP_LAYOUTS.get((tp, getattr(nc, "logical_nc_config", None)), ()):
+        out.append(f"moe_ep_degree={ep} at tp_degree={tp} (not an expert layout NxD's replica groups support)")
+    bmm = getattr(nc, "blockwise_matmul_config", None)
+    if bmm is not None and not getattr(bmm, "parallelize_token_to_block_mapping", True):
+        out.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts, "
+                   "expert_mlps_v2.py:121-138)")
+    if bmm is not None and getattr(bmm, "block_size", 0) >= MOE_PREFILL["all-experts"]["block_size"]:
+        out.append("all-experts prefill with EP (no EP variant, expert_mlps_v2.py:1492-1494)")
+    return out
 
 
 # -- compiler arguments -------------------------------------------------------------------------------------------
