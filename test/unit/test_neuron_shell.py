@@ -385,18 +385,30 @@ def test_nxd_moe_combine_with_our_router_equals_the_core_moe(tiny_dirs):
 
 # -- the decode view and NxDI's prefill/decode flow ----------------------------------------------------------------
 
-def test_decode_view_mask_is_the_cached_prefix_plus_the_current_token():
-    past = torch.randn(2, 1, 6, 4)
-    new = torch.randn(2, 1, 4)
-    prior = contract.prior_mask_for_positions(torch.tensor([2, 5]), 6)
-    cache, mask = contract.decode_view(past, new, prior)
-    assert cache.shape == (2, 7, 4) and torch.equal(cache[:, :6], past[:, 0]) and torch.equal(cache[:, 6], new[:, 0])
-    assert mask.tolist() == [[[[1, 1, 0, 0, 0, 0, 1]]], [[[1, 1, 1, 1, 1, 0, 1]]]]
+def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
+    prior_mask = contract.prior_mask_for_positions(torch.tensor([2, 5]), 6)
+    prior, active = contract.decode_masks(prior_mask, 1)
+    assert prior.tolist() == [[[[1, 1, 0, 0, 0, 0]]], [[[1, 1, 1, 1, 1, 0]]]] and active.tolist() == [[[[1]]]] * 2
     # the same as the core's rule for a token at position p: it sees cache slots 0..p (mla.py forward)
     for b, p in enumerate([2, 5]):
-        core_visible = torch.arange(7) <= p
-        core_visible[p] = False  # slot p is not written yet on Neuron: the token itself is appended last
-        assert torch.equal(mask[b, 0, 0, :6], core_visible[:6])
+        core_visible = torch.arange(6) <= p
+        core_visible[p] = False  # slot p is not written yet on Neuron: the token itself is the active segment
+        assert torch.equal(prior[b, 0, 0], core_visible)
+
+
+def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs):
+    """attend_split (prior cache in place + active entries) == attend(absorbed) over their concatenation."""
+    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    b, t, s = 2, 7, 2
+    q_nope = torch.randn(b, attn.n_heads, s, attn.nope, generator=g)
+    q_pe = torch.randn(b, attn.n_heads, s, attn.rope, generator=g)
+    prior, active = (torch.randn(b, n, attn.rank + attn.rope, generator=g) for n in (t, s))
+    prior_mask = torch.rand(b, 1, s, t, generator=g) > 0.3
+    active_mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    want = attn.attend(q_nope, q_pe, torch.cat([prior, active], 1), torch.cat([prior_mask, active_mask], -1), True)
+    got = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _nxdi_flow(runner: CpuRunner, prompts, steps, seq_len, bucket, off_by_one=False):

@@ -80,6 +80,15 @@ class MLAttention(nn.Module):
         out = attend(q_nope, q_pe, cache, mask)  # [B, heads, S, v_dim]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def attend_split(self, q_nope, q_pe, prior, prior_mask, active, active_mask):
+        """Absorbed attention over two latent segments under one softmax, without concatenating them: the cached
+        prior [B, T, latent] (mask [B, 1, S, T]) and this step's active entries [B, S, latent] (mask [B, 1, S, S]),
+        then o_proj. The same as attend(absorbed=True) over their concatenation; decode on Neuron reads a
+        T-long cache in place instead of copying it every layer and step."""
+        b, _, s, _ = q_nope.shape
+        out = self._absorbed(q_nope, q_pe, [prior, active], [prior_mask, active_mask])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
     def _kv_b_halves(self):
         """kv_b_proj as per-head W_UK [heads, nope, rank] and W_UV [heads, v_dim, rank]."""
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
@@ -94,11 +103,21 @@ class MLAttention(nn.Module):
         return _softmax(scores * self.scale, mask) @ v
 
     def _attend_absorbed(self, q_nope, q_pe, cache, mask):
-        c_kv, k_pe = cache.split([self.rank, self.rope], dim=-1)
+        return self._absorbed(q_nope, q_pe, [cache], [mask])
+
+    def _absorbed(self, q_nope, q_pe, segments, masks):
+        """Absorbed attention over latent segments [B, T_i, latent] (masks [B, 1, S, T_i]) under one softmax
+        -> [B, heads, S, v_dim]."""
         w_uk, w_uv = self._kv_b_halves()
         q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)  # query in the latent space
-        scores = _shared_kv_matmul(q_lat, c_kv.transpose(-1, -2)) + _shared_kv_matmul(q_pe, k_pe.transpose(-1, -2))
-        ctx_lat = _shared_kv_matmul(_softmax(scores * self.scale, mask), c_kv)  # [B, heads, S, rank]
+        parts = [seg.split([self.rank, self.rope], dim=-1) for seg in segments]
+        scores = _cat([_shared_kv_matmul(q_lat, c_kv.transpose(-1, -2))
+                       + _shared_kv_matmul(q_pe, k_pe.transpose(-1, -2)) for c_kv, k_pe in parts])
+        probs = _softmax(scores * self.scale, _cat(masks))
+        ctx_lat = None  # [B, heads, S, rank]
+        for p, (c_kv, _) in zip(probs.split([c.shape[1] for c, _ in parts], dim=-1), parts):
+            ctx = _shared_kv_matmul(p, c_kv)
+            ctx_lat = ctx if ctx_lat is None else ctx_lat + ctx
         return torch.einsum("bhsr,hvr->bhsv", ctx_lat, w_uv)
 
 
@@ -108,6 +127,11 @@ def _shared_kv_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     instead reads the whole cache once per head (30x slower at 32K context on CPU)."""
     bsz, heads, s, k = a.shape
     return (a.reshape(bsz, heads * s, k) @ b).view(bsz, heads, s, b.shape[-1])
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Along the key axis; a single part as is (torch.cat would copy it)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

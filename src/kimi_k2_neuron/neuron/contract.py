@@ -411,20 +411,17 @@ def compiler_args(tag: str, lnc: int) -> str:
 
 # -- attention: the decode view of the latent cache ----------------------------------------------------------------
 
-def decode_view(past_k: torch.Tensor, new: torch.Tensor, prior_mask: torch.Tensor):
-    """Latent cache and mask for one decode (TKG) step, in the shapes MLAttention.attend takes.
+def decode_masks(prior_mask: torch.Tensor, s: int):
+    """The two masks of one decode (TKG) step, for MLAttention.attend_split.
 
-    past_k: the K slot NxDI hands the layer, [B, 1, T, latent] (one KV head; kv_cache_manager.py:293-342);
-    new: this step's entries from MLAttention.project, [B, S, latent];
     prior_mask: NxDI's TKG mask [B, 1, 1, T], True exactly on the cached positions [0, pos) of each row
     (model_base.py:253-258; hf_adapter.py:369-405). The current token is not in the cache yet (the manager writes
-    it after the layers, model_base.py:1407-1416), so it is appended here and always visible to itself.
-    -> cache [B, T + S, latent], mask [B, 1, S, T + S]."""
-    b, s = new.shape[:2]
-    cache = torch.cat([past_k[:, 0], new.to(past_k.dtype)], dim=1)
+    it after the layers, model_base.py:1407-1416), so it is attended as the active segment, visible to itself.
+    -> prior [B, 1, S, T], active [B, 1, S, S] (causal among the step's S tokens)."""
+    b = prior_mask.shape[0]
     prior = prior_mask.to(torch.bool).expand(b, 1, s, prior_mask.shape[-1])
     active = torch.ones(s, s, dtype=torch.bool, device=prior.device).tril()[None, None].expand(b, 1, s, s)
-    return cache, torch.cat([prior, active], dim=-1)
+    return prior, active
 
 
 def attention_block(attn, norm, hidden: torch.Tensor, rope, past_key_value, attention_mask: torch.Tensor):
@@ -433,15 +430,18 @@ def attention_block(attn, norm, hidden: torch.Tensor, rope, past_key_value, atte
 
     Prefill (past_key_value None): the bucket attends to itself under NxDI's causal [B, 1, S, S] mask
     (model_base.py:197-215); K holds the whole bucket (fill_prefix from 0, kv_cache_manager.py:509-510).
-    Decode: the cached [0, pos) plus the current token (decode_view); K holds the step's entries, scattered at
+    Decode: the cached [0, pos) plus the current token (decode_masks), attended in place by attend_split (no copy
+    of the cache per layer and step, as the DSV3 contrib's separate prior/active scores); K holds the step's entries,
+    scattered at
     position_ids (l.571-585). K is the latent as one KV head [B, 1, S, latent]; V is [B, 1, S, 1] zeros for
     LatentKVCacheManager's 1-wide V slot."""
     q_nope, q_pe, entries = attn.project(norm(hidden), rope)
     if past_key_value is None:
-        cache, mask = entries, attention_mask
+        hidden = hidden + attn.attend(q_nope, q_pe, entries, attention_mask)
     else:
-        cache, mask = decode_view(past_key_value[0], entries, attention_mask)
-    hidden = hidden + attn.attend(q_nope, q_pe, cache, mask)
+        past = past_key_value[0][:, 0]
+        prior, active = decode_masks(attention_mask, entries.shape[1])
+        hidden = hidden + attn.attend_split(q_nope, q_pe, past, prior, entries.to(past.dtype), active)
     k_new = entries.unsqueeze(1)
     return hidden, (k_new, k_new.new_zeros(*k_new.shape[:-1], 1))
 
