@@ -8,7 +8,7 @@ Nothing here divides a total time by a token count. Writes a JSON report.
 Example:
   python scripts/bench_tpot.py --compiled /data/compiled/tp64-s1024-b1 --num-runs 20 --report tpot.json
 
-Arguments are parsed before the Neuron SDK is imported, so --help works on any machine.
+Arguments are parsed before the Neuron SDK is imported, so --help works without it.
 """
 
 from __future__ import annotations

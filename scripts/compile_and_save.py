@@ -10,7 +10,7 @@ Example (trn2.48xlarge, LNC=2 -> 64 logical cores):
   python scripts/compile_and_save.py --model /data/kimi-k2-neuron-fp8 --out /data/compiled/tp64-s1024-b1 \\
       --tp 64 --lnc 2 --seq-len 1024 --batch 1
 
-Arguments are parsed before the Neuron SDK is imported, so --help works on any machine.
+Arguments are parsed before the Neuron SDK is imported, so --help works without it.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="compiled folder to write")
     p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (logical cores per model replica)")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree; "
-                                                     "experts split ep ways, each tp/ep ways); >1 needs batch >= "
-                                                     "n_routed_experts / top_k (NxD decodes EP on all experts)")
+                                                     "experts split ep ways, each tp/ep ways): 4, 16 or 64 at --tp "
+                                                     "64 --lnc 2, with batch >= n_routed_experts / top_k")
     p.add_argument("--lnc", type=int, default=2, choices=(1, 2), help="logical NeuronCore config (trn2 default 2)")
     p.add_argument("--seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
     p.add_argument("--max-context-length", type=int, default=None, help="prefill bucket (default: --seq-len)")

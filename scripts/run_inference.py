@@ -6,7 +6,7 @@ or <|im_end|> (163586). Several --prompt run as one batch (up to the compiled ba
 Example:
   python scripts/run_inference.py --compiled /data/compiled/tp64-s1024-b1 --prompt "What is the capital of France?"
 
-Arguments are parsed before the Neuron SDK is imported, so --help works on any machine.
+Arguments are parsed before the Neuron SDK is imported, so --help works without it.
 """
 
 from __future__ import annotations

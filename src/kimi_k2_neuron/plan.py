@@ -104,10 +104,22 @@ class Plan:
 EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
 
 
-def check_ep_layout(tp: int, ep: int, lnc: int | None) -> None:
-    if ep > 1 and ep not in EP_LAYOUTS.get((tp, lnc), ()):
+def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -> None:
+    """The expert parallelism NxD can run for this model (the planner and the Neuron shell both apply it).
+    lnc None (NxDI resolves it later) skips the layout rule; the shell re-checks the resolved config."""
+    if tp % ep or cfg.n_routed_experts % ep:
+        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
+    if ep == 1:
+        return
+    if lnc is not None and ep not in EP_LAYOUTS.get((tp, lnc), ()):
         raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
                              f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
+    # NxD has no selective-loading decode with EP (expert_mlps_v2.py:1480-1481, the MoE EP group): decode takes the
+    # all-experts path, which needs batch * top_k >= E (model_utils.py:93, threshold 1.0).
+    if batch * cfg.num_experts_per_tok < cfg.n_routed_experts:
+        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
+        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
+                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
 
 
 def _div(n: int, parts: int) -> int:
@@ -128,9 +140,7 @@ def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, batch, experts, kv_slots) ->
     cores = _logical_cores(lnc)
     if tp > cores:
         raise KimiInputError(f"--tp {tp}: exceeds the {cores} logical cores of a trn2.48xlarge at --lnc {lnc}")
-    if tp % ep or cfg.n_routed_experts % ep:
-        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
-    check_ep_layout(tp, ep, lnc)
+    check_ep(cfg, tp, ep, lnc, batch)
 
 
 def _logical_cores(lnc: int) -> int:

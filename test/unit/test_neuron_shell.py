@@ -203,12 +203,14 @@ def test_logits_output_and_collective_flags():
      "no spmd_rank"),
     (dict(blockwise_matmul_config=SimpleNamespace(parallelize_token_to_block_mapping=True, block_size=2**30)),
      "all-experts prefill with EP"),
+    (dict(moe_tp_degree=None), "moe_tp_degree=None x moe_ep_degree=16"),
+    (dict(tkg_batch_size=8), "with batch 8: NxD decodes EP only on all experts"),
 ])
 def test_enforce_neuron_config_rechecks_moe_ep(over, needle):
-    ep = dict(tp_degree=64, logical_nc_config=2, moe_ep_degree=16, moe_tp_degree=4)
-    contract.enforce_neuron_config(_reloaded_moe_neuron_config(**ep))
+    ep = dict(tp_degree=64, logical_nc_config=2, moe_ep_degree=16, moe_tp_degree=4, tkg_batch_size=48)
+    contract.enforce_neuron_config(_reloaded_moe_neuron_config(**ep), 384, 8)
     with pytest.raises(KimiInputError, match="unsupported NeuronConfig") as e:
-        contract.enforce_neuron_config(_reloaded_moe_neuron_config(**{**ep, **over}))
+        contract.enforce_neuron_config(_reloaded_moe_neuron_config(**{**ep, **over}), 384, 8)
     assert needle in str(e.value)
 
 
@@ -250,6 +252,7 @@ def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
     (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
     (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
     (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant"),
+    (dict(tp=64, ep=16, batch=48, seq_len=1, max_context_length=1), "at least 512 token-expert pairs"),
     (dict(tp=64, quant_record=None), "needs a converted checkpoint"),
     (dict(tp=64, experts="fp8-blockwise"), "holds expert_wise_per_channel_symmetric"),
     (dict(tp=64, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2]}), "shard only [1, 2] ways"),

@@ -143,7 +143,8 @@ def test_roofline(kimi):
 
 @pytest.mark.parametrize("kw,needle", [
     (dict(tp=128), "--tp 128"), (dict(tp=16, ep=32), "--ep 32: must divide --tp 16"),
-    (dict(tp=64, ep=8), "--ep 8 at --tp 64 --lnc 2: not an expert layout"), (dict(lnc=3), "--lnc"),
+    (dict(tp=64, ep=8, batch=48), "--ep 8 at --tp 64 --lnc 2: not an expert layout"),
+    (dict(tp=64, ep=4, batch=47), "needs batch >= 48"), (dict(lnc=3), "--lnc"),
     (dict(seq_len=0), "--seq-len"), (dict(batch=0), "--batch"), (dict(experts="int4"), "--experts"),
     (dict(kv_slots=3), "--kv-slots"), (dict(tp=1, ep=5), "--ep 5"),
 ])

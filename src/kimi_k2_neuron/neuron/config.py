@@ -35,7 +35,8 @@ class KimiK2InferenceConfig(InferenceConfig):
     def add_derived_config(self):
         for name, value in contract.derived_fields(vars(self)).items():
             setattr(self, name, value)
-        contract.enforce_neuron_config(self.neuron_config)
+        contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
+                                       getattr(self, "num_experts_per_tok", None))
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",

@@ -35,7 +35,7 @@ from kimi_k2_neuron.convert.layout import NXD_TYPE, ExpertScheme
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.launch import FP8_ENV
 from kimi_k2_neuron.model.router import NoAuxTcRouter
-from kimi_k2_neuron.plan import EP_LAYOUTS, check_ep_layout
+from kimi_k2_neuron.plan import EP_LAYOUTS, check_ep
 
 # (import name, pip name). torch_xla comes with torch-neuronx.
 NEURON_PACKAGES = (
@@ -73,6 +73,7 @@ FP8_DTYPE = "f8e4m3"
 # blockwise kernel does not support several experts per token with expert-wise per-channel scales
 # (quantization_config.py:230-238); these are the ways around it if the kernel path fails on trn2.
 MOE_PREFILL = {"kernel": {}, "torch": {"use_torch_block_wise": True}, "all-experts": {"block_size": 2**30}}
+MOE_BLOCK_SIZE = 512  # NxD's default blockwise block (modules/moe/model_utils.py:94)
 
 
 @dataclass(frozen=True)
@@ -127,18 +128,13 @@ def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     for name, n in dims.items():
         if n % o.tp:
             raise KimiInputError(f"--tp {o.tp}: config.json field {name}={n} is not divisible by {o.tp}")
-    if o.tp % o.ep or cfg.n_routed_experts % o.ep:
-        raise KimiInputError(f"--ep {o.ep}: must divide --tp {o.tp} and n_routed_experts={cfg.n_routed_experts}")
-    check_ep_layout(o.tp, o.ep, o.lnc)
-    if o.ep > 1 and o.moe_prefill == "all-experts":  # forward_all_experts indexes all E experts of a local slice
-        raise KimiInputError(f"--moe-prefill all-experts with --ep {o.ep}: NxD's all-experts prefill has no EP "
-                             f"variant (expert_mlps_v2.py:384-390, 1492-1494); use kernel or torch")
-    # With EP > 1, NxD has no selective-loading decode path (expert_mlps_v2.py:1480-1481, the MoE EP group); decode
-    # must take the all-experts path, which needs batch * top_k >= E (model_utils.py:93 threshold 1.0).
-    if o.ep > 1 and o.batch * cfg.num_experts_per_tok < cfg.n_routed_experts:
-        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
-        raise KimiInputError(f"--ep {o.ep} with --batch {o.batch}: NxD decodes with EP > 1 only on the all-experts "
-                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+    check_ep(cfg, o.tp, o.ep, o.lnc, o.batch)
+    # NxD's all-experts prefill has no EP variant (expert_mlps_v2.py:384-390): it runs for --moe-prefill all-experts
+    # and for prefill calls of fewer than block_size / top_k tokens (l.1488-1494, block 512 by default).
+    if o.ep > 1 and (o.moe_prefill == "all-experts"
+                     or o.context_length * o.batch * cfg.num_experts_per_tok < MOE_BLOCK_SIZE):
+        raise KimiInputError(f"--ep {o.ep}: needs --moe-prefill kernel or torch and a prefill of at least "
+                             f"{MOE_BLOCK_SIZE} token-expert pairs (NxD's all-experts prefill has no EP variant)")
     if o.experts != "bf16":
         _check_quant_record(o)
     if o.moe_prefill not in MOE_PREFILL:
@@ -311,7 +307,7 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc) -> None:
+def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None) -> None:
     """Set and check what this model needs on an (MoE)NeuronConfig. Idempotent: run by add_derived_config on every
     construction, including NxDI's reload from neuron_config.json, which restores normalize_top_k_affinities to its
     default because the saved JSON carries it under a name MoENeuronConfig does not read (config.py:822)."""
@@ -329,7 +325,7 @@ def enforce_neuron_config(nc) -> None:
     if att is not None and att != getattr(nc, "torch_dtype", att):
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
-    bad += _moe_ep_problems(nc)
+    bad += _moe_ep_problems(nc, n_experts, top_k)
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     nc.normalize_top_k_affinities = False
@@ -372,15 +368,21 @@ def rank_passes(start: int, size: int, env: Mapping[str, str],
     return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]
 
 
-def _moe_ep_problems(nc) -> list[str]:
+def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
     """What check_serve_options guarantees for moe_ep_degree > 1, re-checked on any NeuronConfig (a reloaded
-    neuron_config.json, `extra`): NxDI checks none of it (config.py:833-834, moe_v2.py:147-150)."""
-    ep, tp = getattr(nc, "moe_ep_degree", 1), getattr(nc, "tp_degree", None)
+    neuron_config.json, `extra`): NxDI checks none of it (config.py:833-834, moe_v2.py:147-150). The batch rule
+    needs the model's expert count and top-k."""
+    ep, tp = getattr(nc, "moe_ep_degree", 1) or 1, getattr(nc, "tp_degree", None)
     if ep <= 1:
         return []
     out = []
-    if getattr(nc, "moe_tp_degree", None) * ep != tp:
-        out.append(f"moe_tp_degree={nc.moe_tp_degree} x moe_ep_degree={ep} != tp_degree={tp}")
+    moe_tp = getattr(nc, "moe_tp_degree", None)
+    if not isinstance(moe_tp, int) or moe_tp * ep != tp:
+        out.append(f"moe_tp_degree={moe_tp} x moe_ep_degree={ep} != tp_degree={tp}")
+    batch = getattr(nc, "tkg_batch_size", None) or getattr(nc, "max_batch_size", None)
+    if n_experts and top_k and batch and batch * top_k < n_experts:
+        out.append(f"moe_ep_degree={ep} with batch {batch}: NxD decodes EP only on all experts, which needs "
+                   f"batch x top_k >= {n_experts}")
     if ep not in EP_LAYOUTS.get((tp, getattr(nc, "logical_nc_config", None)), ()):
         out.append(f"moe_ep_degree={ep} at tp_degree={tp} (not an expert layout NxD's replica groups support)")
     bmm = getattr(nc, "blockwise_matmul_config", None)

@@ -223,6 +223,9 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why): the builder's rank window
         (ModelBuilder(start_rank_id=, local_ranks_size=), model_builder.py:482-483, read by shard_checkpoint at
         l.823-853) is narrowed for each pass and restored after."""
+        nc = self.neuron_config
+        if nc.skip_sharding or not nc.save_sharded_checkpoint:  # NxDI only logs that it skips
+            return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
         if pre_shard_weights_hook:
             pre_shard_weights_hook(self)
         builder = self.get_builder(debug)

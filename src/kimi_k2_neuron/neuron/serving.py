@@ -18,6 +18,7 @@ from neuronx_distributed_inference.models.config import MoENeuronConfig
 from transformers import AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
 
 from . import contract
 from .config import KimiK2InferenceConfig
@@ -106,7 +107,7 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
                                                  add_generation_prompt=True) for p in prompts]
     n, batch = len(prompts), app.neuron_config.max_batch_size
     if n > batch:
-        raise ValueError(f"{len(prompts)} prompts, but the model was compiled for batch {batch}")
+        raise KimiInputError(f"{len(prompts)} prompts, but the model was compiled for batch {batch}")
     prompts = prompts + [prompts[-1]] * (batch - len(prompts))  # fill the compiled batch
     enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     contract.check_prompt_lengths([len(e) for e in enc])
@@ -117,7 +118,7 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
     # (kv_cache_manager.py:577-586, model_wrapper.py:813-826). The last fed token sits at width + new - 2, so
     # new <= seq_len - width keeps it in range; beyond that the scatter leaves the cache and the next step raises.
     if width > nc.max_context_length:
-        raise ValueError(f"prompt of {width} tokens exceeds the compiled context length {nc.max_context_length}")
+        raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {nc.max_context_length}")
     limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone
     if max_new_tokens > limit:
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,
