@@ -160,6 +160,50 @@ def test_exact_paths_fp32_drift_beyond_bf16_storage(converted, tiny_dirs, source
     assert float((out - ref).abs().max() / ref.abs().max()) <= 1e-3
 
 
+def _as_k25(src: Path, dst: Path) -> None:
+    """The INT4 tiny checkpoint laid out as Kimi-K2.5 stores it: config under text_config (quantization_config on
+    top), tensors under `language_model.`, plus a vision tower and projector in a shard of their own."""
+    dst.mkdir()
+    index = json.loads((src / INDEX).read_text())["weight_map"]
+    weight_map = {}
+    for shard in sorted(set(index.values())):
+        tensors = load_file(src / shard)
+        save_file({"language_model." + k: v for k, v in tensors.items()}, str(dst / shard), metadata={"format": "pt"})
+        weight_map.update({"language_model." + k: shard for k in tensors})
+    vision = {"vision_tower.blocks.0.attn.qkv.weight": torch.randn(48, 16).to(torch.bfloat16),
+              "mm_projector.proj.0.weight": torch.randn(192, 64).to(torch.bfloat16)}
+    save_file(vision, str(dst / "model-vision.safetensors"), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(vision, "model-vision.safetensors"))
+    (dst / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = json.loads((src / "config.json").read_text())
+    cfg = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+           "quantization_config": text.pop("quantization_config"), "text_config": text,
+           "vision_config": {"hidden_size": 16}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    for f in src.iterdir():  # tokenizer and friends
+        if f.suffix != ".safetensors" and f.name not in (INDEX, "config.json"):
+            shutil.copy(f, dst / f.name)
+
+
+def test_k25_layout_serves_its_language_model(converted, tiny_dirs, tmp_path):
+    """Kimi-K2.5's language model reads and converts like K2-Thinking; its vision tower and projector are set
+    aside by name and counted."""
+    k25 = tmp_path / "k25"
+    _as_k25(tiny_dirs["int4"], k25)
+    want = CpuRunner(tiny_dirs["int4"]).logits(ROWS, prefill_len=8)
+    assert torch.equal(CpuRunner(k25).logits(ROWS, prefill_len=8), want)
+    src = WeightSource(k25)
+    assert sorted(k for k in src.ignored if not k.endswith("inv_freq")) == ["mm_projector.proj.0.weight",
+                                                                          "vision_tower.blocks.0.attn.qkv.weight"]
+    res = convert(k25, tmp_path / "k25-neuron", "fp8-blockwise", progress=False)
+    assert "source tensors ignored by name" in res.summary
+    record = layout.read_record(tmp_path / "k25-neuron")
+    assert record["ignored_source_tensors"] == len(src.ignored)
+    plain = converted[("int4", "fp8-blockwise")][0]
+    assert torch.equal(CpuRunner(tmp_path / "k25-neuron").logits(ROWS, prefill_len=8),
+                       CpuRunner(plain).logits(ROWS, prefill_len=8))
+
+
 def test_experts_split_across_shards_and_accounting(converted, tiny_dirs):
     index = json.loads((tiny_dirs["fp8"] / INDEX).read_text())["weight_map"]
     shards = {f for k, f in index.items() if k.startswith("model.layers.1.mlp.experts.")}

@@ -7,8 +7,9 @@ A checkpoint stores one logical weight `X.weight` as:
   routed experts of Kimi-K2-Thinking).
 WeightSource groups the raw tensors into logical names, checks the grouping against config.json, and hands out
 dense tensors one at a time, so a caller never holds more than the weight it is loading. Raw keys that are not
-weights (`*.rotary_emb.inv_freq` buffers that real dumps carry, DeepSeek MTP layers) are set aside by name in
-`ignored`; anything else that does not form a complete logical weight is an error.
+weights (`*.rotary_emb.inv_freq` buffers that real dumps carry, DeepSeek MTP layers, Kimi-K2.5's vision tower
+and projector) are set aside by name in `ignored`; anything else that does not form a complete logical weight is
+an error.
 
 A checkpoint written by `kimi-k2-neuron convert` (fused NxD expert tensors) is read through convert.layout's
 ConvertedView, which shows its tensors under these same logical names.
@@ -33,6 +34,8 @@ FP8_SCALE = "_scale_inv"  # X.weight_scale_inv
 INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _K25_PREFIX = "language_model."  # Kimi-K2.5 nests the language model under this prefix
+# ... next to its vision tower and projector, which this port does not serve (text in, text out): set aside by name.
+_K25_MULTIMODAL = ("vision_tower.", "mm_projector.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -81,7 +84,7 @@ class WeightSource:
         parts: dict[str, dict[str, str]] = {}
         for raw in raw_keys:
             key = raw[len(_K25_PREFIX):] if strip and raw.startswith(_K25_PREFIX) else raw
-            if self._is_ignored(key):
+            if self._is_ignored(key) or (strip and raw.startswith(_K25_MULTIMODAL)):
                 self.ignored.append(raw)
                 continue
             base, part = key.rsplit(".", 1) if "." in key else ("", key)

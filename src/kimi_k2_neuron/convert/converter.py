@@ -297,6 +297,8 @@ class _Job:
                      "down": layout.down_key(0).replace(".0.", ".{L}.", 1), "scale": "<weight key minus 'weight'>scale",
                      **{k.split("mlp.")[1]: v.replace(".0.", ".{L}.", 1) for k, v in layout.router_keys(0).items()}},
             "stats": _stats_record(s),
+            # Source tensors set aside by name (rotary inv_freq, MTP layers, K2.5's vision tower and projector).
+            "ignored_source_tensors": len(self.src.ignored),
         }
 
     def _summary(self) -> str:
@@ -309,7 +311,8 @@ class _Job:
         redo = f", {len(r.redone)} rewritten after failing --verify" if r.redone else ""
         return (f"converted {self.src.format} -> {self.scheme.name} into {self.dst}: {r.files} files "
                 f"({r.skipped} already done{redo}), {gb:.2f} GB read in {r.seconds:.1f} s ({rate}); "
-                f"FP8 scales raised to fit +-240: {s.rescaled}/{s.blocks}, inexact codes {s.inexact}{err}")
+                f"FP8 scales raised to fit +-240: {s.rescaled}/{s.blocks}, inexact codes {s.inexact}{err}; "
+                f"{len(self.src.ignored)} source tensors ignored by name")
 
 
 def _stats_record(s: Stats) -> dict:
