@@ -1,6 +1,5 @@
 """The same decoder code sharded over 2 CPU ranks (gloo) gives the single-rank logits."""
 
-import torch
 from safetensors.torch import load_file
 
 from kimi_k2_neuron.cli import main
