@@ -153,7 +153,8 @@ def cmd_plan(a) -> int:
         rec = read_record(a.model)
         if rec is not None and rec["experts"] == "fp8-blockwise":
             block = tuple(rec["nxd"]["quantization_block_size"])
-    p = plan(cfg, a.tp, a.ep, a.lnc, a.seq_len, a.batch, a.experts, kv_slots=a.kv_slots, block=block)
+    p = plan(cfg, a.tp, a.ep, a.lnc, a.seq_len, a.batch, a.experts, kv_slots=a.kv_slots, block=block,
+             router_dtype=a.router_dtype)
     print(plan_json(p) if a.json else format_plan(p))
     return 0 if p.fits else 1
 
@@ -231,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-slots", type=int, default=1,
                    help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
                         "same-width dead V slot")
+    s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_plan)
     return p

@@ -36,6 +36,11 @@ RUNTIME_FIXED_BYTES = int(1.55 * GiB)
 CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN = 512 * MiB / (1024 * 7168)
 # The runtime allocates shared scratchpad in pages of 512 MiB by default (device-memory.rst).
 SCRATCHPAD_PAGE_BYTES = 512 * MiB
+# Not all of a logical core's 24 GiB is available to the model. The same contrib loads at seq_len 512 and runs out
+# of HBM at seq_len 1024; with the accounting above (its bf16 router, NxDI's stock K+V cache) those need 23.54 and
+# 23.60 GiB, so the runtime keeps between 0.40 and 0.46 GiB of the core's HBM for itself (device-memory.rst lists
+# such runtime-owned memory: micro-code, collectives, profile buffers). The middle of that 67 MiB bracket:
+RUNTIME_RESERVED_BYTES = int(0.43 * GiB)
 
 EXPERT_FORMATS = (*SCHEMES, "bf16")  # the converter's FP8 expert layouts, or unquantized
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
@@ -59,7 +64,9 @@ class Plan:
     experts: str
     kv_slots: int
     logical_cores: int
-    capacity_bytes: int
+    capacity_bytes: int  # the logical core's HBM
+    usable_bytes: int  # what the runtime leaves to the model (RUNTIME_RESERVED_BYTES less)
+    router_dtype: str
     weights: tuple[Row, ...]
     kv_cache: Row
     allowance: tuple[Row, ...]
@@ -77,13 +84,13 @@ class Plan:
 
     @property
     def headroom_bytes(self) -> int:
-        return self.capacity_bytes - self.total_bytes
+        return self.usable_bytes - self.total_bytes
 
     def summary(self) -> str:
         """One line, for refusing to compile a configuration that does not fit."""
         return (f"{self.model}: TP={self.tp} EP={self.ep} LNC={self.lnc} seq_len={self.seq_len} batch={self.batch} "
                 f"experts={self.experts} needs {self.total_bytes / GiB:.2f} GiB per logical core of "
-                f"{self.capacity_bytes / GiB:.2f} GiB ({'fits' if self.fits else 'does not fit'})")
+                f"{self.usable_bytes / GiB:.2f} GiB usable ({'fits' if self.fits else 'does not fit'})")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -92,6 +99,7 @@ class Plan:
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
         d.update(weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
+                 usable_gib=self.usable_bytes / GiB,
                  headroom_gib=self.headroom_bytes / GiB, tpot_lower_bound_ms=self.tpot_lower_bound_s * 1e3)
         return d
 
@@ -183,7 +191,7 @@ def _expert_bytes(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None)
     return params * FP8, e_local * (gate_up + down) * FP32
 
 
-def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> list[Row]:
+def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None, router_dtype: str = "fp32") -> list[Row]:
     h, layers = cfg.hidden_size, cfg.num_hidden_layers  # MTP layers (num_nextn_predict_layers) are not loaded
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     att_rep, att_tp = _attention_params(cfg, tp)
@@ -198,7 +206,8 @@ def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> l
         Row("dense MLP (TP)", "bf16", (layers - n_moe) * 3 * h * _div(cfg.intermediate_size, tp) * BF16),
         Row("shared experts (TP)", "bf16",
             n_moe * 3 * h * _div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp) * BF16),
-        Row("router + bias (replicated)", "fp32", n_moe * (cfg.n_routed_experts * (h + 1)) * FP32),
+        Row("router + bias (replicated)", router_dtype,
+            n_moe * (cfg.n_routed_experts * (h + 1)) * (FP32 if router_dtype == "fp32" else BF16)),
         Row("routed experts (E/ep, I/(tp/ep))", "bf16" if experts == "bf16" else "fp8", n_moe * expert_w),
     ]
     if expert_s:
@@ -231,14 +240,17 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, b
 
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
-         kv_slots: int = 1, block: tuple[int, int] | None = None) -> Plan:
+         kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32") -> Plan:
     """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what the converter writes
-    for this config's source format (or read it from a converted checkpoint's record, as the CLI does)."""
+    for this config's source format (or read it from a converted checkpoint's record, as the CLI does).
+    `kv_slots` 2 and `router_dtype` "bf16" model other ports (NxDI's stock KV cache, a bf16 router)."""
     _check(cfg, tp, ep, lnc, seq_len, batch, experts, kv_slots)
+    if router_dtype not in ("fp32", "bf16"):
+        raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
     cores = _logical_cores(lnc)
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, experts, block)
+    weights = _weights(cfg, tp, ep, experts, block, router_dtype)
     # The MLA latent is replicated on every rank; the stock KVCacheManager gives it a K and a same-width V slot.
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * seq_len * cfg.latent_dim * BF16)
@@ -248,21 +260,24 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
         experts=experts, kv_slots=kv_slots, logical_cores=cores, capacity_bytes=capacity,
+        usable_bytes=capacity - RUNTIME_RESERVED_BYTES, router_dtype=router_dtype,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
-        fits=total <= capacity, active_experts_per_layer=active, bytes_per_token=per_token,
-        hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth, assumptions=_assumptions(kv_slots))
+        fits=total <= capacity - RUNTIME_RESERVED_BYTES, active_experts_per_layer=active, bytes_per_token=per_token,
+        hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
+        assumptions=_assumptions(kv_slots, router_dtype))
 
 
-def _assumptions(kv_slots: int) -> tuple[str, ...]:
+def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
           "models the stock manager's duplicate V slot)")
     return (
-        "non-expert weights bf16; router + e_score_correction_bias fp32, replicated; q_a/kv_a replicated",
+        f"non-expert weights bf16; router + e_score_correction_bias {router_dtype}, replicated; q_a/kv_a replicated",
         kv,
-        "allowance is calibrated on the AWS DeepSeek-V3 contrib's measured footprint (1.55 GiB runtime + prefill "
-        "scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages); it is an estimate",
+        "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
+        "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "
+        "bracketed by its seq 512 loading and seq 1024 running out of HBM); estimates",
         "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
         "n_routed_experts or EP > 1 (NxD's all-experts decode), else the distinct experts uniform, independent "
         "routing hits, each read once; ignores compute, collectives and launch overheads",
@@ -286,6 +301,8 @@ def format_plan(p: Plan) -> str:
     lines += [row(p.kv_cache)] + [row(r) for r in p.allowance]
     lines += [f"{'total':<{w}}{'':>6}{p.total_bytes / GiB:>10.3f}",
               f"{'HBM per logical core':<{w}}{'':>6}{p.capacity_bytes / GiB:>10.3f}",
+              f"{'  kept by the Neuron runtime':<{w}}{'':>6}{(p.capacity_bytes - p.usable_bytes) / GiB:>10.3f}",
+              f"{'usable':<{w}}{'':>6}{p.usable_bytes / GiB:>10.3f}",
               f"{'headroom':<{w}}{'':>6}{p.headroom_bytes / GiB:>10.3f}",
               f"fits: {'yes' if p.fits else 'NO'}",
               "",

@@ -22,8 +22,12 @@ def kimi():
 
 @pytest.fixture(scope="module")
 def dsv3():
-    # The AWS DeepSeek-V3 contrib runs on NxDI's stock KVCacheManager, so its facts are checked with kv_slots=2.
+    # The AWS DeepSeek-V3 contrib runs on NxDI's stock KVCacheManager with a bf16 router, so its facts are checked
+    # with kv_slots=2 and router_dtype="bf16" (CONTRIB below).
     return KimiK2Config.from_file(DSV3)
+
+
+CONTRIB = dict(kv_slots=2, router_dtype="bf16")
 
 
 def _row(p, prefix):
@@ -61,29 +65,30 @@ def test_kimi_fp8_fits_at_tp64_seq1024(kimi):
         assert 15.5 < _row(p, "routed experts (") / 1e9 < 16.2  # nxdi_contracts §6: ≈ 15.9 GB per rank
 
 
+# The two DeepSeek-V3 facts bracket the runtime's reservation (plan.RUNTIME_RESERVED_BYTES), so they hold by
+# calibration: these tests keep the bracket and the constants consistent. The Kimi facts above are independent.
 def test_dsv3_bf16_fits_at_seq512(dsv3):
-    assert plan(dsv3, tp=64, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16", kv_slots=2).fits
+    assert plan(dsv3, tp=64, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16", **CONTRIB).fits
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not reproduced: the AWS DeepSeek-V3 README reports an HBM OOM at seq_len 1024 (TKG 23.1 GB + CTE scratchpad "
-    "512 MB), but those figures add to ~23.6 GiB < 24 GiB; this planner, calibrated on them, leaves ~0.2 GiB. "
-    "The missing ≥0.4 GiB (likely the prefill NEFF's own code and DMA rings) is not documented, so not modelled."))
 def test_dsv3_bf16_does_not_fit_at_seq1024(dsv3):
-    assert not plan(dsv3, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="bf16", kv_slots=2).fits
+    assert not plan(dsv3, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="bf16", **CONTRIB).fits
 
 
-def test_dsv3_bf16_is_marginal_and_tighter_at_seq1024(dsv3):
-    p512, p1024 = (plan(dsv3, tp=64, ep=1, lnc=2, seq_len=s, batch=1, experts="bf16", kv_slots=2) for s in (512, 1024))
-    assert 0 < p1024.headroom_bytes < p512.headroom_bytes < 0.5 * GiB
+def test_dsv3_bf16_is_marginal_and_the_reservation_is_inside_its_bracket(dsv3):
+    p512, p1024 = (plan(dsv3, tp=64, ep=1, lnc=2, seq_len=s, batch=1, experts="bf16", **CONTRIB) for s in (512, 1024))
+    assert p1024.headroom_bytes < 0 < p512.headroom_bytes < 0.1 * GiB
     # Per-rank weights with the contrib's bf16 router match its ~21.4 GB (GiB) per-rank checkpoint files.
-    router = _row(p512, "router")
-    assert abs((p512.weight_bytes - router / 2) / GiB - 21.4) < 0.1
+    assert abs(p512.weight_bytes / GiB - 21.4) < 0.1
+    # Its own explanation, "CTE scratchpad (512MB) + TKG (23.1GB)", is this planner's seq-1024 total.
+    assert abs(p1024.total_bytes / GiB - (23.1 + 0.5)) < 0.05
+    # This port needs 0.16 GiB more at seq 512 (its fp32 router outweighs the latent-only cache): it does not fit.
+    assert not plan(dsv3, tp=64, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16").fits
 
 
 def test_dsv3_needs_tp64_lnc2(dsv3):
-    assert not plan(dsv3, tp=32, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16", kv_slots=2).fits  # README: ~40 GB/rank
-    assert not plan(dsv3, tp=64, ep=1, lnc=1, seq_len=512, batch=1, experts="bf16", kv_slots=2).fits  # 12 GiB per core
+    assert not plan(dsv3, tp=32, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16", **CONTRIB).fits  # ~40 GB/rank
+    assert not plan(dsv3, tp=64, ep=1, lnc=1, seq_len=512, batch=1, experts="bf16", **CONTRIB).fits  # 12 GiB/core
 
 
 # --- byte counts by hand -----------------------------------------------------------------------------------------
