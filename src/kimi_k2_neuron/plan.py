@@ -185,13 +185,15 @@ def _expert_bytes(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None)
         return params * BF16, 0
     if experts == "fp8-per-channel":  # scales [E,1,2I] sharded like the weight, [E,1,H] replicated (§3.6)
         return params * FP8, e_local * (2 * i_local + h) * FP32
-    b1, b2 = block or default_block(cfg)  # local scale = local weight shape / block, a dim below the block collapsing to 1 (§3.6)
+    # Local scale = local weight shape / block, a dim below the block collapsing to 1 (§3.6).
+    b1, b2 = block or default_block(cfg)
     gate_up = _div(h, b1) * _div(2 * i_local, b2)
     down = _div(i_local, b1) * _div(h, b2)
     return params * FP8, e_local * (gate_up + down) * FP32
 
 
-def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None, router_dtype: str = "fp32") -> list[Row]:
+def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None,
+             router_dtype: str = "fp32") -> list[Row]:
     h, layers = cfg.hidden_size, cfg.num_hidden_layers  # MTP layers (num_nextn_predict_layers) are not loaded
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     att_rep, att_tp = _attention_params(cfg, tp)

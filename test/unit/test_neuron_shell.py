@@ -43,6 +43,8 @@ def _sdk_free(name: str):
 
 contract = _sdk_free("contract")
 loader = _sdk_free("loader")
+keys = _sdk_free("keys")
+layers = _sdk_free("layers")
 
 
 def tiny_cfg(**over) -> KimiK2Config:
@@ -334,12 +336,12 @@ def test_compiler_args():
 def test_router_affinities_at_the_chosen_experts_equal_the_core_router(n_group, topk_group, dtype):
     cfg = tiny_cfg(n_routed_experts=32, num_experts_per_tok=6, n_group=n_group, topk_group=topk_group)
     g = torch.Generator().manual_seed(0)
-    router = contract.NxDRouter(cfg)
+    router = layers.NxDRouter(cfg)
     router.weight.data.copy_(torch.randn(32, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5)
     router.e_score_correction_bias.data.copy_(0.3 * torch.randn(32, generator=g))
     x = torch.randn(2, 5, cfg.hidden_size, generator=g).to(dtype)  # [B, S, H] as MoE passes it
     logits, aff, ids = router(x)
-    core_w, core_ids = super(contract.NxDRouter, router).forward(x.reshape(-1, cfg.hidden_size))
+    core_w, core_ids = super(layers.NxDRouter, router).forward(x.reshape(-1, cfg.hidden_size))
     assert torch.equal(ids, core_ids) and aff.shape == (10, 32) and aff.dtype == dtype
     torch.testing.assert_close(aff.gather(1, ids), core_w.to(dtype))
     off = torch.ones_like(aff, dtype=torch.bool).scatter(1, ids, False)
@@ -367,7 +369,7 @@ def test_nxd_moe_combine_with_our_router_equals_the_core_moe(tiny_dirs):
     runner = CpuRunner(tiny_dirs["bf16"])
     cfg, layer = runner.cfg, next(l for i, l in enumerate(runner.model.model.layers) if runner.cfg.is_moe_layer(i))
     moe = layer.mlp
-    router = contract.NxDRouter(cfg)
+    router = layers.NxDRouter(cfg)
     router.load_state_dict(moe.gate.state_dict())
     gu, dn = _fused(moe)
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -389,8 +391,8 @@ def test_nxd_moe_combine_with_our_router_equals_the_core_moe(tiny_dirs):
 # -- the decode view and NxDI's prefill/decode flow ----------------------------------------------------------------
 
 def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
-    prior_mask = contract.prior_mask_for_positions(torch.tensor([2, 5]), 6)
-    prior, active = contract.decode_masks(prior_mask, 1)
+    prior_mask = layers.prior_mask_for_positions(torch.tensor([2, 5]), 6)
+    prior, active = layers.decode_masks(prior_mask, 1)
     assert prior.tolist() == [[[[1, 1, 0, 0, 0, 0]]], [[[1, 1, 1, 1, 1, 0]]]] and active.tolist() == [[[[1]]]] * 2
     # the same as the core's rule for a token at position p: it sees cache slots 0..p (mla.py forward)
     for b, p in enumerate([2, 5]):
@@ -415,7 +417,7 @@ def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs)
 
 
 def _nxdi_flow(runner: CpuRunner, prompts, steps, seq_len, bucket, off_by_one=False):
-    """NeuronBaseModel.get_model_output emulated around contract.attention_block and the core's layers: prefill of a
+    """NeuronBaseModel.get_model_output emulated around layers.attention_block and the core's layers: prefill of a
     right-padded bucket, then decode steps with the rows at different positions. Returns per-row logits."""
     model, cfg = runner.model, runner.cfg
     b = len(prompts)
@@ -427,10 +429,10 @@ def _nxdi_flow(runner: CpuRunner, prompts, steps, seq_len, bucket, off_by_one=Fa
     k_cache = [torch.zeros(b, 1, seq_len, cfg.latent_dim) for _ in model.model.layers]  # zeros, as spmd.py:112-117
     v_cache = [torch.zeros(b, 1, seq_len, 1) for _ in model.model.layers]
 
-    def layers(h, rope, mask, past):
+    def run_layers(h, rope, mask, past):
         new = []
         for i, layer in enumerate(model.model.layers):
-            h, kv = contract.attention_block(layer.self_attn, layer.input_layernorm, h, rope,
+            h, kv = layers.attention_block(layer.self_attn, layer.input_layernorm, h, rope,
                                              None if past is None else [k_cache[i], v_cache[i]], mask)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             new.append(kv)
@@ -438,15 +440,15 @@ def _nxdi_flow(runner: CpuRunner, prompts, steps, seq_len, bucket, off_by_one=Fa
 
     # prefill: causal [B, 1, S, S] mask ignoring padding (model_base.py:197-215); cache filled from 0 (fill_prefix)
     causal = torch.ones(bucket, bucket, dtype=torch.bool).tril()[None, None].expand(b, 1, bucket, bucket)
-    logits, new = layers(model.model.embed_tokens(ids), model.rotary(pos), causal, None)
+    logits, new = run_layers(model.model.embed_tokens(ids), model.rotary(pos), causal, None)
     for i, (k, v) in enumerate(new):
         assert k.shape == (b, 1, bucket, cfg.latent_dim) and v.shape == (b, 1, bucket, 1)
         k_cache[i][:, :, :bucket], v_cache[i][:, :, :bucket] = k, v
     out = [[row] for row in logits[torch.arange(b), pos.argmax(dim=1)]]  # last real token (model_base.py:970-976)
     cur = torch.tensor([len(p) for p in prompts])
     for step in range(steps.shape[1]):
-        prior = contract.prior_mask_for_positions(cur + (1 if off_by_one else 0), seq_len)
-        logits, new = layers(model.model.embed_tokens(steps[:, step:step + 1]), model.rotary(cur[:, None]), prior,
+        prior = layers.prior_mask_for_positions(cur + (1 if off_by_one else 0), seq_len)
+        logits, new = run_layers(model.model.embed_tokens(steps[:, step:step + 1]), model.rotary(cur[:, None]), prior,
                              past=True)
         for i, (k, v) in enumerate(new):  # scatter at position_ids along dim 2 (kv_cache_manager.py:571-585)
             k_cache[i].scatter_(2, cur.view(b, 1, 1, 1).expand_as(k), k)
@@ -491,30 +493,30 @@ def test_expected_keys_are_the_core_parameters_in_the_neuron_layout():
             mapped |= {f"{layer}.mlp.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down")}
         else:
             mapped.add(name.replace(".mlp.gate.", ".mlp.router."))
-    assert contract.expected_keys(cfg, "bf16") == mapped
-    fp8 = contract.expected_keys(cfg, "fp8-per-channel")
+    assert keys.expected_keys(cfg, "bf16") == mapped
+    fp8 = keys.expected_keys(cfg, "fp8-per-channel")
     assert fp8 - mapped == {k[: -len("weight")] + "scale" for k in mapped if ".expert_mlps." in k}
 
 
 def test_converted_layout_keys_map_onto_the_model():
     cfg = tiny_cfg()
     L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-    assert contract.neuron_key(layout.gate_up_key(L)) == f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
-    assert contract.neuron_key(layout.scale_key(layout.down_key(L))) == \
+    assert keys.neuron_key(layout.gate_up_key(L)) == f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
+    assert keys.neuron_key(layout.scale_key(layout.down_key(L))) == \
         f"layers.{L}.mlp.expert_mlps.mlp_op.down_proj.scale"
     router = layout.router_keys(L)
-    assert {contract.neuron_key(v) for v in router.values()} == {f"layers.{L}.mlp.router.weight",
+    assert {keys.neuron_key(v) for v in router.values()} == {f"layers.{L}.mlp.router.weight",
                                                                  f"layers.{L}.mlp.router.e_score_correction_bias"}
-    assert contract.neuron_key("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == \
+    assert keys.neuron_key("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == \
         "layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert contract.neuron_key(f"model.layers.{L}.mlp.shared_experts.down_proj.weight") == \
+    assert keys.neuron_key(f"model.layers.{L}.mlp.shared_experts.down_proj.weight") == \
         f"layers.{L}.mlp.shared_experts.down_proj.weight"
-    assert contract.neuron_key("lm_head.weight") == "lm_head.weight"
-    assert contract.neuron_key("model.layers.2.self_attn.rotary_emb.inv_freq") is None
+    assert keys.neuron_key("lm_head.weight") == "lm_head.weight"
+    assert keys.neuron_key("model.layers.2.self_attn.rotary_emb.inv_freq") is None
     with pytest.raises(KimiInputError, match="must be converted"):
-        contract.neuron_key(layout.expert_name(L, 3, "up_proj"))
+        keys.neuron_key(layout.expert_name(L, 3, "up_proj"))
     with pytest.raises(KimiInputError, match="no place"):
-        contract.neuron_key("model.layers.1.self_attn.q_a_proj.weight_scale_inv")
+        keys.neuron_key("model.layers.1.self_attn.q_a_proj.weight_scale_inv")
 
 
 def _converted_tensors(cfg: KimiK2Config) -> dict[str, torch.Tensor]:
@@ -548,27 +550,27 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     cfg = tiny_cfg()
     nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
     tensors = _converted_tensors(cfg)
-    state = contract.to_neuron_state_dict(tensors, cfg, nc)
-    assert set(state) == contract.expected_keys(cfg, "fp8-per-channel") | {"rank_util.rank"}
+    state = keys.to_neuron_state_dict(tensors, cfg, nc)
+    assert set(state) == keys.expected_keys(cfg, "fp8-per-channel") | {"rank_util.rank"}
     assert state["rank_util.rank"].tolist() == [0, 1]
     router = next(k for k in state if k.endswith("mlp.router.weight"))
     assert state[router].dtype == torch.float32
     missing = dict(tensors)
     del missing[layout.scale_key(layout.gate_up_key(1))]
     with pytest.raises(KimiInputError, match="1 tensor\\(s\\) missing"):
-        contract.to_neuron_state_dict(missing, cfg, nc)
+        keys.to_neuron_state_dict(missing, cfg, nc)
     with pytest.raises(KimiInputError, match="no place for"):
-        contract.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
+        keys.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
     wrong = dict(tensors, **{layout.gate_up_key(1): tensors[layout.gate_up_key(1)].to(torch.bfloat16)})
     with pytest.raises(KimiInputError, match="expected torch.float8_e4m3fn"):
-        contract.to_neuron_state_dict(wrong, cfg, nc)
+        keys.to_neuron_state_dict(wrong, cfg, nc)
     bad_shape = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(KimiInputError, match="model.norm.weight|norm.weight has shape"):
-        contract.to_neuron_state_dict(bad_shape, cfg, nc)
+        keys.to_neuron_state_dict(bad_shape, cfg, nc)
     scale = layout.scale_key(layout.down_key(1))
     bad_scale = dict(tensors, **{scale: tensors[scale][:, :, :-1]})  # per-channel [E, 1, H] is one column short
     with pytest.raises(KimiInputError, match="down_proj.scale has shape"):
-        contract.to_neuron_state_dict(bad_scale, cfg, nc)
+        keys.to_neuron_state_dict(bad_scale, cfg, nc)
 
 
 def test_mmap_checkpoint_reads_what_safetensors_reads(tmp_path):
@@ -615,7 +617,7 @@ def test_loader_reads_the_converters_output_into_the_neuron_model_keys(converted
     shell = _shell_config(ckpt, tp)
     state = loader.load_neuron_state_dict(ckpt, shell)
     cfg = shell.core_config()
-    assert set(state) == contract.expected_keys(cfg, scheme) | {"rank_util.rank"}
+    assert set(state) == keys.expected_keys(cfg, scheme) | {"rank_util.rank"}
     # The fused experts dequantize (NxD's way: blocks inferred from shapes) to the core's expert weights, gate
     # columns before up columns, [in, out] (what ExpertMLPsV2's Experts multiplies by).
     core = CpuRunner(tiny_dirs["fp8"]).model

@@ -1,8 +1,9 @@
 """What the converter will write, decided before any tensor data is read.
 
 Every source tensor must end up in an output tensor or be explicitly ignored (WeightSource sets aside
-`*.rotary_emb.inv_freq`, DeepSeek MTP layers and Kimi-K2.5's vision tower and projector); the expected logical weights come from the CPU model itself
-(built on the meta device), so a leftover or a missing tensor is an error that lists them. Shapes are checked
+`*.rotary_emb.inv_freq`, DeepSeek MTP layers and Kimi-K2.5's vision tower and projector); the expected logical
+weights come from the CPU model itself (built on the meta device), so a leftover or a missing tensor is an error
+that lists them. Shapes are checked
 here too, so a bad checkpoint fails before the destination is touched.
 
 Output files: one per unit, in order -- the embeddings, each decoder layer, then the final norm + lm_head.

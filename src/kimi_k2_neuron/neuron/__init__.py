@@ -3,8 +3,10 @@
 Needs the Neuron SDK (neuronx-distributed-inference, neuronx-distributed, torch-neuronx; SDK 2.29+). Without it this
 import raises ImportError naming what is missing; `import kimi_k2_neuron` never needs it.
 
-Module map: contract (SDK-free decisions) -> config (InferenceConfig) -> kv_cache (latent cache manager) ->
-loader (memory-mapped converted checkpoint) -> modeling (decoder layer, model, application class).
+Module map, SDK-free: contract (serving options -> NeuronConfig, checks, compiler args), keys (checkpoint keys ->
+state dict), layers (attention and router in NxDI/NxD's contracts); then config (InferenceConfig) -> kv_cache
+(latent cache manager) -> loader (memory-mapped converted checkpoint) -> modeling (decoder layer, model,
+application class) -> serving (compile, load, generate).
 """
 
 from .contract import missing_neuron_packages

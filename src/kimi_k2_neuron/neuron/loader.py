@@ -11,7 +11,7 @@ NxDI's load() then reads each rank's pre-sharded file whole (application_base.py
 Kimi-K2 at TP=64, ~1.2 TB of host RAM on a trn2.48xlarge (2 TiB).
 
 The converted layout is kimi_k2_neuron.convert.layout (keys keep the HF `model.` prefix, fused experts, FP8 with
-`.scale`, float32 router); contract.to_neuron_state_dict renames and checks it strictly. This file needs no SDK.
+`.scale`, float32 router); keys.to_neuron_state_dict renames and checks it strictly. This file needs no SDK.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kimi_k2_neuron.checkpoint.shards import SAFETENSORS_DTYPES, ShardedCheckpoi
 from kimi_k2_neuron.convert.layout import read_record
 from kimi_k2_neuron.errors import KimiInputError
 
-from . import contract
+from . import contract, keys
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
     """`config` is a KimiK2InferenceConfig (core_config(), neuron_config). A raw checkpoint is converted first
     (ensure_converted) in the expert format the NeuronConfig describes."""
     nc = config.neuron_config
-    want = contract.experts_format(nc)
+    want = keys.experts_format(nc)
     if want == "bf16":
         raise KimiInputError("unquantized (bf16) experts: the converter writes FP8 experts only; compile with "
                              "--experts fp8-per-channel or fp8-blockwise")
@@ -79,7 +79,7 @@ def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
                                  f"{getattr(nc, k, None)!r}")
     t0 = time.monotonic()
     tensors = mmap_checkpoint(path)
-    state = contract.to_neuron_state_dict(tensors, config.core_config(), nc, where=str(path))
+    state = keys.to_neuron_state_dict(tensors, config.core_config(), nc, where=str(path))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     logger.info("mapped %d tensors (%.1f GiB) from %s in %.1f s", len(state), nbytes / 2**30, path,
                 time.monotonic() - t0)

@@ -34,7 +34,7 @@ from kimi_k2_neuron.model.norm import RMSNorm
 from kimi_k2_neuron.model.rope import RotaryTable
 from kimi_k2_neuron.parallel import ParallelContext
 
-from . import contract
+from . import contract, keys, layers
 from .config import KimiK2InferenceConfig
 from .kv_cache import LatentKVCacheManager
 from .loader import load_neuron_state_dict
@@ -113,7 +113,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
         shared = SharedExperts(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
                                num_shared_experts=cfg.n_shared_experts, hidden_act="silu", dtype=dtype,
                                reduce_dtype=nc.rpl_reduce_dtype)
-    moe = MoE(router=contract.NxDRouter(cfg), expert_mlps=experts, shared_experts=shared,
+    moe = MoE(router=layers.NxDRouter(cfg), expert_mlps=experts, shared_experts=shared,
               sequence_parallel_enabled=False, sequence_dimension=1)
     moe.eval()  # ExpertMLPsV2 takes its training path otherwise (expert_mlps_v2.py:1453)
     return moe
@@ -123,7 +123,7 @@ class KimiK2DecoderLayer(nn.Module):
     """Pre-norm MLA attention, then a pre-norm dense MLP (first_k_dense_replace layers) or MoE.
 
     Called as in model_base.py:1348-1370 (keyword arguments it does not use arrive in **kwargs) and returns
-    (hidden, (K, V), cos, sin, None) (l.1372-1395); (K, V) as contract.attention_block describes. cos/sin are
+    (hidden, (K, V), cos, sin, None) (l.1372-1395); (K, V) as layers.attention_block describes. cos/sin are
     computed once, by layer 0, and handed on."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, config,
@@ -144,7 +144,7 @@ class KimiK2DecoderLayer(nn.Module):
                 sin_cache=None, padding_mask=None, **kwargs):
         if cos_cache is None:  # first layer; later layers get them back from the previous one
             cos_cache, sin_cache = self.rotary(position_ids)
-        hidden_states, kv = contract.attention_block(self.self_attn, self.input_layernorm, hidden_states,
+        hidden_states, kv = layers.attention_block(self.self_attn, self.input_layernorm, hidden_states,
                                                      (cos_cache, sin_cache), past_key_value, attention_mask)
         x = self.post_attention_layernorm(hidden_states)
         # NxD's MoE output is already all-reduced (model.py:236-245); the core MLP reduces in its RowParallel.
@@ -213,7 +213,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
         """Renames for NxDI's default get_state_dict path (application_base.py:693-739), strict both ways."""
-        return contract.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
+        return keys.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
