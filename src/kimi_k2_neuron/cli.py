@@ -1,4 +1,4 @@
-"""The `kimi-k2-neuron` command: make-tiny, logits, generate, demo, plan.
+"""The `kimi-k2-neuron` command: make-tiny, logits, generate, convert, plan, demo.
 
 Bad input (files, tensors, config fields, arguments) ends with a one-line `error: ...` and exit code 2.
 """

@@ -1,9 +1,10 @@
 """Fit planner: does a configuration fit in one trn2.48xlarge logical core's HBM, and how fast could decode be?
 
 Per logical core (one NxD rank) it adds up the weights by kind and dtype, the MLA KV cache and a stated allowance
-for what the Neuron runtime needs on top, and compares the total with the core's HBM. It also gives a roofline
-lower bound on decode time per token (bytes read per token / HBM bandwidth). Every model dimension comes from the
-config; the sharding follows the NxDI design (nxdi_contracts.md §1.4, §3.4, §3.6, §5.1). These are estimates.
+for what the Neuron runtime needs on top, and compares the total with the HBM the runtime leaves to the model. It
+also gives a roofline lower bound on decode time per token (bytes read per token / HBM bandwidth). Every model
+dimension comes from the config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4,
+§3.4, §3.6, §5.1). These are estimates.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .errors import KimiInputError
 GiB = 2**30
 MiB = 2**20
 
-# trn2.48xlarge (aws-neuron-sdk docs, as summarised in peers_and_users.md §3.1).
+# trn2.48xlarge (aws-neuron-sdk docs, as summarised in shared/reference/peers_and_users.md §3.1).
 TRN2_CHIPS = 16                   # trn2-arch.rst: 16 Trainium2 chips per instance
 TRN2_PHYSICAL_CORES_PER_CHIP = 8  # trainium2.rst: 8 NeuronCore-v3 per chip
 TRN2_HBM_PER_CHIP = 96 * GiB      # trainium2.rst: 96 GiB per chip, 4 banks of 24 GiB, one per LNC=2 logical core

@@ -388,7 +388,7 @@ def test_nxd_moe_combine_with_our_router_equals_the_core_moe(tiny_dirs):
     torch.testing.assert_close(all_experts + shared, want, rtol=1e-5, atol=1e-5)
 
 
-# -- the decode view and NxDI's prefill/decode flow ----------------------------------------------------------------
+# -- decode masks and NxDI's prefill/decode flow ----------------------------------------------------------------
 
 def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
     prior_mask = layers.prior_mask_for_positions(torch.tensor([2, 5]), 6)

@@ -4,9 +4,9 @@ Needs the Neuron SDK (neuronx-distributed-inference, neuronx-distributed, torch-
 import raises ImportError naming what is missing; `import kimi_k2_neuron` never needs it.
 
 Module map, SDK-free: contract (serving options -> NeuronConfig, checks, compiler args), keys (checkpoint keys ->
-state dict), layers (attention and router in NxDI/NxD's contracts); then config (InferenceConfig) -> kv_cache
-(latent cache manager) -> loader (memory-mapped converted checkpoint) -> modeling (decoder layer, model,
-application class) -> serving (compile, load, generate).
+state dict), layers (attention and router in NxDI/NxD's contracts), loader (memory-mapped converted checkpoint);
+then config (InferenceConfig) -> kv_cache (latent cache manager) -> modeling (decoder layer, model, application
+class) -> serving (compile, load, generate).
 """
 
 from .contract import missing_neuron_packages

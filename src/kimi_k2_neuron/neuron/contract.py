@@ -1,7 +1,8 @@
 """Everything the Neuron shell computes that does not need the Neuron SDK.
 
-The SDK-facing modules next to this one (config.py, modeling.py, kv_cache.py, loader.py) only translate; the
-decisions live here so that a CPU test can check them against the core's numbers:
+The SDK-facing modules next to this one (config.py, modeling.py, kv_cache.py, serving.py) only translate; the
+decisions live here (and in the SDK-free keys.py, layers.py and loader.py) so that a CPU test can check them
+against the core's numbers:
 
 - serving options -> MoENeuronConfig keyword arguments (batch sizes, FP8 scheme, on-device sampling, dropless MoE)
 - InferenceConfig derived fields, idempotent under NxDI's JSON round trip

@@ -16,7 +16,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.model.router import NoAuxTcRouter
 
 
-# -- attention: the decode view of the latent cache ----------------------------------------------------------------
+# -- attention: prefill over the bucket, decode over the cached latent plus this step ------------------------
 
 def decode_masks(prior_mask: torch.Tensor, s: int):
     """The two masks of one decode (TKG) step, for MLAttention.attend_split.

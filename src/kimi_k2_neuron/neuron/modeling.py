@@ -2,7 +2,7 @@
 
     NeuronKimiK2ForCausalLM (NeuronBaseForCausalLM)  application: config, compile/load, checkpoint, compiler args
       NeuronKimiK2Model (NeuronBaseModel)           traced graph: embed -> layers -> norm -> lm_head (+ sampler)
-        KimiK2DecoderLayer                          core RMSNorm + MLAttention (project / attend) + MLP or MoE
+        KimiK2DecoderLayer                          core RMSNorm + MLAttention (layers.attention_block) + MLP or MoE
           MLP (core) or NxD MoE(NxDRouter, ExpertMLPsV2, SharedExperts)
 
 The math is the core's (kimi_k2_neuron.model): this file only wires it to NxDI's contracts. Line references are
