@@ -113,6 +113,16 @@ class Plan:
 EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
 
 
+def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
+    return ep == 1 or ep in EP_LAYOUTS.get((tp, lnc), ())
+
+
+def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
+    """NxD's decode runs every local expert once batch * top_k >= E (expert_mlps_v2.py:1473-1478, threshold 1.0 in
+    model_utils.py:93), and only then with EP (there is no selective loading with EP, l.1480-1481)."""
+    return batch * top_k >= n_experts
+
+
 def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -> None:
     """The expert parallelism NxD can run for this model (the planner and the Neuron shell both apply it).
     lnc None (NxDI resolves it later) skips the layout rule; the shell re-checks the resolved config."""
@@ -120,12 +130,10 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
     if ep == 1:
         return
-    if lnc is not None and ep not in EP_LAYOUTS.get((tp, lnc), ()):
+    if lnc is not None and not ep_layout_supported(tp, ep, lnc):
         raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
                              f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
-    # NxD has no selective-loading decode with EP (expert_mlps_v2.py:1480-1481, the MoE EP group): decode takes the
-    # all-experts path, which needs batch * top_k >= E (model_utils.py:93, threshold 1.0).
-    if batch * cfg.num_experts_per_tok < cfg.n_routed_experts:
+    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
         need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
         raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
@@ -229,7 +237,7 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, b
     """Bytes one decode step reads per rank: every non-expert weight (the embedding only for its B rows), the
     routed experts the step runs, and the latent KV cache once (the duplicate V slot is not read)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    if ep > 1 or batch * k >= e:  # NxD runs every local expert (expert_mlps_v2.py:1473-1481; with EP it must)
+    if ep > 1 or decodes_all_experts(e, k, batch):  # with EP it must (check_ep)
         active = float(e // ep)
     else:  # selective loading: uniform, independent routing misses an expert per token with probability 1 - k/E
         active = (e // ep) * (1 - (1 - k / e) ** batch)
@@ -260,12 +268,13 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
     allowance = _allowance(cfg, seq_len, batch)
     total = sum(r.bytes for r in (*weights, kv, *allowance))
     active, per_token = _bytes_per_token(cfg, weights, tp, ep, experts, seq_len, batch, block)
+    usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
         experts=experts, kv_slots=kv_slots, logical_cores=cores, capacity_bytes=capacity,
-        usable_bytes=capacity - RUNTIME_RESERVED_BYTES, router_dtype=router_dtype,
+        usable_bytes=usable, router_dtype=router_dtype,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
-        fits=total <= capacity - RUNTIME_RESERVED_BYTES, active_experts_per_layer=active, bytes_per_token=per_token,
+        fits=total <= usable, active_experts_per_layer=active, bytes_per_token=per_token,
         hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         assumptions=_assumptions(kv_slots, router_dtype))
 

@@ -188,7 +188,8 @@ def test_neuron_config_kwargs_compile_the_real_batch_and_a_dropless_moe():
     all_experts = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(
         tp=64, lnc=1, checkpoint="/c", quant_record=PER_CHANNEL, moe_prefill="all-experts"))
     assert all_experts["blockwise_matmul_config"] == {"logical_nc_config": 1, "block_size": 2**30}
-    assert contract.fp8_env(kw) == {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
+    assert contract.fp8_env(kw["quantized"], kw["quantization_dtype"]) == {"XLA_HANDLE_SPECIAL_SCALAR": "1",
+                                                                           "UNSAFE_FP8FNCAST": "1"}
 
 
 def test_logits_output_and_collective_flags():

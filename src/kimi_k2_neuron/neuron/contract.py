@@ -32,7 +32,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert.layout import NXD_TYPE
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.launch import FP8_ENV
-from kimi_k2_neuron.plan import EP_LAYOUTS, check_ep
+from kimi_k2_neuron.plan import check_ep, decodes_all_experts, ep_layout_supported
 
 # (import name, pip name). torch_xla comes with torch-neuronx.
 NEURON_PACKAGES = (
@@ -224,8 +224,9 @@ def modules_to_not_convert(cfg: KimiK2Config) -> list[str]:
     return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense]
 
 
-def fp8_env(neuron_kwargs: Mapping[str, Any]) -> dict[str, str]:
-    return dict(FP8_ENV) if neuron_kwargs.get("quantization_dtype") == FP8_DTYPE else {}
+def fp8_env(quantized: bool, quantization_dtype: str | None) -> dict[str, str]:
+    """The environment a NeuronConfig with these quantization fields needs before anything is traced or run."""
+    return dict(FP8_ENV) if quantized and quantization_dtype == FP8_DTYPE else {}
 
 
 # -- InferenceConfig ----------------------------------------------------------------------------------------------
@@ -377,10 +378,10 @@ def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
     if not isinstance(moe_tp, int) or moe_tp * ep != tp:
         out.append(f"moe_tp_degree={moe_tp} x moe_ep_degree={ep} != tp_degree={tp}")
     batch = getattr(nc, "tkg_batch_size", None) or getattr(nc, "max_batch_size", None)
-    if n_experts and top_k and batch and batch * top_k < n_experts:
+    if n_experts and top_k and batch and not decodes_all_experts(n_experts, top_k, batch):
         out.append(f"moe_ep_degree={ep} with batch {batch}: NxD decodes EP only on all experts, which needs "
                    f"batch x top_k >= {n_experts}")
-    if ep not in EP_LAYOUTS.get((tp, getattr(nc, "logical_nc_config", None)), ()):
+    if not ep_layout_supported(tp, ep, getattr(nc, "logical_nc_config", None)):
         out.append(f"moe_ep_degree={ep} at tp_degree={tp} (not an expert layout NxD's replica groups support)")
     bmm = getattr(nc, "blockwise_matmul_config", None)
     if bmm is not None and not getattr(bmm, "parallelize_token_to_block_mapping", True):

@@ -13,7 +13,7 @@ from typing import Mapping
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert.layout import ExpertScheme
+from kimi_k2_neuron.convert.layout import ExpertScheme, scale_key
 from kimi_k2_neuron.errors import KimiInputError, listing
 
 from .contract import EXPERT_FORMATS
@@ -54,24 +54,11 @@ def neuron_key(key: str) -> str | None:
 
 def expected_keys(cfg: KimiK2Config, experts: str) -> set[str]:
     """Every tensor the loader must deliver for the Neuron model (NxD generates the spmd_rank tensors itself,
-    expert_mlps_v2.py:197-207; the loader adds rank_util.rank)."""
-    keys = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
-    attn = ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
-    quantized = EXPERT_FORMATS[experts] is not None
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        keys |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
-        keys |= {f"{p}self_attn.{n}.weight" for n in attn}
-        if not cfg.is_moe_layer(i):
-            keys |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
-            continue
-        keys |= {p + "mlp.router.weight", p + "mlp.router.e_score_correction_bias"}
-        for n in ("gate_up", "down"):
-            keys.add(f"{p}mlp.expert_mlps.mlp_op.{n}_proj.weight")
-            if quantized:
-                keys.add(f"{p}mlp.expert_mlps.mlp_op.{n}_proj.scale")
-        if cfg.n_shared_experts:
-            keys |= {f"{p}mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")}
+    expert_mlps_v2.py:197-207; the loader adds rank_util.rank): the weights of expected_shapes, and a scale beside
+    each fused expert weight when the experts are FP8."""
+    keys = set(expected_shapes(cfg))
+    if EXPERT_FORMATS[experts] is not None:
+        keys |= {scale_key(k) for k in keys if ".expert_mlps." in k}
     return keys
 
 

@@ -196,10 +196,9 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     def __init__(self, model_path, config: KimiK2InferenceConfig | None = None, neuron_config=None):
         super().__init__(model_path, config=config, neuron_config=neuron_config)
-        if self.neuron_config.quantized and self.neuron_config.quantization_dtype == contract.FP8_DTYPE:
-            # Before compile() or load() traces or runs anything (inference_demo.py:465-467 sets the same two).
-            # The scripts also set them before importing the SDK.
-            os.environ.update(contract.FP8_ENV)
+        # Before compile() or load() traces or runs anything (inference_demo.py:465-467 sets the same two).
+        # The scripts also set them before importing the SDK.
+        os.environ.update(contract.fp8_env(self.neuron_config.quantized, self.neuron_config.quantization_dtype))
 
     @classmethod
     def get_config_cls(cls):
