@@ -64,9 +64,10 @@ def main(argv=None) -> int:
         cfg = KimiK2Config.from_file(args.model)
         record = read_record(args.model)
         experts = args.experts or (record["experts"] if record else "fp8-per-channel")
-        from kimi_k2_neuron.plan import format_plan, plan  # the fit planner
+        from kimi_k2_neuron.plan import format_plan, plan, recorded_block  # the fit planner
 
-        p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts, kv_slots=1)
+        p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts, kv_slots=1,
+                 block=recorded_block(record, experts))
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)

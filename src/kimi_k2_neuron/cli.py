@@ -143,16 +143,11 @@ def cmd_demo(a) -> int:
 
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
-    from .plan import format_plan, plan, plan_json
+    from .convert.layout import read_record
+    from .plan import format_plan, plan, plan_json, recorded_block
 
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
-    block = None
-    if a.model and a.experts == "fp8-blockwise":  # a converted checkpoint records the block it was written with
-        from .convert.layout import read_record
-
-        rec = read_record(a.model)
-        if rec is not None and rec["experts"] == "fp8-blockwise":
-            block = tuple(rec["nxd"]["quantization_block_size"])
+    block = recorded_block(read_record(a.model) if a.model else None, a.experts)
     p = plan(cfg, a.tp, a.ep, a.lnc, a.seq_len, a.batch, a.experts, kv_slots=a.kv_slots, block=block,
              router_dtype=a.router_dtype)
     print(plan_json(p) if a.json else format_plan(p))

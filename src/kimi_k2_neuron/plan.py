@@ -185,6 +185,15 @@ def default_block(cfg: KimiK2Config) -> tuple[int, int]:
     return scheme_for("fp8-blockwise", "int4" if int4 else "fp8", cfg.quant.group_size if int4 else None).block
 
 
+def recorded_block(record: dict | None, experts: str) -> tuple[int, int] | None:
+    """The blockwise block a converted checkpoint's record (convert.layout.read_record) says its scales were
+    written with; None when there is none to read, and plan() then assumes default_block. A converted config.json
+    no longer carries the source's quantization_config, so default_block cannot tell an INT4 source from it."""
+    if record is not None and experts == "fp8-blockwise" and record["experts"] == "fp8-blockwise":
+        return tuple(record["nxd"]["quantization_block_size"])
+    return None
+
+
 def _expert_bytes(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> tuple[int, int]:
     """(weight bytes, scale bytes) of one MoE layer's routed experts on one rank: E/ep experts (expert parallelism
     inside the tp ranks, NxDI moe_ep_degree), each with its gate_up [H, 2I/(tp/ep)] and down [I/(tp/ep), H] slices."""

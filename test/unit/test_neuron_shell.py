@@ -94,6 +94,21 @@ def test_compile_checks_the_fit_before_anything_else(tmp_path):
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
 
+def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
+    """K2-Thinking converted to fp8-blockwise keeps one scale per INT4 group ([32, 1]); its converted config.json
+    has no quantization_config any more, so only the record says so, and the fit check must use it."""
+    from kimi_k2_neuron.plan import plan
+
+    raw = json.loads((CONFIGS / "kimi-k2-thinking.json").read_text())
+    raw.pop("quantization_config")
+    nxd = layout.scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
+    rec = {"layout_version": layout.LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, layout.CONVERSION_KEY: rec}))
+    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64")
+    want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, "fp8-blockwise", kv_slots=1, block=(32, 1))
+    assert want.summary() in r.stdout, r.stdout + r.stderr
+
+
 def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path):
     if not contract.missing_neuron_packages():
         pytest.skip("the Neuron SDK is importable here")

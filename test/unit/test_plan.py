@@ -184,3 +184,24 @@ def test_cli_json(capsys):
     assert d["tp"] == 64 and d["batch"] == 2 and isinstance(d["fits"], bool)
     assert d["total_bytes"] == sum(r["bytes"] for r in d["weights"] + d["allowance"]) + d["kv_cache"]["bytes"]
     assert d["tpot_lower_bound_ms"] > 0 and d["assumptions"]
+
+
+def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, tmp_path):
+    """A converted config.json drops the source's quantization_config, so the INT4 source's [32, 1] scales are
+    known only from the conversion record; the CLI and compile_and_save both read it (plan.recorded_block)."""
+    from kimi_k2_neuron.convert.converter import convert
+    from kimi_k2_neuron.convert.layout import read_record
+    from kimi_k2_neuron.plan import recorded_block
+
+    dst = tmp_path / "int4-blockwise"
+    convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
+    rec = read_record(dst)
+    assert recorded_block(rec, "fp8-blockwise") == (32, 1)
+    assert recorded_block(rec, "fp8-per-channel") is None and recorded_block(None, "fp8-blockwise") is None
+    converted_cfg = KimiK2Config.from_file(dst)
+    assert converted_cfg.quant is None  # what default_block would see: it would assume [32, 32]
+    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, experts="fp8-blockwise",
+                       block=recorded_block(rec, "fp8-blockwise"))
+    source = plan(KimiK2Config.from_file(tiny_dirs["int4"]), tp=2, ep=1, lnc=2, seq_len=8, batch=1,
+                  experts="fp8-blockwise")
+    assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
