@@ -334,6 +334,24 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
 
 
+# -- NxD's CPU mode -----------------------------------------------------------------------------------------------
+
+def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None, sampling: bool, on_cpu: bool) -> None:
+    """What NeuronKimiK2ForCausalLM.to_cpu needs of a NeuronConfig's fields: gloo has no bfloat16 collectives (NxDI's
+    to_cpu refuses bf16 at TP > 1, application_base.py:563-566) and NxD no float16 CPU path; NxD's MoE expert
+    parallelism needs XLA process groups; NxDI's sampler takes its CPU branches only with on_cpu
+    (modules/generation/sampling.py:223-235, 271, 303)."""
+    if torch_dtype not in (torch.float32, torch.bfloat16) or (torch_dtype == torch.bfloat16 and tp > 1):
+        raise KimiInputError(f"--dtype {torch_dtype} at --tp {tp}: NxD's CPU mode runs float32, or bfloat16 at "
+                             f"--tp 1 (gloo has no bfloat16 collectives)")
+    if (moe_ep or 1) > 1:
+        raise KimiInputError(f"--ep {moe_ep}: NxD's MoE expert parallelism does not run in its CPU mode (its "
+                             f"expert-rank lookup reads the XLA process group's _mesh, parallel_state.py:991, which "
+                             f"gloo groups lack); use --ep 1 on CPU")
+    if sampling and not on_cpu:
+        raise KimiInputError("on-device sampling in NxD's CPU mode needs NeuronConfig(on_cpu=True)")
+
+
 # -- generation through NxDI's HF adapter --------------------------------------------------------------------------
 
 def check_prompt_lengths(lengths: list[int]) -> None:

@@ -40,9 +40,9 @@ def converted_dir_for(raw: str | Path, experts: str) -> Path:
     return raw.with_name(f"{raw.name}-neuron-{experts}")
 
 
-def ensure_converted(path: str | Path, experts: str, workers: int = 8) -> Path:
+def ensure_converted(path: str | Path, experts: str, workers: int = 8, dst: str | Path | None = None) -> Path:
     """`path` if it is a converted checkpoint; otherwise convert it once (kimi_k2_neuron.convert, resumable) into
-    converted_dir_for(path, experts) and return that. The converter shows progress with an ETA; the total time is
+    `dst` (default converted_dir_for(path, experts)) and return that. The converter shows progress with an ETA; the total time is
     logged. For the real ~1 TB checkpoint this is hours of host time, which is why it happens once, up front,
     and not in every checkpoint_loader_fn call."""
     path = Path(path)
@@ -50,7 +50,7 @@ def ensure_converted(path: str | Path, experts: str, workers: int = 8) -> Path:
         return path
     from kimi_k2_neuron.convert import convert
 
-    dst = converted_dir_for(path, experts)
+    dst = Path(dst) if dst is not None else converted_dir_for(path, experts)
     if read_record(dst) is None:
         logger.warning("%s is a raw checkpoint; converting it (experts=%s) into %s. This reads the whole checkpoint "
                        "once: hours for the 1T model (the progress bar shows the ETA).", path, experts, dst)
@@ -84,6 +84,28 @@ def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
     logger.info("mapped %d tensors (%.1f GiB) from %s in %.1f s", len(state), nbytes / 2**30, path,
                 time.monotonic() - t0)
     return state
+
+
+# Parameters no checkpoint holds: each layer's KV cache (NxD's StateInitializer zero-fills it on device,
+# trace/spmd.py), written by the model itself.
+RUNTIME_STATE_PREFIX = "kv_mgr.past_key_values."
+
+
+def unloaded_parameters(model, missing_keys, state) -> list[str]:
+    """Of load_state_dict's missing keys, those that are really unloaded: not the KV cache, and not a second name
+    of a parameter loaded under another one (kv_mgr.global_rank is the model's rank_util, model_base.py:173-179;
+    state_dict lists a shared parameter under every name)."""
+    params = model.state_dict(keep_vars=True)
+    loaded = {id(params[k]) for k in state if k in params}
+    return sorted(k for k in missing_keys if not k.startswith(RUNTIME_STATE_PREFIX) and id(params[k]) not in loaded)
+
+
+def read_presharded(folder: str | Path, rank: int) -> dict[str, torch.Tensor]:
+    """One rank's pre-sharded weights as NxD writes them (model_builder.py:994-1000) and NxDI's load() reads them."""
+    file = Path(folder) / f"tp{rank}_sharded_checkpoint.safetensors"
+    if not file.is_file():
+        raise KimiInputError(f"{file}: not found (a folder of NxD's pre-sharded weights has one such file per rank)")
+    return dict(_mmap_shard(file))
 
 
 def mmap_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:

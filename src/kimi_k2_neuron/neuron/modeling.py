@@ -12,6 +12,7 @@ NxDI @4bcdc54 (src/neuronx_distributed_inference/) and NxD @fbac349 (src/neuronx
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfi
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts
 from neuronx_distributed.parallel_layers import parallel_state
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from neuronx_distributed.trace.trace import get_sharded_checkpoint
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
 from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler
@@ -28,6 +30,7 @@ from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_
 from torch import nn
 
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.model.mla import MLAttention
 from kimi_k2_neuron.model.moe import MLP
 from kimi_k2_neuron.model.norm import RMSNorm
@@ -37,7 +40,7 @@ from kimi_k2_neuron.parallel import ParallelContext
 from . import contract, keys, layers
 from .config import KimiK2InferenceConfig
 from .kv_cache import LatentKVCacheManager
-from .loader import load_neuron_state_dict
+from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters
 
 
 @dataclass(frozen=True)
@@ -248,3 +251,98 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     def get_compiler_args(self):
         return contract.compiler_args(self.compile_tag, self.neuron_config.logical_nc_config)
+
+    # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
+
+    def to_cpu(self, presharded: str | None = None):
+        """This model in NxD's CPU mode (NXD_CPU_MODE=1, gloo), built as the device path builds it.
+
+        NxDI's own to_cpu (application_base.py:556-628) differs from the device path in three ways that matter
+        here, so this override builds each submodel the way ModelBuilder does before tracing:
+        - it casts the whole model with .bfloat16(), also the parameters declared float32 (router weight and
+          e_score_correction_bias under cast_type "as-declared"); here each submodel comes from NxDI's own
+          DecoderModelInstance.load_module (model_wrapper.py:1454-1530), the device path's build: dtypes as declared
+          and NxD's quantize.convert with the q_config NxDI derives from this NeuronConfig, so the FP8 experts are
+          NxD's quantized layers with their scales (NxDI's to_cpu skips the convert, and strict=False then drops
+          the scales silently);
+        - it builds one model for both submodels with the application's config, so MoE's is_prefill_stage is not
+          the submodel's (enable_context_encoding/enable_token_generation, model_base.py:3107-3141); here each
+          submodel gets its own build with its own config, as on device, and NxDI's _copy_past_key_values shares
+          the KV cache between them after every call (model_base.py:3761-3795);
+        - it loads with strict=False; here every checkpoint tensor must land in a parameter and every parameter
+          must get one (loader.unloaded_parameters names the only exceptions), else a one-line error.
+        `presharded`: a folder of NxD's per-rank files (`tp{rank}_sharded_checkpoint.safetensors`, what
+        shard_weights writes and NxDI's load() reads on device) to load instead of sharding the checkpoint here.
+        float32 at any TP, or bfloat16 at TP=1 (gloo has no bfloat16 collectives, as NxDI's to_cpu says)."""
+        nc = self.neuron_config
+        contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1),
+                               nc.on_device_sampling_config is not None, nc.on_cpu)
+        os.environ["NXD_CPU_MODE"] = "1"
+        rank = _init_cpu_process_groups(nc)
+        for wrapper in self.models:
+            model = _build_as_on_device(wrapper)
+            if presharded is None:
+                state = self.checkpoint_loader_fn()
+                _check_no_unexpected(model, state, self.model_path)
+                get_sharded_checkpoint(state, model, rank, nc.tp_degree)  # NxD's per-rank slicing, as pre-sharding
+            else:
+                state = read_presharded(presharded, rank)
+                _check_no_unexpected(model, state, presharded)
+            missing = unloaded_parameters(model, model.load_state_dict(state, strict=False).missing_keys, state)
+            if missing:
+                raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
+                                     f"{wrapper.tag} got no tensor: {listing(missing)}")
+            wrapper.model = model
+        self.eval()
+        return self
+
+
+def _build_as_on_device(wrapper) -> nn.Module:
+    """A submodel as ModelBuilder builds it before tracing (model_builder.py:551-576): NxDI's load_module under
+    NxD's AOT mode, which allocates parameters without initializing them (layers.py:138-140). Besides saving the
+    random init, that avoids NxD's CPU master-weight init of quantized expert layers, which loses the TP factor of
+    a last-dim partition (layers.py:141-150) and fails at TP >= 3 with stride-2 gate_up."""
+    instance = wrapper.get_model_instance()
+    parallel_state.set_aot_mode(True)
+    try:
+        instance.load_module()
+    finally:
+        parallel_state.set_aot_mode(False)
+    return instance.module
+
+
+def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
+    """NxD's preprocess_checkpoint drops checkpoint tensors the model has no parameter for with only a warning
+    (trace.py:640-644); refuse them instead."""
+    names = model.state_dict().keys()
+    extra = sorted(k for k in state if k not in names)
+    if extra:
+        raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
+
+
+def _init_cpu_process_groups(nc) -> int:
+    """gloo for NxD's CPU mode, as NxDI's to_cpu sets it up (application_base.py:573-596): a launcher's
+    torch.distributed environment (WORLD_SIZE, RANK, MASTER_ADDR/PORT) for several ranks, else one process.
+    Returns this process's rank."""
+    if not torch.distributed.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != nc.world_size:
+            raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
+                                 f"(tp_degree={nc.tp_degree})")
+        if world == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+        else:
+            torch.distributed.init_process_group("gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
+                                                 pipeline_model_parallel_size=nc.pp_degree,
+                                                 expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
+    return torch.distributed.get_rank()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

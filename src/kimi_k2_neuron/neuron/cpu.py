@@ -1,0 +1,260 @@
+"""The NxDI model in NxD's CPU mode: `kimi-k2-neuron logits|generate --backend nxdi-cpu`, scripts' `--cpu`, and the
+nxdi-cpu test tier.
+
+The application class, its NeuronConfig, the checkpoint loader, NxDI's model wrappers, KV cache manager, sampler and
+HF generation adapter are the ones a trn2 run uses; NeuronKimiK2ForCausalLM.to_cpu builds each submodel as the
+device path does and loads it strictly. What this cannot show: tracing, neuronx-cc, NKI kernels, Neuron
+collectives, HBM. Where NxD would take a device-only path (the NKI blockwise prefill kernel), it takes its torch
+path here, and MoEPaths says which one ran.
+
+Rows of different lengths are right-padded as NxDI's HuggingFaceGenerationAdapter pads them (pad position ids 1,
+hf_adapter.py:283-294). A compiled context bucket below seq_len would need per-bucket n_positions, which only the
+traced path sets (ModelWrapper.get, model_wrapper.py:1567-1573), so a CPU run compiles one bucket of seq_len.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD
+from neuronx_distributed_inference.models.config import MoENeuronConfig
+from safetensors.torch import load_file, save_file
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.convert.layout import read_record
+from kimi_k2_neuron.errors import KimiInputError
+
+from . import contract
+from .config import KimiK2InferenceConfig
+from .loader import converted_dir_for, ensure_converted
+from .modeling import NeuronKimiK2ForCausalLM
+
+DEFAULT_EXPERTS = "fp8-blockwise"
+CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuOptions:
+    """One NxD CPU-mode model: the checkpoint (raw or converted), its expert scheme and the parallel layout."""
+
+    model: str
+    experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_EXPERTS for a raw one
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "float32"
+    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
+    presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
+
+
+def check(o: CpuOptions) -> None:
+    """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
+    if o.dtype not in CPU_DTYPES:
+        raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(CPU_DTYPES)}")
+    contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep, sampling=False, on_cpu=True)
+
+
+def converted_checkpoint(o: CpuOptions) -> tuple[Path, dict]:
+    """The converted checkpoint for these options, converting a raw one once, and its conversion record."""
+    record = read_record(o.model)
+    if record is not None:
+        if o.experts not in (None, record["experts"]):
+            raise KimiInputError(f"--experts {o.experts}: {o.model} is converted with experts={record['experts']}")
+        return Path(o.model), record
+    experts = o.experts or DEFAULT_EXPERTS
+    dst = None
+    if o.cache_dir:
+        # one folder per source path and scheme: another checkpoint of the same name must not reuse it
+        tag = hashlib.sha256(str(Path(o.model).resolve()).encode()).hexdigest()[:10]
+        dst = Path(o.cache_dir) / f"{converted_dir_for(o.model, experts).name}-{tag}"
+    path = ensure_converted(o.model, experts, dst=dst)
+    return path, read_record(path)
+
+
+def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
+    """NeuronKimiK2ForCausalLM for `batch` rows of up to `seq_len` positions, in NxD's CPU mode. `sampling`: the
+    on-device sampler's settings (ServeOptions do_sample/top_k/top_p/temperature), None for logits out."""
+    return application(o, seq_len, batch, sampling).to_cpu(o.presharded)
+
+
+def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
+    """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet."""
+    check(o)
+    path, record = converted_checkpoint(o)
+    cfg = KimiK2Config.from_file(path)
+    opts = contract.ServeOptions(
+        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record["experts"], checkpoint=str(path),
+        quant_record=record["nxd"], on_device_sampling=sampling is not None, **(sampling or {}),
+        extra={"on_cpu": True, "torch_dtype": CPU_DTYPES[o.dtype]})
+    config = KimiK2InferenceConfig.from_checkpoint(path, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, opts)))
+    return NeuronKimiK2ForCausalLM(str(path), config)
+
+
+def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
+    """NxDI's pre-sharding (our shard_weights: NxD's ModelBuilder.shard_checkpoint, a few ranks per pass) of the
+    checkpoint at o.tp, as compile() runs it after tracing: `out`/weights/tp{rank}_sharded_checkpoint.safetensors.
+    Outside NxD's CPU mode, as on a trn2 host: ModelBuilder shards under a mocked torch.distributed
+    (model_builder.py:828-835), and in CPU mode NxD would ask it for gloo groups (parallel_state.py:801)."""
+    app = application(o, seq_len, batch)
+    previous = os.environ.pop("NXD_CPU_MODE", None)
+    try:
+        app.shard_weights(str(out))
+    finally:
+        if previous is not None:
+            os.environ["NXD_CPU_MODE"] = previous
+    return Path(out) / "weights"
+
+
+# -- which of NxD's MoE paths ran ------------------------------------------------------------------------------------
+
+class MoEPaths:
+    """Records which ExpertMLPsV2 inference path each MoE call takes, with forward pre-hooks on the model's own
+    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (expert_mlps_v2.py:
+    1467-1497); the nxdi-cpu tier checks it against the method NxD really calls. `blockwise` runs NxD's torch
+    implementation here: the NKI blockwise kernel exists only on device (blockwise.py:759-760, "Cannot run blockwise
+    NKI kernel on CPU")."""
+
+    DEVICE_ONLY = {"blockwise": "on trn2 the NKI blockwise kernel (with --moe-prefill kernel) instead of torch"}
+
+    def __init__(self, app):
+        self.seen: dict[str, set[str]] = {}
+        self._handles = []
+        for wrapper in app.models:
+            for module in wrapper.model.modules():
+                if isinstance(module, ExpertMLPsV2):
+                    hook = self._hook(wrapper.tag, module)
+                    self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+
+    def _hook(self, tag: str, module: ExpertMLPsV2):
+        def record(_module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self.seen.setdefault(tag, set()).add(moe_path(module, hidden.shape[0], kwargs.get("seq_len")))
+        return record
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def report(self) -> str:
+        parts = []
+        for tag, paths in sorted(self.seen.items()):
+            notes = [f"{p} ({self.DEVICE_ONLY[p]})" if p in self.DEVICE_ONLY else p for p in sorted(paths)]
+            parts.append(f"{tag}: {', '.join(notes)}")
+        return "NxD MoE paths taken in CPU mode: " + ("; ".join(parts) or "none")
+
+
+def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
+    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (expert_mlps_v2.py:1467-1497)."""
+    cfg = module.routed_experts_mlp_config
+    loaded = tokens * cfg.top_k / cfg.num_experts
+    ep = module.moe_expert_model_parallel_group.size() > 1
+    if seq_len == 1:
+        if loaded >= DEFAULT_SELECTIVE_LOADING_THRESHOLD:
+            return "all-experts-ep" if ep else "all-experts"
+        return "selective-loading"
+    if cfg.capacity_factor is not None:
+        return "capacity-factor"
+    if loaded < DEFAULT_SELECTIVE_LOADING_THRESHOLD:
+        return "selective-loading"
+    if tokens * cfg.top_k < module.blockwise_matmul_config.block_size:
+        return "all-experts"
+    return "blockwise"
+
+
+# -- teacher-forced logits ----------------------------------------------------------------------------------------
+
+def padded_prefill(rows: list[list[int]], lengths: list[int]):
+    """input_ids, attention_mask and position_ids of a right-padded prefill, as NxDI's HF adapter makes them:
+    positions count the real tokens, padding gets position 1 (hf_adapter.py:283-294)."""
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, (row, n) in enumerate(zip(rows, lengths)):
+        ids[r, :n], mask[r, :n] = torch.tensor(row[:n]), 1
+    return ids, mask, (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+
+
+def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
+    """float32 logits [B, max row length, V] at every position of every row; NaN beyond a row's end.
+
+    Row r's first min(prefill_len, len) tokens go through NxDI's context-encoding submodel in one call; the rest are
+    fed one token per call through the token-generation submodel and NxDI's KV cache, all rows together, each at
+    its own position (a row already done is fed token 0 and its logits dropped). NxDI returns only the last prefill
+    position's logits (model_base.py:964-976), so the prefill's final hidden states are read with a forward hook on
+    the model's norm and put through its lm_head; the position NxDI returns is checked against them."""
+    b, longest = len(rows), max(len(r) for r in rows)
+    k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
+    out = torch.full((b, longest, app.config.vocab_size), float("nan"))
+    cte = app.context_encoding_model.model
+    captured = {}
+    handle = cte.norm.register_forward_hook(lambda _m, _i, h: captured.__setitem__("h", h))
+    ids, mask, pos = padded_prefill(rows, k)
+    seq_ids = torch.arange(b)
+    with torch.no_grad():
+        try:
+            last = _forward(app, ids, mask, pos, seq_ids)
+        finally:
+            handle.remove()
+        full = cte.lm_head(captured["h"]).float()
+        picked = full[torch.arange(b), pos.argmax(dim=1)]
+        if not torch.allclose(picked, last[:, -1], rtol=1e-4, atol=1e-4 * picked.abs().max().item()):
+            raise RuntimeError("the hooked prefill logits differ from NxDI's: the hook read the wrong tensor")
+        for r in range(b):
+            out[r, :k[r]] = full[r, :k[r]]
+        cur = torch.tensor(k)
+        for step in range(max(len(r) - kr for r, kr in zip(rows, k))):
+            tok = torch.tensor([[r[kr + step] if kr + step < len(r) else 0] for r, kr in zip(rows, k)])
+            step_mask = (torch.arange(int(cur.max()))[None] < cur[:, None]).long()  # [0, pos) of each row
+            logits = _forward(app, tok, step_mask, cur[:, None], seq_ids)
+            for r in range(b):
+                if k[r] + step < len(rows[r]):
+                    out[r, k[r] + step] = logits[r, -1]
+            cur = cur + 1
+    return out
+
+
+def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
+    """NeuronBaseForCausalLM.forward (model_base.py:3314-3460), with NxD's CPU-mode FP8 indexing bug named."""
+    try:
+        return app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids).logits.float()
+    except NotImplementedError as e:
+        if "Float8" in str(e) and "index" in str(e):
+            raise KimiInputError(
+                "NxD's QuantizedExpertFusedColumnParallel.forward re-indexes its float8 weight on CPU without its "
+                "int8-view workaround (quantization_layers.py:1147-1148, NxD 2.29), so FP8 selective loading fails "
+                "in CPU mode; NxD needs that two-line fix (the nxdi-cpu test venv carries it)") from e
+        raise
+
+
+# -- several ranks --------------------------------------------------------------------------------------------------
+
+def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
+    """teacher_forced_logits of the NxDI model at o.tp ranks (one process each, gloo) and the MoE path report."""
+    check(o)
+    if o.tp == 1:
+        return _rank_logits(o, rows, prefill_len)
+    from kimi_k2_neuron.runtime.ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "logits.safetensors")
+        run_ranks(_logits_rank, o.tp, (o, rows, prefill_len, out))
+        return load_file(out)["logits"], Path(out + ".paths").read_text()
+
+
+def _rank_logits(o: CpuOptions, rows, prefill_len):
+    app = build(o, seq_len=max(len(r) for r in rows), batch=len(rows))
+    paths = MoEPaths(app)
+    return teacher_forced_logits(app, rows, prefill_len), paths.report()
+
+
+def _logits_rank(rank: int, o: CpuOptions, rows, prefill_len, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))  # the ranks share the host's cores
+    result, report = _rank_logits(o, rows, prefill_len)
+    if rank == 0:
+        save_file({"logits": result.contiguous()}, out)
+        Path(out + ".paths").write_text(report)

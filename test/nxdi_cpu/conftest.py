@@ -1,0 +1,85 @@
+"""The nxdi-cpu tier: the Neuron shell run through the real NxD/NxDI in NxD's CPU mode, checked against the core's
+CPU runner and against transformers.
+
+Runs wherever NxD and NxDI import: the venv `bash ../shared/nxdi-cpu/setup.sh VENV .` builds (the real sources plus
+an import shim for the binary-only packages; `.ci/run` builds it), or a Neuron SDK venv on a trn2 host. Elsewhere
+every test here is skipped with the reason (test_00_tier.py). Each test names the NxD/NxDI path it covers; what
+exists only on device (tracing, neuronx-cc, NKI kernels, Neuron collectives, HBM) is not covered here.
+
+KIMI_K2_ORACLE_PYTHON: a Python with this package's `test` extra (transformers >= 5), for the transformers oracle,
+which cannot run beside NxDI's pinned transformers 4.57 (oracle.py runs in it as a subprocess). `.ci/run` sets it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from kimi_k2_neuron.checkpoint.tiny import make_tiny
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def _why_not_runnable() -> str | None:
+    try:
+        import kimi_k2_neuron.neuron  # noqa: F401  (its ImportError names the missing packages)
+    except ImportError as e:
+        return (f"NxD/NxDI not importable here ({e}); build the nxdi-cpu venv (README: 'The NxDI model on CPU') or "
+                f"use a Neuron SDK venv")
+    return None
+
+
+REASON = _why_not_runnable()
+if REASON:  # the test modules import the SDK at the top; test_00_tier.py reports the skip
+    collect_ignore = [p.name for p in HERE.glob("test_*.py") if p.name != "test_00_tier.py"]
+
+
+@pytest.fixture
+def tier_reason() -> str | None:
+    return REASON
+
+
+def nxd_has_cpu_fp8_index_fix() -> bool:
+    """NxD 2.29's QuantizedExpertFusedColumnParallel.forward re-indexes float8 weights after its CPU int8-view
+    workaround (quantization_layers.py:1147-1148); the nxdi-cpu venv removes those two lines
+    (../shared/nxdi-cpu/nxd-cpu-fp8-index.patch). Without the fix FP8 selective loading fails in CPU mode."""
+    from neuronx_distributed.quantization.quantization_layers import QuantizedExpertFusedColumnParallel
+
+    return "weight = self.weight[expert_indices, ...]" not in inspect.getsource(
+        QuantizedExpertFusedColumnParallel.forward)
+
+
+@pytest.fixture(autouse=True)
+def _needs_fp8_index_fix(request):
+    if request.node.get_closest_marker("fp8_selective_cpu") and not nxd_has_cpu_fp8_index_fix():
+        pytest.skip("this NxD lacks the CPU FP8 indexing fix (../shared/nxdi-cpu/nxd-cpu-fp8-index.patch): FP8 "
+                    "selective loading fails in its CPU mode")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fp8_selective_cpu: runs NxD's FP8 selective loading in CPU mode")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """One tiny raw checkpoint per storage format (FP8 blockwise, INT4 compressed-tensors, BF16)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {q: make_tiny(root / q, quant=q, shards=3, seed=0) for q in ("fp8", "int4", "bf16")}
+
+
+@pytest.fixture(scope="session")
+def converted(tiny, tmp_path_factory):
+    """(source format, expert scheme) -> the converted checkpoint, made once."""
+    from kimi_k2_neuron.convert import convert
+
+    root = tmp_path_factory.mktemp("converted")
+    out = {}
+    for q, src in tiny.items():
+        for scheme in ("fp8-blockwise", "fp8-per-channel"):
+            out[(q, scheme)] = root / f"{q}-{scheme}"
+            convert(src, out[(q, scheme)], scheme, progress=False)
+    return out

@@ -1,0 +1,32 @@
+"""Helpers of the nxdi-cpu tier (imported by its test modules; conftest.py holds the fixtures)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+HERE = Path(__file__).resolve().parent
+
+
+def oracle_logits(model_dir: Path, rows, prefill_len, bf16_non_experts: bool, tmp_path: Path) -> list[torch.Tensor]:
+    """transformers' DeepseekV3ForCausalLM logits per row (oracle.py), run by KIMI_K2_ORACLE_PYTHON."""
+    python = os.environ.get("KIMI_K2_ORACLE_PYTHON")
+    if not python:
+        pytest.skip("KIMI_K2_ORACLE_PYTHON is not set: the transformers >= 5 oracle needs a Python with this "
+                    "package's test extra (see conftest.py)")
+    out = tmp_path / "oracle.safetensors"
+    cmd = [python, str(HERE / "oracle.py"), str(model_dir), json.dumps(rows), str(prefill_len), str(out)]
+    r = subprocess.run(cmd + (["--bf16-non-experts"] if bf16_non_experts else []), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = load_file(str(out))
+    return [got[f"row{i}"] for i in range(len(rows))]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours - ref).abs().max() / ref.abs().max())
