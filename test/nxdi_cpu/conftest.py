@@ -21,7 +21,6 @@ import torch
 from kimi_k2_neuron.checkpoint.tiny import make_tiny
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 
 
 def _why_not_runnable() -> str | None:

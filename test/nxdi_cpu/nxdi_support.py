@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 
 def oracle_logits(model_dir: Path, rows, prefill_len, bf16_non_experts: bool, tmp_path: Path) -> list[torch.Tensor]:

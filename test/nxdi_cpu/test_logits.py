@@ -67,3 +67,24 @@ def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
         ours = got[r, :len(ROWS[r])]
         assert (ours - want).abs().median() / want.abs().max() < 2e-2
         assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
+    """The KIMI contrib's harness sent ones(pos + 1) as the decode mask, attending the stale cache slot at pos
+    (nxdi_contracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
+    app = apps("fp8", "fp8-blockwise")
+    rows = [r[:PREFILL] for r in ROWS]
+    ids, mask, pos = cpu.padded_prefill(rows, [PREFILL, PREFILL])
+
+    def decode(width):
+        app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.arange(2))
+        step = torch.full((2, 1), PREFILL)
+        out = app.forward(input_ids=torch.tensor([[11], [12]]), attention_mask=torch.ones(2, width, dtype=torch.long),
+                          position_ids=step, seq_ids=torch.arange(2))
+        return out.logits.float()
+
+    right, wrong = decode(PREFILL), decode(PREFILL + 1)
+    assert rel_err(wrong, right) > 1e-3
+    want = torch.stack([cpu.teacher_forced_logits(app, [r + [t]], PREFILL)[0, PREFILL]
+                        for r, t in zip(rows, (11, 12))])
+    assert rel_err(right[:, -1], want) < 1e-5
