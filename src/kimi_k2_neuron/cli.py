@@ -1,6 +1,7 @@
 """The `kimi-k2-neuron` command: make-tiny, logits, generate, convert, plan, demo.
 
-Bad input (files, tensors, config fields, arguments) ends with a one-line `error: ...` and exit code 2.
+Bad input (files, tensors, config fields, arguments) ends with a one-line `error: ...` and exit code 2, checked
+before any model is loaded wherever config.json alone can tell.
 """
 
 from __future__ import annotations
@@ -14,22 +15,27 @@ from pathlib import Path
 
 import torch
 
+from . import __version__
+from .arguments import (Parser, add_generation_args, check_generation_args, check_out_dir, check_out_file, fail,
+                        integer, sampling_values)
 from .errors import KimiInputError
+from .runtime.ranks import RanksError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _parse_rows(text: str) -> list[list[int]]:
+def _rows(text: str) -> list[list[int]]:
+    """type= for --input-ids: "1,2,3;4,5,6" -> [[1, 2, 3], [4, 5, 6]]."""
     try:
-        rows = [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
+        return [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
     except ValueError:
-        raise KimiInputError(f'--input-ids {text!r}: expected comma-separated integers, rows separated by ";"')
-    return rows
+        raise argparse.ArgumentTypeError(f'expected comma-separated integers, rows separated by ";", got {text!r}')
 
 
 def cmd_make_tiny(a) -> int:
     from .checkpoint.tiny import make_tiny
 
+    check_out_dir(a.out, "OUT")
     out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed)
     print(f"wrote tiny {a.quant} checkpoint to {out}")
     return 0
@@ -38,28 +44,27 @@ def cmd_make_tiny(a) -> int:
 def cmd_logits(a) -> int:
     from safetensors.torch import save_file
 
-    from .runtime.runner import CpuRunner
+    from .config import KimiK2Config
+    from .runtime.runner import CpuRunner, check_logits_request
 
-    rows = _parse_rows(a.input_ids)
-    if a.tp < 1:
-        raise KimiInputError(f"--tp {a.tp}: expected a positive number of CPU ranks")
+    # Everything that can be wrong is checked before loading: on the 1T model the logits take hours.
+    check_out_file(a.out, "--out")
+    cfg = KimiK2Config.from_file(a.model)
+    check_logits_request(cfg, a.input_ids, a.prefill_len)
     if a.tp == 1:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
-        logits = runner.logits(rows, a.prefill_len)
+        logits = runner.logits(a.input_ids, a.prefill_len)
     else:
         from .runtime.tp import tp_logits
 
-        _check_tp_divides(a.model, a.tp)
-        logits = tp_logits(a.model, rows, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed)
+        _check_tp_divides(cfg, a.tp)
+        logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed)
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
 
 
-def _check_tp_divides(model_dir, tp: int) -> None:
-    from .config import KimiK2Config
-
-    cfg = KimiK2Config.from_file(model_dir)
+def _check_tp_divides(cfg, tp: int) -> None:
     dims = {"num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size,
             "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size}
     for name, n in dims.items():
@@ -74,32 +79,53 @@ def _load_tokenizer(model_dir):
 
 
 def cmd_generate(a) -> int:
-    from .runtime.runner import CpuRunner
+    from .config import KimiK2Config
+    from .runtime.chat import StopStrings, cut_at_stop
+    from .runtime.runner import CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
 
+    _check_generate_args(a)
+    cfg = KimiK2Config.from_file(a.model)
+    tok = _load_tokenizer(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
+    prompts = _encode_prompts(a, tok) if a.prompt else a.input_ids
+    check_generate_request(cfg, prompts, a.max_new_tokens)
     runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
-    tok = None
-    if a.prompt is not None:
-        tok = _load_tokenizer(a.model)
-        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
-        prompts = [tok.encode(text)]
-    else:
-        prompts = _parse_rows(a.input_ids)
-    params = SamplingParams() if a.greedy else SamplingParams(a.temperature, a.top_k, a.top_p)
-    stop = set(runner.cfg.eos_token_ids)
-    if tok is not None or (Path(a.model) / "tiktoken.model").exists():
-        stop = (tok or _load_tokenizer(a.model)).stop_ids(list(runner.cfg.eos_token_ids))
-    res = runner.generate(prompts, a.max_new_tokens, params, stop_ids=stop, seed=a.seed)
-    texts = [tok.decode(t) for t in res.tokens] if tok is not None else None
+    stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
+    stop_when = StopStrings(tok.decode, a.stop).done if a.stop else None
+    res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
+                          seed=a.seed, stop_when=stop_when)
+    texts = [cut_at_stop(tok.decode(t), a.stop) for t in res.tokens] if a.prompt else None
+    _print_generation(a, res, texts)
+    return 0
+
+
+def _print_generation(a, res, texts: list[str] | None) -> None:
+    from .runtime.chat import print_rows
+
     if a.json:
         print(json.dumps({"tokens": res.tokens, "text": texts, "prefill_seconds": res.prefill_seconds,
                           "decode_tokens_per_second": res.decode_tokens_per_second}))
+        return
+    if texts:
+        print_rows(a.prompt, texts)
     else:
-        for i, t in enumerate(res.tokens):
-            print(texts[i] if texts else ",".join(map(str, t)))
-        print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
-              file=sys.stderr)
-    return 0
+        print("\n".join(",".join(map(str, t)) for t in res.tokens))
+    print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
+          file=sys.stderr)
+
+
+def _check_generate_args(a) -> None:
+    check_generation_args(a)
+    for flag, given in (("--system", a.system is not None), ("--stop", bool(a.stop))):
+        if given and not a.prompt:
+            raise KimiInputError(f"{flag}: needs --prompt (--input-ids are token ids: no chat and no text)")
+
+
+def _encode_prompts(a, tok) -> list[list[int]]:
+    from .runtime.chat import chat_messages
+
+    texts = [tok.apply_chat_template(chat_messages(p, a.system)) if a.chat else p for p in a.prompt]
+    return [tok.encode(t) for t in texts]
 
 
 def _cache_dir() -> Path:
@@ -114,6 +140,7 @@ def cmd_demo(a) -> int:
 
     model_dir = _cache_dir() / "tiny-fp8"
     if not (model_dir / "config.json").exists():
+        check_out_dir(model_dir, "demo folder (KIMI_K2_NEURON_CACHE)")
         make_tiny(model_dir, quant="fp8")
         print(f"made a tiny FP8 Kimi-K2-format checkpoint in {model_dir}")
     runner = CpuRunner(model_dir)
@@ -157,62 +184,64 @@ def cmd_plan(a) -> int:
 def cmd_convert(a) -> int:
     from .convert.converter import convert
 
+    check_out_dir(a.dst, "DST")
     res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
     print(res.summary)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kimi-k2-neuron", description=__doc__.splitlines()[0])
+    p = Parser(prog="kimi-k2-neuron", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("make-tiny", help="write a tiny random checkpoint in a real Kimi-K2 storage format")
-    s.add_argument("out")
-    s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8")
-    s.add_argument("--shards", type=int, default=3)
-    s.add_argument("--seed", type=int, default=0)
+    s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format")
+    s.add_argument("out", metavar="OUT", help="the new folder to write")
+    s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8",
+                   help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
+    s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
+    s.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds the random weights")
     s.set_defaults(fn=cmd_make_tiny)
 
-    s = sub.add_parser("logits", help="logits at every position (prefill, then teacher-forced decode)")
-    s.add_argument("--model", required=True)
-    s.add_argument("--input-ids", required=True, help='e.g. "1,2,3;4,5,6" (rows separated by ;)')
-    s.add_argument("--prefill-len", type=int, default=None, help="positions below this come from one prefill")
-    s.add_argument("--out", required=True, help="output .safetensors with `logits` float32 [B, S, V]")
+    s = _command(sub, "logits", "logits at every position (prefill, then teacher-forced decode)")
+    s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    s.add_argument("--input-ids", type=_rows, required=True, metavar="IDS",
+                   help='e.g. "1,2,3;4,5,6" (rows separated by ;)')
+    s.add_argument("--prefill-len", type=integer(0), default=None, metavar="K",
+                   help="positions below K come from one prefill pass, the rest one token at a time through the "
+                        "decode path (default: all of them from one prefill)")
+    s.add_argument("--out", required=True, metavar="FILE",
+                   help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel CPU ranks")
+    s.add_argument("--tp", type=integer(1), default=1, metavar="N",
+                   help="tensor-parallel CPU ranks (gloo over loopback)")
     s.set_defaults(fn=cmd_logits)
 
-    s = sub.add_parser("generate", help="generate on CPU")
-    s.add_argument("--model", required=True)
+    s = _command(sub, "generate", "generate on CPU; several --prompt decode as one batch")
+    s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--input-ids")
-    s.add_argument("--chat", action="store_true", help="wrap --prompt in the checkpoint's chat template")
-    s.add_argument("--max-new-tokens", type=int, default=32)
-    s.add_argument("--greedy", action="store_true", help="(default when no --temperature is given)")
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--json", action="store_true")
+    src.add_argument("--input-ids", type=_rows, metavar="IDS",
+                     help='token ids instead of --prompt, e.g. "1,2,3;4,5" (rows separated by ;)')
+    add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
+    s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
     _model_opts(s)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("convert", help="convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout")
+    s = _command(sub, "convert", "convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout")
     s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=["fp8-blockwise", "fp8-per-channel"],
                    help="NxD scale layout of the routed experts")
-    s.add_argument("--workers", type=int, default=1, help="threads converting experts in parallel")
+    s.add_argument("--workers", type=integer(1), default=1, metavar="N", help="threads converting experts in parallel")
     s.add_argument("--verify", action="store_true", help="re-hash finished files (and redo any that differ)")
     s.set_defaults(fn=cmd_convert)
 
-    s = sub.add_parser("demo", help="make a tiny FP8 checkpoint, generate from it, compare with transformers")
-    s.add_argument("--max-new-tokens", type=int, default=16)
+    s = _command(sub, "demo", "make a tiny FP8 checkpoint, generate from it, compare with transformers")
+    s.add_argument("--max-new-tokens", type=integer(1), default=16, metavar="N", help="tokens to generate")
     s.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("plan", help="will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound "
-                                    "(exit 0 fits, 1 does not)")
+    s = _command(sub, "plan", "will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound "
+                              "(exit 0 fits, 1 does not)")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
@@ -220,8 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ep", type=int, default=1, help="expert parallelism inside the tp ranks: experts split ep "
                                                      "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
     s.add_argument("--lnc", type=int, default=2, help="physical cores per logical core (trn2 default 2)")
-    s.add_argument("--seq-len", type=int, required=True)
-    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--seq-len", type=int, required=True, help="tokens per sequence the KV cache holds")
+    s.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     s.add_argument("--experts", required=True, choices=["fp8-blockwise", "fp8-per-channel", "bf16"],
                    help="routed-expert storage on device")
     s.add_argument("--kv-slots", type=int, default=1,
@@ -229,23 +258,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-width dead V slot")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=cmd_plan)
     return p
 
 
+def _command(sub, name: str, what: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with the same line the command list shows."""
+    return sub.add_parser(name, help=what, description=what)
+
+
 def _model_opts(s):
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    s.add_argument("--layer-streamed", action="store_true", help="load one decoder layer at a time")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
+    s.add_argument("--layer-streamed", action="store_true",
+                   help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help or --version (0), or an argument error already printed on one line (2)
+        return e.code
     try:
         return args.fn(args)
     except KimiInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
+    except RanksError as e:  # a rank failed or the ranks were interrupted: one line, and its own exit code
+        return fail(e, e.exit_code)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,11 @@ from typing import Any
 from .errors import KimiInputError
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+# Every key a DeepSeek-V3 / Kimi-K2 `rope_scaling` may hold (the real configs in test/data/configs use all of them).
+# transformers' YaRN also knows attention_factor, truncate and partial_rotary_factor, which this port does not
+# implement: they are refused like a misspelled key, since ignoring any key silently changes the model.
+YARN_KEYS = ("type", "rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,10 @@ def _parse_rope_scaling(f: _Fields) -> YarnScaling | None:
     kind = rs.get("type", rs.get("rope_type"))
     if kind != "yarn":
         raise KimiInputError(f"{f.source}: field rope_scaling.type={kind!r}, expected 'yarn'")
+    unknown = [k for k in rs if k not in YARN_KEYS]
+    if unknown:
+        raise KimiInputError(f"{f.source}: field rope_scaling.{unknown[0]} is not a YaRN key this port reads, "
+                             f"expected only {', '.join(YARN_KEYS)}")
     p = "rope_scaling."
     ys = YarnScaling(
         factor=f.float("factor", lo=1.0, obj=rs, prefix=p),

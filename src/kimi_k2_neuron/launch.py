@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
+
+from .arguments import Parser, fail
 
 # The e4m3 reinterpretation NxDI asks for with FP8 weights (inference_demo.py:465-467); read when torch-xla is
 # imported, so it must be set before. NxDI adds the matching compiler flag itself (model_wrapper.py:148-157).
@@ -18,10 +19,10 @@ FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
 
 
 def script_parser(doc: str) -> argparse.ArgumentParser:
-    """A parser whose description is the script docstring's first line and whose epilog is the rest."""
+    """A parser whose description is the script docstring's first line and whose epilog is the rest; its argument
+    errors are one line and its help shows the defaults, as the kimi-k2-neuron command's."""
     lines = doc.splitlines()
-    return argparse.ArgumentParser(description=lines[0], epilog="\n".join(lines[2:]),
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return Parser(description=lines[0], epilog="\n".join(lines[2:]))
 
 
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
@@ -31,7 +32,7 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_verbose(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what is being done (INFO level)")
 
 
 def start(args: argparse.Namespace) -> None:
@@ -46,8 +47,7 @@ def set_fp8_env() -> None:
 
 def sdk_missing(e: ImportError) -> int:
     """Report a missing Neuron SDK (kimi_k2_neuron.neuron's message names the packages) and give the exit code."""
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return fail(e)
 
 
 __all__ = ["FP8_ENV", "add_compiled_args", "add_verbose", "script_parser", "sdk_missing", "set_fp8_env", "start"]

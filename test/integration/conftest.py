@@ -5,7 +5,8 @@ Environment:
     KIMI_K2_COMPILED     folder from scripts/compile_and_save.py (compile with --output-logits for the parity test)
     KIMI_K2_CHECKPOINT   converted checkpoint (default: the one recorded in the compiled folder)
     KIMI_K2_GOLDEN       .safetensors of CPU golden logits; computed (layer-streamed, hours for the 1T model) and
-                         written there if the file does not exist yet
+                         written there if the file does not exist yet (a progress bar with the ETA goes to stderr:
+                         run pytest with -s to watch it)
     KIMI_K2_TPOT_MAX_MS  fail the TPOT test above this p50 decode latency (without it the TPOT is only reported)
   mini model (any Neuron instance with >= KIMI_K2_MINI_TP logical cores):
     KIMI_K2_MINI=1       make a tiny FP8 checkpoint, convert it, compile it at TP=KIMI_K2_MINI_TP (default 2),
@@ -112,8 +113,10 @@ def golden(served):
         if saved["ids"].tolist() == rows:
             return rows, saved["logits"], PREFILL
     # The converted checkpoint, read by the core (its FP8 experts dequantized exactly), so the comparison measures
-    # the Neuron computation and not the conversion. Layer-streamed: one decoder layer in memory at a time.
-    runner = CpuRunner(served.checkpoint, dtype=torch.float32, layer_streamed=not served.mini)
+    # the Neuron computation and not the conversion. Layer-streamed: one decoder layer in memory at a time. For the
+    # 1T model each of the 1 + DECODE passes streams ~1 TB: the progress bar (stderr, run pytest with -s to see it)
+    # counts decoder layers over all passes and shows the throughput and the ETA.
+    runner = CpuRunner(served.checkpoint, dtype=torch.float32, layer_streamed=not served.mini, progress=True)
     logits = runner.logits(rows, prefill_len=PREFILL)
     save_file({"ids": torch.tensor(rows), "logits": logits.contiguous()}, str(path))
     return rows, logits, PREFILL

@@ -20,6 +20,7 @@ from kimi_k2_neuron.checkpoint.tiny import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.runtime.runner import CpuRunner
+from kimi_k2_neuron.runtime.sampling import SamplingParams
 
 INDEX = "model.safetensors.index.json"
 SHARD1 = "model-00001-of-00003.safetensors"
@@ -213,6 +214,10 @@ BAD_CONFIGS = {
     "yarn factor below 1": (_set_rope("factor", 0.5), ["rope_scaling.factor=0.5", "expected a finite number >= 1"]),
     "yarn factor missing": (lambda c: c["rope_scaling"].pop("factor"), ["rope_scaling.factor", "missing"]),
     "rope type linear": (_set_rope("type", "linear"), ["rope_scaling.type='linear'", "expected 'yarn'"]),
+    "rope type missing": (lambda c: c["rope_scaling"].pop("type"), ["rope_scaling.type=None", "expected 'yarn'"]),
+    "rope key misspelled": (_set_rope("factr", 32.0), ["rope_scaling.factr", "expected only type, rope_type, factor"]),
+    "rope key not implemented": (_set_rope("attention_factor", 1.2), ["rope_scaling.attention_factor",
+                                                                      "original_max_position_embeddings"]),
     "beta_fast < beta_slow": (_set_rope("beta_slow", 4.0), ["rope_scaling.beta_fast", "beta_slow=4.0"]),
     "topk_group > n_group": (_set("topk_group", 2), ["topk_group=2", "n_group=1"]),
     "experts per token > experts": (_set("num_experts_per_tok", 9), ["num_experts_per_tok=9", "n_routed_experts=8"]),
@@ -512,6 +517,27 @@ def runner(pristine):
 ], ids=["too large", "negative", "ragged", "empty row", "no rows", "float", "str", "bool"])
 def test_bad_input_ids(runner, rows, needles):
     one_line_error(lambda: runner.logits(rows), "input ids", *needles)
+
+
+def test_bad_sampling_params():
+    one_line_error(lambda: SamplingParams(temperature=float("nan")), "temperature nan", "expected a finite number")
+    one_line_error(lambda: SamplingParams(temperature=1.0, top_p=float("nan")), "top_p nan")
+    one_line_error(lambda: SamplingParams(top_k=-3), "top_k -3", "expected an integer >= 0")
+
+
+LIMIT = "expected at most max_position_embeddings=8 of config.json"
+
+
+@pytest.mark.parametrize("call, needles", [
+    (lambda r: r.logits([[1] * 9]), ["input ids: rows of 9 tokens need 9 positions", LIMIT]),
+    (lambda r: r.generate([[1] * 5, [2]], 4), ["--max-new-tokens 4: a prompt of 5 tokens + 4 new tokens need 9",
+                                               LIMIT]),
+    (lambda r: r.generate([[1]], 0), ["--max-new-tokens 0", "expected an integer >= 1"]),
+], ids=["logits", "generate", "no new tokens"])
+def test_more_positions_than_the_model_has(ckpt, call, needles):
+    d = ckpt("bf16")
+    edit_config(d, _set("max_position_embeddings", 8))
+    one_line_error(lambda: call(CpuRunner(d)), *needles)
 
 
 def test_bad_prefill_len(runner):

@@ -96,14 +96,17 @@ class _Stream(StoppingCriteria):
 
 def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: bool = True, max_new_tokens: int = 128,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
-             stream=None) -> list[list[int]]:
+             stream=None, system: str | None = None, stop=()) -> list[list[int]]:
     """Generate for a batch of prompts through NxDI's HuggingFaceGenerationAdapter (right padding, decode mask over
     [0, pos), on-device sampling when compiled with it). Returns the new token ids per prompt, cut after the first
-    stop token."""
+    stop token. `system` opens each chat with a system message; a row also ends once its text holds a string of
+    `stop` (the caller cuts the text there: runtime.chat.cut_at_stop)."""
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
 
+    from kimi_k2_neuron.runtime.chat import StopStrings, chat_messages
+
     if chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+        prompts = [tokenizer.apply_chat_template(chat_messages(p, system), tokenize=False,
                                                  add_generation_prompt=True) for p in prompts]
     n, batch = len(prompts), app.neuron_config.max_batch_size
     if n > batch:
@@ -131,6 +134,8 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
     gen_cfg = GenerationConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad)
     criteria = StoppingCriteriaList([_Stream(tokenizer, width, stream)] if stream else [])
+    if stop:
+        criteria.append(StopStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop, start=width))
     out = HuggingFaceGenerationAdapter(app).generate(input_ids, attention_mask=attention_mask,
                                                      generation_config=gen_cfg, stopping_criteria=criteria)
     rows = []

@@ -1,19 +1,187 @@
-"""Placeholder: replaced by the launcher of the cli-ux branch."""
-import os, socket
-import torch.multiprocessing as mp
+"""Run one process per rank and never leave one behind.
+
+    run_ranks(target, nprocs, args=())
+
+starts `nprocs` processes with the spawn start method; process `rank` calls `target(rank, *args)` with the
+torch.distributed environment already set (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, WORLD_SIZE, RANK,
+LOCAL_RANK), so `torch.distributed.init_process_group(backend)` needs no other argument. `target` and `args` must be
+picklable: a module-level function and plain data. Nothing is returned; ranks hand results back through files.
+
+No rank outlives the run:
+* a rank that fails makes run_ranks terminate the others and raise: KimiInputError with the rank's own message when
+  that was the rank's error (so the CLI still prints one `error:` line, exit 2), else RankFailed naming the rank and
+  its exception (a rank's unexpected exception also prints its traceback, for debugging);
+* SIGTERM or SIGINT to the parent terminates every rank and raises RanksInterrupted (exit code 128 + signal);
+* if the parent dies anyhow (SIGKILL included), Linux sends each rank SIGTERM (prctl PR_SET_PDEATHSIG); elsewhere
+  that safety net is skipped.
+RanksError (the base of RankFailed and RanksInterrupted) carries a one-line message and `exit_code`.
+
+This module imports no torch: a rank pays only for what its target imports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import traceback
+from contextlib import contextmanager
+from multiprocessing.connection import wait
+
+from ..errors import KimiInputError
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_GRACE_SECONDS = 5  # how long a terminated rank may take before it is killed
 
 
-def _port():
+class RanksError(RuntimeError):
+    """A run of ranks that did not finish; str() is one line, `exit_code` what a command should exit with."""
+
+    exit_code = 1
+
+
+class RankFailed(RanksError):
+    """A rank raised an unexpected exception or died."""
+
+
+class RanksInterrupted(RanksError):
+    """The parent got SIGTERM or SIGINT; every rank was terminated."""
+
+    def __init__(self, signum: int):
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}; terminated every rank")
+        self.exit_code = 128 + signum
+
+
+def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
+    """Run target(rank, *args) in `nprocs` spawned processes; see the module docstring for the guarantees."""
+    if nprocs < 1:
+        raise KimiInputError(f"nprocs {nprocs}: expected at least 1 rank")
+    ctx = multiprocessing.get_context("spawn")
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+    procs, reports = [], []
+    try:
+        with _signals(_raise_interrupted):
+            for rank in range(nprocs):
+                read, write = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_rank_main, args=(target, rank, env, os.getpid(), write, args),
+                                name=f"rank-{rank}")
+                p.start()
+                procs.append(p)
+                reports.append(read)
+                write.close()  # only the rank keeps a write end
+            _supervise(procs, reports)
+    finally:
+        with _signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the clean-up short (it ends within seconds)
+            _stop(procs)
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _main(rank, target, nprocs, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
-    target(rank, *args)
+def _raise_interrupted(signum, frame):
+    raise RanksInterrupted(signum)
 
 
-def run_ranks(target, nprocs, args=()):
-    mp.spawn(_main, args=(target, nprocs, _port(), args), nprocs=nprocs, join=True)
+@contextmanager
+def _signals(handler):
+    """SIGTERM and SIGINT go to `handler` inside the block; the previous handlers come back after. Handlers can only
+    be set from the main thread; elsewhere the caller's own signal handling stays."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _supervise(procs, reports) -> None:
+    """Wait until every rank has exited; raise as soon as one fails."""
+    running = dict(zip((p.sentinel for p in procs), range(len(procs))))
+    while running:
+        for sentinel in wait(list(running)):
+            rank = running.pop(sentinel)
+            procs[rank].join()
+            if procs[rank].exitcode != 0:
+                raise _failure(rank, procs[rank].exitcode, reports[rank])
+
+
+def _failure(rank: int, exitcode: int, report) -> Exception:
+    """The error for a rank that exited with `exitcode`: its own report when it sent one."""
+    try:
+        kind, message = report.recv() if report.poll() else ("died", None)
+    except EOFError:  # poll() is also true at end of file: the rank closed its end without a word
+        kind, message = "died", None
+    if kind == "input":
+        return KimiInputError(message)
+    if message is None:
+        how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+        message = f"died from {how} without reporting an error"
+    return RankFailed(f"rank {rank}: {message}")
+
+
+def _stop(procs) -> None:
+    """Terminate every rank still running, then kill what has not gone after a grace period."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(_GRACE_SECONDS)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+# -- in the rank process ------------------------------------------------------------------------------------------
+
+
+def _rank_main(target, rank: int, env: dict, parent_pid: int, report, args: tuple) -> None:
+    # SIGTERM (from the parent, or PDEATHSIG) exits through the interpreter's shutdown, which releases what the rank
+    # holds; killed outright, it would leave e.g. tqdm's multiprocessing lock for the resource tracker to warn about.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops the ranks
+    _die_with_parent(parent_pid)
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    try:
+        target(rank, *args)
+    except SystemExit:
+        raise
+    except KimiInputError as e:
+        _report_and_exit(report, "input", str(e))
+    except BaseException as e:
+        traceback.print_exc()
+        _report_and_exit(report, "error", f"{type(e).__name__}: {_first_line(e)}")
+
+
+def _report_and_exit(report, kind: str, message: str) -> None:
+    report.send((kind, message))
+    report.close()
+    sys.exit(1)
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else "(no message)"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGTERM this process when its parent dies; exit now if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return  # no usable libc prctl: run without the safety net
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)

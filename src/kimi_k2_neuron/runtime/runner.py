@@ -4,18 +4,28 @@ Layer-streamed mode exists so the real 1T-parameter checkpoint can produce golde
 the model is built on the meta device, embeddings/norm/lm_head are loaded once, and each decoder layer is
 loaded from the checkpoint (dequantized to the compute dtype), run, and freed. Peak memory is about one layer in
 the compute dtype plus the embeddings and the KV cache. Logits equal the in-memory mode's exactly.
+
+With progress=True a request shows a bar over its decoder-layer passes (throughput and ETA, on stderr): for the
+1T model every pass streams ~1 TB of weights, so a golden of a few passes takes hours.
+
+Requests are checked against config.json alone (check_logits_request, check_generate_request), so the CLI refuses
+bad ids or too many positions before it loads anything.
 """
 
 from __future__ import annotations
 
 import numbers
+import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from ..checkpoint.source import WeightSource
+from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..model.model import KimiK2ForCausalLM
 from ..parallel import SINGLE, ParallelContext
@@ -43,7 +53,8 @@ class CpuRunner:
     def __init__(self, model_dir, dtype: torch.dtype = torch.float32, layer_streamed: bool = False,
                  progress: bool = False, ctx: ParallelContext = SINGLE):
         self.source = WeightSource(model_dir)
-        self.cfg, self.dtype, self.layer_streamed = self.source.cfg, dtype, layer_streamed
+        self.cfg, self.dtype, self.layer_streamed, self.progress = self.source.cfg, dtype, layer_streamed, progress
+        self._bar = tqdm(disable=True)  # the running request's bar (_passes); a no-op outside requests
         if layer_streamed:
             self._check_streamable_names()
             with torch.device("meta"):
@@ -75,30 +86,52 @@ class CpuRunner:
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         return LatentCache(self.cfg, batch, max_len, self.dtype)
 
+    @contextmanager
+    def _around_layer(self, idx: int):
+        """Entered around each decoder layer: loads and frees it in layer-streamed mode, and ticks the bar."""
+        with self._stream_layer(idx) if self.layer_streamed else nullcontext():
+            yield
+        self._bar.update()
+
+    @contextmanager
+    def _passes(self, what: str, passes: int):
+        """The bar of one request of `passes` forward passes, counted in decoder layers."""
+        n = self.cfg.num_hidden_layers
+        self._bar = tqdm(total=passes * n, unit="layer", desc=f"{what}: {passes} passes x {n} layers",
+                         disable=not self.progress, file=sys.stderr, dynamic_ncols=True, leave=False)
+        try:
+            yield
+        finally:
+            self._bar.close()
+            self._bar = tqdm(disable=True)
+
     def forward(self, ids, positions, cache_layers, absorbed=None) -> torch.Tensor:
-        hook = self._stream_layer if self.layer_streamed else None
-        return self.model(ids, positions, cache_layers, absorbed=absorbed, layer_hook=hook)
+        return self.model(ids, positions, cache_layers, absorbed=absorbed, layer_hook=self._around_layer)
 
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
         """Float32 logits [B, S, V] at every position. Positions < prefill_len come from one prefill pass; the
         rest are fed one token at a time through the decode path and the KV cache (teacher forcing)."""
-        ids = self._id_tensor(rows)
+        check_logits_request(self.cfg, rows, prefill_len)
+        ids = torch.tensor(rows)
         b, s = ids.shape
         k = s if prefill_len is None else prefill_len
-        if not 0 <= k <= s:
-            raise KimiInputError(f"--prefill-len {k} must be between 0 and the sequence length {s}")
         cache = self.new_cache(b, s)
         pos = torch.arange(s).expand(b, s)
-        out = [self.forward(ids[:, :k], pos[:, :k], cache.layers)] if k else []
-        out += [self.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache.layers) for t in range(k, s)]
+        with self._passes("logits", int(k > 0) + s - k):
+            out = [self.forward(ids[:, :k], pos[:, :k], cache.layers)] if k else []
+            out += [self.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache.layers) for t in range(k, s)]
         return torch.cat(out, dim=1)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
-                 stop_ids: set[int] = frozenset(), seed: int = 0) -> GenerationResult:
+                 stop_ids: set[int] = frozenset(), seed: int = 0,
+                 stop_when: Callable[[list[int]], bool] | None = None) -> GenerationResult:
         """Prompts may differ in length: each row is prefilled on its own, then all rows decode together, each
-        at its own position."""
-        for p in prompts:
-            self._id_tensor([p])
+        at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true."""
+        check_generate_request(self.cfg, prompts, max_new_tokens)
+        with self._passes("generate", len(prompts) + max_new_tokens - 1):
+            return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when)
+
+    def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when) -> GenerationResult:
         gen = torch.Generator().manual_seed(seed)
         lens = torch.tensor([len(p) for p in prompts])
         cache = self.new_cache(len(prompts), int(lens.max()) + max_new_tokens)
@@ -114,7 +147,7 @@ class CpuRunner:
             for i, t in enumerate(tok.tolist()):
                 if not done[i]:
                     outs[i].append(t)
-                    done[i] = t in stop_ids
+                    done[i] = t in stop_ids or (stop_when is not None and stop_when(outs[i]))
             if all(done) or step == max_new_tokens - 1:
                 break
             last = self.forward(tok[:, None], positions[:, None], cache.layers)[:, -1]
@@ -122,17 +155,47 @@ class CpuRunner:
             steps += 1
         return GenerationResult(outs, t1 - t0, time.perf_counter() - t1, steps)
 
-    def _id_tensor(self, rows: list[list[int]]) -> torch.Tensor:
-        if not rows or any(len(r) == 0 for r in rows):
-            raise KimiInputError("input ids: every row needs at least one token")
-        if len({len(r) for r in rows}) != 1:
-            raise KimiInputError(f"input ids: rows have different lengths {[len(r) for r in rows]}; "
-                                 f"logits needs rows of equal length")
-        v = self.cfg.vocab_size
-        kind = next((t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
-        if kind is not None:
-            raise KimiInputError(f"input ids: token {kind!r} is a {type(kind).__name__}, expected an integer id")
-        bad = [t for r in rows for t in r if not 0 <= t < v]
-        if bad:
-            raise KimiInputError(f"input ids: token {bad[0]} is outside the vocabulary [0, {v}) of config.json")
-        return torch.tensor(rows)
+
+def check_rows(cfg: KimiK2Config, rows: list[list[int]], equal_lengths: bool) -> None:
+    """Token-id rows a forward pass takes: each non-empty, integer ids inside config.json's vocabulary, and all of
+    one length when `equal_lengths`."""
+    if not rows or any(len(r) == 0 for r in rows):
+        raise KimiInputError("input ids: every row needs at least one token")
+    if equal_lengths and len({len(r) for r in rows}) != 1:
+        raise KimiInputError(f"input ids: rows have different lengths {[len(r) for r in rows]}; "
+                             f"logits needs rows of equal length")
+    v = cfg.vocab_size
+    kind = next((t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
+    if kind is not None:
+        raise KimiInputError(f"input ids: token {kind!r} is a {type(kind).__name__}, expected an integer id")
+    bad = [t for r in rows for t in r if not 0 <= t < v]
+    if bad:
+        raise KimiInputError(f"input ids: token {bad[0]} is outside the vocabulary [0, {v}) of config.json")
+
+
+def check_logits_request(cfg: KimiK2Config, rows: list[list[int]], prefill_len: int | None) -> None:
+    """What CpuRunner.logits refuses, from config.json alone."""
+    check_rows(cfg, rows, equal_lengths=True)
+    s = len(rows[0])
+    k = s if prefill_len is None else prefill_len
+    if not 0 <= k <= s:
+        raise KimiInputError(f"--prefill-len {k} must be between 0 and the sequence length {s}")
+    _check_positions(cfg, s, f"input ids: rows of {s} tokens")
+
+
+def check_generate_request(cfg: KimiK2Config, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """What CpuRunner.generate refuses, from config.json alone."""
+    check_rows(cfg, prompts, equal_lengths=False)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise KimiInputError(f"--max-new-tokens {max_new_tokens!r}: expected an integer >= 1")
+    longest = max(len(p) for p in prompts)
+    _check_positions(cfg, longest + max_new_tokens,
+                     f"--max-new-tokens {max_new_tokens}: a prompt of {longest} tokens + {max_new_tokens} new tokens")
+
+
+def _check_positions(cfg: KimiK2Config, needed: int, what: str) -> None:
+    # YaRN stretches RoPE to max_position_embeddings and no further: past it the model runs, but nothing says its
+    # output still makes sense, so refuse rather than run silently.
+    if needed > cfg.max_position_embeddings:
+        raise KimiInputError(f"{what} need {needed} positions, expected at most max_position_embeddings="
+                             f"{cfg.max_position_embeddings} of config.json")

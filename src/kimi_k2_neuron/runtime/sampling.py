@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import KimiInputError
 
 
 @dataclass(frozen=True)
@@ -14,8 +17,13 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no nucleus filter
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"bad sampling parameters {self}: need temperature >= 0, top_k >= 0, 0 < top_p <= 1")
+        # NaN passes every comparison, so the checks are written as what must hold.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise KimiInputError(f"temperature {self.temperature}: expected a finite number >= 0")
+        if not self.top_k >= 0:
+            raise KimiInputError(f"top_k {self.top_k}: expected an integer >= 0")
+        if not 0 < self.top_p <= 1:
+            raise KimiInputError(f"top_p {self.top_p}: expected a number > 0 and <= 1")
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

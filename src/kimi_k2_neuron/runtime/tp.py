@@ -2,37 +2,37 @@
 
 Every rank builds the same model with ParallelContext(tp, rank), so it holds only its slice of the heads,
 MLP/expert columns and vocabulary, exactly as a Neuron rank does; the collectives in kimi_k2_neuron.parallel
-stitch the results together. Rank 0 writes the logits.
+stitch the results together. Rank 0 writes the logits. The ranks run under runtime.ranks.run_ranks: none outlives
+the command, and a rank's bad-input error reaches the user as the usual one-line error.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from ..parallel import ParallelContext
+from .ranks import run_ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank, tp, port, model_dir, rows, prefill_len, dtype, layer_streamed, out_path):
+def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path):
     from .runner import CpuRunner
 
+    # Only rank 0 shows progress, so tqdm needs no multiprocessing lock: a rank killed while holding one leaves it
+    # to the resource tracker, which then warns on the user's terminal after the one-line error.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # ranks share the host's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)  # address and port from run_ranks' environment
     try:
-        runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, ctx=ParallelContext(tp, rank))
+        runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, progress=rank == 0,
+                           ctx=ParallelContext(tp, rank))
         logits = runner.logits(rows, prefill_len)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, out_path)
@@ -44,6 +44,5 @@ def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, laye
     """CpuRunner.logits computed by `tp` ranks; returns rank 0's [B, S, V] float32 logits."""
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.safetensors")
-        args = (tp, _free_port(), str(model_dir), rows, prefill_len, dtype, layer_streamed, out)
-        mp.spawn(_rank_main, args=args, nprocs=tp, join=True)
+        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out))
         return load_file(out)["logits"]

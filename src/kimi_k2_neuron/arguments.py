@@ -1,0 +1,174 @@
+"""Command-line plumbing shared by `kimi-k2-neuron` and the trn2 scripts: one-line argument errors, help that shows
+every default, checked numbers, output paths checked before any work, and the generation flags.
+
+Stdlib only (no torch, no Neuron SDK), so every script parses and validates its arguments, and answers --help, in
+a fraction of a second on any machine. Argument errors read `error: <flag or path>: <what was expected>` on one
+line and exit with code 2, like every other bad input (kimi_k2_neuron.errors.KimiInputError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import KimiInputError
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, `error: <flag>: <message>`, with no usage block."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        # argparse says "argument --x: ..."; drop its "argument " so the line starts with the flag.
+        self.exit(2, f"error: {message.removeprefix('argument ')}\n")
+
+
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends "(default: ...)" to every option's help unless the help already states its default. Flags print
+    "off" rather than False. "None" says nothing, so an option without a default value must say in its own words
+    what happens without it (or be one of a required choice of options)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        says_default = "default" in text.lower()
+        unset = action.default is None or action.default is argparse.SUPPRESS
+        if says_default or unset or action.required or not action.option_strings:
+            return text
+        shown = "off" if action.default is False else "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
+# -- checked numbers (argparse type= functions) -------------------------------------------------------------------
+
+
+def integer(lo: int):
+    """type= for an integer >= lo."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def number(lo: float, hi: float = math.inf, lo_open: bool = False):
+    """type= for a finite number in [lo, hi] ((lo, hi] with lo_open); NaN and inf are refused."""
+    expected = f"a finite number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < lo or (lo_open and value == lo) or value > hi:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected
+    return parse
+
+
+# -- output paths, checked before any work so a bad path never throws away hours of compute -----------------------
+
+
+def _probe_writable(folder: Path, what: str) -> None:
+    """Create and delete a file in `folder`: the only reliable test (os.access says yes to root on /proc)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kimi-k2-neuron-probe-", dir=folder)
+    except OSError as e:
+        raise KimiInputError(f"{what}: expected a writable folder, but {folder} refuses new files ({e.strerror})")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_out_file(path: str | Path, what: str) -> None:
+    """`path` can be written as a file: not a directory, in an existing writable folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
+    folder = path.parent
+    if not folder.is_dir():
+        raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is not a folder")
+    _probe_writable(folder, f"{what} {path}")
+
+
+def check_out_dir(path: str | Path, what: str) -> None:
+    """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder."""
+    path = Path(path).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is a file")
+    _probe_writable(existing, f"{what} {path}")
+
+
+# -- generation flags, the same on CPU (`kimi-k2-neuron generate`) and trn2 (scripts/run_inference.py) -------------
+
+
+def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k: int, prompts=None) -> None:
+    """--prompt (repeatable), --no-chat, --system, --stop, --max-new-tokens and the sampling flags. `top_k` is the
+    top-k used with --temperature > 0 when --top-k is not given. --prompt is required, unless `prompts` is given: a
+    required mutually exclusive group that offers it beside another input flag."""
+    (prompts or p).add_argument("--prompt", action="append", metavar="TEXT", required=prompts is None,
+                   help="prompt text; repeat for several prompts, generated as one batch")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--no-chat", dest="chat", action="store_false",
+                      help="send the prompt as is (default: wrapped in the checkpoint's chat template)")
+    chat.add_argument("--chat", dest="chat", action="store_true",
+                      help="the default; kept so older command lines still work")
+    p.set_defaults(chat=True)
+    p.add_argument("--system", metavar="TEXT", help="a system message before the prompt in the chat (default: none)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="repeatable: end a row once its text contains STR, and cut the text there; on top of the "
+                        "end-of-turn tokens (default: none)")
+    p.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, metavar="N",
+                   help="tokens to generate per prompt, at most")
+    p.add_argument("--greedy", action="store_true",
+                   help="always pick the most likely token (the default when --temperature is not given)")
+    p.add_argument("--temperature", type=number(0.0), default=None, metavar="T",
+                   help="sample with this temperature; 0 is greedy (default: greedy)")
+    p.add_argument("--top-k", type=integer(0), default=None, metavar="K",
+                   help=f"with --temperature > 0: sample among the k most likely tokens; 0 = all (default: {top_k})")
+    p.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=None, metavar="P",
+                   help="with --temperature > 0: sample within this probability mass (default: 1, all)")
+    p.add_argument("--seed", type=integer(0), default=0, metavar="S",
+                   help="seeds the sampling random generator (only --temperature > 0 draws from it)")
+    p.set_defaults(default_top_k=top_k)  # for sampling_values, so the backend's default is written once
+
+
+def check_generation_args(a: argparse.Namespace) -> None:
+    """Combinations argparse cannot refuse on its own; run right after parsing, before any loading."""
+    sampling = [f for f, v in (("--temperature", a.temperature), ("--top-k", a.top_k), ("--top-p", a.top_p))
+                if v is not None]
+    if a.greedy and sampling:
+        raise KimiInputError(f"{sampling[0]}: not allowed with --greedy (greedy decoding does not sample)")
+    for flag, value in (("--top-k", a.top_k), ("--top-p", a.top_p)):
+        if value is not None and not (a.temperature or 0) > 0:
+            raise KimiInputError(f"{flag}: needs --temperature > 0 (without it decoding is greedy and ignores {flag})")
+    if a.system is not None and not a.chat:
+        raise KimiInputError("--system: not allowed with --no-chat (the system message goes into the chat template)")
+
+
+def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) the flags ask for; temperature 0 means greedy (and no filters)."""
+    if not (a.temperature or 0) > 0:
+        return 0.0, 0, 1.0
+    return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
+
+
+def fail(e: Exception, exit_code: int = 2) -> int:
+    """Print an error on one line and give the exit code (2: bad input)."""
+    print(f"error: {e}", file=sys.stderr)
+    return exit_code

@@ -1,0 +1,51 @@
+"""What generation shares on CPU (`kimi-k2-neuron generate`) and trn2 (scripts/run_inference.py): the chat that
+--prompt and --system make, --stop strings, and how rows are printed.
+
+Stop strings work on decoded text, so the same rule serves the CPU runner (per row, after each token) and
+transformers' generation loop (as a stopping criterion over the whole batch).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+
+def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
+    """The messages --prompt and --system make: an optional system message, then the user's prompt."""
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return head + [{"role": "user", "content": prompt}]
+
+
+def cut_at_stop(text: str, stops: Iterable[str]) -> str:
+    """`text` up to (not including) the earliest stop string in it; all of it when none occurs."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return text[:min(hits)] if hits else text
+
+
+class StopStrings:
+    """Ends a row once its decoded new tokens contain one of `stops`.
+
+    `done(tokens)` serves the CPU runner; calling the object with input_ids [B, T] serves transformers (and NxDI's
+    adapter) as a StoppingCriteria: one bool per row, new tokens starting at column `start`."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], start: int = 0):
+        self.decode, self.stops, self.start = decode, [s for s in stops if s], start
+
+    def done(self, tokens: list[int]) -> bool:
+        text = self.decode(tokens)
+        return any(s in text for s in self.stops)
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        rows = [self.done(row[self.start:]) for row in input_ids.tolist()]
+        return torch.tensor(rows, dtype=torch.bool, device=input_ids.device)
+
+
+def print_rows(prompts: Sequence[str], texts: Sequence[str]) -> None:
+    """One row: its text alone. Several: each under a `### prompt` line, so the rows stay apart."""
+    if len(texts) == 1:
+        print(texts[0])
+        return
+    for prompt, text in zip(prompts, texts):
+        print(f"### {prompt}\n{text}\n")
