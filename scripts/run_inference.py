@@ -1,6 +1,7 @@
 """Generate with a compiled Kimi-K2 on trn2 (NxDI runner), streaming the text as it is produced.
 
-The tokenizer and chat template come from the checkpoint (trust_remote_code); generation stops at [EOS] (163585)
+The tokenizer and chat template come from the checkpoint (tiktoken.model, read as the CPU runner reads it);
+generation stops at [EOS] (163585)
 or <|im_end|> (163586), and at any --stop string. Prompts go through the chat template unless --no-chat. Several
 --prompt run as one batch (up to the compiled batch size). The flags mean what they mean for
 `kimi-k2-neuron generate` on CPU.
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     if stream:
         print()
     else:
-        print_rows(args.prompt, [cut_at_stop(tok.decode(r, skip_special_tokens=True), args.stop) for r in rows])
+        print_rows(args.prompt, [cut_at_stop(tok.decode(r, skip_special=True), args.stop) for r in rows])
     n = sum(len(r) for r in rows)
     # Wall time of the whole call (prefill included): not a TPOT; scripts/bench_tpot.py measures decode alone.
     print(f"[{n} tokens in {seconds:.2f} s wall, prefill included; use scripts/bench_tpot.py for TPOT]",

@@ -51,7 +51,11 @@ def cmd_logits(a) -> int:
     check_out_file(a.out, "--out")
     cfg = KimiK2Config.from_file(a.model)
     check_logits_request(cfg, a.input_ids, a.prefill_len)
-    if a.tp == 1:
+    _check_backend(a)
+    if a.backend == NXDI_CPU:
+        logits, paths = _nxdi_cpu().logits(_nxdi_options(a), a.input_ids, a.prefill_len)
+        print(paths, file=sys.stderr)
+    elif a.tp == 1:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
@@ -62,6 +66,41 @@ def cmd_logits(a) -> int:
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
+
+
+NXDI_CPU = "nxdi-cpu"
+
+
+def _check_backend(a) -> None:
+    """Flags that belong to one backend only, refused before any work."""
+    if a.backend == NXDI_CPU:
+        if a.layer_streamed:
+            raise KimiInputError("--layer-streamed: only with --backend core (NxDI builds the whole model)")
+        if getattr(a, "prefill_len", None) == 0:
+            raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
+                                 "(NxDI's context-encoding submodel)")
+        return
+    if a.fn is cmd_generate and a.tp > 1:
+        raise KimiInputError(f"--tp {a.tp}: the core runner generates in one process (--backend {NXDI_CPU} runs "
+                             f"ranks, and so does `logits --tp`)")
+    for flag, given in (("--ep", a.ep != 1), ("--experts", a.experts is not None)):
+        if given:
+            raise KimiInputError(f"{flag}: only with --backend {NXDI_CPU} (the core runner reads any checkpoint "
+                                 f"as it is, and has no expert parallelism)")
+
+
+def _nxdi_cpu():
+    """kimi_k2_neuron.neuron.cpu, or a one-line error naming what is missing."""
+    try:
+        from .neuron import cpu
+    except ImportError as e:
+        raise KimiInputError(f"--backend {NXDI_CPU}: {e} Set it up as README section 'The NxDI model on CPU' says.")
+    return cpu
+
+
+def _nxdi_options(a):
+    return _nxdi_cpu().CpuOptions(model=a.model, experts=a.experts, tp=a.tp, ep=a.ep, dtype=a.dtype,
+                                  cache_dir=str(_cache_dir() / "converted"))
 
 
 def _check_tp_divides(cfg, tp: int) -> None:
@@ -85,33 +124,54 @@ def cmd_generate(a) -> int:
     from .runtime.sampling import SamplingParams
 
     _check_generate_args(a)
+    _check_backend(a)
     cfg = KimiK2Config.from_file(a.model)
     tok = _load_tokenizer(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
     prompts = _encode_prompts(a, tok) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
-    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
+    if a.backend == NXDI_CPU:
+        return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
+    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
     stop_when = StopStrings(tok.decode, a.stop).done if a.stop else None
     res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
                           seed=a.seed, stop_when=stop_when)
     texts = [cut_at_stop(tok.decode(t), a.stop) for t in res.tokens] if a.prompt else None
-    _print_generation(a, res, texts)
+    _print_generation(a, res.tokens, texts, res)
     return 0
 
 
-def _print_generation(a, res, texts: list[str] | None) -> None:
+def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
+    """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
+    from .runtime.chat import cut_at_stop
+
+    cpu = _nxdi_cpu()
+    temperature, top_k, top_p = sampling_values(a)
+    g = cpu.Generation(rows=prompts, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=a.max_new_tokens,
+                       **cpu.sampler_settings(temperature, top_k, top_p), seed=a.seed, stop=tuple(a.stop),
+                       tokenizer_dir=a.model if tok else None)
+    tokens = cpu.generate(_nxdi_options(a), g)
+    texts = [cut_at_stop(tok.decode(t), a.stop) for t in tokens] if a.prompt else None
+    _print_generation(a, tokens, texts)
+    return 0
+
+
+def _print_generation(a, tokens: list[list[int]], texts: list[str] | None, res=None) -> None:
+    """Rows as text (or ids), then the CPU runner's timings when `res` (a GenerationResult) has them."""
     from .runtime.chat import print_rows
 
+    timing = {"prefill_seconds": res.prefill_seconds, "decode_tokens_per_second": res.decode_tokens_per_second} \
+        if res is not None else {}
     if a.json:
-        print(json.dumps({"tokens": res.tokens, "text": texts, "prefill_seconds": res.prefill_seconds,
-                          "decode_tokens_per_second": res.decode_tokens_per_second}))
+        print(json.dumps({"tokens": tokens, "text": texts, "backend": a.backend, **timing}))
         return
     if texts:
         print_rows(a.prompt, texts)
     else:
-        print("\n".join(",".join(map(str, t)) for t in res.tokens))
-    print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
-          file=sys.stderr)
+        print("\n".join(",".join(map(str, t)) for t in tokens))
+    if timing:
+        print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
+              file=sys.stderr)
 
 
 def _check_generate_args(a) -> None:
@@ -213,8 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
-    s.add_argument("--tp", type=integer(1), default=1, metavar="N",
-                   help="tensor-parallel CPU ranks (gloo over loopback)")
     s.set_defaults(fn=cmd_logits)
 
     s = _command(sub, "generate", "generate on CPU; several --prompt decode as one batch")
@@ -269,6 +327,17 @@ def _command(sub, name: str, what: str) -> argparse.ArgumentParser:
 
 
 def _model_opts(s):
+    s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
+                   help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
+                        "real NxD/NxDI in NxD's CPU mode, needs them importable (README: 'The NxDI model on CPU')")
+    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
+                   help="nxdi-cpu: the expert scheme a raw --model is converted to first, into "
+                        "$KIMI_K2_NEURON_CACHE/converted (default: fp8-blockwise; a converted --model keeps its own)")
+    s.add_argument("--ep", type=integer(1), default=1, metavar="E",
+                   help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
+                        "which has no XLA process groups)")
+    s.add_argument("--tp", type=integer(1), default=1, metavar="N",
+                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: float32 only")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")

@@ -134,5 +134,5 @@ def golden_rows(served) -> list[list[int]]:
         return torch.randint(0, 256, (batch, PREFILL + DECODE), generator=g).tolist()
     texts = ["The capital of France is Paris, and the capital of Germany is Berlin. The capital of Italy is",
              "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) +"]
-    rows = [served.tokenizer.encode(t, add_special_tokens=False)[: PREFILL + DECODE] for t in texts]
+    rows = [served.tokenizer.encode(t)[: PREFILL + DECODE] for t in texts]
     return (rows * batch)[:batch]

@@ -106,7 +106,7 @@ def test_coherence(served):
         chunk = COHERENCE[i:i + batch]
         rows = generate(served.app, served.tokenizer, [q for q, _ in chunk], served.cfg, max_new_tokens=48)
         for (question, answer), ids in zip(chunk, rows):
-            text = served.tokenizer.decode(ids, skip_special_tokens=True)
+            text = served.tokenizer.decode(ids, skip_special=True)
             print(f"{question!r} -> {text!r}")
             assert answer in text.lower(), f"{question!r} -> {text!r}"
             assert not _degenerate(ids), f"degenerate output for {question!r}: {text!r}"

@@ -52,3 +52,13 @@ def test_bfloat16_close_to_float32_reference(tiny_dirs, hf_models):
     # move one position's logits a lot, so bound the typical error and the greedy choices, not the worst case.
     assert (ours - ref).abs().median() / ref.abs().max() < 2e-2
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_rows_of_different_lengths_match_transformers_row_by_row(tiny_dirs, hf_models):
+    """Ragged rows: each prefills min(prefill_len, its length) tokens, and is NaN past its end (the nxdi-cpu
+    backend's output shape)."""
+    rows = [ROWS[0], ROWS[1][:6]]
+    ours = CpuRunner(tiny_dirs["fp8"]).logits(rows, prefill_len=4)
+    assert ours.shape == (2, 10, 512) and torch.isnan(ours[1, 6:]).all() and not torch.isnan(ours[1, :6]).any()
+    for r, row in enumerate(rows):
+        assert rel_err(ours[r, :len(row)], hf_logits(hf_models["fp8"], [row], 4)[0]) < TOL

@@ -14,9 +14,12 @@ traced path sets (ModelWrapper.get, model_wrapper.py:1567-1573), so a CPU run co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -235,9 +238,10 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
 
 def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
     """teacher_forced_logits of the NxDI model at o.tp ranks (one process each, gloo) and the MoE path report."""
-    check(o)
+    o = _prepared(o)
     if o.tp == 1:
-        return _rank_logits(o, rows, prefill_len)
+        with library_output_to_stderr():
+            return _rank_logits(o, rows, prefill_len)
     from kimi_k2_neuron.runtime.ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as d:
@@ -252,9 +256,99 @@ def _rank_logits(o: CpuOptions, rows, prefill_len):
     return teacher_forced_logits(app, rows, prefill_len), paths.report()
 
 
+def _prepared(o: CpuOptions) -> CpuOptions:
+    """o, checked, with a raw checkpoint converted once here rather than by every rank at the same time."""
+    check(o)
+    return dataclasses.replace(o, model=str(converted_checkpoint(o)[0]))
+
+
+@contextlib.contextmanager
+def library_output_to_stderr():
+    """NxD logs INFO lines to stdout and gloo prints from C++ to fd 1; send both to stderr while the model is built
+    and run, so stdout carries only the command's output (`--json`)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _logits_rank(rank: int, o: CpuOptions, rows, prefill_len, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))  # the ranks share the host's cores
+    os.dup2(2, 1)  # a rank's stdout is library chatter only (see library_output_to_stderr)
     result, report = _rank_logits(o, rows, prefill_len)
     if rank == 0:
         save_file({"logits": result.contiguous()}, out)
         Path(out + ".paths").write_text(report)
+
+
+# -- generation --------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One batch to generate: token-id prompts and how (scripts/run_inference.py's and `generate`'s flags)."""
+
+    rows: list[list[int]]
+    stop_ids: tuple[int, ...]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 1
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings, decoded with the tokenizer of `tokenizer_dir`
+    tokenizer_dir: str | None = None
+
+    @property
+    def sampling(self) -> dict:
+        """The on-device sampler's settings, as compile_and_save sets them (its top-k caps the per-call one)."""
+        return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p, "temperature": self.temperature}
+
+
+def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
+    """Generation's do_sample/temperature/top_k/top_p for the CPU runner's (temperature, top_k, top_p), where
+    temperature 0 is greedy and top_k 0 means no filter: NxDI's sampler always filters, at most its global top-k
+    (contract.ServeOptions.global_topk), so 0 becomes that."""
+    if temperature <= 0:
+        return {"do_sample": False, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    return {"do_sample": True, "temperature": temperature, "top_k": top_k or contract.ServeOptions.global_topk,
+            "top_p": top_p}
+
+
+def generate(o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
+    """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks.
+    `stream` (TP=1 only) receives row 0's text as it comes."""
+    o = _prepared(o)
+    if o.tp == 1:
+        with library_output_to_stderr():
+            return _rank_generate(0, o, g, stream)
+    from kimi_k2_neuron.runtime.ranks import run_ranks
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "tokens.json")
+        run_ranks(_generate_rank, o.tp, (o, g, out))
+        return json.loads(Path(out).read_text())
+
+
+def _rank_generate(rank: int, o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
+    from .serving import generate_ids, load_tokenizer
+
+    torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
+    app = build(o, seq_len=max(len(r) for r in g.rows) + g.max_new_tokens, batch=len(g.rows), sampling=g.sampling)
+    tok = load_tokenizer(g.tokenizer_dir) if g.tokenizer_dir else None
+    decode = (lambda ids: tok.decode(ids, skip_special=True)) if tok else None
+    return generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,
+                        do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                        stream=stream if rank == 0 else None, stop=g.stop)
+
+
+def _generate_rank(rank: int, o: CpuOptions, g: Generation, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))
+    os.dup2(2, 1)
+    rows = _rank_generate(rank, o, g)
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))

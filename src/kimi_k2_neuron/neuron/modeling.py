@@ -172,7 +172,12 @@ class NeuronKimiK2Model(NeuronBaseModel):
 
     def init_model(self, config: KimiK2InferenceConfig):
         cfg, dtype = config.core_config(), config.neuron_config.torch_dtype
-        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=not self.on_device_sampling,
+        # On device the sampler reads vocab-sharded logits (its top-k/argmax gather across ranks). NxDI's sampler in
+        # CPU mode has no distributed path (process_group None, plain torch.topk/argmax: sampling.py:270-275,
+        # 324-325, 373-374), so a CPU run gathers the vocabulary in lm_head; NxDI's own models (llama's lm_head,
+        # modeling_llama.py:1128) would sample from one rank's shard there.
+        gather = not self.on_device_sampling or config.neuron_config.on_cpu
+        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=gather,
                                  reduce_dtype=config.neuron_config.rpl_reduce_dtype)
         self.embed_tokens = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryTable(cfg)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from neuronx_distributed_inference.models.config import MoENeuronConfig
-from transformers import AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
@@ -26,8 +26,6 @@ from .modeling import NeuronKimiK2ForCausalLM
 
 logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
-# Kimi's two end tokens: [EOS] (config.json eos_token_id) and <|im_end|>, which ends every chat turn.
-STOP_TOKENS = ("[EOS]", "<|im_end|>")
 
 
 def compile_model(checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
@@ -65,29 +63,22 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
 
 
 def load_tokenizer(checkpoint: str | Path):
-    # Kimi's tokenizer is checkpoint code (tiktoken-based tokenization_kimi.py): trust_remote_code.
-    return AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=True)
+    """Kimi's tokenizer (tiktoken.model, tokenizer_config.json, chat template) as the CPU runner reads it: the same
+    tokenizer, chat template and stop ids on CPU and trn2, and no checkpoint code to trust."""
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
-
-def stop_token_ids(tokenizer, cfg: KimiK2Config) -> list[int]:
-    """config.json's eos_token_id(s) plus the ids of [EOS] and <|im_end|> (163585 and 163586 for Kimi-K2)."""
-    ids = set(cfg.eos_token_ids)
-    for tok in STOP_TOKENS:
-        i = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return sorted(ids)
+    return KimiTokenizer.from_dir(checkpoint)
 
 
 class _Stream(StoppingCriteria):
     """Prints row 0's new text as it is generated. NxDI's generation adapter calls the stopping criteria once per
     step (hf_adapter.py:247) and has no `streamer` support, so streaming rides on this hook; it never stops."""
 
-    def __init__(self, tokenizer, prompt_len: int, write):
-        self.tok, self.start, self.write, self.shown = tokenizer, prompt_len, write, ""
+    def __init__(self, decode, prompt_len: int, write):
+        self.decode, self.start, self.write, self.shown = decode, prompt_len, write, ""
 
     def __call__(self, input_ids, scores, **kwargs):
-        text = self.tok.decode(input_ids[0, self.start:], skip_special_tokens=True)
+        text = self.decode(input_ids[0, self.start:].tolist())
         if text.startswith(self.shown) and len(text) > len(self.shown):
             self.write(text[len(self.shown):])
             self.shown = text
@@ -97,22 +88,32 @@ class _Stream(StoppingCriteria):
 def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: bool = True, max_new_tokens: int = 128,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
              stream=None, system: str | None = None, stop=()) -> list[list[int]]:
-    """Generate for a batch of prompts through NxDI's HuggingFaceGenerationAdapter (right padding, decode mask over
-    [0, pos), on-device sampling when compiled with it). Returns the new token ids per prompt, cut after the first
-    stop token. `system` opens each chat with a system message; a row also ends once its text holds a string of
-    `stop` (the caller cuts the text there: runtime.chat.cut_at_stop)."""
+    """Text prompts (through the chat template unless chat=False; `system` opens each chat) -> generate_ids. A row
+    also ends once its text holds a string of `stop` (the caller cuts the text there: runtime.chat.cut_at_stop).
+    `stream` receives row 0's new text as it comes."""
+    from kimi_k2_neuron.runtime.chat import chat_messages
+
+    texts = [tokenizer.apply_chat_template(chat_messages(p, system)) if chat else p for p in prompts]
+    return generate_ids(app, [tokenizer.encode(t) for t in texts], tokenizer.stop_ids(cfg.eos_token_ids),
+                        decode=lambda ids: tokenizer.decode(ids, skip_special=True), max_new_tokens=max_new_tokens,
+                        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, stream=stream,
+                        stop=stop)
+
+
+def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_tokens: int = 128,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
+                 stream=None, stop=()) -> list[list[int]]:
+    """Generate for a batch of token-id rows through NxDI's HuggingFaceGenerationAdapter (right padding, decode mask
+    over [0, pos), on-device sampling when compiled with it). Returns the new token ids per row, cut after the first
+    of `stop_ids`. `decode` (ids -> text) serves `stream` and the `stop` strings."""
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
 
-    from kimi_k2_neuron.runtime.chat import StopStrings, chat_messages
+    from kimi_k2_neuron.runtime.chat import StopStrings
 
-    if chat:
-        prompts = [tokenizer.apply_chat_template(chat_messages(p, system), tokenize=False,
-                                                 add_generation_prompt=True) for p in prompts]
-    n, batch = len(prompts), app.neuron_config.max_batch_size
+    n, batch = len(rows), app.neuron_config.max_batch_size
     if n > batch:
-        raise KimiInputError(f"{len(prompts)} prompts, but the model was compiled for batch {batch}")
-    prompts = prompts + [prompts[-1]] * (batch - len(prompts))  # fill the compiled batch
-    enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        raise KimiInputError(f"{n} prompts, but the model was compiled for batch {batch}")
+    enc = rows + [rows[-1]] * (batch - n)  # fill the compiled batch
     contract.check_prompt_lengths([len(e) for e in enc])
     width = max(len(e) for e in enc)
     nc = app.neuron_config
@@ -127,20 +128,20 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,
                        limit, nc.seq_len)
         max_new_tokens = limit
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = 0  # pad slots are masked out; any id will do
     input_ids = torch.tensor([e + [pad] * (width - len(e)) for e in enc])
     attention_mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in enc])
-    stops = stop_token_ids(tokenizer, cfg)
+    stops = sorted(stop_ids)
     gen_cfg = GenerationConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad)
-    criteria = StoppingCriteriaList([_Stream(tokenizer, width, stream)] if stream else [])
+    criteria = StoppingCriteriaList([_Stream(decode, width, stream)] if stream else [])
     if stop:
-        criteria.append(StopStrings(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop, start=width))
+        criteria.append(StopStrings(decode, stop, start=width))
     out = HuggingFaceGenerationAdapter(app).generate(input_ids, attention_mask=attention_mask,
                                                      generation_config=gen_cfg, stopping_criteria=criteria)
-    rows = []
+    new_rows = []
     for row in out[:n].tolist():
         new = row[width:]
-        cut = next((i + 1 for i, t in enumerate(new) if t in stops), len(new))
-        rows.append(new[:cut])
-    return rows
+        cut = next((i + 1 for i, t in enumerate(new) if t in stop_ids), len(new))
+        new_rows.append(new[:cut])
+    return new_rows

@@ -109,9 +109,16 @@ class CpuRunner:
         return self.model(ids, positions, cache_layers, absorbed=absorbed, layer_hook=self._around_layer)
 
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
-        """Float32 logits [B, S, V] at every position. Positions < prefill_len come from one prefill pass; the
-        rest are fed one token at a time through the decode path and the KV cache (teacher forcing)."""
+        """Float32 logits [B, S, V] at every position, S the longest row's length. Positions < prefill_len come
+        from one prefill pass; the rest are fed one token at a time through the decode path and the KV cache
+        (teacher forcing). Rows of different lengths run one at a time (each prefills min(prefill_len, its
+        length) tokens) and are NaN past their end, the same output as `--backend nxdi-cpu`'s."""
         check_logits_request(self.cfg, rows, prefill_len)
+        if len({len(r) for r in rows}) > 1:
+            out = torch.full((len(rows), max(map(len, rows)), self.cfg.vocab_size), float("nan"))
+            for i, r in enumerate(rows):
+                out[i, :len(r)] = self.logits([r], None if prefill_len is None else min(prefill_len, len(r)))[0]
+            return out
         ids = torch.tensor(rows)
         b, s = ids.shape
         k = s if prefill_len is None else prefill_len
@@ -156,14 +163,10 @@ class CpuRunner:
         return GenerationResult(outs, t1 - t0, time.perf_counter() - t1, steps)
 
 
-def check_rows(cfg: KimiK2Config, rows: list[list[int]], equal_lengths: bool) -> None:
-    """Token-id rows a forward pass takes: each non-empty, integer ids inside config.json's vocabulary, and all of
-    one length when `equal_lengths`."""
+def check_rows(cfg: KimiK2Config, rows: list[list[int]]) -> None:
+    """Token-id rows a forward pass takes: each non-empty, integer ids inside config.json's vocabulary."""
     if not rows or any(len(r) == 0 for r in rows):
         raise KimiInputError("input ids: every row needs at least one token")
-    if equal_lengths and len({len(r) for r in rows}) != 1:
-        raise KimiInputError(f"input ids: rows have different lengths {[len(r) for r in rows]}; "
-                             f"logits needs rows of equal length")
     v = cfg.vocab_size
     kind = next((t for r in rows for t in r if isinstance(t, bool) or not isinstance(t, numbers.Integral)), None)
     if kind is not None:
@@ -175,8 +178,8 @@ def check_rows(cfg: KimiK2Config, rows: list[list[int]], equal_lengths: bool) ->
 
 def check_logits_request(cfg: KimiK2Config, rows: list[list[int]], prefill_len: int | None) -> None:
     """What CpuRunner.logits refuses, from config.json alone."""
-    check_rows(cfg, rows, equal_lengths=True)
-    s = len(rows[0])
+    check_rows(cfg, rows)
+    s = max(len(r) for r in rows)
     k = s if prefill_len is None else prefill_len
     if not 0 <= k <= s:
         raise KimiInputError(f"--prefill-len {k} must be between 0 and the sequence length {s}")
@@ -185,7 +188,7 @@ def check_logits_request(cfg: KimiK2Config, rows: list[list[int]], prefill_len: 
 
 def check_generate_request(cfg: KimiK2Config, prompts: list[list[int]], max_new_tokens: int) -> None:
     """What CpuRunner.generate refuses, from config.json alone."""
-    check_rows(cfg, prompts, equal_lengths=False)
+    check_rows(cfg, prompts)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise KimiInputError(f"--max-new-tokens {max_new_tokens!r}: expected an integer >= 1")
     longest = max(len(p) for p in prompts)
