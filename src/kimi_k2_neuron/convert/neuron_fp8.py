@@ -24,11 +24,12 @@ from ..quant.int4 import check_group_scale, dequantize_group, unpack_int4
 from .layout import FP8_MAX, FP8_MAX_BYTE
 
 FP8 = torch.float8_e4m3fn
-# Source rows per step of the transposed copy and of the rescale: 64 rows of a Kimi expert (~460 KB) stay in L2
-# between the rescale's passes and the copy, and 64-row transposed copies ran fastest here (torch 2.13, one
-# thread: 1.7 GB/s against 0.9-1.2 for 32, 128 or 256 rows and for one whole-matrix copy).
+# Source rows per transposed copy: 64-row copies of a Kimi expert ran fastest here (torch 2.13, one thread:
+# 1.7 GB/s against 0.9-1.2 for 32, 128 or 256 rows and for one whole-matrix copy).
 _TILE = 64
-_CHUNK = 1 << 20  # source bytes per rescale step: few enough torch calls per MB, small enough to stay in L2
+# Source bytes per rescale step: few enough torch calls per MB, and small enough that the step's several passes
+# and its transposed copy run in L2 (2 MB per core here).
+_CHUNK = 1 << 20
 
 
 @dataclass
@@ -72,7 +73,7 @@ def _i64(pattern: str) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_L01, _L08, _L10, _L70, _L7F, _H80 = (_i64(b) for b in ("01", "08", "10", "70", "7f", "80"))
+_L08, _L70, _L7F, _H80 = (_i64(b) for b in ("08", "70", "7f", "80"))
 
 
 def _lanes(b: torch.Tensor) -> torch.Tensor:
