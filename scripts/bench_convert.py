@@ -1,18 +1,24 @@
 """Benchmark `kimi-k2-neuron convert` on a synthetic FP8 checkpoint with Kimi-K2's real expert shapes.
 
-    python scripts/bench_convert.py [--layers 3] [--experts 20] [--shard-gb 1.0] [--workers 1] [--keep]
+    python scripts/bench_convert.py [--layers 3] [--experts 20] [--shard-gb 1.0] [--workers 1] [--drop-caches] [--keep]
 
 Builds (under /tmp, deleted afterwards) a blockwise-FP8 checkpoint: hidden 7168, expert width 2048, `--experts`
 routed experts + 1 shared per layer, a shrunken attention and vocabulary, split into ~1 GB shards that cut
 layers wherever they fall (as the real 62 shards do). Expert codes come from quantizing Gaussian weights with
 amax -> 448 per 128x128 block, like DeepSeek's quantizer, so most blocks need the +-240 rescale.
 
-Then, in one run, each phase in its own process after dropping the page cache (when allowed, i.e. as root):
+Then, in one run, each phase in its own process:
 1. raw read: every tensor of every shard read with safetensors (get_tensor, then every byte touched);
 2. the conversion (`python -m kimi_k2_neuron.cli convert SRC DST --experts fp8-blockwise`), with its peak RSS
-   from wait4();
-3. for context, a plain sequential read() of the same files.
+   and CPU time from wait4();
+3. for context, a plain sequential read() of the same files, and a plain copy of them (read, write, fsync: what
+   any converter that leaves durable output pays in I/O alone).
 Prints throughput(convert) / throughput(raw read) and peak RSS / largest shard, plus a JSON line.
+
+The page cache is left alone unless `--drop-caches` is given (after the build everything is only flushed with
+sync, so the source is read from memory). With it, before each phase the benchmark's own files (source and
+outputs) are synced and evicted from the page cache with POSIX_FADV_DONTNEED, so each phase reads from disk;
+nothing else on the machine is evicted and no root is needed.
 """
 
 from __future__ import annotations
@@ -52,6 +58,20 @@ for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
     with open(f, "rb", buffering=0) as fh:
         while b := fh.read(16 << 20):
             n += len(b)
+print(n, time.perf_counter() - t0)
+"""
+_COPY = r"""
+import os, sys, time
+from pathlib import Path
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+dst.mkdir()
+t0, n = time.perf_counter(), 0
+for f in sorted(src.glob("*.safetensors")):
+    with open(f, "rb", buffering=0) as fi, open(dst / f.name, "wb", buffering=0) as fo:
+        while b := fi.read(16 << 20):
+            fo.write(b)
+            n += len(b)
+        os.fsync(fo.fileno())
 print(n, time.perf_counter() - t0)
 """
 
@@ -134,17 +154,20 @@ def build(out: Path, layers: int, experts: int, shard_bytes: float) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
+def evict(root: Path) -> None:
+    """Write back and drop from the page cache every file under root (only these files)."""
+    os.sync()
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
-def run_child(args: list[str]) -> tuple[str, float, int]:
-    """Run a child process; return (stdout, wall seconds, peak RSS bytes).
+def run_child(args: list[str]) -> tuple[str, float, int, float]:
+    """Run a child process; return (stdout, wall seconds, peak RSS bytes, CPU seconds user + system).
 
     Peak RSS is the larger of wait4()'s ru_maxrss and a 10 ms psutil poll; this parent never imports torch or
     holds tensors, so the child's RSS before exec is small."""
@@ -167,7 +190,7 @@ def run_child(args: list[str]) -> tuple[str, float, int]:
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
         raise SystemExit(f"{args[:5]} failed with exit code {p.returncode}")
-    return text, wall, max(peak, usage.ru_maxrss * 1024)
+    return text, wall, max(peak, usage.ru_maxrss * 1024), usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -176,6 +199,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=20)
     ap.add_argument("--shard-gb", type=float, default=1.0)
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="evict the benchmark's own files from the page cache before each phase (cold reads)")
     ap.add_argument("--keep", action="store_true", help="keep the files under /tmp")
     ap.add_argument("--build-only", metavar="DIR", help=argparse.SUPPRESS)  # the child that writes the checkpoint
     a = ap.parse_args()
@@ -191,34 +216,44 @@ def main() -> None:
         shard_sizes = [f.stat().st_size for f in src.glob("*.safetensors")]
         print(f"built {len(shard_sizes)} shards, {sum(shard_sizes) / 1e9:.2f} GB (largest "
               f"{max(shard_sizes) / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
-        dropped = drop_caches()
-        out, _, _ = run_child([sys.executable, "-c", _RAW_READ, str(src)])
-        n, raw_s = out.split()
-        raw_gbs = int(n) / float(raw_s) / 1e9
-        drop_caches()
+        os.sync()  # the build's writes must not compete with the phases below
+        cold = (lambda: evict(root)) if a.drop_caches else (lambda: None)
+        cold()
+        raw_gbs = _gbs(run_child([sys.executable, "-c", _RAW_READ, str(src)])[0])
+        cold()
         cmd = [sys.executable, "-m", "kimi_k2_neuron.cli", "convert", str(src), str(dst),
                "--experts", "fp8-blockwise", "--workers", str(a.workers)]
-        summary, conv_s, peak = run_child(cmd)
-        conv_gbs = sum(shard_sizes) / conv_s / 1e9
-        drop_caches()
-        out, _, _ = run_child([sys.executable, "-c", _SEQ_READ, str(src)])
-        n2, seq_s = out.split()
-        seq_gbs = int(n2) / float(seq_s) / 1e9
-        res = {"source_gb": round(sum(shard_sizes) / 1e9, 3), "largest_shard_gb": round(max(shard_sizes) / 1e9, 3),
-               "page_cache_dropped": dropped, "workers": a.workers,
+        summary, conv_s, peak, cpu_s = run_child(cmd)
+        source_gb = sum(shard_sizes) / 1e9
+        conv_gbs = source_gb / conv_s
+        cold()
+        seq_gbs = _gbs(run_child([sys.executable, "-c", _SEQ_READ, str(src)])[0])
+        cold()
+        copy_gbs = _gbs(run_child([sys.executable, "-c", _COPY, str(src), str(root / "copy")])[0])
+        res = {"source_gb": round(source_gb, 3), "largest_shard_gb": round(max(shard_sizes) / 1e9, 3),
+               "page_cache_dropped": a.drop_caches, "workers": a.workers,
                "raw_read_gb_s": round(raw_gbs, 3), "convert_gb_s": round(conv_gbs, 3),
-               "convert_seconds": round(conv_s, 1), "sequential_read_gb_s": round(seq_gbs, 3),
-               "throughput_ratio": round(conv_gbs / raw_gbs, 3), "peak_rss_gb": round(peak / 1e9, 3),
-               "rss_ratio": round(peak / max(shard_sizes), 3)}
+               "convert_seconds": round(conv_s, 1), "convert_cpu_seconds_per_gb": round(cpu_s / source_gb, 2),
+               "sequential_read_gb_s": round(seq_gbs, 3), "copy_gb_s": round(copy_gbs, 3),
+               "throughput_ratio": round(conv_gbs / raw_gbs, 3), "convert_vs_copy": round(conv_gbs / copy_gbs, 3),
+               "peak_rss_gb": round(peak / 1e9, 3), "rss_ratio": round(peak / max(shard_sizes), 3)}
         print(summary.strip())
-        print(f"conversion {conv_gbs:.3f} GB/s (wall, incl. process start) / raw safetensors read {raw_gbs:.3f} GB/s"
-              f" = {res['throughput_ratio']:.2f} (goal >= 0.8); peak RSS {peak / 1e9:.2f} GB / largest shard "
-              f"{max(shard_sizes) / 1e9:.2f} GB = {res['rss_ratio']:.2f} (goal <= 1.25); sequential read() "
-              f"{seq_gbs:.3f} GB/s; page cache dropped before each phase: {dropped}")
+        print(f"conversion {conv_gbs:.3f} GB/s (wall, incl. process start; {res['convert_cpu_seconds_per_gb']} "
+              f"CPU s/GB) / raw safetensors read {raw_gbs:.3f} GB/s = {res['throughput_ratio']:.2f} (goal >= 0.8); "
+              f"peak RSS {peak / 1e9:.2f} GB / largest shard {max(shard_sizes) / 1e9:.2f} GB = {res['rss_ratio']:.2f}"
+              f" (goal <= 1.25); sequential read() {seq_gbs:.3f} GB/s; plain copy with fsync {copy_gbs:.3f} GB/s "
+              f"(conversion / copy = {res['convert_vs_copy']:.2f}); page cache dropped before each phase: "
+              f"{a.drop_caches}")
         print(json.dumps(res))
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _gbs(child_out: str) -> float:
+    """GB/s from a timing child's "bytes seconds" line."""
+    n, seconds = child_out.split()
+    return int(n) / float(seconds) / 1e9
 
 
 if __name__ == "__main__":

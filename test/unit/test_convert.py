@@ -4,6 +4,7 @@ logit drift through the CPU runner, kill-and-resume byte identity, --verify, and
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +24,7 @@ from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.cli import main as cli_main
 from kimi_k2_neuron.convert import layout, writer
 from kimi_k2_neuron.convert.converter import MANIFEST, convert
+from kimi_k2_neuron.convert import neuron_fp8
 from kimi_k2_neuron.convert.neuron_fp8 import block_flags, fp8_to_blockwise, halve_codes
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.quant.fp8 import dequantize_blockwise, quantize_blockwise
@@ -288,6 +291,74 @@ def test_fp8_to_blockwise_exact_up_to_counted_codes(src_max):
     assert int((dst & 0x7F).max()) <= 0x77
 
 
+@pytest.mark.parametrize("code,half", [(0x00, 0x00), (0x01, 0x00), (0x02, 0x01), (0x03, 0x02), (0x05, 0x02),
+                                       (0x07, 0x04), (0x08, 0x04), (0x09, 0x04), (0x0B, 0x06), (0x0F, 0x08),
+                                       (0x10, 0x08), (0x77, 0x6F), (0x78, 0x70), (0x7E, 0x76), (0x81, 0x80),
+                                       (0x83, 0x82), (0x8F, 0x88), (0xF8, 0xF0), (0xFE, 0xF6)])
+def test_halve_codes_bit_patterns(code, half):
+    """By hand: subnormals (m * 2^-9) halve to m/2 rounded to even, exponent-1 codes land in the subnormals,
+    larger codes lose one exponent step (0x78 = 256 -> 0x70 = 128, 0x7E = 448 -> 0x76 = 224); the sign stays."""
+    got, _, _ = halve_codes(torch.full((16,), code, dtype=torch.uint8))
+    assert got.tolist() == [half] * 16
+
+
+def _reference_blockwise(w: torch.Tensor, s: torch.Tensor, src_block, block):
+    """fp8_to_blockwise by plain float ops: a block with a code beyond +-240 gets every code halved by float
+    rounding (round to nearest even) and its scale doubled; returns (dst codes, scale, rescaled, inexact)."""
+    bi, bo = block
+    out_f, in_f = w.shape
+    mag = (w.view(torch.uint8) & 0x7F).view(out_f // bo, bo, in_f // bi, bi).amax(dim=(1, 3))
+    flag = mag > 0x77
+    halved = (w.float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+    per_code = flag.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+    codes = torch.where(per_code, halved, w.view(torch.uint8))
+    inexact = int((per_code & (halved.view(torch.float8_e4m3fn).float() * 2 != w.float())).sum())
+    grid = s.repeat_interleave(src_block[0], 0).repeat_interleave(src_block[1], 1)[::bo, ::bi]
+    scale = grid * torch.where(flag, 2.0, 1.0)
+    return codes.t().contiguous(), scale.t().contiguous(), int(flag.sum()), inexact
+
+
+@pytest.mark.parametrize("over", [0.0, 0.02, 0.5, 0.97, 1.0])  # share of blocks holding a code beyond +-240
+@pytest.mark.parametrize("chunk", [None, 1])  # whole matrix in one step, or one block row per step
+def test_fp8_to_blockwise_matches_float_reference(over, chunk, monkeypatch):
+    """The vectorized rescale against _reference_blockwise on codes that cover every non-NaN byte, subnormals
+    included, the +-240 edge (0x77/0xF7 stay, 0x78/0xF8 trigger a halving), and chunk boundaries."""
+    if chunk is not None:
+        monkeypatch.setattr(neuron_fp8, "_CHUNK", chunk)
+    g = torch.Generator().manual_seed(int(over * 100))
+    out_f, in_f = 256, 384
+    codes = torch.randint(0, 0x78, (out_f, in_f), generator=g, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, codes.shape, generator=g, dtype=torch.uint8) << 7  # signs
+    codes[:16, :16] = torch.arange(256, dtype=torch.uint8).view(16, 16)  # every byte ...
+    codes[:16, :16][(codes[:16, :16] & 0x7F) == 0x7F] = 0x77  # ... but NaN
+    codes[16:48, :8] = torch.arange(16, dtype=torch.uint8).repeat(32, 1)[:, ::2] | 0x80  # negative small codes
+    codes[48, 40], codes[49, 41] = 0x77, 0xF7  # +-240 alone does not make a block halve
+    blocks = torch.zeros(out_f // 32 * in_f // 32, dtype=torch.bool)
+    blocks[torch.randperm(blocks.numel(), generator=g)[:round(over * blocks.numel())]] = True
+    blocks = blocks.view(out_f // 32, in_f // 32)
+    for r, c in blocks.nonzero().tolist():
+        codes[r * 32 + 5, c * 32 + 3] = 0xF8 if (r + c) % 2 else 0x78
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) + 0.5
+    dst = torch.empty(in_f, out_f, dtype=torch.uint8)
+    scale, st = fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
+    want, want_scale, rescaled, inexact = _reference_blockwise(w, s, (128, 128), (32, 32))
+    assert torch.equal(dst, want) and torch.equal(scale, want_scale)
+    assert (st.rescaled, st.inexact, st.blocks) == (rescaled, inexact, 96)
+    blocks[0, 0] = True  # it holds every byte, 0x78-0x7E and 0xF8-0xFE included
+    assert rescaled == int(blocks.sum()) and inexact > 0  # that block's odd small codes round
+
+
+@pytest.mark.parametrize("nan", [0x7F, 0xFF])
+def test_fp8_to_blockwise_refuses_nan(nan):
+    w = torch.full((64, 64), 0x30, dtype=torch.uint8)
+    w[40, 7] = nan
+    with pytest.raises(KimiInputError) as exc:
+        fp8_to_blockwise(w.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128), (32, 32),
+                         torch.empty(64, 64, dtype=torch.uint8), "model.layers.1.mlp.experts.0.up_proj")
+    _one_line(exc, "model.layers.1.mlp.experts.0.up_proj.weight", "NaN")
+
+
 def test_block_flags():
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 0x78, (64, 96), generator=g, dtype=torch.uint8)
@@ -346,6 +417,56 @@ def test_rerun_skips_and_verify_rehashes(converted, tiny_dirs, tmp_path):
     res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
     assert res.redone == [victim.name] and _files(dst) == ref
     assert "1 rewritten after failing --verify" in res.summary
+
+
+def test_manifest_records_blake3(converted):
+    dst, _ = converted[("fp8", "fp8-blockwise")]
+    manifest = json.loads((dst / MANIFEST).read_text())
+    assert manifest["manifest_version"] == 2 and manifest["hash"] == "blake3" and manifest["complete"]
+    for name, rec in manifest["files"].items():
+        assert rec["blake3"] == blake3.blake3((dst / name).read_bytes()).hexdigest()
+        assert "sha256" not in rec
+
+
+def _as_v1_manifest(dst: Path) -> None:
+    """Rewrite DST's manifest as version 1 wrote it: sha256 records, no hash field."""
+    manifest = json.loads((dst / MANIFEST).read_text())
+    manifest["manifest_version"] = 1
+    del manifest["hash"]
+    for name, rec in manifest["files"].items():
+        del rec["blake3"]
+        rec["sha256"] = hashlib.sha256((dst / name).read_bytes()).hexdigest()
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_version1_sha256_manifest_resumes_and_verifies(converted, tiny_dirs, tmp_path):
+    """A DST left by a version-1 (sha256) conversion resumes: its records are kept and --verify checks them
+    with sha256; a file redone gets a BLAKE3 record."""
+    dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
+    ref = _files(dst)
+    _as_v1_manifest(dst)
+    (dst / "config.json").unlink()  # as if the old run had been killed before its end
+    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
+    assert res.skipped == res.files == 5 and res.redone == []
+    victim = dst / "model-00003-of-00005.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
+    assert res.redone == [victim.name]
+    files = json.loads((dst / MANIFEST).read_text())["files"]
+    assert "blake3" in files[victim.name] and "sha256" in files["model-00002-of-00005.safetensors"]
+    assert {k: v for k, v in _files(dst).items() if k != MANIFEST} == {k: v for k, v in ref.items() if k != MANIFEST}
+
+
+def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny_dirs):
+    dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
+    manifest = json.loads((dst / MANIFEST).read_text())
+    manifest["manifest_version"] = 99
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(KimiInputError) as exc:
+        convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
+    _one_line(exc, str(dst / MANIFEST), "manifest_version 99", "delete DST")
 
 
 def test_cli_convert(tiny_dirs, tmp_path, capsys):

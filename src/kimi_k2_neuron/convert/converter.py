@@ -3,12 +3,14 @@
 Streaming: source tensors are read one at a time through the mmap-backed ShardedCheckpoint (a layer's experts
 are gathered by name, wherever the shards cut them), each output file is written front to back one expert slab at
 a time, and the source mmaps are released every ~256 MB per worker, so memory stays at a few experts per worker
-plus the largest non-expert tensor. `workers` threads convert experts in parallel (torch and hashlib release the GIL).
+plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers` threads convert
+experts in parallel while each output file's own thread writes and hashes the slabs already done, and fsyncs the
+file while the next one is converted (torch, write(), fsync and BLAKE3 release the GIL).
 
-Resumable and deterministic: every finished file is renamed into place and recorded with its sha256 in
-`conversion_manifest.json`; a rerun skips recorded files whose size matches (`verify` re-hashes them), so a run
-killed at any moment and rerun produces the same bytes as an uninterrupted one. config.json is written last:
-until it exists, DST does not look like a checkpoint.
+Resumable and deterministic: every finished file is renamed into place and recorded with its BLAKE3 hash in
+`conversion_manifest.json`; a rerun skips recorded files whose size matches (`verify` re-hashes them, with sha256
+for the records of a version-1 manifest), so a run killed at any moment and rerun produces the same bytes as an
+uninterrupted one. config.json is written last: until it exists, DST does not look like a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ from ..checkpoint.source import WeightSource
 from ..errors import KimiInputError
 from . import layout, neuron_fp8, plan
 from .neuron_fp8 import Stats
-from .writer import PARTIAL_SUFFIX, ShardWriter, sha256_file, write_small_file
+from .writer import HASH, HASHES, PARTIAL_SUFFIX, ShardWriter, file_digest, write_small_file
 
 MANIFEST = "conversion_manifest.json"
-MANIFEST_VERSION = 1
+# 2: file records hold "blake3" (version 1 held "sha256"; such a manifest is resumed, its records verified with
+# sha256, and saved as version 2).
+MANIFEST_VERSION = 2
+_READS_MANIFESTS = (1, 2)
 # Source bytes between releases of the shard mmaps (their touched pages count as RSS); per worker, so that the
 # drain at each release costs little parallelism.
 _RELEASE_PER_WORKER = 256 << 20
@@ -91,15 +96,14 @@ class _Job:
                    disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
         with bar, _torch_threads(), ThreadPoolExecutor(self.workers) as pool:
             self.bar, self.pool = bar, pool
-            pending = deque()  # committed files whose sha256 may still be running
+            pending = deque()  # committed files whose writes, hash and fsync may still be running
             try:
                 for u in todo:
                     pending.append((u, *self._convert_unit(u)))
-                    while len(pending) > 1:  # one file's hash overlaps the next file's conversion
+                    while len(pending) > 1:  # one file's finishing overlaps the next file's conversion
                         self._record_file(manifest, *pending.popleft())
             finally:  # also on errors: files already renamed into place are kept for a resume
-                while pending:
-                    self._record_file(manifest, *pending.popleft())
+                self._settle(manifest, pending)
         self.result.files = len(units)
         for u in units:
             self.result.stats.merge(Stats.from_json(manifest["files"][u.file]["stats"]))
@@ -110,7 +114,7 @@ class _Job:
 
     def _open_dst(self) -> dict:
         fresh = {"manifest_version": MANIFEST_VERSION, "tool_version": __version__, "source": self.fingerprint,
-                 "experts": self.scheme.name, "files": {}, "complete": False}
+                 "experts": self.scheme.name, "hash": HASH, "files": {}, "complete": False}
         if not self.dst.exists():
             self.dst.mkdir(parents=True)
             return fresh
@@ -124,37 +128,55 @@ class _Job:
             old = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise KimiInputError(f"{path}: unreadable ({e}); delete DST to start over") from None
-        for k in ("manifest_version", "source", "experts"):
+        if not isinstance(old, dict) or old.get("manifest_version") not in _READS_MANIFESTS:
+            version = old.get("manifest_version") if isinstance(old, dict) else None
+            raise KimiInputError(f"{path}: manifest_version {version!r}, expected one of "
+                                 f"{list(_READS_MANIFESTS)} (from another kimi-k2-neuron version?); delete DST to "
+                                 f"start over")
+        for k in ("source", "experts"):
             if old.get(k) != fresh[k]:
                 raise KimiInputError(f"{path}: field {k} is {old.get(k)!r}, this run needs {fresh[k]!r}; DST holds "
                                      f"another conversion: use a new DST or delete this one")
         for stale in self.dst.glob(f".*{PARTIAL_SUFFIX}"):  # left by a killed run
             stale.unlink()
-        old["files"] = old.get("files") or {}
-        old["complete"] = False
-        return old
+        # Records keep the hash they were made with; new ones get BLAKE3, under the current manifest version.
+        return {**old, "manifest_version": MANIFEST_VERSION, "hash": HASH, "files": old.get("files") or {},
+                "complete": False}
 
     def _done(self, u: plan.Unit, manifest: dict) -> bool:
         rec = manifest["files"].get(u.file)
         path = self.dst / u.file
-        if rec is None or not path.is_file() or path.stat().st_size != rec["bytes"]:
+        algo = _record_hash(rec)
+        if algo is None or not path.is_file() or path.stat().st_size != rec.get("bytes"):
             manifest["files"].pop(u.file, None)
             return False
-        if self.verify and sha256_file(path) != rec["sha256"]:
+        if self.verify and file_digest(path, algo) != rec[algo]:
             self.result.redone.append(u.file)
             manifest["files"].pop(u.file)
             return False
         return True
 
-    def _record_file(self, manifest: dict, u: plan.Unit, hasher, size: int, stats: Stats) -> None:
-        manifest["files"][u.file] = {"sha256": hasher.digest(), "bytes": size, "stats": stats.to_json()}
+    def _record_file(self, manifest: dict, u: plan.Unit, w: ShardWriter, stats: Stats) -> None:
+        digest, size = w.result()  # waits for the file's writes, hash, fsync and rename
+        manifest["files"][u.file] = {HASH: digest, "bytes": size, "stats": stats.to_json()}
         self._save_manifest(manifest)
+
+    def _settle(self, manifest: dict, pending: deque) -> None:
+        """Record the files still finishing, in order; after an error, stop the rest and remove their partial
+        files (a file already renamed into place stays for a resume)."""
+        try:
+            while pending:
+                self._record_file(manifest, *pending[0])
+                pending.popleft()
+        finally:
+            for _, w, _ in pending:
+                w.abort()
 
     def _save_manifest(self, manifest: dict) -> None:
         write_small_file(self.dst / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
     # -- one output file ------------------------------------------------------------------------------------------
-    def _convert_unit(self, u: plan.Unit) -> tuple[object, int, Stats]:
+    def _convert_unit(self, u: plan.Unit) -> tuple[ShardWriter, Stats]:
         w = ShardWriter(self.dst / u.file, u.entries)
         try:
             stats = Stats()
@@ -166,13 +188,13 @@ class _Job:
             for n in u.plain:
                 if n not in fp32:
                     self._plain(w, n)
-            hasher, size = w.commit()
+            w.commit()
         except BaseException:
             w.abort()
             raise
         finally:
             self.src.ckpt.close()
-        return hasher, size, stats
+        return w, stats
 
     def _plain(self, w: ShardWriter, name: str) -> None:
         t = self.src.get(name, plan.out_dtype(name))
@@ -322,6 +344,13 @@ def _stats_record(s: Stats) -> dict:
             "relative_rms_error": float(f"{rel_rms:.4g}"), "relative_max_error": float(f"{rel_max:.4g}")}
 
 
+def _record_hash(rec) -> str | None:
+    """The hash a manifest file record holds (None: no usable record)."""
+    if not isinstance(rec, dict):
+        return None
+    return next((algo for algo in HASHES if isinstance(rec.get(algo), str)), None)
+
+
 def _fingerprint(source: WeightSource) -> str:
     """Identifies the source: config, index and shard sizes (content hashes of 1 TB would take too long)."""
     h = hashlib.sha256()
@@ -335,8 +364,8 @@ def _fingerprint(source: WeightSource) -> str:
 
 @contextmanager
 def _torch_threads():
-    """Single-threaded torch ops in each worker: the sha256 thread needs a core of its own (on a 2-core host,
-    letting torch take both halved the hash rate), and `workers` is the knob for parallel conversion."""
+    """Single-threaded torch ops in each worker: the writer threads (write() and BLAKE3) need a share of the
+    cores, and `workers` is the knob for parallel conversion."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
