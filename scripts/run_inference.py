@@ -1,13 +1,17 @@
 """Generate with a compiled Kimi-K2 on trn2 (NxDI runner), streaming the text as it is produced.
 
 The tokenizer and chat template come from the checkpoint (tiktoken.model, read as the CPU runner reads it);
-generation stops at [EOS] (163585)
-or <|im_end|> (163586), and at any --stop string. Prompts go through the chat template unless --no-chat. Several
---prompt run as one batch (up to the compiled batch size). The flags mean what they mean for
-`kimi-k2-neuron generate` on CPU.
+generation stops at [EOS] (163585) or <|im_end|> (163586), and at any --stop string. Prompts go through the chat
+template unless --no-chat. Several --prompt run as one batch (up to the compiled batch size). The flags mean what
+they mean for `kimi-k2-neuron generate` on CPU.
 
-Example:
+--cpu runs this same runner (NxDI's generation adapter and on-device sampler, our application class) on the NxDI
+model in NxD's CPU mode, built from --model at --tp ranks, compiled for this batch and length; nothing is traced or
+compiled, and its timing says nothing about trn2.
+
+Examples:
   python scripts/run_inference.py --compiled /data/compiled/tp64-s1024-b1 --prompt "What is the capital of France?"
+  python scripts/run_inference.py --cpu --model ~/.cache/kimi-k2-neuron/tiny-fp8 --prompt "Hello, Kimi!"
 
 Arguments are parsed and checked before the Neuron SDK is imported, so --help and bad flags answer without it.
 """
@@ -20,7 +24,9 @@ import time
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.launch import add_compiled_args, add_verbose, script_parser, sdk_missing, start
+from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, check_compiled_args, cpu_options, script_parser,
+                                   sdk_missing, start)
+from kimi_k2_neuron.runtime.ranks import RanksError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,37 +42,35 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_generation_args(args)
+        check_compiled_args(args)
     except KimiInputError as e:
         return fail(e)
     start(args)
-    temperature, top_k, top_p = sampling_values(args)
-    sample = temperature > 0
 
     import torch
 
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows
+    from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids
 
     try:
-        from kimi_k2_neuron.neuron.serving import generate, load_compiled, load_tokenizer, read_record
+        from kimi_k2_neuron.neuron.serving import load_tokenizer, read_record
     except ImportError as e:
         return sdk_missing(e)
 
     torch.manual_seed(args.seed)
     checkpoint = args.model or read_record(args.compiled)["checkpoint"]
-    cfg = KimiK2Config.from_file(checkpoint)
-    app = load_compiled(args.compiled, checkpoint)
-    tok = load_tokenizer(checkpoint)
-    # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown.
-    stream = (lambda s: print(s, end="", flush=True)) if len(args.prompt) == 1 and not args.stop else None
+    # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
+    streams = len(args.prompt) == 1 and not args.stop and not (args.cpu and args.tp > 1)
+    stream = (lambda s: print(s, end="", flush=True)) if streams else None
     t0 = time.monotonic()
     try:
-        rows = generate(app, tok, args.prompt, cfg, chat=args.chat, max_new_tokens=args.max_new_tokens,
-                        do_sample=sample, temperature=temperature if sample else 1.0, top_k=top_k if sample else 1,
-                        top_p=top_p,
-                        stream=stream, system=args.system, stop=args.stop)
+        cfg = KimiK2Config.from_file(checkpoint)
+        tok = load_tokenizer(checkpoint)
+        rows = _generate(args, prompt_ids(tok, args.prompt, args.chat, args.system), tok, cfg, checkpoint, stream)
     except KimiInputError as e:
         return fail(e)
+    except RanksError as e:
+        return fail(e, e.exit_code)
     seconds = time.monotonic() - t0
     if stream:
         print()
@@ -74,9 +78,30 @@ def main(argv=None) -> int:
         print_rows(args.prompt, [cut_at_stop(tok.decode(r, skip_special=True), args.stop) for r in rows])
     n = sum(len(r) for r in rows)
     # Wall time of the whole call (prefill included): not a TPOT; scripts/bench_tpot.py measures decode alone.
-    print(f"[{n} tokens in {seconds:.2f} s wall, prefill included; use scripts/bench_tpot.py for TPOT]",
-          file=sys.stderr)
+    where = "NxD CPU mode, model build included; not a trn2 time" if args.cpu else "prefill included"
+    print(f"[{n} tokens in {seconds:.2f} s wall, {where}; use scripts/bench_tpot.py for TPOT]", file=sys.stderr)
     return 0
+
+
+def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
+    """New tokens per prompt: the compiled model on trn2, or the NxDI model in NxD's CPU mode with --cpu."""
+    temperature, top_k, top_p = sampling_values(args)
+    decode = (lambda ids: tok.decode(ids, skip_special=True))
+    stops = tok.stop_ids(cfg.eos_token_ids)
+    from kimi_k2_neuron.neuron import contract
+
+    if args.cpu:
+        from kimi_k2_neuron.neuron import cpu
+
+        g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stops)), max_new_tokens=args.max_new_tokens,
+                           **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
+                           tokenizer_dir=str(checkpoint))
+        return cpu.generate(cpu_options(args), g, stream)
+    from kimi_k2_neuron.neuron.serving import generate_ids, load_compiled
+
+    app = load_compiled(args.compiled, checkpoint)
+    return generate_ids(app, rows, stops, decode=decode, max_new_tokens=args.max_new_tokens,
+                        **contract.sampler_settings(temperature, top_k, top_p), stream=stream, stop=args.stop)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,11 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
+def cache_dir() -> Path:
+    """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
+    return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")
+
+
 def fail(e: Exception, exit_code: int = 2) -> int:
     """Print an error on one line and give the exit code (2: bad input)."""
     print(f"error: {e}", file=sys.stderr)

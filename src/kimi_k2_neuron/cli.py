@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,9 +15,10 @@ from pathlib import Path
 import torch
 
 from . import __version__
-from .arguments import (Parser, add_generation_args, check_generation_args, check_out_dir, check_out_file, fail,
-                        integer, sampling_values)
+from .arguments import (Parser, add_generation_args, cache_dir, check_generation_args, check_out_dir, check_out_file,
+                        fail, integer, sampling_values)
 from .errors import KimiInputError
+from .launch import cpu_options
 from .runtime.ranks import RanksError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -53,7 +53,7 @@ def cmd_logits(a) -> int:
     check_logits_request(cfg, a.input_ids, a.prefill_len)
     _check_backend(a)
     if a.backend == NXDI_CPU:
-        logits, paths = _nxdi_cpu().logits(_nxdi_options(a), a.input_ids, a.prefill_len)
+        logits, paths = _nxdi_cpu().logits(cpu_options(a), a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
@@ -94,13 +94,8 @@ def _nxdi_cpu():
     try:
         from .neuron import cpu
     except ImportError as e:
-        raise KimiInputError(f"--backend {NXDI_CPU}: {e} Set it up as README section 'The NxDI model on CPU' says.")
+        raise KimiInputError(f"--backend {NXDI_CPU}: {e}")
     return cpu
-
-
-def _nxdi_options(a):
-    return _nxdi_cpu().CpuOptions(model=a.model, experts=a.experts, tp=a.tp, ep=a.ep, dtype=a.dtype,
-                                  cache_dir=str(_cache_dir() / "converted"))
 
 
 def _check_tp_divides(cfg, tp: int) -> None:
@@ -119,7 +114,7 @@ def _load_tokenizer(model_dir):
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import StopStrings, cut_at_stop
+    from .runtime.chat import StopStrings, cut_at_stop, prompt_ids
     from .runtime.runner import CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
 
@@ -127,7 +122,7 @@ def cmd_generate(a) -> int:
     _check_backend(a)
     cfg = KimiK2Config.from_file(a.model)
     tok = _load_tokenizer(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
-    prompts = _encode_prompts(a, tok) if a.prompt else a.input_ids
+    prompts = prompt_ids(tok, a.prompt, a.chat, a.system) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
     if a.backend == NXDI_CPU:
@@ -146,11 +141,13 @@ def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
     from .runtime.chat import cut_at_stop
 
     cpu = _nxdi_cpu()
+    from .neuron import contract
+
     temperature, top_k, top_p = sampling_values(a)
     g = cpu.Generation(rows=prompts, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=a.max_new_tokens,
-                       **cpu.sampler_settings(temperature, top_k, top_p), seed=a.seed, stop=tuple(a.stop),
+                       **contract.sampler_settings(temperature, top_k, top_p), seed=a.seed, stop=tuple(a.stop),
                        tokenizer_dir=a.model if tok else None)
-    tokens = cpu.generate(_nxdi_options(a), g)
+    tokens = cpu.generate(cpu_options(a), g)
     texts = [cut_at_stop(tok.decode(t), a.stop) for t in tokens] if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0
@@ -181,24 +178,12 @@ def _check_generate_args(a) -> None:
             raise KimiInputError(f"{flag}: needs --prompt (--input-ids are token ids: no chat and no text)")
 
 
-def _encode_prompts(a, tok) -> list[list[int]]:
-    from .runtime.chat import chat_messages
-
-    texts = [tok.apply_chat_template(chat_messages(p, a.system)) if a.chat else p for p in a.prompt]
-    return [tok.encode(t) for t in texts]
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron"
-    return Path(root)
-
-
 def cmd_demo(a) -> int:
     from .checkpoint.tiny import make_tiny
     from .runtime.runner import CpuRunner
     from .runtime.sampling import SamplingParams
 
-    model_dir = _cache_dir() / "tiny-fp8"
+    model_dir = cache_dir() / "tiny-fp8"
     if not (model_dir / "config.json").exists():
         check_out_dir(model_dir, "demo folder (KIMI_K2_NEURON_CACHE)")
         make_tiny(model_dir, quant="fp8")

@@ -11,7 +11,8 @@ import argparse
 import logging
 import os
 
-from .arguments import Parser, fail
+from .arguments import Parser, cache_dir, fail, integer
+from .errors import KimiInputError
 
 # The e4m3 reinterpretation NxDI asks for with FP8 weights (inference_demo.py:465-467); read when torch-xla is
 # imported, so it must be set before. NxDI adds the matching compiler flag itself (model_wrapper.py:148-157).
@@ -26,9 +27,40 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
-    """--compiled / --model, for the scripts that load what compile_and_save.py wrote."""
-    p.add_argument("--compiled", required=True, help="folder written by scripts/compile_and_save.py")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the one it was compiled from)")
+    """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
+    the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.neuron.cpu)."""
+    p.add_argument("--compiled", help="folder written by scripts/compile_and_save.py (required unless --cpu)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "
+                        "or converted)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run the NxDI model in NxD's CPU mode instead of a compiled one (needs NxD/NxDI importable; "
+                        "README: 'The NxDI model on CPU'); no trn2 number comes out of it")
+    p.add_argument("--tp", type=integer(1), default=1, metavar="N", help="with --cpu: tensor-parallel CPU ranks")
+    p.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
+                   help="with --cpu: the scheme a raw --model is converted to (default: fp8-blockwise)")
+
+
+def check_compiled_args(args: argparse.Namespace) -> None:
+    """--compiled for a compiled model, or --cpu with --model; the --cpu flags only with --cpu."""
+    if args.cpu:
+        if args.compiled or not args.model:
+            raise KimiInputError("--cpu: needs --model DIR and no --compiled (it builds the model from the checkpoint)")
+        return
+    if not args.compiled:
+        raise KimiInputError("--compiled: required (or --cpu with --model)")
+    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
+        if given:
+            raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
+
+
+def cpu_options(args: argparse.Namespace):
+    """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
+    kimi_k2_neuron.neuron.cpu.CpuOptions; a raw checkpoint is converted into the cache. Imports the SDK."""
+    from .neuron import cpu
+
+    return cpu.CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
+                          dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
 
 
 def add_verbose(p: argparse.ArgumentParser) -> None:
@@ -50,4 +82,5 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["FP8_ENV", "add_compiled_args", "add_verbose", "script_parser", "sdk_missing", "set_fp8_env", "start"]
+__all__ = ["FP8_ENV", "add_compiled_args", "add_verbose", "check_compiled_args", "cpu_options", "script_parser",
+           "sdk_missing", "set_fp8_env", "start"]

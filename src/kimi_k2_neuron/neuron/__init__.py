@@ -16,8 +16,9 @@ if _missing:
     raise ImportError(
         "kimi_k2_neuron.neuron needs the AWS Neuron SDK; missing: " + ", ".join(_missing) + ". Use a Neuron DLAMI "
         "virtualenv (SDK 2.29+) or `pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
-        + " ".join(_missing) + "` (the PyPI packages of these names are placeholders). The CPU core "
-        "(kimi_k2_neuron) works without them.")
+        + " ".join(_missing) + "` (the PyPI packages of these names are placeholders); to run this NxDI model "
+        "on CPU without them, see the README section 'The NxDI model on CPU'. The CPU core (kimi_k2_neuron) works "
+        "without them.")
 
 from .config import KimiK2InferenceConfig  # noqa: E402
 from .modeling import (  # noqa: E402

@@ -334,6 +334,16 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
 
 
+def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
+    """Generation's do_sample/temperature/top_k/top_p for the CPU runner's (temperature, top_k, top_p), where
+    temperature 0 is greedy and top_k 0 means no filter: NxDI's sampler always filters, at most its global top-k
+    (ServeOptions.global_topk), so 0 becomes that."""
+    if temperature <= 0:
+        return {"do_sample": False, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    return {"do_sample": True, "temperature": temperature, "top_k": top_k or ServeOptions.global_topk,
+            "top_p": top_p}
+
+
 # -- NxD's CPU mode -----------------------------------------------------------------------------------------------
 
 def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None, sampling: bool, on_cpu: bool) -> None:

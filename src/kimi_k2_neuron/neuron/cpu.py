@@ -309,16 +309,6 @@ class Generation:
         return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p, "temperature": self.temperature}
 
 
-def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
-    """Generation's do_sample/temperature/top_k/top_p for the CPU runner's (temperature, top_k, top_p), where
-    temperature 0 is greedy and top_k 0 means no filter: NxDI's sampler always filters, at most its global top-k
-    (contract.ServeOptions.global_topk), so 0 becomes that."""
-    if temperature <= 0:
-        return {"do_sample": False, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
-    return {"do_sample": True, "temperature": temperature, "top_k": top_k or contract.ServeOptions.global_topk,
-            "top_p": top_p}
-
-
 def generate(o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
     """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks.
     `stream` (TP=1 only) receives row 0's text as it comes."""

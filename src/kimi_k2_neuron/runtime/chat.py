@@ -18,6 +18,12 @@ def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
     return head + [{"role": "user", "content": prompt}]
 
 
+def prompt_ids(tokenizer, prompts: Sequence[str], chat: bool = True, system: str | None = None) -> list[list[int]]:
+    """Token ids of text prompts, through the checkpoint's chat template unless chat=False (a KimiTokenizer)."""
+    texts = [tokenizer.apply_chat_template(chat_messages(p, system)) if chat else p for p in prompts]
+    return [tokenizer.encode(t) for t in texts]
+
+
 def cut_at_stop(text: str, stops: Iterable[str]) -> str:
     """`text` up to (not including) the earliest stop string in it; all of it when none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
