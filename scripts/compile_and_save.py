@@ -18,9 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
-from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, start
+from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_fp8_env, start
+
+# The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
+# then. start() sets it again, with logging.
+set_fp8_env()
+from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
+from kimi_k2_neuron.plan import MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES, experts_for, format_plan, plan  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,9 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-logits", action="store_true", help="also return logits with on-device sampling "
                                                                 "(needed by the logit-parity test)")
     p.add_argument("--global-topk", type=int, default=256, help="on-device sampling's top-k pre-selection")
-    p.add_argument("--moe-prefill", choices=("kernel", "torch", "all-experts"), default="kernel",
-                   help="how prefill runs the routed experts: NxD's blockwise NKI kernel (falling back to torch), "
-                        "the torch blockwise path, or every token through every expert")
+    p.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
+                   help="how prefill runs the routed experts: kernel = NxD's blockwise NKI kernel (NxD itself takes "
+                        "its torch path where the kernel does not apply), torch = that torch blockwise path, "
+                        "all-experts = every token through every expert. " + MOE_PREFILL_FALLBACK)
     p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit")
     add_verbose(p)
     return p
@@ -58,16 +66,15 @@ def main(argv=None) -> int:
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.convert.layout import read_record
-    from kimi_k2_neuron.errors import KimiInputError
 
     try:
         cfg = KimiK2Config.from_file(args.model)
         record = read_record(args.model)
-        experts = args.experts or (record["experts"] if record else "fp8-per-channel")
-        from kimi_k2_neuron.plan import format_plan, plan, recorded_block  # the fit planner
-
+        experts = experts_for(record, args.experts)
+        # The planner refuses what the shell's check_serve_options refuses (plan.check_compile_options), before the
+        # SDK is imported or a raw checkpoint converted.
         p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts, kv_slots=1,
-                 block=recorded_block(record, experts))
+                 context_len=args.max_context_length, moe_prefill=args.moe_prefill, record=record)
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
@@ -92,12 +99,29 @@ def main(argv=None) -> int:
             on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
             output_logits=args.output_logits, moe_prefill=args.moe_prefill,
             quant_record=read_record(checkpoint)["nxd"])
-        compile_model(checkpoint, args.out, options, plan_summary=p.summary())
+        if not _compile(compile_model, checkpoint, args.out, options, p.summary()):
+            return 1
     except KimiInputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"compiled to {args.out} in {(time.monotonic() - t0) / 60:.1f} min")
     return 0
+
+
+def _compile(compile_model, checkpoint, out, options, summary) -> bool:
+    """compile_model; when it fails with the default MoE prefill, NxDI's traceback and then the fallback to try."""
+    try:
+        compile_model(checkpoint, out, options, plan_summary=summary)
+    except KimiInputError:
+        raise
+    except Exception:
+        if options.moe_prefill != "kernel":
+            raise
+        traceback.print_exc()
+        print(f"error: compiling with --moe-prefill kernel failed (traceback above); {MOE_PREFILL_FALLBACK}",
+              file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":

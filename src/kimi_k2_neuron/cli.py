@@ -20,6 +20,7 @@ from .arguments import (Parser, add_generation_args, cache_dir, check_generation
 from .errors import KimiInputError
 from .launch import cpu_options
 from .runtime.ranks import RanksError
+from .plan import GiB, MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -216,14 +217,30 @@ def cmd_demo(a) -> int:
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
     from .convert.layout import read_record
-    from .plan import format_plan, plan, plan_json, recorded_block
+    from .plan import experts_for, format_plan, max_seq_len, plan, plan_json
 
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
-    block = recorded_block(read_record(a.model) if a.model else None, a.experts)
-    p = plan(cfg, a.tp, a.ep, a.lnc, a.seq_len, a.batch, a.experts, kv_slots=a.kv_slots, block=block,
-             router_dtype=a.router_dtype)
-    print(plan_json(p) if a.json else format_plan(p))
+    record = read_record(a.model) if a.model else None
+    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, experts=experts_for(record, a.experts),
+                kv_slots=a.kv_slots, router_dtype=a.router_dtype, context_len=a.max_context_length,
+                moe_prefill=a.moe_prefill, record=record)
+    if not a.max_seq_len:
+        p = plan(cfg, seq_len=a.seq_len, **args)
+        print(plan_json(p) if a.json else format_plan(p))
+        return 0 if p.fits else 1
+    p = max_seq_len(cfg, **args)
+    found = p.seq_len if p.fits else None
+    print(plan_json(p, max_seq_len=found) if a.json else f"{_max_seq_len_line(cfg, p, found)}\n{format_plan(p)}")
     return 0 if p.fits else 1
+
+
+def _max_seq_len_line(cfg, p, found: int | None) -> str:
+    top = cfg.max_position_embeddings
+    if found is None:
+        return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
+                f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
+    beyond = "= max_position_embeddings" if found == top else f"{found + 1} does not fit"
+    return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"
 
 
 def cmd_convert(a) -> int:
@@ -292,10 +309,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ep", type=int, default=1, help="expert parallelism inside the tp ranks: experts split ep "
                                                      "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
     s.add_argument("--lnc", type=int, default=2, help="physical cores per logical core (trn2 default 2)")
-    s.add_argument("--seq-len", type=int, required=True, help="tokens per sequence the KV cache holds")
+    seq = s.add_mutually_exclusive_group(required=True)
+    seq.add_argument("--seq-len", type=int, help="KV cache length (prompt + generated tokens)")
+    seq.add_argument("--max-seq-len", action="store_true",
+                     help="search the largest seq_len that fits (up to max_position_embeddings) and plan it; "
+                          "--json adds max_seq_len (null if none fits)")
+    s.add_argument("--max-context-length", type=int, default=None,
+                   help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
     s.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    s.add_argument("--experts", required=True, choices=["fp8-blockwise", "fp8-per-channel", "bf16"],
-                   help="routed-expert storage on device")
+    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel", "bf16"], default=None,
+                   help="routed-expert storage on device (default: what a converted --model holds, which is the only "
+                        "value accepted for it; else fp8-per-channel, as scripts/compile_and_save.py)")
+    s.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
+                   help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill; "
+                        + MOE_PREFILL_FALLBACK)
     s.add_argument("--kv-slots", type=int, default=1,
                    help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
                         "same-width dead V slot")

@@ -1,10 +1,13 @@
 """Fit planner: does a configuration fit in one trn2.48xlarge logical core's HBM, and how fast could decode be?
 
-Per logical core (one NxD rank) it adds up the weights by kind and dtype, the MLA KV cache and a stated allowance
-for what the Neuron runtime needs on top, and compares the total with the HBM the runtime leaves to the model. It
-also gives a roofline lower bound on decode time per token (bytes read per token / HBM bandwidth). Every model
-dimension comes from the config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4,
-§3.4, §3.6, §5.1). These are estimates.
+Per logical core (one NxD rank) it adds up the weights by kind and dtype, the MLA KV cache, what the MoE layers
+allocate while they run (NxD's dequantized expert copies and matmul outputs, by prefill path and expert format) and
+a stated allowance for what the Neuron runtime needs on top, and compares the total with the HBM the runtime leaves
+to the model. It also gives a roofline lower bound on decode time per token (bytes read per token / HBM
+bandwidth), and can search for the largest seq_len that fits (max_seq_len). Every model dimension comes from the
+config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4, §3.4, §3.6, §5.1). The
+configurations it refuses are the ones scripts/compile_and_save.py refuses: both call check_compile_options (and
+the Neuron shell's contract.check_serve_options does too). These are estimates.
 """
 
 from __future__ import annotations
@@ -44,7 +47,26 @@ SCRATCHPAD_PAGE_BYTES = 512 * MiB
 RUNTIME_RESERVED_BYTES = int(0.43 * GiB)
 
 EXPERT_FORMATS = (*SCHEMES, "bf16")  # the converter's FP8 expert layouts, or unquantized
+# What compile_and_save.py uses when --experts is not given and the checkpoint holds no converted experts yet.
+DEFAULT_EXPERTS = "fp8-per-channel"
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
+
+# --moe-prefill: how prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1488-1497).
+# contract.MOE_PREFILL turns each into NxD's blockwise_matmul_config.
+MOE_PREFILL_MODES = ("kernel", "torch", "all-experts")
+MOE_BLOCK_SIZE = 512  # NxD's default blockwise block (modules/moe/model_utils.py:94)
+# A block no prefill reaches, so every prefill takes forward_all_experts (expert_mlps_v2.py:1491-1494), as the
+# GLM-5.2 contrib does (NxDI contrib/models/GLM-5.2/src/modeling_glm5.py:766-773).
+ALL_EXPERTS_BLOCK_SIZE = 2**30
+# Which --moe-prefill to fall back to, said once for the CLI help, compile_and_save's help and its error.
+MOE_PREFILL_FALLBACK = (
+    "if NxD's NKI blockwise prefill kernel fails to compile at Kimi's 32 expert columns per rank (2048 / TP 64; "
+    "NxD's own checks accept that shape, but the GLM-5.2 contrib, an MLA model at the same shape, says the kernel "
+    "cannot run there and bypasses it), use --moe-prefill "
+    "all-experts, which that contrib runs at TP=64 with 256 FP8 experts and a 2048-token prefill; not --moe-prefill "
+    "torch, which unrolls a Python loop over ~400 blocks per MoE layer into the graph. all-experts runs every "
+    "token through every local expert (E / top_k times the expert FLOPs) and holds their [E, tokens, hidden] "
+    "output: check the fit with `kimi-k2-neuron plan ... --moe-prefill all-experts`")
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,11 @@ class Plan:
     seq_len: int
     batch: int
     experts: str
+    context_len: int  # tokens per sequence in one prefill call (the CTE bucket, NxDI max_context_length)
+    moe_prefill: str  # MOE_PREFILL_MODES
+    prefill_path: str  # what NxD runs for that prefill: prefill_path()
+    prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
+    decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
     kv_slots: int
     logical_cores: int
     capacity_bytes: int  # the logical core's HBM
@@ -73,6 +100,7 @@ class Plan:
     allowance: tuple[Row, ...]
     total_bytes: int
     fits: bool
+    unfused_fp32_bytes: int  # fp32 dequantization products not in total_bytes (assumed fused; moe_temporaries)
     active_experts_per_layer: float  # expected distinct routed experts one decode step reads on this core
     bytes_per_token: int
     hbm_bytes_per_s: float
@@ -90,7 +118,8 @@ class Plan:
     def summary(self) -> str:
         """One line, for refusing to compile a configuration that does not fit."""
         return (f"{self.model}: TP={self.tp} EP={self.ep} LNC={self.lnc} seq_len={self.seq_len} batch={self.batch} "
-                f"experts={self.experts} needs {self.total_bytes / GiB:.2f} GiB per logical core of "
+                f"experts={self.experts} prefill={self.prefill_path} needs {self.total_bytes / GiB:.2f} GiB per "
+                f"logical core of "
                 f"{self.usable_bytes / GiB:.2f} GiB usable ({'fits' if self.fits else 'does not fit'})")
 
     def to_dict(self) -> dict:
@@ -100,7 +129,7 @@ class Plan:
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
         d.update(weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
-                 usable_gib=self.usable_bytes / GiB,
+                 usable_gib=self.usable_bytes / GiB, unfused_fp32_gib=self.unfused_fp32_bytes / GiB,
                  headroom_gib=self.headroom_bytes / GiB, tpot_lower_bound_ms=self.tpot_lower_bound_s * 1e3)
         return d
 
@@ -139,25 +168,94 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
 
 
-def _div(n: int, parts: int) -> int:
-    """One rank's share of n split `parts` ways (NxD pads uneven splits, so round up)."""
-    return -(-n // parts)
-
-
-def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, batch, experts, kv_slots) -> None:
+def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill) -> None:
+    """The parallel layout and MoE prefill settings scripts/compile_and_save.py can compile, naming the argument
+    it refuses: the planner and the Neuron shell's check_serve_options both call this. lnc None (NxDI resolves it
+    later) skips the EP layout rule; the shell re-checks the resolved config."""
     for name, v in (("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
-    if lnc not in (1, 2):
+    if lnc not in (None, 1, 2):
         raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
+        raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
+    _check_tp_divides(cfg, tp)
+    check_ep(cfg, tp, ep, lnc, batch)
+    _check_moe_prefill(cfg, ep, moe_prefill, context_len * batch)
+
+
+def _check_tp_divides(cfg: KimiK2Config, tp: int) -> None:
+    """Every TP-split dimension must divide: heads (q_b/kv_b/o), hidden (embedding sharded across the embedding
+    dim), vocab (lm_head columns, so no padded logits to mask), dense and expert intermediates."""
+    dims = {"num_attention_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)}
+    for name, n in dims.items():
+        if n % tp:
+            raise KimiInputError(f"--tp {tp}: config.json field {name}={n} is not divisible by {tp}")
+
+
+def _check_moe_prefill(cfg: KimiK2Config, ep: int, moe_prefill: str, tokens: int) -> None:
+    if moe_prefill not in MOE_PREFILL_MODES:
+        raise KimiInputError(f"--moe-prefill {moe_prefill!r}: expected one of {', '.join(MOE_PREFILL_MODES)}")
+    # NxD's all-experts prefill has no EP variant (expert_mlps_v2.py:1491-1494 calls forward_all_experts): it runs
+    # for --moe-prefill all-experts and for prefill calls of fewer than block_size / top_k tokens.
+    if ep > 1 and (moe_prefill == "all-experts" or tokens * cfg.num_experts_per_tok < MOE_BLOCK_SIZE):
+        raise KimiInputError(f"--ep {ep}: needs --moe-prefill kernel or torch and a prefill of at least "
+                             f"{MOE_BLOCK_SIZE} token-expert pairs (NxD's all-experts prefill has no EP variant)")
+
+
+def check_moe_tp(valid: list[int] | None, tp: int, ep: int) -> None:
+    """The experts' scales shard only for the expert TP degrees (tp / ep) their layout records."""
+    if valid is not None and tp // ep not in valid:
+        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but this checkpoint's "
+                             f"expert scales shard only {valid} ways")
+
+
+def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: dict | None) -> list[int] | None:
+    """The expert TP degrees a converted checkpoint's record (convert.layout.read_record) lists, or, without one,
+    those of the layout `convert` would write for this source (compile_and_save converts a raw checkpoint first).
+    None for bf16 experts, which have no scales."""
+    if experts == "bf16":
+        return None
+    if record is not None:
+        return record["nxd"].get("valid_moe_tp_degrees")
+    return _source_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
+
+
+def experts_for(record: dict | None, experts: str | None) -> str:
+    """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
+    would), else the value given, else DEFAULT_EXPERTS (compile_and_save's choice for a raw checkpoint)."""
+    held = record["experts"] if record else None
+    if experts is None:
+        return held or DEFAULT_EXPERTS
+    if held is not None and experts != held:
+        raise KimiInputError(f"--experts {experts}: the converted checkpoint holds {held} experts; pass "
+                             f"--experts {held} or leave it out")
+    return experts
+
+
+def _div(n: int, parts: int) -> int:
+    """One rank's share of n split `parts` ways, rounded up as NxD pads; exact for every plan, since
+    check_compile_options refuses splits that do not divide."""
+    return -(-n // parts)
+
+
+def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, experts, kv_slots, moe_prefill,
+           record) -> None:
     if experts not in EXPERT_FORMATS:
         raise KimiInputError(f"--experts {experts!r}: expected one of {', '.join(EXPERT_FORMATS)}")
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
-    cores = _logical_cores(lnc)
-    if tp > cores:
-        raise KimiInputError(f"--tp {tp}: exceeds the {cores} logical cores of a trn2.48xlarge at --lnc {lnc}")
-    check_ep(cfg, tp, ep, lnc, batch)
+    if lnc is None:
+        raise KimiInputError("--lnc None: the planner needs 1 or 2")
+    check_compile_options(cfg, tp, ep, lnc, seq_len, context_len, batch, moe_prefill)
+    if tp > _logical_cores(lnc):
+        raise KimiInputError(f"--tp {tp}: exceeds the {_logical_cores(lnc)} logical cores of a trn2.48xlarge at "
+                             f"--lnc {lnc}")
+    experts_for(record, experts)
+    check_moe_tp(valid_moe_tp_degrees(cfg, experts, record), tp, ep)
 
 
 def _logical_cores(lnc: int) -> int:
@@ -181,8 +279,13 @@ def _attention_params(cfg: KimiK2Config, tp: int) -> tuple[int, int]:
 def default_block(cfg: KimiK2Config) -> tuple[int, int]:
     """The blockwise layout `kimi-k2-neuron convert` writes for this source: [32, 1] (one scale per INT4 group)
     for compressed-tensors INT4 checkpoints, [32, 32] otherwise (convert/layout.py)."""
+    return _source_scheme(cfg, "fp8-blockwise").block
+
+
+def _source_scheme(cfg: KimiK2Config, experts: str):
+    """The expert layout `kimi-k2-neuron convert --experts EXPERTS` writes for this source checkpoint."""
     int4 = cfg.quant is not None and cfg.quant.method == "compressed-tensors"
-    return scheme_for("fp8-blockwise", "int4" if int4 else "fp8", cfg.quant.group_size if int4 else None).block
+    return scheme_for(experts, "int4" if int4 else "fp8", cfg.quant.group_size if int4 else None)
 
 
 def recorded_block(record: dict | None, experts: str) -> tuple[int, int] | None:
@@ -235,11 +338,104 @@ def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None,
     return rows
 
 
-def _allowance(cfg: KimiK2Config, seq_len: int, batch: int) -> list[Row]:
-    scratch = batch * seq_len * cfg.hidden_size * CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN
-    pages = max(1, math.ceil(scratch / SCRATCHPAD_PAGE_BYTES))
-    return [Row("runtime: NEFF code, DMA rings, I/O, CC, decode scratch", "-", RUNTIME_FIXED_BYTES),
-            Row(f"prefill scratchpad ({pages} x 512 MiB page)", "-", pages * SCRATCHPAD_PAGE_BYTES)]
+# -- what the MoE layers allocate while they run ---------------------------------------------------------------------
+#
+# From NxD's code, at the lines cited (estimates: neuronx-cc decides what it keeps in HBM):
+# - The NKI blockwise kernel path: BlockwiseMatmulNKIFunc.forward treats any 3-D expert scale as "blockwise" and
+#   dequantizes all local experts to bf16 before calling the kernel (blockwise.py:955-967). Both FP8 schemes have
+#   3-D scales, [E, in/b, out/b] and [E, 1, out] (quantization_layers.py:244-299; checked with the real NxD on CPU),
+#   so both pay a bf16 copy of every local expert in each MoE layer of a prefill: the kernel's HBM operands.
+# - The torch paths (forward_all_experts, expert_mlps_v2.py:366-391; the torch blockwise loop, l.1350-1405;
+#   selective loading, l.595-625) run QuantizedExpertFused{Column,Row}Parallel.forward (quantization_layers.py:
+#   1124-1181, 1326-1380): every expert they compute is dequantized to bf16 (l.1151/1153, 1341/1343), gathered
+#   first when only some run (l.1139-1141, 1334-1336), and their matmul outputs are tensors of the graph:
+#   [experts, rows, 2I/tp], the GLU's [.., I/tp] and [.., H], bf16 (experts.py:195-204).
+# Counted: those bf16 copies and outputs, one MoE layer at a time. Not counted (Plan.unfused_fp32_bytes): the fp32
+# products on the way there, weight x scale for blockwise weights and on the kernel path (dequantize.py:121), output
+# x scale for per-channel outputs on the torch paths (dequantize.py:37-39). Each is a cast-multiply-cast chain that
+# the compiler can fuse into its bf16 result, and the evidence says it does: the GLM-5.2 contrib's all-experts
+# prefill (per-tensor FP8 experts, whose outputs go through the same dequantize.py:37-39) runs 2048 tokens at TP=64
+# beside ~15 GB of weights per core (modeling_glm5.py:727-733), where the unfused fp32 product of its
+# [256 experts, 2048 tokens, 6144] down projection alone would take 12.9 GB.
+
+
+def prefill_path(cfg: KimiK2Config, tokens: int, moe_prefill: str, lnc: int, i_local: int) -> str:
+    """The ExpertMLPsV2 path one prefill call of `tokens` tokens takes (expert_mlps_v2.py:1486-1497): "selective"
+    below n_routed_experts / top_k tokens, "all-experts" below block_size / top_k (every prefill with
+    --moe-prefill all-experts), else blockwise: NxD's NKI "kernel" where can_use_blockwise_matmul_nki holds
+    (l.843-864), otherwise its "torch" loop over the blocks (l.908)."""
+    pairs = tokens * cfg.num_experts_per_tok
+    if pairs < cfg.n_routed_experts:  # DEFAULT_SELECTIVE_LOADING_THRESHOLD 1.0 (model_utils.py:93)
+        return "selective"
+    if pairs < (ALL_EXPERTS_BLOCK_SIZE if moe_prefill == "all-experts" else MOE_BLOCK_SIZE):
+        return "all-experts"
+    if moe_prefill == "torch" or not _nki_blockwise_eligible(cfg.hidden_size, i_local, lnc):
+        return "torch"
+    return "kernel"
+
+
+def _nki_blockwise_eligible(hidden: int, i_local: int, lnc: int) -> bool:
+    """can_use_blockwise_matmul_nki's checks that depend on shape and LNC, for the MoE this port builds (GLU with
+    silu, no bias, no clamps; blockwise.py:719-801): nkilib has the kernel for LNC=2 only (l.697-703), hidden must
+    be 512..8192 in multiples of 512 (l.716-717) and the per-rank expert width a multiple of 16 (l.797)."""
+    return lnc == 2 and 512 <= hidden <= 8192 and hidden % 512 == 0 and i_local % 16 == 0
+
+
+def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int) -> int:
+    """Blocks per MoE layer on the blockwise paths: the worst case over routings, ceil((T * top_k - (E_local - 1))
+    / block) + E_local - 1, at most T * top_k (expert_mlps_v2.py:716-720). The torch path runs a Python loop over
+    them (l.1380), so the graph holds that many copies of one expert's MLP per layer."""
+    pairs, e_local = tokens * cfg.num_experts_per_tok, cfg.n_routed_experts // ep
+    return min(math.ceil((pairs - (e_local - 1)) / MOE_BLOCK_SIZE) + e_local - 1, pairs)
+
+
+def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int, experts: str) -> tuple[int, int]:
+    """(counted bf16 bytes, fp32 bytes assumed fused) one MoE layer's routed experts allocate on one rank while a
+    call of `tokens` tokens runs down `path` (see the comment above). The kernel's own activations are not here:
+    the calibrated prefill scratchpad (CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN) was measured on that path."""
+    h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp // ep)
+    # (experts dequantized or gathered at once, rows each one computes): the kernel takes all local experts;
+    # all-experts runs every token through every expert; the torch loop one block of one expert at a time;
+    # selective loading one token's top-k experts at a time.
+    n, rows = {"kernel": (e_local, 0), "all-experts": (e_local, tokens), "torch": (1, MOE_BLOCK_SIZE),
+               "selective": (cfg.num_experts_per_tok, 1)}[path]
+    weights = n * 3 * h * i_local  # gate_up [H, 2I/tp] + down [I/tp, H] elements
+    copied = experts != "bf16" or path in ("torch", "selective")  # dequantized, or gathered by index
+    counted = (weights if copied else 0) * BF16 + n * rows * (3 * i_local + h) * BF16
+    # weight x scale (dequantize.py:121): blockwise weights, and per-channel ones on the kernel path (blockwise.py:964)
+    fp32_weights = weights if experts == "fp8-blockwise" or (path == "kernel" and experts != "bf16") else 0
+    # output x scale (dequantize.py:37-39): per-channel gate_up and down outputs on the torch paths (l.1166, 1357)
+    fp32_outputs = n * rows * (2 * i_local + h) if experts == "fp8-per-channel" and path != "kernel" else 0
+    return counted, (fp32_weights + fp32_outputs) * FP32
+
+
+def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, experts, moe_prefill) -> dict:
+    """How the MoE layers run a prefill of `tokens` tokens and a decode step of `batch`, and what they allocate.
+    Selective-loading decode (one token's top-k experts at a time, ~11 MB at TP=64) is in the calibrated runtime
+    allowance, whose DeepSeek-V3 decode ran it; all-experts decode (batch x top_k >= E) is counted."""
+    path = prefill_path(cfg, tokens, moe_prefill, lnc, cfg.moe_intermediate_size // (tp // ep))
+    decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
+    prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, experts)
+    decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, experts) if decode == "all-experts"
+                                 else (0, 0))
+    return dict(prefill_path=path, decode_path=decode, prefill_bytes=prefill_bytes, decode_bytes=decode_bytes,
+                prefill_blocks=blockwise_blocks(cfg, tokens, ep) if path in ("kernel", "torch") else None,
+                unfused_fp32_bytes=prefill_fp32 + decode_fp32)
+
+
+def _allowance(cfg: KimiK2Config, tokens: int, moe: dict) -> list[Row]:
+    """The runtime's fixed part, then the prefill scratchpad -- calibrated activations plus the MoE temporaries,
+    in whole pages -- and the all-experts decode's MoE temporaries if it has any."""
+    act, temp = int(tokens * cfg.hidden_size * CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN), moe["prefill_bytes"]
+    pages = max(1, math.ceil((act + temp) / SCRATCHPAD_PAGE_BYTES))
+    rows = [Row("runtime: NEFF code, DMA rings, I/O, CC, decode scratch", "-", RUNTIME_FIXED_BYTES),
+            Row("prefill activations (calibrated, batch x context)", "bf16", act),
+            Row(f"prefill MoE temporaries ({moe['prefill_path']} path, 1 layer)", "bf16", temp),
+            Row(f"prefill scratchpad: rest of {pages} x 512 MiB page{'s' * (pages > 1)}", "-",
+                pages * SCRATCHPAD_PAGE_BYTES - act - temp)]
+    if moe["decode_bytes"]:
+        rows.append(Row("decode MoE temporaries (all-experts path, 1 layer)", "bf16", moe["decode_bytes"]))
+    return rows
 
 
 def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, block=None) -> tuple[float, int]:
@@ -260,32 +456,87 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, b
 
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
-         kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32") -> Plan:
-    """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what the converter writes
-    for this config's source format (or read it from a converted checkpoint's record, as the CLI does).
-    `kv_slots` 2 and `router_dtype` "bf16" model other ports (NxDI's stock KV cache, a bf16 router)."""
-    _check(cfg, tp, ep, lnc, seq_len, batch, experts, kv_slots)
+         kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32",
+         context_len: int | None = None, moe_prefill: str = "kernel", record: dict | None = None) -> Plan:
+    """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what a converted checkpoint's
+    `record` (convert.layout.read_record) holds, else what the converter writes for this config's source format.
+    The record also fixes `experts` and the expert TP degrees, as compile_and_save's checks do. `context_len`: the
+    prefill bucket (NxDI max_context_length), default seq_len. `kv_slots` 2 and `router_dtype` "bf16" model other
+    ports (NxDI's stock KV cache, a bf16 router)."""
+    context = seq_len if context_len is None else context_len
+    _check(cfg, tp, ep, lnc, seq_len, context, batch, experts, kv_slots, moe_prefill, record)
     if router_dtype not in ("fp32", "bf16"):
         raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
-    cores = _logical_cores(lnc)
+    block = block or recorded_block(record, experts)
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
     weights = _weights(cfg, tp, ep, experts, block, router_dtype)
     # The MLA latent is replicated on every rank; the stock KVCacheManager gives it a K and a same-width V slot.
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * seq_len * cfg.latent_dim * BF16)
-    allowance = _allowance(cfg, seq_len, batch)
+    moe = _moe_runs(cfg, tp, ep, lnc, batch * context, batch, experts, moe_prefill)
+    allowance = _allowance(cfg, batch * context, moe)
     total = sum(r.bytes for r in (*weights, kv, *allowance))
     active, per_token = _bytes_per_token(cfg, weights, tp, ep, experts, seq_len, batch, block)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
-        experts=experts, kv_slots=kv_slots, logical_cores=cores, capacity_bytes=capacity,
-        usable_bytes=usable, router_dtype=router_dtype,
+        experts=experts, context_len=context, moe_prefill=moe_prefill, prefill_path=moe["prefill_path"],
+        prefill_blocks=moe["prefill_blocks"], decode_path=moe["decode_path"], kv_slots=kv_slots,
+        logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable, router_dtype=router_dtype,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
-        fits=total <= usable, active_experts_per_layer=active, bytes_per_token=per_token,
-        hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
+        fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], active_experts_per_layer=active,
+        bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         assumptions=_assumptions(kv_slots, router_dtype))
+
+
+def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, experts: str,
+                context_len: int | None = None, moe_prefill: str = "kernel", **kw) -> Plan:
+    """The plan at the largest seq_len that fits, searched up to the model's max_position_embeddings; when none
+    fits, the plan at the smallest seq_len tried (its `fits` is False). The prefill bucket is seq_len (as
+    compile_and_save defaults it) unless `context_len` fixes it; `kw` as plan()."""
+    def at(seq_len: int) -> Plan:
+        return plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=context_len, moe_prefill=moe_prefill,
+                    **kw)
+
+    ranges = _constant_path_ranges(cfg, batch, ep, context_len, moe_prefill)
+    lowest = at(ranges[0][0])  # refuses bad arguments before the search
+    for lo, hi in reversed(ranges):
+        best = _largest_fitting(at, lo, hi)
+        if best is not None:
+            return best
+    return lowest
+
+
+def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill) -> list[tuple[int, int]]:
+    """seq_len intervals, low to high, inside which a plan's total only grows with seq_len. It can drop where the
+    prefill's MoE path changes (at T x top_k = E and = block size, prefill_path), so each is searched apart. With
+    EP, prefills below one block are refused (_check_moe_prefill), so the search starts above them."""
+    top = cfg.max_position_embeddings
+    if context_len is not None:  # the prefill is fixed: only the KV cache grows
+        return [(context_len, top)]
+    pairs = batch * cfg.num_experts_per_tok
+    switches = [-(-cfg.n_routed_experts // pairs)]
+    if moe_prefill != "all-experts":
+        switches.append(-(-MOE_BLOCK_SIZE // pairs))
+    bounds = sorted({1, *(s for s in switches if 1 < s <= top)}) + [top + 1]
+    ranges = [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
+    if ep > 1 and moe_prefill != "all-experts":
+        ranges = [(a, b) for a, b in ranges if a >= switches[-1]] or ranges[-1:]
+    return ranges
+
+
+def _largest_fitting(at, lo: int, hi: int) -> Plan | None:
+    """Bisection for the largest seq_len in [lo, hi] that fits, the total being non-decreasing there."""
+    if not at(lo).fits:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if at(mid).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    return at(lo)
 
 
 def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
@@ -299,6 +550,10 @@ def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
         "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
         "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "
         "bracketed by its seq 512 loading and seq 1024 running out of HBM); estimates",
+        "MoE temporaries, from NxD's code (estimates): the NKI prefill kernel gets every local expert dequantized to "
+        "bf16 first, for both FP8 schemes (blockwise.py:955-967); the torch and all-experts paths hold the bf16 "
+        "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
+        "dequantization are assumed fused into their bf16 results and are not counted",
         "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
         "n_routed_experts or EP > 1 (NxD's all-experts decode), else the distinct experts uniform, independent "
         "routing hits, each read once; ignores compute, collectives and launch overheads",
@@ -311,6 +566,7 @@ def format_plan(p: Plan) -> str:
              f"trn2.48xlarge LNC={p.lnc}: {p.logical_cores} logical cores x {p.capacity_bytes / GiB:.2f} GiB HBM, "
              f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s each; TP={p.tp} ranks, experts EP={p.ep} x {p.tp // p.ep}",
              f"seq_len {p.seq_len}, batch {p.batch}, routed experts {p.experts}",
+             _moe_line(p),
              "",
              f"{'per logical core':<{w}}{'dtype':>6}{'GiB':>10}"]
 
@@ -326,6 +582,8 @@ def format_plan(p: Plan) -> str:
               f"{'usable':<{w}}{'':>6}{p.usable_bytes / GiB:>10.3f}",
               f"{'headroom':<{w}}{'':>6}{p.headroom_bytes / GiB:>10.3f}",
               f"fits: {'yes' if p.fits else 'NO'}",
+              *([f"not counted: {p.unfused_fp32_bytes / GiB:.3f} GiB of fp32 dequantization products, assumed fused "
+                 f"into their bf16 results (see assumptions)"] if p.unfused_fp32_bytes else []),
               "",
               f"decode roofline, a lower bound and not a prediction: {p.bytes_per_token / 1e9:.3f} GB read per "
               f"token per core ({p.active_experts_per_layer:.2f} routed experts per MoE layer) / "
@@ -335,5 +593,12 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def plan_json(p: Plan) -> str:
-    return json.dumps(p.to_dict(), indent=2)
+def _moe_line(p: Plan) -> str:
+    unrolled = " unrolled into the graph" if p.prefill_path == "torch" else ""
+    blocks = f", {p.prefill_blocks} blocks per MoE layer{unrolled}" if p.prefill_blocks else ""
+    return (f"prefill {p.batch} x {p.context_len} tokens: MoE {p.prefill_path} path (--moe-prefill {p.moe_prefill}"
+            f"{blocks}); decode: {p.decode_path}")
+
+
+def plan_json(p: Plan, **extra) -> str:
+    return json.dumps({**p.to_dict(), **extra}, indent=2)

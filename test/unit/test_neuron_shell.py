@@ -10,6 +10,7 @@ test/nxdi_cpu; what is left here that stands in for them says "emulated" in its 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -192,6 +193,69 @@ def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     with pytest.raises(KimiInputError) as e:
         contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(**o))
     assert needle in str(e.value)
+
+
+def _refusal(fn) -> str | None:
+    try:
+        fn()
+    except KimiInputError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("experts", ["fp8-per-channel", "fp8-blockwise"])
+def test_the_fit_planner_refuses_exactly_what_the_shell_refuses(experts):
+    """compile_and_save plans first and the shell checks later: both must refuse the same TP / EP / prefill / scale
+    layouts with the same message (both call plan.check_compile_options and plan.check_moe_tp)."""
+    from itertools import product
+
+    from kimi_k2_neuron.plan import plan
+
+    cfg = kimi_cfg()
+    nxd = layout.scheme_for(experts, "fp8").nxd(cfg.moe_intermediate_size)
+    records = (nxd, {**nxd, "valid_moe_tp_degrees": [1, 2, 4]})
+    refused = 0
+    for tp, ep, batch, (seq, ctx), mode, rec in product(
+            (3, 16, 32, 48, 64), (1, 2, 4, 16), (1, 48), ((1024, None), (1024, 1), (1, None)),
+            ("kernel", "torch", "all-experts"), records):
+        shell = _refusal(lambda: contract.check_serve_options(cfg, contract.ServeOptions(
+            tp=tp, ep=ep, batch=batch, seq_len=seq, max_context_length=ctx, moe_prefill=mode, experts=experts,
+            checkpoint="/c", quant_record=rec)))
+        planner = _refusal(lambda: plan(cfg, tp, ep, 2, seq, batch, experts, context_len=ctx, moe_prefill=mode,
+                                        record={"experts": experts, "nxd": rec}))
+        assert planner == shell, (tp, ep, batch, seq, ctx, mode, rec["valid_moe_tp_degrees"])
+        refused += shell is not None
+    assert 0 < refused < 5 * 4 * 2 * 3 * 3 * 2
+
+
+def _compile_script(monkeypatch):
+    """scripts/compile_and_save.py as a module; it sets the FP8 environment on import, undone after the test."""
+    from kimi_k2_neuron.launch import FP8_ENV
+
+    for name in FP8_ENV:
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("_compile_and_save", REPO / "scripts/compile_and_save.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failed_kernel_compile_recommends_all_experts_prefill_not_torch(capsys, monkeypatch):
+    script = _compile_script(monkeypatch)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("neuronx-cc: compilation failed")
+
+    assert script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="kernel"), "summary") is False
+    err = capsys.readouterr().err
+    assert "RuntimeError: neuronx-cc: compilation failed" in err  # NxDI's traceback first
+    last = err.splitlines()[-1]
+    assert last.startswith("error: compiling with --moe-prefill kernel failed (traceback above); ")
+    assert "use --moe-prefill all-experts" in last and "not --moe-prefill torch" in last
+    with pytest.raises(RuntimeError):  # another --moe-prefill: nothing to suggest, the error as it is
+        script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="all-experts"), "summary")
+    assert script._compile(lambda *a, **k: None, "/c", "/out", SimpleNamespace(moe_prefill="kernel"), "s") is True
+    assert "use --moe-prefill all-experts" in " ".join(script.build_parser().format_help().split())
 
 
 def test_ep_is_moe_internal_expert_parallelism():

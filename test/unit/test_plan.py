@@ -1,5 +1,6 @@
 """Fit planner: known facts about what fits on a trn2.48xlarge, and byte counts checked by hand from the config."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.plan import GiB, plan
+from kimi_k2_neuron.plan import GiB, format_plan, max_seq_len, plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 KIMI = CONFIGS / "kimi-k2-instruct-0905.json"
@@ -31,7 +32,7 @@ CONTRIB = dict(kv_slots=2, router_dtype="bf16")
 
 
 def _row(p, prefix):
-    (row,) = [r for r in p.weights if r.kind.startswith(prefix)]
+    (row,) = [r for r in (*p.weights, *p.allowance) if r.kind.startswith(prefix)]
     return row.bytes
 
 
@@ -61,7 +62,7 @@ def test_kimi_bf16_experts_do_not_fit_at_tp64(kimi):
 def test_kimi_fp8_fits_at_tp64_seq1024(kimi):
     for fmt in ("fp8-blockwise", "fp8-per-channel"):
         p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts=fmt)
-        assert p.fits and p.headroom_bytes > 3 * GiB, fmt
+        assert p.fits and p.headroom_bytes > 2.5 * GiB, fmt  # 2.92 GiB per-channel, 3.48 blockwise (README)
         assert 15.5 < _row(p, "routed experts (") / 1e9 < 16.2  # nxdi_contracts §6: ≈ 15.9 GB per rank
 
 
@@ -117,9 +118,11 @@ def test_expert_scale_shapes_at_tp64(kimi):
     assert _row(int4, "routed expert scales") == n_moe * e * (224 * 64 + 1 * 7168) * 4
     per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
     assert _row(per_channel, "routed expert scales") == n_moe * e * (2 * i_local + h) * 4  # [E,1,2I/tp] + [E,1,H]
-    # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank.
-    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=1, batch=48, experts="fp8-per-channel")
-    assert _row(ep16, "routed experts (") == n_moe * (e // 16) * 3 * h * (c.moe_intermediate_size // 4)
+    # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank:
+    # 60 MoE layers x 24 experts x 3 x 7168 x 512 fp8 bytes = 15,854,469,120. (seq_len 2: the compile path refuses
+    # EP with a prefill under 512 token-expert pairs, and 48 x 1 x 8 = 384.)
+    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=2, batch=48, experts="fp8-per-channel")
+    assert _row(ep16, "routed experts (") == 15_854_469_120
     assert _row(ep16, "routed experts (") == _row(per_channel, "routed experts (")
 
 
@@ -144,6 +147,121 @@ def test_roofline(kimi):
     assert p48.active_experts_per_layer == kimi.n_routed_experts and ep4.active_experts_per_layer == 384 // 4
     # Lower bound: at least the expert bytes it is expected to touch, never more than everything on the core.
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
+
+
+# --- what the MoE allocates while it runs (NxD's code; plan.moe_temporaries) -----------------------------------------
+# Kimi at TP=64, EP=1: 384 local experts, each gate_up [7168, 64] + down [32, 7168] = 3 x 7168 x 32 = 688,128
+# elements; all 384: 264,241,152 elements, 528,482,304 bytes in bf16, 1,056,964,608 in fp32.
+
+@pytest.mark.parametrize("experts", ["fp8-blockwise", "fp8-per-channel"])
+def test_the_prefill_kernel_gets_every_local_expert_dequantized_for_both_fp8_schemes(kimi, experts):
+    """Both schemes' scales are 3-D, so BlockwiseMatmulNKIFunc dequantizes all local experts before the kernel
+    (NxD blockwise.py:955-967): a bf16 copy counted, its fp32 product reported as assumed fused."""
+    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts=experts)
+    assert p.prefill_path == "kernel" and p.prefill_blocks == 399  # ceil((1024 x 8 - 383) / 512) + 383
+    assert _row(p, "prefill MoE temporaries") == 528_482_304
+    assert p.unfused_fp32_bytes == 1_056_964_608
+    # activations 0.5 GiB (calibrated, 1024 tokens) + 0.492 GiB of temporaries: two 512 MiB pages
+    assert _row(p, "prefill activations") + _row(p, "prefill MoE temporaries") + _row(p, "prefill scratchpad") == GiB
+    bf16 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="bf16")
+    assert _row(bf16, "prefill MoE temporaries") == 0 and bf16.unfused_fp32_bytes == 0  # used as they are
+
+
+def test_all_experts_prefill_holds_every_expert_output(kimi):
+    """forward_all_experts (expert_mlps_v2.py:366-391): every token through every local expert, so besides the bf16
+    expert copies the [384, 1024, 64] gate_up, [384, 1024, 32] GLU and [384, 1024, 7168] down outputs, bf16:
+    384 x 1024 x (64 + 32 + 7168) x 2 = 5,712,642,048 bytes."""
+    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise", moe_prefill="all-experts")
+    assert p.prefill_path == "all-experts" and p.prefill_blocks is None
+    assert _row(p, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
+    assert p.unfused_fp32_bytes == 1_056_964_608  # blockwise: weight x scale in fp32 (dequantize.py:121)
+    assert not p.fits  # ~5.3 GiB more than the kernel path at seq 1024
+    # per-channel scales its outputs instead (dequantize.py:37-39): 384 x 1024 x (64 + 7168) x 4 = 11,374,952,448
+    pc = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-per-channel", moe_prefill="all-experts")
+    assert _row(pc, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
+    assert pc.unfused_fp32_bytes == 11_374_952_448
+
+
+def test_torch_prefill_runs_one_block_of_one_expert_at_a_time(kimi):
+    """The torch loop (expert_mlps_v2.py:1350-1405): one expert gathered and dequantized, 3 x 7168 x 32 x 2 =
+    1,376,256 bytes, and one 512-token block's outputs, 512 x (96 + 7168) x 2 = 7,438,336."""
+    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise", moe_prefill="torch")
+    assert p.prefill_path == "torch" and p.prefill_blocks == 399
+    assert _row(p, "prefill MoE temporaries") == 8_814_592
+    assert "399 blocks per MoE layer unrolled into the graph" in format_plan(p)
+
+
+@pytest.mark.parametrize("seq_len,lnc,mode,path", [
+    (47, 2, "kernel", "selective"),     # 47 x 8 = 376 < 384 experts (expert_mlps_v2.py:1488-1490)
+    (48, 2, "kernel", "all-experts"),   # 384 <= 48 x 8 < 512, the block (l.1491-1494)
+    (63, 2, "kernel", "all-experts"),   # 504 < 512
+    (64, 2, "kernel", "kernel"),        # 512: blockwise, and the NKI kernel applies at LNC=2 (blockwise.py:719-801)
+    (64, 1, "kernel", "torch"),         # nkilib has no LNC=1 kernel (blockwise.py:697-703): NxD's torch loop
+    (64, 2, "torch", "torch"),
+    (4096, 2, "all-experts", "all-experts"),  # block 2**30
+])
+def test_which_prefill_path_nxd_takes(kimi, seq_len, lnc, mode, path):
+    tp = 64 if lnc == 2 else 32  # 128 logical cores at LNC=1, but 64 heads: TP 32 is the largest that divides
+    p = plan(kimi, tp=tp, ep=1, lnc=lnc, seq_len=seq_len, batch=1, experts="fp8-per-channel", moe_prefill=mode)
+    assert p.prefill_path == path
+
+
+def test_all_experts_decode_temporaries(kimi):
+    """batch 48 x top-8 = 384 = E: decode runs every local expert (expert_mlps_v2.py:1473-1478). EP=1: 528,482,304
+    + 384 x 48 x 7264 x 2 = 796,262,400 bytes. EP=16: 24 experts of I/4 = 512, the same 528,482,304 bytes of
+    copies + 24 x 48 x (3 x 512 + 7168) x 2 = 548,536,320."""
+    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=128, batch=48, experts="fp8-blockwise")
+    assert p.decode_path == "all-experts" and _row(p, "decode MoE temporaries") == 796_262_400
+    ep16 = plan(kimi, tp=64, ep=16, lnc=2, seq_len=128, batch=48, experts="fp8-blockwise")
+    assert _row(ep16, "decode MoE temporaries") == 548_536_320
+    assert ep16.prefill_blocks == 119  # 48 x 128 tokens x 8 = 49,152 pairs: ceil((49,152 - 23) / 512) + 23
+    assert plan(kimi, tp=64, ep=1, lnc=2, seq_len=128, batch=47, experts="fp8-blockwise").decode_path == "selective"
+
+
+def test_glm_5_2_all_experts_prefill_fits_only_if_its_fp32_products_are_fused(dsv3):
+    """Known fact: NxDI's GLM-5.2 contrib (DeepSeek-V3 architecture, 78 layers, hidden 6144, 256 FP8 experts of
+    2048, bf16 router, stock KV cache) runs a 2048-token all-experts prefill at TP=64 LNC=2. The planner's model of
+    it fits, and the fp32 product of its per-tensor output scaling (dequantize.py:37-39), had it been materialized,
+    is more than ten times the headroom: 256 x 2048 x (64 + 6144) x 4 bytes = 12.125 GiB. So the planner's rule
+    (such products are fused, not counted) agrees with that run. Per-tensor scales are ~0 bytes; [32, 32]
+    blockwise stands in for them (its scales are 0.04 GiB)."""
+    glm = dataclasses.replace(dsv3, hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
+                              first_k_dense_replace=3, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+                              qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, vocab_size=154880)
+    p = plan(glm, tp=64, ep=1, lnc=2, seq_len=2048, batch=1, experts="fp8-blockwise", block=(32, 32),
+             moe_prefill="all-experts", **CONTRIB)
+    assert p.fits and 10 * p.headroom_bytes < 12.125 * GiB
+
+
+# --- the largest seq_len that fits ---------------------------------------------------------------------------------
+
+def test_max_seq_len_is_the_last_that_fits(kimi):
+    for batch, ep in ((1, 1), (4, 1), (48, 16)):
+        p = max_seq_len(kimi, tp=64, ep=ep, lnc=2, batch=batch, experts="fp8-blockwise")
+        assert p.fits and p.batch == batch
+        assert not plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + 1, batch=batch, experts="fp8-blockwise").fits
+
+
+def test_max_seq_len_searches_each_prefill_path_apart(kimi):
+    """What a plan allocates can drop where the prefill path changes: at batch 1 and seq 63 all-experts holds
+    [384, 63, 7264] outputs, 384 x 63 x 7264 x 2 = 351,461,376 bytes, that the kernel path at 64 does not (here the
+    512 MiB scratchpad pages hide it; across a page boundary they would not). So the bisection runs per path:
+    batch 1 switches at 48 (48 x 8 = 384 experts) and 64 (512, the block)."""
+    from kimi_k2_neuron.plan import _constant_path_ranges
+
+    at63, at64 = (plan(kimi, tp=64, ep=1, lnc=2, seq_len=s, batch=1, experts="fp8-blockwise") for s in (63, 64))
+    assert _row(at63, "prefill MoE temporaries") - _row(at64, "prefill MoE temporaries") == 351_461_376
+    assert _constant_path_ranges(kimi, 1, 1, None, "kernel") == [(1, 47), (48, 63), (64, 262144)]
+    assert _constant_path_ranges(kimi, 1, 1, None, "all-experts") == [(1, 47), (48, 262144)]
+    assert _constant_path_ranges(kimi, 48, 16, None, "kernel") == [(2, 262144)]  # EP: from 512 / (48 x 8) up
+    assert _constant_path_ranges(kimi, 1, 1, 1024, "kernel") == [(1024, 262144)]  # fixed prefill: KV only grows
+
+
+def test_max_seq_len_with_a_fixed_prefill_is_kv_bound(kimi):
+    """With a 1024-token prefill bucket only the KV cache grows: 61 layers x 576 x 2 bytes = 70,272 bytes a token."""
+    p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=1, experts="fp8-blockwise", context_len=1024)
+    assert p.fits and p.context_len == 1024 and p.headroom_bytes < 70_272
+    assert p.kv_cache.bytes == p.seq_len * 70_272
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -205,3 +323,57 @@ def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, 
     source = plan(KimiK2Config.from_file(tiny_dirs["int4"]), tp=2, ep=1, lnc=2, seq_len=8, batch=1,
                   experts="fp8-blockwise")
     assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
+
+
+@pytest.mark.parametrize("tp", ["3", "48"])
+def test_cli_refuses_a_tp_that_does_not_divide_the_model(capsys, tp):
+    """TP 3 or 48 used to print fractional sizes; compile_and_save refuses them (64 heads), and so does the planner."""
+    assert main(["plan", "--config", str(KIMI), "--tp", tp, "--seq-len", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --tp {tp}: config.json field num_attention_heads=64 is not divisible by {tp}\n"
+
+
+def _converted(tmp_path, experts, nxd):
+    """The real Kimi config.json with a conversion record and no tensors (the planner reads only config.json)."""
+    from kimi_k2_neuron.convert import layout
+
+    rec = {"layout_version": layout.LAYOUT_VERSION, "experts": experts, "nxd": nxd}
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(KIMI.read_text()), layout.CONVERSION_KEY: rec}))
+    return str(tmp_path)
+
+
+def test_cli_takes_the_experts_a_converted_checkpoint_holds(capsys, tmp_path):
+    from kimi_k2_neuron.convert import layout
+
+    model = _converted(tmp_path, "fp8-per-channel", layout.scheme_for("fp8-per-channel", "fp8").nxd(2048))
+    assert _cli("--model", model, "--json") == 0  # --experts defaults to the record's
+    assert json.loads(capsys.readouterr().out)["experts"] == "fp8-per-channel"
+    assert _cli("--model", model, "--experts", "fp8-blockwise") == 2
+    assert capsys.readouterr().err == ("error: --experts fp8-blockwise: the converted checkpoint holds "
+                                       "fp8-per-channel experts; pass --experts fp8-per-channel or leave it out\n")
+
+
+def test_cli_refuses_a_tp_the_recorded_scales_do_not_shard_for(capsys, tmp_path):
+    """[32, 32] blockwise scales shard for expert TP t when 2048 / t is a multiple of 32, t <= 64; a record listing
+    only [1, 2] (as a coarser layout would) refuses TP 64, as the Neuron shell does."""
+    from kimi_k2_neuron.convert import layout
+
+    nxd = {**layout.scheme_for("fp8-blockwise", "fp8").nxd(2048), "valid_moe_tp_degrees": [1, 2]}
+    assert _cli("--model", _converted(tmp_path, "fp8-blockwise", nxd)) == 2
+    assert "experts split 64 ways (tp / ep), but this checkpoint's expert scales shard only [1, 2] ways" in \
+        capsys.readouterr().err
+
+
+def test_cli_max_seq_len(capsys):
+    args = ["plan", "--config", str(KIMI), "--tp", "64", "--experts", "fp8-blockwise", "--max-seq-len"]
+    assert main([*args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["max_seq_len"] == d["seq_len"] and d["fits"] and d["context_len"] == d["seq_len"]
+    assert main(args) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"max seq_len: {d['seq_len']} ({d['seq_len'] + 1} does not fit;")
+    assert main(["plan", "--config", str(KIMI), "--tp", "64", "--experts", "bf16", "--max-seq-len", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["max_seq_len"] is None  # 29.5 GiB of bf16 experts fit nowhere
+    with pytest.raises(SystemExit) as e:  # argparse: one or the other
+        main(["plan", "--config", str(KIMI), "--tp", "64", "--seq-len", "8", "--max-seq-len"])
+    assert e.value.code == 2

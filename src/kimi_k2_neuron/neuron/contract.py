@@ -32,7 +32,8 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert.layout import NXD_TYPE
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.launch import FP8_ENV
-from kimi_k2_neuron.plan import check_ep, decodes_all_experts, ep_layout_supported
+from kimi_k2_neuron.plan import (ALL_EXPERTS_BLOCK_SIZE, check_compile_options, check_moe_tp, decodes_all_experts,
+                                 ep_layout_supported)
 
 # (import name, pip name). torch_xla comes with torch-neuronx.
 NEURON_PACKAGES = (
@@ -64,13 +65,18 @@ EXPERT_FORMATS = {**NXD_TYPE, "bf16": None}
 FP8_DTYPE = "f8e4m3"
 # How prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1485-1497), as
 # blockwise_matmul_config (moe_configs.py:79-129). "kernel": NxD's choice, the NKI blockwise kernel when
-# can_use_blockwise_matmul_nki holds (blockwise.py:719-801), else its torch fallback. "torch": that fallback.
+# can_use_blockwise_matmul_nki holds (blockwise.py:719-801), else its torch fallback. "torch": that fallback, a
+# Python loop over ~400 blocks per MoE layer (expert_mlps_v2.py:716-720, 1380) unrolled into the graph.
 # "all-experts": every token through every expert, no blockwise path at all (what GLM-5.2's contrib does,
-# block_size 2**30) -- dropless and simple, but E / top_k times the expert FLOPs. NxD documents that its LNC=2
-# blockwise kernel does not support several experts per token with expert-wise per-channel scales
-# (quantization_config.py:230-238); these are the ways around it if the kernel path fails on trn2.
-MOE_PREFILL = {"kernel": {}, "torch": {"use_torch_block_wise": True}, "all-experts": {"block_size": 2**30}}
-MOE_BLOCK_SIZE = 512  # NxD's default blockwise block (modules/moe/model_utils.py:94)
+# block_size 2**30) -- dropless and simple, but E / top_k times the expert FLOPs and an [E, tokens, hidden] output.
+# The kernel path handles expert-wise per-channel scales: like blockwise ones they are 3-D ([E, 1, out]), so
+# BlockwiseMatmulNKIFunc dequantizes both schemes' local experts to bf16 and calls the kernel without scales
+# (blockwise.py:955-967; plan.moe_temporaries counts the copies). (NxD's expert-wise qconfig docstring,
+# quantization_config.py:230-238, says its LNC=2 kernel does not support several experts per token with them; the
+# kernel never receives them here.) If the kernel fails to compile at 32 expert columns per rank, fall back to
+# all-experts, not torch: plan.MOE_PREFILL_FALLBACK.
+MOE_PREFILL = {"kernel": {}, "torch": {"use_torch_block_wise": True},
+               "all-experts": {"block_size": ALL_EXPERTS_BLOCK_SIZE}}
 
 
 @dataclass(frozen=True)
@@ -106,36 +112,14 @@ class ServeOptions:
 
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
-    for name, v in (("--tp", o.tp), ("--ep", o.ep), ("--seq-len", o.seq_len), ("--batch", o.batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
-    if o.lnc not in (None, 1, 2):
-        raise KimiInputError(f"--lnc {o.lnc}: expected 1 or 2")
+    """Refuse a configuration that cannot compile or would compute something else, naming the argument. The
+    layout and MoE prefill rules are the fit planner's (plan.check_compile_options), so `kimi-k2-neuron plan` and
+    compile_and_save's fit check refuse the same configurations."""
     if o.experts not in EXPERT_FORMATS:
         raise KimiInputError(f"--experts {o.experts!r}: expected one of {', '.join(EXPERT_FORMATS)}")
-    if not 1 <= o.context_length <= o.seq_len:
-        raise KimiInputError(f"--max-context-length {o.context_length}: expected 1..--seq-len {o.seq_len}")
-    # Every TP-split dimension must divide: heads (q_b/kv_b/o), hidden (embedding sharded across the embedding
-    # dim), vocab (lm_head columns, so no padded logits to mask), dense and expert intermediates.
-    dims = {"num_attention_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)}
-    for name, n in dims.items():
-        if n % o.tp:
-            raise KimiInputError(f"--tp {o.tp}: config.json field {name}={n} is not divisible by {o.tp}")
-    check_ep(cfg, o.tp, o.ep, o.lnc, o.batch)
-    # NxD's all-experts prefill has no EP variant (expert_mlps_v2.py:384-390): it runs for --moe-prefill all-experts
-    # and for prefill calls of fewer than block_size / top_k tokens (l.1488-1494, block 512 by default).
-    if o.ep > 1 and (o.moe_prefill == "all-experts"
-                     or o.context_length * o.batch * cfg.num_experts_per_tok < MOE_BLOCK_SIZE):
-        raise KimiInputError(f"--ep {o.ep}: needs --moe-prefill kernel or torch and a prefill of at least "
-                             f"{MOE_BLOCK_SIZE} token-expert pairs (NxD's all-experts prefill has no EP variant)")
+    check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill)
     if o.experts != "bf16":
         _check_quant_record(o)
-    if o.moe_prefill not in MOE_PREFILL:
-        raise KimiInputError(f"--moe-prefill {o.moe_prefill!r}: expected one of {', '.join(MOE_PREFILL)}")
     if o.on_device_sampling and not 1 <= o.top_k <= o.global_topk:
         raise KimiInputError(f"--top-k {o.top_k}: on-device sampling needs 1 <= top_k <= {o.global_topk}")
 
@@ -156,10 +140,7 @@ def _check_quant_record(o: ServeOptions) -> None:
         raise KimiInputError(f"--experts {o.experts}: the checkpoint holds {rec.get('quantization_type')} "
                              f"{rec.get('quantization_dtype')} experts, expected {EXPERT_FORMATS[o.experts]} "
                              f"{FP8_DTYPE}")
-    tps, moe_tp = rec.get("valid_moe_tp_degrees"), o.tp // o.ep
-    if tps is not None and moe_tp not in tps:
-        raise KimiInputError(f"--tp {o.tp} --ep {o.ep}: experts split {moe_tp} ways (tp / ep), but this checkpoint's "
-                             f"expert scales shard only {tps} ways")
+    check_moe_tp(rec.get("valid_moe_tp_degrees"), o.tp, o.ep)
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
