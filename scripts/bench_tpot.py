@@ -5,10 +5,14 @@ context-encoding and token-generation submodels. TPOT is the per-call latency of
 decode step for the whole batch) and TTFT the per-call latency of the context-encoding model, each as p50/p90/p99.
 Nothing here divides a total time by a token count. Writes a JSON report.
 
-Example:
-  python scripts/bench_tpot.py --compiled /data/compiled/tp64-s1024-b1 --num-runs 20 --report tpot.json
+--cpu runs the same benchmark on the NxDI model in NxD's CPU mode, built from --model for --seq-len and --batch: it
+exercises the runner end to end, and its report says `"device": "cpu"`; its latencies say nothing about trn2.
 
-Arguments are parsed before the Neuron SDK is imported, so --help works without it.
+Examples:
+  python scripts/bench_tpot.py --compiled /data/compiled/tp64-s1024-b1 --num-runs 20 --report tpot.json
+  python scripts/bench_tpot.py --cpu --model ~/.cache/kimi-k2-neuron/tiny-fp8 --seq-len 64 --num-runs 3
+
+Arguments are parsed and checked before the Neuron SDK is imported, so --help and bad flags answer without it.
 """
 
 from __future__ import annotations
@@ -19,14 +23,20 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.launch import add_compiled_args, add_verbose, script_parser, sdk_missing, start
+from kimi_k2_neuron.arguments import fail, integer
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, check_compiled_args, cpu_options, script_parser,
+                                   sdk_missing, start)
+from kimi_k2_neuron.runtime.ranks import RanksError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     add_compiled_args(p)
-    p.add_argument("--num-runs", type=int, default=20, help="measured generations after one warm-up")
+    p.add_argument("--num-runs", type=integer(1), default=20, help="measured generations after one warm-up")
     p.add_argument("--report", default="bench_tpot.json", help="JSON report path")
+    p.add_argument("--seq-len", type=integer(2), default=None, help="with --cpu: KV cache length (default: 128)")
+    p.add_argument("--batch", type=integer(1), default=None, help="with --cpu: sequences per call (default: 1)")
     add_verbose(p)
     return p
 
@@ -53,15 +63,40 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        check_compiled_args(args)
+        if not args.cpu and (args.seq_len or args.batch):
+            raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
+    except KimiInputError as e:
+        return fail(e)
     start(args)
 
-    from transformers import GenerationConfig
-
     try:
-        from kimi_k2_neuron.neuron.serving import load_compiled, read_record
-        from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
+        import kimi_k2_neuron.neuron  # noqa: F401  (its ImportError names what is missing)
     except ImportError as e:
         return sdk_missing(e)
+
+    try:
+        raw, meta = _cpu(args) if args.cpu else _compiled(args)
+    except KimiInputError as e:
+        return fail(e)
+    except RanksError as e:
+        return fail(e, e.exit_code)
+    report = summarize(raw, meta["batch"], {**meta, "num_runs": args.num_runs, "nxdi_report": raw})
+    Path(args.report).write_text(json.dumps(report, indent=2, default=float))
+    t = report["tpot_ms"]
+    if t:
+        where = " in NxD's CPU mode, not a trn2 number" if args.cpu else ""
+        print(f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {meta['batch']}); "
+              f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms{where} -> {args.report}")
+    return 0
+
+
+def _compiled(args) -> tuple[dict, dict]:
+    from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
+    from transformers import GenerationConfig
+
+    from kimi_k2_neuron.neuron.serving import load_compiled, read_record
 
     record = read_record(args.compiled)
     app = load_compiled(args.compiled, args.model)
@@ -72,16 +107,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         raw = benchmark_sampling(app, None, gen, target="all", num_runs=args.num_runs,
                                  benchmark_report_path=str(Path(d) / "nxdi.json"))
-    meta = {"compiled": str(args.compiled), "options": record.get("options"), "tp": nc.tp_degree,
-            "batch": nc.max_batch_size, "seq_len": nc.seq_len, "max_context_length": nc.max_context_length,
-            "num_runs": args.num_runs, "nxdi_report": raw}
-    report = summarize(raw, nc.max_batch_size, meta)
-    Path(args.report).write_text(json.dumps(report, indent=2, default=float))
-    t = report["tpot_ms"]
-    if t:
-        print(f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms "
-              f"(batch {nc.max_batch_size}); TTFT p50 {report['ttft_ms']['p50']:.1f} ms -> {args.report}")
-    return 0
+    return raw, {"device": "trn2", "compiled": str(args.compiled), "options": record.get("options"),
+                 "tp": nc.tp_degree, "batch": nc.max_batch_size, "seq_len": nc.seq_len,
+                 "max_context_length": nc.max_context_length}
+
+
+def _cpu(args) -> tuple[dict, dict]:
+    from kimi_k2_neuron.neuron import cpu
+
+    seq_len, batch = args.seq_len or 128, args.batch or 1
+    raw = cpu.benchmark(cpu_options(args), seq_len, batch, args.num_runs)
+    return raw, {"device": "cpu", "note": "NxD's CPU mode on this host: exercises the runner, not a trn2 latency",
+                 "model": str(args.model), "tp": args.tp, "batch": batch, "seq_len": seq_len,
+                 "max_context_length": seq_len}
 
 
 if __name__ == "__main__":

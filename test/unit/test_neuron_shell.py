@@ -499,3 +499,20 @@ def test_a_raw_checkpoint_is_converted_once_into_a_sibling_folder(tiny_dirs, tmp
     stamp = (dst / "config.json").stat().st_mtime_ns
     assert loader.ensure_converted(raw, "fp8-per-channel") == dst and (dst / "config.json").stat().st_mtime_ns == stamp
     assert loader.ensure_converted(dst, "fp8-per-channel") == dst  # already converted: used as is
+
+
+@pytest.mark.parametrize("cmd", [
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--out",
+     "{tmp}/l.safetensors"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2"],
+    [sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi"],
+    [sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu"],
+], ids=["logits", "generate", "run_inference", "bench_tpot"])
+def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(tiny_dirs, tmp_path, cmd):
+    if not contract.missing_neuron_packages():
+        pytest.skip("NxD/NxDI are importable here")
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "neuronx-distributed-inference" in err[0] and "README section 'The NxDI model on CPU'" in err[0]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 import tempfile
@@ -27,7 +26,6 @@ import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD
 from neuronx_distributed_inference.models.config import MoENeuronConfig
-from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert.layout import read_record
@@ -234,26 +232,29 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
         raise
 
 
-# -- several ranks --------------------------------------------------------------------------------------------------
+# -- running at o.tp ranks -----------------------------------------------------------------------------------------
 
-def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
-    """teacher_forced_logits of the NxDI model at o.tp ranks (one process each, gloo) and the MoE path report."""
+def run(o: CpuOptions, job, *args):
+    """job(rank, o, *args) at o.tp ranks (one process each, gloo; kimi_k2_neuron.runtime.ranks) and rank 0's result;
+    at TP=1 in this process. `job` must be a module-level function (ranks are spawned)."""
     o = _prepared(o)
     if o.tp == 1:
         with library_output_to_stderr():
-            return _rank_logits(o, rows, prefill_len)
+            return job(0, o, *args)
     from kimi_k2_neuron.runtime.ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "logits.safetensors")
-        run_ranks(_logits_rank, o.tp, (o, rows, prefill_len, out))
-        return load_file(out)["logits"], Path(out + ".paths").read_text()
+        out = os.path.join(d, "result.pt")
+        run_ranks(_rank_main, o.tp, (job, o, args, out))
+        return torch.load(out, weights_only=False)
 
 
-def _rank_logits(o: CpuOptions, rows, prefill_len):
-    app = build(o, seq_len=max(len(r) for r in rows), batch=len(rows))
-    paths = MoEPaths(app)
-    return teacher_forced_logits(app, rows, prefill_len), paths.report()
+def _rank_main(rank: int, job, o: CpuOptions, args: tuple, out: str) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))  # the ranks share the host's cores
+    os.dup2(2, 1)  # a rank's stdout is library chatter only (see library_output_to_stderr)
+    result = job(rank, o, *args)
+    if rank == 0:
+        torch.save(result, out)
 
 
 def _prepared(o: CpuOptions) -> CpuOptions:
@@ -264,26 +265,31 @@ def _prepared(o: CpuOptions) -> CpuOptions:
 
 @contextlib.contextmanager
 def library_output_to_stderr():
-    """NxD logs INFO lines to stdout and gloo prints from C++ to fd 1; send both to stderr while the model is built
-    and run, so stdout carries only the command's output (`--json`)."""
+    """NxD's log handlers write INFO lines to the stdout they were given at import and gloo prints from C++ to fd 1:
+    point fd 1 at stderr while the model is built and run, so stdout carries only the command's output (`--json`,
+    streamed text); sys.stdout meanwhile writes to the real stdout."""
     sys.stdout.flush()
-    saved = os.dup(1)
+    saved, previous = os.dup(1), sys.stdout
     os.dup2(2, 1)
+    sys.stdout = open(saved, "w", closefd=False, encoding=previous.encoding, errors=previous.errors)
     try:
         yield
     finally:
         sys.stdout.flush()
+        sys.stdout = previous
         os.dup2(saved, 1)
         os.close(saved)
 
 
-def _logits_rank(rank: int, o: CpuOptions, rows, prefill_len, out: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))  # the ranks share the host's cores
-    os.dup2(2, 1)  # a rank's stdout is library chatter only (see library_output_to_stderr)
-    result, report = _rank_logits(o, rows, prefill_len)
-    if rank == 0:
-        save_file({"logits": result.contiguous()}, out)
-        Path(out + ".paths").write_text(report)
+def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
+    """teacher_forced_logits of the NxDI model at o.tp ranks, and the MoE path report."""
+    return run(o, _logits_job, rows, prefill_len)
+
+
+def _logits_job(rank: int, o: CpuOptions, rows, prefill_len):
+    app = build(o, seq_len=max(len(r) for r in rows), batch=len(rows))
+    paths = MoEPaths(app)
+    return teacher_forced_logits(app, rows, prefill_len), paths.report()
 
 
 # -- generation --------------------------------------------------------------------------------------------------------
@@ -311,20 +317,11 @@ class Generation:
 
 def generate(o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
     """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks.
-    `stream` (TP=1 only) receives row 0's text as it comes."""
-    o = _prepared(o)
-    if o.tp == 1:
-        with library_output_to_stderr():
-            return _rank_generate(0, o, g, stream)
-    from kimi_k2_neuron.runtime.ranks import run_ranks
-
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "tokens.json")
-        run_ranks(_generate_rank, o.tp, (o, g, out))
-        return json.loads(Path(out).read_text())
+    `stream` (TP=1 only: ranks are other processes) receives row 0's text as it comes."""
+    return run(o, _generate_job, g, stream if o.tp == 1 else None)
 
 
-def _rank_generate(rank: int, o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
+def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
     from .serving import generate_ids, load_tokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
@@ -336,9 +333,20 @@ def _rank_generate(rank: int, o: CpuOptions, g: Generation, stream=None) -> list
                         stream=stream if rank == 0 else None, stop=g.stop)
 
 
-def _generate_rank(rank: int, o: CpuOptions, g: Generation, out: str) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // o.tp))
-    os.dup2(2, 1)
-    rows = _rank_generate(rank, o, g)
-    if rank == 0:
-        Path(out).write_text(json.dumps(rows))
+# -- NxDI's benchmark -------------------------------------------------------------------------------------------------
+
+def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
+    """NxDI's benchmark_sampling (utils/benchmark.py:21-207) on the NxDI model in NxD's CPU mode: the report
+    scripts/bench_tpot.py makes on trn2, here with CPU latencies that say nothing about trn2."""
+    return run(o, _benchmark_job, seq_len, batch, num_runs)
+
+
+def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
+    from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
+    from transformers import GenerationConfig
+
+    app = build(o, seq_len=seq_len, batch=batch, sampling=contract.sampler_settings(0.0, 0, 1.0))
+    gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
+    with tempfile.TemporaryDirectory() as d:
+        return benchmark_sampling(app, None, gen, target="all", num_runs=num_runs,
+                                  benchmark_report_path=str(Path(d) / "nxdi.json"))

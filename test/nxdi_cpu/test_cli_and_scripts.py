@@ -1,0 +1,112 @@
+"""The user-facing entry points of the NxDI model in NxD's CPU mode, run as a user runs them: `kimi-k2-neuron logits
+| generate --backend nxdi-cpu`, scripts/run_inference.py --cpu and scripts/bench_tpot.py --cpu, on a raw tiny checkpoint
+(converted first into $KIMI_K2_NEURON_CACHE), against the core CPU runner."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kimi_k2_neuron.runtime.chat import cut_at_stop, prompt_ids
+from kimi_k2_neuron.runtime.runner import CpuRunner
+from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
+from nxdi_support import REPO, rel_err
+
+ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
+
+pytestmark = pytest.mark.fp8_selective_cpu
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {**os.environ, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
+
+
+def _run(args, env, script=None):
+    cmd = [sys.executable, str(REPO / "scripts" / script)] if script else [sys.executable, "-m", "kimi_k2_neuron.cli"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_logits_at_tp2_from_a_raw_checkpoint_equal_the_core(tiny, converted, env, tmp_path):
+    ids = ";".join(",".join(map(str, r)) for r in ROWS)
+    r = _run(["logits", "--backend", "nxdi-cpu", "--tp", "2", "--model", str(tiny["fp8"]), "--input-ids", ids,
+              "--prefill-len", "4", "--out", str(tmp_path / "l.safetensors")], env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == f"wrote logits [2, 10, 512] to {tmp_path / 'l.safetensors'}"  # library chatter: stderr
+    assert "NxD MoE paths taken in CPU mode: context_encoding_model: all-experts" in r.stderr
+    assert any(p.name.startswith(f"{tiny['fp8'].name}-neuron-fp8-blockwise-") for p in (tmp_path / "cache/converted").iterdir())
+    got = load_file(str(tmp_path / "l.safetensors"))["logits"]
+    want = CpuRunner(converted[("fp8", "fp8-blockwise")]).logits(ROWS, 4)
+    for i, row in enumerate(ROWS):
+        assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4
+    assert torch.isnan(got[1, 6:]).all()
+
+
+def test_sigterm_ends_every_rank(tiny, env, tmp_path):
+    ids = ";".join([",".join(["5"] * 200)] * 2)  # long enough to still be running when signalled
+    p = subprocess.Popen([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--tp", "2",
+                          "--model", str(tiny["fp8"]), "--input-ids", ids, "--prefill-len", "1",
+                          "--out", str(tmp_path / "l.safetensors")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    parent, deadline = psutil.Process(p.pid), time.monotonic() + 120
+    children = []
+    while time.monotonic() < deadline and p.poll() is None:
+        children = parent.children(recursive=True)
+        if sum("spawn_main" in " ".join(c.cmdline()) for c in children) == 2:
+            break
+        time.sleep(0.05)
+    assert len(children) >= 2, "the two ranks did not start"
+    p.send_signal(signal.SIGTERM)
+    rc = p.wait(60)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive and rc == 128 + signal.SIGTERM
+    assert p.stderr.read().rstrip().splitlines()[-1] == "error: interrupted by SIGTERM; terminated every rank"
+    assert not (tmp_path / "l.safetensors").exists()
+
+
+def test_generate_equals_the_core_runners_tokens(tiny, env):
+    args = ["generate", "--model", str(tiny["fp8"]), "--prompt", "Hello, Kimi!", "--prompt", "Bye",
+            "--max-new-tokens", "6", "--json"]
+    nxdi = _run(args + ["--backend", "nxdi-cpu", "--tp", "2"], env)
+    core = _run(args, env)
+    assert nxdi.returncode == 0 and core.returncode == 0, nxdi.stderr[-3000:] + core.stderr[-3000:]
+    got, want = json.loads(nxdi.stdout), json.loads(core.stdout)  # stdout is the JSON object alone
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["backend"] == "nxdi-cpu"
+
+
+def test_run_inference_cpu_is_the_runner_end_to_end(tiny, env):
+    """Chat template, streamed text (one prompt), both stop ids, sampling flags: the tokens the core runner picks."""
+    model = tiny["fp8"]
+    tok = KimiTokenizer.from_dir(model)
+    runner = CpuRunner(model)
+    prompt = prompt_ids(tok, ["Hello, Kimi!"])
+    stops = tok.stop_ids(runner.cfg.eos_token_ids)
+    assert len(stops) == 2  # [EOS] (config.json) and <|im_end|>
+    want = runner.generate(prompt, 12, stop_ids=stops).tokens[0]
+    r = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "12"], env,
+             "run_inference.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == tok.decode(want, skip_special=True) + "\n"  # streamed, then the newline
+    assert "NxD CPU mode" in r.stderr and "tokens in" in r.stderr
+    # greedy through the sampler's sampling branch: temperature with top-k 1 picks the argmax
+    s = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "12", "--temperature",
+              "0.7", "--top-k", "1", "--tp", "2", "--stop", "zz"], env, "run_inference.py")
+    assert s.returncode == 0, s.stderr[-3000:]
+    assert s.stdout == cut_at_stop(tok.decode(want, skip_special=True), ["zz"]) + "\n"
+
+
+def test_bench_tpot_cpu_writes_a_report_marked_cpu(tiny, env, tmp_path):
+    r = _run(["--cpu", "--model", str(tiny["fp8"]), "--seq-len", "32", "--num-runs", "2", "--report",
+              str(tmp_path / "b.json")], env, "bench_tpot.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["device"] == "cpu" and "not a trn2 latency" in report["note"]
+    assert report["tpot_ms"]["p50"] > 0 and report["ttft_ms"]["p50"] > 0 and report["seq_len"] == 32
+    assert "in NxD's CPU mode, not a trn2 number" in r.stdout
