@@ -96,7 +96,9 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
         g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stops)), max_new_tokens=args.max_new_tokens,
                            **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
                            tokenizer_dir=str(checkpoint))
-        return cpu.generate(cpu_options(args), g, stream)
+        rows, paths = cpu.generate(cpu_options(args), g, stream)
+        print(paths, file=sys.stderr)
+        return rows
     from kimi_k2_neuron.neuron.serving import generate_ids, load_compiled
 
     app = load_compiled(args.compiled, checkpoint)

@@ -148,7 +148,8 @@ def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
     g = cpu.Generation(rows=prompts, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=a.max_new_tokens,
                        **contract.sampler_settings(temperature, top_k, top_p), seed=a.seed, stop=tuple(a.stop),
                        tokenizer_dir=a.model if tok else None)
-    tokens = cpu.generate(cpu_options(a), g)
+    tokens, paths = cpu.generate(cpu_options(a), g)
+    print(paths, file=sys.stderr)
     texts = [cut_at_stop(tok.decode(t), a.stop) for t in tokens] if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0

@@ -26,7 +26,11 @@ pytestmark = pytest.mark.fp8_selective_cpu
 
 @pytest.fixture
 def env(tmp_path):
-    return {**os.environ, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
+    """A user's environment: this process's torch.distributed and NxD CPU-mode variables (set by in-process builds)
+    left out."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE")}
+    return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
 def _run(args, env, script=None):

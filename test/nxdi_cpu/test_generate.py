@@ -21,7 +21,8 @@ pytestmark = pytest.mark.fp8_selective_cpu
 def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
     o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
     g = cpu.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, do_sample=do_sample, top_k=1, seed=3)
-    new = cpu.generate(o, g)
+    new, report = cpu.generate(o, g)
+    assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
     assert [len(r) for r in new] == [NEW, NEW]
     full = [p + n for p, n in zip(PROMPTS, new)]
     logits, _ = cpu.logits(cpu.CpuOptions(model=o.model), full, prefill_len=None)

@@ -125,6 +125,7 @@ class MoEPaths:
     def __init__(self, app):
         self.seen: dict[str, set[str]] = {}
         self._handles = []
+        self._sampling = app.neuron_config.on_device_sampling_config is not None
         for wrapper in app.models:
             for module in wrapper.model.modules():
                 if isinstance(module, ExpertMLPsV2):
@@ -146,7 +147,11 @@ class MoEPaths:
         for tag, paths in sorted(self.seen.items()):
             notes = [f"{p} ({self.DEVICE_ONLY[p]})" if p in self.DEVICE_ONLY else p for p in sorted(paths)]
             parts.append(f"{tag}: {', '.join(notes)}")
-        return "NxD MoE paths taken in CPU mode: " + ("; ".join(parts) or "none")
+        report = "NxD MoE paths taken in CPU mode: " + ("; ".join(parts) or "none")
+        if self._sampling:  # see NeuronKimiK2Model.init_model
+            report += ("; on-device sampling: NxDI's CPU branch over logits gathered in lm_head (on trn2 over "
+                       "vocab-sharded logits with NxD's distributed top-k/argmax)")
+        return report
 
 
 def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
@@ -315,22 +320,25 @@ class Generation:
         return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p, "temperature": self.temperature}
 
 
-def generate(o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
-    """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks.
-    `stream` (TP=1 only: ranks are other processes) receives row 0's text as it comes."""
+def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
+    """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks, and
+    the report of the paths taken (MoEPaths). `stream` (TP=1 only: ranks are other processes) receives row 0's text
+    as it comes."""
     return run(o, _generate_job, g, stream if o.tp == 1 else None)
 
 
-def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> list[list[int]]:
+def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
     from .serving import generate_ids, load_tokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
     app = build(o, seq_len=max(len(r) for r in g.rows) + g.max_new_tokens, batch=len(g.rows), sampling=g.sampling)
     tok = load_tokenizer(g.tokenizer_dir) if g.tokenizer_dir else None
     decode = (lambda ids: tok.decode(ids, skip_special=True)) if tok else None
-    return generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,
+    paths = MoEPaths(app)
+    rows = generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,
                         do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                         stream=stream if rank == 0 else None, stop=g.stop)
+    return rows, paths.report()
 
 
 # -- NxDI's benchmark -------------------------------------------------------------------------------------------------

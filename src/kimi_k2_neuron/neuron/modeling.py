@@ -334,9 +334,8 @@ def _init_cpu_process_groups(nc) -> int:
         if world != nc.world_size:
             raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
                                  f"(tp_degree={nc.tp_degree})")
-        if world == 1:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if world == 1:  # a fresh port: one inherited from another run's environment may still be taken
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
             torch.distributed.init_process_group("gloo", world_size=1, rank=0)
         else:
             torch.distributed.init_process_group("gloo")
