@@ -1,4 +1,4 @@
-"""The `kimi-k2-neuron` command: make-tiny, logits, generate, convert, plan, demo.
+"""The `kimi-k2-neuron` command: make-tiny, logits, generate, convert, plan, demo, trace-cpu.
 
 Bad input (files, tensors, config fields, arguments) ends with a one-line `error: ...` and exit code 2, checked
 before any model is loaded wherever config.json alone can tell.
@@ -253,6 +253,21 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def cmd_trace_cpu(a) -> int:
+    """One NxDI submodel traced with torch_xla on its CPU device (neuron/xla_trace.py); exit 0 clean, 1 not."""
+    try:
+        import torch_xla  # noqa: F401
+
+        from .neuron import cpu, xla_trace
+    except ImportError as e:
+        raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
+    model = cpu.CpuOptions(model=a.model, experts=a.experts, tp=a.tp, dtype=a.dtype)
+    with xla_trace.stdout_to_stderr():
+        report = xla_trace.trace(xla_trace.TraceOptions(model, a.submodel, a.seq_len, a.batch))
+    print(report.to_json() if a.json else report.format())
+    return 0 if report.clean else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kimi-k2-neuron", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -331,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=cmd_plan)
+
+    s = sub.add_parser("trace-cpu", help="trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces "
+                                         "it for neuronx-cc (exit 0: one clean graph, 1: not)")
+    s.add_argument("--model", required=True, help="checkpoint directory (a raw one is converted once)")
+    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None)
+    s.add_argument("--tp", type=int, default=1)
+    s.add_argument("--submodel", required=True, choices=["context", "token"])
+    s.add_argument("--seq-len", type=int, default=16)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="bfloat16: the device dtype")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_trace_cpu)
     return p
 
 

@@ -1,8 +1,10 @@
 """The tiny checkpoints are stored the way the real ones are, and the CLI keeps its documented contract."""
 
+import importlib.util
 import json
 import math
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -57,6 +59,14 @@ def test_make_tiny_cli_and_refuses_existing(tmp_path, capsys):
     assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 0
     assert main(["make-tiny", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is importable here")
+def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny_dirs, capsys):
+    assert main(["trace-cpu", "--model", str(tiny_dirs["fp8"]), "--submodel", "token"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trace-cpu needs NxD, NxDI and torch_xla") and "torch_xla" in err.split(":", 2)[2]
+    assert err.count("\n") == 1
 
 
 def test_logits_cli_contract(tiny_dirs, tmp_path):

@@ -1,0 +1,379 @@
+"""One NxDI submodel traced with torch_xla on the XLA CPU device, as NxD traces it for neuronx-cc:
+`kimi-k2-neuron trace-cpu`.
+
+On trn2, ModelBuilder traces each submodel's forward through torch_xla into one HLO graph per bucket
+(model_builder.py:551-576) and hands it to neuronx-cc. A host sync (a tensor read back mid-forward), a
+data-dependent shape or an op torch_xla cannot lower shows up there only as a failed or exploding compile. The same
+lazy-tensor trace runs here on torch_xla's CPU device:
+
+1. the submodel is built and loaded by cpu.build (NxD's CPU mode, the device path's build), and one prefill plus
+   one decode step run eagerly; a forward pre-hook records the arguments NxDI's model wrapper passes the submodel
+   (padded to the bucket, int32: model_wrapper.py:1315-1335, 705-718), the KV cache before the call, and the
+   outputs, the eager reference;
+2. the submodel moves to the XLA device and the recorded call is replayed in NxD's device mode (NXD_CPU_MODE=0),
+   so NxD/NxDI take the branches they take when ModelBuilder traces (not their CPU-mode ones);
+3. torch_xla's metrics say what happened before the step was marked (a graph executed mid-forward is a host sync)
+   and which ops fell back to aten; its debug output names the Python frame of each sync; the step then compiles
+   and executes the graph, whose outputs are compared with the eager ones.
+
+What it cannot show: ModelBuilder's input/output aliasing of the KV cache and its weight layout optimization, NKI
+custom calls (the kernels NxD uses only on device are not traced here), whether neuronx-cc accepts the graph, and
+HBM. At TP > 1 the graph has collectives; ModelBuilder traces all ranks in one process under a mocked
+torch.distributed (model_builder.py:551-560), which this does not do (see check).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from kimi_k2_neuron.errors import KimiInputError
+
+from . import cpu
+
+SUBMODELS = {"context": "context_encoding_model", "token": "token_generation_model"}  # NxDI's wrapper attributes
+SEED = 0
+FRAMES_KEPT = 8  # innermost Python frames kept per sync
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceOptions:
+    model: cpu.CpuOptions  # dtype: bfloat16, the device dtype, unless asked otherwise
+    submodel: str  # "context" or "token"
+    seq_len: int = 16
+    batch: int = 1
+
+
+@dataclasses.dataclass
+class SubmodelCall:
+    """One call NxDI's model wrapper made of a submodel: its arguments, the KV cache before it, its eager outputs."""
+
+    args: list[torch.Tensor]
+    cache_before: list[torch.Tensor]
+    outputs: list[torch.Tensor]
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A built application and the submodel to trace, with its recorded eager call."""
+
+    options: TraceOptions
+    app: object
+    model: torch.nn.Module  # the submodel's NeuronKimiK2Model
+    call: SubmodelCall
+
+
+@dataclasses.dataclass
+class Sync:
+    cause: str  # torch_xla's "Execution Cause"
+    frames: list[str]  # innermost first, "function (file:line)"
+
+
+@dataclasses.dataclass
+class TraceReport:
+    submodel: str
+    batch: int
+    seq_len: int
+    dtype: str
+    compiles: int  # graphs torch_xla compiled or took from its compile cache, forward and step together
+    executes: int
+    host_syncs: int  # graphs executed before the step was marked: values read back mid-forward
+    syncs: list[Sync]
+    aten_fallbacks: list[str]  # torch_xla counters "aten::<op>": ops run on the host instead of lowered
+    hlo_instructions: int
+    max_rel_diff_vs_eager: float | None
+    rel_diff_vs_eager: dict[str, float]
+    argmax_equal: bool | None
+    # Rows whose traced argmax differs, with eager's top-1 minus top-2 logit: in bf16 a margin below
+    # max_abs_logit_diff is a near tie that rounding can flip, not a wrong graph.
+    argmax_mismatches: list[dict]
+    max_abs_logit_diff: float | None
+    stopped: str | None = None  # the forward raised while tracing: why and where
+
+    @property
+    def clean(self) -> bool:
+        return (self.stopped is None and self.compiles == 1 and self.executes == 1 and self.host_syncs == 0
+                and not self.aten_fallbacks)
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "clean": self.clean})
+
+    def format(self) -> str:
+        head = f"{self.submodel} submodel, batch {self.batch}, seq_len {self.seq_len}, {self.dtype}, NXD_CPU_MODE=0"
+        if self.stopped:
+            return f"{head}: the trace stopped: {self.stopped}\nNOT CLEAN"
+        lines = [head,
+                 f"  HLO instructions {self.hlo_instructions}; compiles {self.compiles}, executes {self.executes}, "
+                 f"host syncs before the step {self.host_syncs}",
+                 f"  aten fallbacks: {', '.join(self.aten_fallbacks) or 'none'}"]
+        lines += [f"  sync {i + 1} ({s.cause}): {' <- '.join(s.frames[:3]) or 'frame unknown'}"
+                  for i, s in enumerate(self.syncs)]
+        lines.append(f"  max |xla - eager| / max |eager| over logits and KV cache: {self.max_rel_diff_vs_eager:.3g} "
+                     f"(logits {self.rel_diff_vs_eager['logits']:.3g}); argmax equal: {self.argmax_equal}")
+        lines += [f"  argmax differs in row {m['row']}: eager {m['eager']}, traced {m['traced']}; eager top-2 margin "
+                  f"{m['eager_margin']:.3g} vs max |logit diff| {self.max_abs_logit_diff:.3g}"
+                  for m in self.argmax_mismatches]
+        lines.append("CLEAN: one graph, one compile, one execute" if self.clean else "NOT CLEAN")
+        return "\n".join(lines)
+
+
+def check(o: TraceOptions) -> None:
+    """What this trace cannot run, refused before any work."""
+    if o.submodel not in SUBMODELS:
+        raise KimiInputError(f"--submodel {o.submodel}: expected one of {', '.join(SUBMODELS)}")
+    if o.batch < 1:
+        raise KimiInputError(f"--batch {o.batch}: expected at least 1")
+    if o.seq_len < 2:
+        raise KimiInputError(f"--seq-len {o.seq_len}: expected at least 2 (a prefill and one decode position)")
+    if o.model.tp != 1:
+        # Tracing as ModelBuilder does at TP > 1 needs its mocked torch.distributed in one process (README).
+        raise KimiInputError(f"--tp {o.model.tp}: trace-cpu traces TP=1 only; TP > 1 needs NxD's ModelBuilder "
+                             f"world (all ranks in one process under a mocked torch.distributed), not built here")
+    cpu.check(o.model)
+
+
+def trace(o: TraceOptions) -> TraceReport:
+    return run(prepare(o))
+
+
+def prepare(o: TraceOptions) -> Prepared:
+    """Build the application in NxD's CPU mode and record one eager call of the submodel."""
+    check(o)
+    # torch_xla's CPU device (on a trn2 host it would pick the Neuron one) and its debug output, both set before its
+    # runtime starts and first executes, which latch them
+    if os.environ.setdefault("PJRT_DEVICE", "CPU") != "CPU":
+        raise KimiInputError(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}: trace-cpu traces on torch_xla's CPU device; "
+                             f"unset it or set PJRT_DEVICE=CPU")
+    sync_log()
+    app = cpu.build(o.model, seq_len=o.seq_len, batch=o.batch)
+    model = getattr(app, SUBMODELS[o.submodel]).model
+    rows = prompt_rows(o.batch, o.seq_len, app.config.vocab_size)
+    return Prepared(o, app, model, record_call(app, model, rows))
+
+
+def prompt_rows(batch: int, seq_len: int, vocab: int) -> list[list[int]]:
+    """Seeded token rows of seq_len // 2 + 1 tokens: a prefill of seq_len // 2 (padded to the bucket, as NxDI pads
+    a short prompt) and one decode step."""
+    g = torch.Generator().manual_seed(SEED)
+    return torch.randint(0, vocab, (batch, seq_len // 2 + 1), generator=g).tolist()
+
+
+def record_call(app, model: torch.nn.Module, rows: list[list[int]]) -> SubmodelCall:
+    """The first call NxDI's model wrapper makes of `model` while teacher_forced_logits runs the rows (one
+    context-encoding call, then one token-generation call), recorded by hooks on the submodel."""
+    seen = {}
+
+    def before(_module, args):
+        if "args" not in seen:
+            seen["args"] = [a.clone() for a in args]
+            seen["cache"] = [p.detach().clone() for p in model.kv_mgr.past_key_values]
+
+    def after(_module, _args, outputs):
+        if "outputs" not in seen:
+            seen["outputs"] = [o.detach().clone() for o in outputs]
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        cpu.teacher_forced_logits(app, rows, prefill_len=len(rows[0]) - 1)
+    finally:
+        for h in handles:
+            h.remove()
+    return SubmodelCall(seen["args"], seen["cache"], seen["outputs"])
+
+
+def run(p: Prepared) -> TraceReport:
+    """Replay the recorded call on the XLA device in NxD's device mode; the app is on that device afterwards."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    log = sync_log()
+    device = torch_xla.device()
+    with torch.no_grad():
+        for cache, before in zip(p.model.kv_mgr.past_key_values, p.call.cache_before):
+            cache.data = before.clone()
+        p.model.to(device)
+        args = [a.to(device) for a in p.call.args]
+        torch_xla.sync()  # nothing pending before the forward: weights and arguments are device data
+        met.clear_all()
+        start = log.tell()
+        try:
+            with device_mode():
+                outputs = list(p.model(*args))
+        except Exception as e:  # a trace that stops is a finding to report, not a crash
+            return _stopped(p.options, e)
+        host_syncs = _counter(met, "ExecuteComputation")
+        syncs = log.executions(start)
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+        torch_xla.sync()
+        got = [o.cpu() for o in outputs]
+    diffs = rel_diffs(got, p.call.outputs)
+    mismatches = argmax_mismatches(got[0], p.call.outputs[0])
+    return TraceReport(
+        submodel=p.options.submodel, batch=p.options.batch, seq_len=p.options.seq_len, dtype=p.options.model.dtype,
+        compiles=_counter(met, "UncachedCompile") + _counter(met, "CachedCompile"),
+        executes=_counter(met, "ExecuteComputation"), host_syncs=host_syncs, syncs=syncs,
+        aten_fallbacks=sorted(n for n in met.counter_names() if n.startswith("aten::")),
+        hlo_instructions=hlo_instructions(hlo), max_rel_diff_vs_eager=max(diffs.values()), rel_diff_vs_eager=diffs,
+        argmax_equal=not mismatches, argmax_mismatches=mismatches,
+        max_abs_logit_diff=(got[0].float() - p.call.outputs[0].float()).abs().max().item())
+
+
+@contextlib.contextmanager
+def device_mode():
+    """NxD's device mode (NXD_CPU_MODE=0, read at every cpu_mode() call, NxD utils/__init__.py:6-8) for the trace;
+    cpu.build left the process in CPU mode, which is restored after."""
+    previous = os.environ.get("NXD_CPU_MODE")
+    os.environ["NXD_CPU_MODE"] = "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("NXD_CPU_MODE")
+        else:
+            os.environ["NXD_CPU_MODE"] = previous
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """NxD's logger and gloo (from C++) print to stdout; with this around the build and trace, only the report
+    goes there (file descriptor 1 points at 2 meanwhile)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _counter(met, name: str) -> int:
+    return met.counter_value(name) or 0
+
+
+def _stopped(o: TraceOptions, e: Exception) -> TraceReport:
+    frames = traceback.extract_tb(e.__traceback__)[-3:][::-1]
+    where = " <- ".join(f"{f.name} ({f.filename}:{f.lineno})" for f in frames)
+    why = str(e).splitlines()[0] if str(e) else ""
+    return TraceReport(submodel=o.submodel, batch=o.batch, seq_len=o.seq_len, dtype=o.model.dtype, compiles=0,
+                       executes=0, host_syncs=0, syncs=[], aten_fallbacks=[], hlo_instructions=0,
+                       max_rel_diff_vs_eager=None, rel_diff_vs_eager={}, argmax_equal=None, argmax_mismatches=[],
+                       max_abs_logit_diff=None,
+                       stopped=f"{type(e).__name__}: {why} at {where}")
+
+
+# -- comparison and counting -----------------------------------------------------------------------------------------
+
+def output_names(n: int) -> list[str]:
+    """The submodel's outputs without on-device sampling: logits, then each layer's K and V cache
+    (model_base.py:1016-1031; K, V per layer in kv_cache_manager.py:158-163)."""
+    return ["logits"] + [f"cache.{i // 2}.{'kv'[i % 2]}" for i in range(n - 1)]
+
+
+def rel_diffs(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict[str, float]:
+    """max |got - want| / max |want| per output; the plain max |got - want| where want is all zeros (the latent
+    cache's 1-wide V slot)."""
+    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want)):
+        raise RuntimeError(f"the traced outputs {[tuple(g.shape) for g in got]} differ in number or shape from the "
+                           f"eager ones {[tuple(w.shape) for w in want]}")
+    out = {}
+    for name, g, w in zip(output_names(len(want)), got, want):
+        diff, scale = (g.float() - w.float()).abs().max().item(), w.float().abs().max().item()
+        out[name] = diff / scale if scale else diff
+    return out
+
+
+def argmax_mismatches(got: torch.Tensor, want: torch.Tensor) -> list[dict]:
+    """The rows (flattened batch x position) whose argmax differs, with eager's top-2 margin."""
+    g, w = got.float().flatten(0, -2), want.float().flatten(0, -2)
+    out = []
+    for row in (g.argmax(-1) != w.argmax(-1)).nonzero().flatten().tolist():
+        top = w[row].topk(2).values
+        out.append({"row": row, "eager": int(w[row].argmax()), "traced": int(g[row].argmax()),
+                    "eager_margin": float(top[0] - top[1])})
+    return out
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s", re.MULTILINE)
+
+
+def hlo_instructions(hlo_text: str) -> int:
+    """Instructions in an HLO module's text, in every computation (the entry and the reducers it calls)."""
+    return len(_INSTRUCTION.findall(hlo_text))
+
+
+# -- naming the Python frame of each sync ---------------------------------------------------------------------------
+
+class SyncLog:
+    """torch_xla's debug analysis: at PT_XLA_DEBUG_LEVEL >= 2 it writes, for every graph execution, an "Execution
+    Analysis" with its cause and the Python frames that triggered it, to PT_XLA_DEBUG_FILE. torch_xla reads both
+    variables once, at its first execution in the process, so they are set before that (prepare)."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+
+    def tell(self) -> int:
+        return self.path.stat().st_size if self.path and self.path.exists() else 0
+
+    def executions(self, start: int) -> list[Sync]:
+        """The executions written since offset `start`."""
+        if not self.path or not self.path.exists():
+            return []
+        with open(self.path, errors="replace") as f:
+            f.seek(start)
+            return parse_executions(f.read())
+
+
+_SYNC_LOG: SyncLog | None = None
+
+
+def sync_log() -> SyncLog:
+    """This process's SyncLog, enabling torch_xla's execution analysis (level 2; level 1 writes only compilations)
+    into a temporary file unless the caller chose a level or file. If torch_xla had already executed a graph without
+    them, it writes nothing and syncs are counted but not named."""
+    global _SYNC_LOG
+    if _SYNC_LOG is None:
+        if "PT_XLA_DEBUG_FILE" not in os.environ and int(os.environ.get("PT_XLA_DEBUG_LEVEL", "0") or 0) < 1:
+            fd, path = tempfile.mkstemp(prefix="kimi-k2-xla-debug-", suffix=".txt")
+            os.close(fd)
+            atexit.register(lambda: Path(path).unlink(missing_ok=True))
+            os.environ.update(PT_XLA_DEBUG_LEVEL="2", PT_XLA_DEBUG_FILE=path)
+        _SYNC_LOG = SyncLog(os.environ.get("PT_XLA_DEBUG_FILE"))
+    return _SYNC_LOG
+
+
+_PREFIX = "Execution Analysis: "
+
+
+def parse_executions(text: str) -> list[Sync]:
+    """torch_xla's "Execution Analysis" blocks: the line after "Execution Cause" is the cause; the lines after
+    "Python Frame Triggered Execution:" up to the dashes are the frames, innermost first."""
+    syncs, state = [], None
+    for line in text.splitlines():
+        if not line.startswith(_PREFIX):
+            continue
+        body = line[len(_PREFIX):].strip()
+        if body == "Execution Cause":
+            syncs.append(Sync("", []))
+            state = "cause"
+        elif state == "cause":
+            syncs[-1].cause, state = body, None
+        elif body.startswith("Python Frame Triggered Execution"):
+            state = "frames" if syncs else None
+        elif state == "frames":
+            if body.startswith(("---", "===")):
+                state = None
+            elif len(syncs[-1].frames) < FRAMES_KEPT:
+                syncs[-1].frames.append(body)
+    return syncs
