@@ -261,9 +261,8 @@ def cmd_trace_cpu(a) -> int:
         from .neuron import cpu, xla_trace
     except ImportError as e:
         raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
-    model = cpu.CpuOptions(model=a.model, experts=a.experts, tp=a.tp, dtype=a.dtype)
-    with xla_trace.stdout_to_stderr():
-        report = xla_trace.trace(xla_trace.TraceOptions(model, a.submodel, a.seq_len, a.batch))
+    with cpu.library_output_to_stderr():
+        report = xla_trace.trace(xla_trace.TraceOptions(cpu_options(a), a.submodel, a.seq_len, a.batch))
     print(report.to_json() if a.json else report.format())
     return 0 if report.clean else 1
 
@@ -347,16 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
     s.set_defaults(fn=cmd_plan)
 
-    s = sub.add_parser("trace-cpu", help="trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces "
-                                         "it for neuronx-cc (exit 0: one clean graph, 1: not)")
-    s.add_argument("--model", required=True, help="checkpoint directory (a raw one is converted once)")
-    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None)
-    s.add_argument("--tp", type=int, default=1)
-    s.add_argument("--submodel", required=True, choices=["context", "token"])
-    s.add_argument("--seq-len", type=int, default=16)
-    s.add_argument("--batch", type=int, default=1)
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="bfloat16: the device dtype")
-    s.add_argument("--json", action="store_true")
+    s = _command(sub, "trace-cpu", "trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces it "
+                                    "for neuronx-cc (exit 0: one clean graph, 1: not)")
+    s.add_argument("--model", required=True, metavar="DIR",
+                   help="checkpoint folder (a raw one is converted once into $KIMI_K2_NEURON_CACHE/converted)")
+    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
+                   help="the scheme a raw --model is converted to (default: fp8-blockwise)")
+    s.add_argument("--tp", type=integer(1), default=1, metavar="N", help="ranks (only 1 traces here)")
+    s.add_argument("--submodel", required=True, choices=["context", "token"], help="which graph to trace")
+    s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
+    s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
+    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (bfloat16: the device's)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(fn=cmd_trace_cpu)
     return p
 

@@ -102,13 +102,23 @@ def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     Outside NxD's CPU mode, as on a trn2 host: ModelBuilder shards under a mocked torch.distributed
     (model_builder.py:828-835), and in CPU mode NxD would ask it for gloo groups (parallel_state.py:801)."""
     app = application(o, seq_len, batch)
-    previous = os.environ.pop("NXD_CPU_MODE", None)
-    try:
+    with nxd_cpu_mode(False):
         app.shard_weights(str(out))
-    finally:
-        if previous is not None:
-            os.environ["NXD_CPU_MODE"] = previous
     return Path(out) / "weights"
+
+
+@contextlib.contextmanager
+def nxd_cpu_mode(on: bool):
+    """NXD_CPU_MODE for a block (NxD reads it at every cpu_mode() call, utils/__init__.py:6-8), restored after."""
+    previous = os.environ.get("NXD_CPU_MODE")
+    os.environ["NXD_CPU_MODE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("NXD_CPU_MODE")
+        else:
+            os.environ["NXD_CPU_MODE"] = previous
 
 
 # -- which of NxD's MoE paths ran ------------------------------------------------------------------------------------

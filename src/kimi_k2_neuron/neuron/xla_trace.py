@@ -25,12 +25,10 @@ torch.distributed (model_builder.py:551-560), which this does not do (see check)
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import json
 import os
 import re
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -207,7 +205,7 @@ def run(p: Prepared) -> TraceReport:
         met.clear_all()
         start = log.tell()
         try:
-            with device_mode():
+            with cpu.nxd_cpu_mode(False):
                 outputs = list(p.model(*args))
         except Exception as e:  # a trace that stops is a finding to report, not a crash
             return _stopped(p.options, e)
@@ -226,36 +224,6 @@ def run(p: Prepared) -> TraceReport:
         hlo_instructions=hlo_instructions(hlo), max_rel_diff_vs_eager=max(diffs.values()), rel_diff_vs_eager=diffs,
         argmax_equal=not mismatches, argmax_mismatches=mismatches,
         max_abs_logit_diff=(got[0].float() - p.call.outputs[0].float()).abs().max().item())
-
-
-@contextlib.contextmanager
-def device_mode():
-    """NxD's device mode (NXD_CPU_MODE=0, read at every cpu_mode() call, NxD utils/__init__.py:6-8) for the trace;
-    cpu.build left the process in CPU mode, which is restored after."""
-    previous = os.environ.get("NXD_CPU_MODE")
-    os.environ["NXD_CPU_MODE"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("NXD_CPU_MODE")
-        else:
-            os.environ["NXD_CPU_MODE"] = previous
-
-
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """NxD's logger and gloo (from C++) print to stdout; with this around the build and trace, only the report
-    goes there (file descriptor 1 points at 2 meanwhile)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def _counter(met, name: str) -> int:
