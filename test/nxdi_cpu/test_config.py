@@ -92,3 +92,27 @@ def test_moe_expert_parallelism_is_rechecked_on_a_real_neuron_config(tmp_path, o
     with pytest.raises(ValueError, match="unsupported NeuronConfig") as e:
         _config(tmp_path, "kimi-k2-instruct-0905.json", **EP, extra=over)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("scratchpad", [None, 1024])
+def test_compiler_args_are_nxdis_own_plus_kimis(converted, scratchpad):
+    """Each submodel's string, as compile_and_save builds the application, against what NxDI's ModelWrapper computes
+    for the same config by itself (model_wrapper.py:85-162): all of NxDI's kept (prefill's
+    --modular-flow-mac-threshold=10, a scratchpad page size reaching the compiler), Kimi's added."""
+    from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
+
+    from kimi_k2_neuron.convert.layout import read_record
+    from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM
+
+    ckpt = converted[("fp8", "fp8-blockwise")]
+    rec = read_record(ckpt)
+    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec["experts"], checkpoint=str(ckpt), quant_record=rec["nxd"],
+                                 extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
+    kw = contract.neuron_config_kwargs(KimiK2Config.from_file(ckpt), opts)
+    app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.from_checkpoint(ckpt, MoENeuronConfig(**kw)))
+    for w in app.models:
+        nxdi = ModelWrapper(config=w.config, model_cls=w.model_cls, tag=w.tag, compiler_args=None).compiler_args
+        assert w.compiler_args == nxdi.strip() + " " + " ".join(contract.KIMI_COMPILER_ARGS)
+        assert ("--modular-flow-mac-threshold=10" in nxdi) == (w.tag == "context_encoding_model")
+        assert ("--hbm-scratchpad-page-size=1024" in nxdi) == bool(scratchpad)
+        assert (" -O1 " if w.tag == "context_encoding_model" else " -O2 ") in nxdi and "--lnc=2" in nxdi

@@ -303,14 +303,15 @@ def test_modules_to_not_convert_covers_every_non_expert_parallel_linear_and_no_e
     assert [p for p in experts if not converted(p)] == []
 
 
-def test_compiler_args():
-    cte = contract.compiler_args("context_encoding_model", 2)
-    tkg = contract.compiler_args("token_generation_model", 1)
-    assert "--lnc=2" in cte and "--lnc=1" in tkg  # our string replaces NxDI's, which carried --lnc
-    assert " -O1 " in cte and " -O2 " in tkg and "--auto-cast=none" in cte
-    assert "tiling-factor=2" in cte and "tiling-factor=1" in tkg
-    # NxDI appends these itself (model_wrapper.py:148-162); repeating them would pass the option twice
-    assert "hlo2tensorizer" not in cte and "fp8e4m3" not in cte
+def test_compiler_args_add_kimis_to_nxdis_without_contradicting_them():
+    nxdi_cte = ("--auto-cast=none --model-type=transformer --tensorizer-options='--cc-pipeline-tiling-factor=2' "
+                "--lnc=2 -O1 --internal-hlo2tensorizer-options=' --modular-flow-mac-threshold=10 --verify-hlo=true'")
+    got = contract.compiler_args(nxdi_cte)
+    assert got.startswith(nxdi_cte) and got.endswith(" --enable-saturate-infinity --enable-mixed-precision-accumulation "
+                                                     "--internal-enable-dge-levels vector_dynamic_offsets")
+    long_ctx = nxdi_cte + " --disable-mixed-precision-accumulation --internal-enable-dge-levels spill_reload"
+    assert contract.compiler_args(long_ctx) == long_ctx + " --enable-saturate-infinity"
+    assert contract.compiler_args(got) == got  # idempotent
 
 
 # -- the router in NxD's contract -----------------------------------------------------------------------------------

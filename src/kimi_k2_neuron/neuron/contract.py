@@ -403,16 +403,20 @@ def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
 
 # -- compiler arguments -------------------------------------------------------------------------------------------
 
-def compiler_args(tag: str, lnc: int) -> str:
-    """neuronx-cc arguments for one submodel. Returning a string replaces NxDI's defaults entirely
-    (model_wrapper.py:85-146), so --lnc is included; NxDI then appends --internal-hlo2tensorizer-options with
-    --verify-hlo=true and, for f8e4m3, --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 (l.148-162), so neither is here.
-    As NxDI's defaults: -O1 and collective pipeline tiling 2 for prefill, -O2 and tiling 1 for decode (l.87-128).
-    As the DSV3 and Qwen3-MoE ports: fp32 accumulation, saturating casts, and vector dynamic-offset DGE (for the
-    per-token expert gathers of selective loading)."""
-    prefill = tag == "context_encoding_model"
-    level, tiling = ("-O1", 2) if prefill else ("-O2", 1)
-    tensorizer = f"--enable-ccop-compute-overlap --cc-pipeline-tiling-factor={tiling} --vectorize-strided-dma"
-    return (f"--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type=transformer {level} "
-            f"--auto-cast=none --tensorizer-options='{tensorizer}' --internal-enable-dge-levels vector_dynamic_offsets "
-            f"--lnc={lnc}")
+# What Kimi adds to NxDI's default neuronx-cc arguments (ModelWrapper computes them per submodel when the application's
+# get_compiler_args returns None, model_wrapper.py:85-162: --auto-cast=none, --model-type=transformer, the tensorizer's
+# collective overlap and pipeline tiling, --lnc, -O1 and --modular-flow-mac-threshold=10 for prefill, -O2 for decode,
+# --hbm-scratchpad-page-size, --verify-hlo, the f8e4m3 flag). As the DeepSeek-V3 and Qwen3-MoE ports: saturating
+# casts, fp32 accumulation (unless NxDI's long-context mode turned it off on purpose), and vector dynamic-offset DGE for
+# the per-token expert gathers of selective loading (unless NxDI already chose DGE levels).
+KIMI_COMPILER_ARGS = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation",
+                      "--internal-enable-dge-levels vector_dynamic_offsets")
+
+
+def compiler_args(nxdi_args: str) -> str:
+    """One submodel's neuronx-cc arguments: NxDI's own for it, plus KIMI_COMPILER_ARGS where they do not contradict
+    a flag NxDI set."""
+    clashes = {"--enable-mixed-precision-accumulation": "--disable-mixed-precision-accumulation",
+               "--internal-enable-dge-levels vector_dynamic_offsets": "--internal-enable-dge-levels"}
+    extra = [f for f in KIMI_COMPILER_ARGS if f not in nxdi_args and clashes.get(f, f) not in nxdi_args]
+    return " ".join([nxdi_args.strip(), *extra])

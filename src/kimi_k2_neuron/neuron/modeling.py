@@ -24,7 +24,6 @@ from neuronx_distributed.parallel_layers import parallel_state
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from neuronx_distributed.trace.trace import get_sharded_checkpoint
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel
-from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG, TOKEN_GENERATION_MODEL_TAG
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_group
 from torch import nn
@@ -244,18 +243,15 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         finally:
             builder.start_rank_id, builder.local_ranks_size = window
 
-    # Per-submodel compiler args (the Qwen3-MoE pattern, qwen3_moe/modeling_qwen3_moe.py:503-513): the base calls
-    # get_compiler_args inside each enable_* (model_base.py:3107-3153).
+    # NxDI computes each submodel's compiler arguments in its ModelWrapper when get_compiler_args returns None (the
+    # base's default); Kimi's are added to those, so NxDI's per-submodel choices all stay (contract.compiler_args).
     def enable_context_encoding(self, **model_init_kwargs):
-        self.compile_tag = CONTEXT_ENCODING_MODEL_TAG
         super().enable_context_encoding(**model_init_kwargs)
+        _add_compiler_args(self.context_encoding_model)
 
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
-        self.compile_tag = TOKEN_GENERATION_MODEL_TAG
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
-
-    def get_compiler_args(self):
-        return contract.compiler_args(self.compile_tag, self.neuron_config.logical_nc_config)
+        _add_compiler_args(self.token_generation_model)
 
     # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
 
@@ -300,6 +296,12 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
             wrapper.model = model
         self.eval()
         return self
+
+
+def _add_compiler_args(wrapper) -> None:
+    """ModelWrapper keeps the string it computed until get_builder hands it to ModelBuilder.add
+    (application_base.py:174-181); nothing reads it in between."""
+    wrapper.compiler_args = contract.compiler_args(wrapper.compiler_args)
 
 
 def _build_as_on_device(wrapper) -> nn.Module:
