@@ -94,7 +94,8 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
         from kimi_k2_neuron.neuron import cpu
 
         g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stops)), max_new_tokens=args.max_new_tokens,
-                           **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
+                           **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed,
+                           stop=tuple(args.stop),
                            tokenizer_dir=str(checkpoint))
         rows, paths = cpu.generate(cpu_options(args), g, stream)
         print(paths, file=sys.stderr)

@@ -45,7 +45,8 @@ def test_logits_at_tp2_from_a_raw_checkpoint_equal_the_core(tiny, converted, env
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == f"wrote logits [2, 10, 512] to {tmp_path / 'l.safetensors'}"  # library chatter: stderr
     assert "NxD MoE paths taken in CPU mode: context_encoding_model: all-experts" in r.stderr
-    assert any(p.name.startswith(f"{tiny['fp8'].name}-neuron-fp8-blockwise-") for p in (tmp_path / "cache/converted").iterdir())
+    made = [p.name for p in (tmp_path / "cache/converted").iterdir()]
+    assert any(name.startswith(f"{tiny['fp8'].name}-neuron-fp8-blockwise-") for name in made), made
     got = load_file(str(tmp_path / "l.safetensors"))["logits"]
     want = CpuRunner(converted[("fp8", "fp8-blockwise")]).logits(ROWS, 4)
     for i, row in enumerate(ROWS):

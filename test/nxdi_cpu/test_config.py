@@ -106,7 +106,8 @@ def test_compiler_args_are_nxdis_own_plus_kimis(converted, scratchpad):
 
     ckpt = converted[("fp8", "fp8-blockwise")]
     rec = read_record(ckpt)
-    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec["experts"], checkpoint=str(ckpt), quant_record=rec["nxd"],
+    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec["experts"], checkpoint=str(ckpt),
+                                 quant_record=rec["nxd"],
                                  extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
     kw = contract.neuron_config_kwargs(KimiK2Config.from_file(ckpt), opts)
     app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.from_checkpoint(ckpt, MoENeuronConfig(**kw)))

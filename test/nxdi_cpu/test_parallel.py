@@ -57,12 +57,12 @@ def _scale_shapes(weights, rank):
 
 # Tiny: E=8 experts, H=192, I=64. Blockwise [32, 32] scales of gate_up [E, H, 2I/tp] and down [E, I/tp, H]; per-channel
 # [E, 1, out/tp] for gate_up (columns split) and [E, 1, H] for down (rows split, every output column kept).
+GATE_UP, DOWN = "expert_mlps.mlp_op.gate_up_proj.scale", "expert_mlps.mlp_op.down_proj.scale"
 SCALES = {
-    ("fp8-blockwise", 2): {"expert_mlps.mlp_op.gate_up_proj.scale": (8, 6, 2), "expert_mlps.mlp_op.down_proj.scale": (8, 1, 6)},
-    ("fp8-per-channel", 2): {"expert_mlps.mlp_op.gate_up_proj.scale": (8, 1, 64), "expert_mlps.mlp_op.down_proj.scale": (8, 1, 192)},
-    ("fp8-per-channel", 4): {"expert_mlps.mlp_op.gate_up_proj.scale": (8, 1, 32), "expert_mlps.mlp_op.down_proj.scale": (8, 1, 192)},
+    ("fp8-blockwise", 2): {GATE_UP: (8, 6, 2), DOWN: (8, 1, 6)},
+    ("fp8-per-channel", 2): {GATE_UP: (8, 1, 64), DOWN: (8, 1, 192)},
+    ("fp8-per-channel", 4): {GATE_UP: (8, 1, 32), DOWN: (8, 1, 192)},
 }
-
 
 @pytest.mark.parametrize("scheme,tp", list(SCALES), ids=[f"{s}-tp{t}" for s, t in SCALES])
 def test_presharded_ranks_give_the_tp1_logits(converted, tmp_path, scheme, tp):

@@ -109,4 +109,5 @@ def test_nxd_converts_exactly_the_routed_experts(bf16_app):
     for wrapper in bf16_app.models:
         quantized = {n for n, m in wrapper.model.named_modules() if isinstance(m, BaseQuantizeParallelLinear)}
         moe = [i for i, layer in enumerate(wrapper.model.layers) if layer.is_moe]
-        assert quantized == {f"layers.{i}.mlp.expert_mlps.mlp_op.{p}" for i in moe for p in ("gate_up_proj", "down_proj")}
+        projections = ("gate_up_proj", "down_proj")
+        assert quantized == {f"layers.{i}.mlp.expert_mlps.mlp_op.{p}" for i in moe for p in projections}

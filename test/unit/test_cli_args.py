@@ -93,7 +93,8 @@ BAD_ARGS = [
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
     # plan
     (["plan", "--config", "{model}/config.json", "--tp", "0", "--seq-len", "8", "--experts", "bf16"], "--tp 0"),
-    (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"], "one of the arguments --seq-len --max-seq-len is required"),
+    (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
+     "one of the arguments --seq-len --max-seq-len is required"),
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"], "not found"),
 ]
 

@@ -307,8 +307,9 @@ def test_compiler_args_add_kimis_to_nxdis_without_contradicting_them():
     nxdi_cte = ("--auto-cast=none --model-type=transformer --tensorizer-options='--cc-pipeline-tiling-factor=2' "
                 "--lnc=2 -O1 --internal-hlo2tensorizer-options=' --modular-flow-mac-threshold=10 --verify-hlo=true'")
     got = contract.compiler_args(nxdi_cte)
-    assert got.startswith(nxdi_cte) and got.endswith(" --enable-saturate-infinity --enable-mixed-precision-accumulation "
-                                                     "--internal-enable-dge-levels vector_dynamic_offsets")
+    kimi = " --enable-saturate-infinity --enable-mixed-precision-accumulation --internal-enable-dge-levels " \
+           "vector_dynamic_offsets"
+    assert got == nxdi_cte + kimi
     long_ctx = nxdi_cte + " --disable-mixed-precision-accumulation --internal-enable-dge-levels spill_reload"
     assert contract.compiler_args(long_ctx) == long_ctx + " --enable-saturate-infinity"
     assert contract.compiler_args(got) == got  # idempotent

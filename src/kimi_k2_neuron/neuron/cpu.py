@@ -4,8 +4,8 @@ nxdi-cpu test tier.
 The application class, its NeuronConfig, the checkpoint loader, NxDI's model wrappers, KV cache manager, sampler and
 HF generation adapter are the ones a trn2 run uses; NeuronKimiK2ForCausalLM.to_cpu builds each submodel as the
 device path does and loads it strictly. What this cannot show: tracing (xla_trace traces a submodel with torch_xla
-on its CPU device), neuronx-cc, NKI kernels, Neuron collectives, HBM. Where NxD would take a device-only path (the NKI blockwise prefill kernel), it takes its torch
-path here, and MoEPaths says which one ran.
+on its CPU device), neuronx-cc, NKI kernels, Neuron collectives, HBM. Where NxD would take a device-only path (the
+NKI blockwise prefill kernel), it takes its torch path here, and MoEPaths says which one ran.
 
 Rows of different lengths are right-padded as NxDI's HuggingFaceGenerationAdapter pads them (pad position ids 1,
 hf_adapter.py:283-294). A compiled context bucket below seq_len would need per-bucket n_positions, which only the

@@ -42,7 +42,8 @@ def converted_dir_for(raw: str | Path, experts: str) -> Path:
 
 def ensure_converted(path: str | Path, experts: str, workers: int = 8, dst: str | Path | None = None) -> Path:
     """`path` if it is a converted checkpoint; otherwise convert it once (kimi_k2_neuron.convert, resumable) into
-    `dst` (default converted_dir_for(path, experts)) and return that. The converter shows progress with an ETA; the total time is
+    `dst` (default converted_dir_for(path, experts)) and return that. The converter shows progress with an ETA; the
+    total time is
     logged. For the real ~1 TB checkpoint this is hours of host time, which is why it happens once, up front,
     and not in every checkpoint_loader_fn call."""
     path = Path(path)
