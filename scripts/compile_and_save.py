@@ -4,7 +4,8 @@ The folder gets NxDI's model.pt (context-encoding and token-generation NEFFs), n
 weights/tp{rank}_sharded_checkpoint.safetensors per rank, and kimi_k2_neuron.json (the checkpoint and options).
 The configuration is checked against the fit planner first and refused if it does not fit, unless --force.
 A raw HF checkpoint is first converted, once, into a sibling folder <model>-neuron-<experts> (kimi_k2_neuron.convert;
-hours for the 1T model, with a progress bar and ETA, and the time taken printed at the end).
+an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
+taken is printed at the end).
 
 Example (trn2.48xlarge, LNC=2 -> 64 logical cores):
   python scripts/compile_and_save.py --model /data/kimi-k2-neuron-fp8 --out /data/compiled/tp64-s1024-b1 \\
@@ -21,6 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
+from kimi_k2_neuron.convert import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_fp8_env, start
 
 # The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
@@ -43,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
     p.add_argument("--max-context-length", type=int, default=None, help="prefill bucket (default: --seq-len)")
     p.add_argument("--batch", type=int, default=1, help="batch compiled into both the prefill and decode graphs")
-    p.add_argument("--experts", choices=("fp8-per-channel", "fp8-blockwise"), default=None,
-                   help="expert format (default: what a converted checkpoint holds; fp8-per-channel for a raw one)")
+    p.add_argument("--experts", choices=SCHEMES, default=None,
+                   help=f"expert format (default: what a converted checkpoint holds; {DEFAULT_SCHEME}, exact from FP8 "
+                        "and INT4 sources, for a raw one)")
     p.add_argument("--convert-workers", type=int, default=8, help="converter threads, when --model is raw")
     p.add_argument("--no-on-device-sampling", action="store_true", help="return logits to the host instead")
     p.add_argument("--output-logits", action="store_true", help="also return logits with on-device sampling "

@@ -20,6 +20,7 @@ from .arguments import (Parser, add_generation_args, cache_dir, check_generation
 from .errors import KimiInputError
 from .launch import cpu_options
 from .runtime.ranks import RanksError
+from .convert import DEFAULT_SCHEME, SCHEMES
 from .plan import GiB, MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -305,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = _command(sub, "convert", "convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout")
     s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
-    s.add_argument("--experts", required=True, choices=["fp8-blockwise", "fp8-per-channel"],
-                   help="NxD scale layout of the routed experts")
+    s.add_argument("--experts", required=True, choices=SCHEMES,
+                   help=f"NxD scale layout of the routed experts ({DEFAULT_SCHEME} is recommended: exact from FP8 and "
+                        "INT4 sources)")
     s.add_argument("--workers", type=integer(1), default=1, metavar="N", help="threads converting experts in parallel")
     s.add_argument("--verify", action="store_true", help="re-hash finished files (and redo any that differ)")
     s.set_defaults(fn=cmd_convert)
@@ -332,9 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context-length", type=int, default=None,
                    help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
     s.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel", "bf16"], default=None,
+    s.add_argument("--experts", choices=[*SCHEMES, "bf16"], default=None,
                    help="routed-expert storage on device (default: what a converted --model holds, which is the only "
-                        "value accepted for it; else fp8-per-channel, as scripts/compile_and_save.py)")
+                        f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
     s.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
                    help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill; "
                         + MOE_PREFILL_FALLBACK)
@@ -350,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "for neuronx-cc (exit 0: one clean graph, 1: not)")
     s.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint folder (a raw one is converted once into $KIMI_K2_NEURON_CACHE/converted)")
-    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
-                   help="the scheme a raw --model is converted to (default: fp8-blockwise)")
+    s.add_argument("--experts", choices=SCHEMES, default=None,
+                   help=f"the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
     s.add_argument("--tp", type=integer(1), default=1, metavar="N", help="ranks (only 1 traces here)")
     s.add_argument("--submodel", required=True, choices=["context", "token"], help="which graph to trace")
     s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
@@ -371,9 +373,9 @@ def _model_opts(s):
     s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
                    help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
                         "real NxD/NxDI in NxD's CPU mode, needs them importable (README: 'The NxDI model on CPU')")
-    s.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
-                   help="nxdi-cpu: the expert scheme a raw --model is converted to first, into "
-                        "$KIMI_K2_NEURON_CACHE/converted (default: fp8-blockwise; a converted --model keeps its own)")
+    s.add_argument("--experts", choices=SCHEMES, default=None,
+                   help="nxdi-cpu: the expert scheme a raw --model is converted to first, into $KIMI_K2_NEURON_CACHE/"
+                        f"converted (default: {DEFAULT_SCHEME}; a converted --model keeps its own)")
     s.add_argument("--ep", type=integer(1), default=1, metavar="E",
                    help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
                         "which has no XLA process groups)")

@@ -12,6 +12,7 @@ import logging
 import os
 
 from .arguments import Parser, cache_dir, fail, integer
+from .convert import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
 # The e4m3 reinterpretation NxDI asks for with FP8 weights (inference_demo.py:465-467); read when torch-xla is
@@ -37,8 +38,8 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
                    help="run the NxDI model in NxD's CPU mode instead of a compiled one (needs NxD/NxDI importable; "
                         "README: 'The NxDI model on CPU'); no trn2 number comes out of it")
     p.add_argument("--tp", type=integer(1), default=1, metavar="N", help="with --cpu: tensor-parallel CPU ranks")
-    p.add_argument("--experts", choices=["fp8-blockwise", "fp8-per-channel"], default=None,
-                   help="with --cpu: the scheme a raw --model is converted to (default: fp8-blockwise)")
+    p.add_argument("--experts", choices=SCHEMES, default=None,
+                   help=f"with --cpu: the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:

@@ -17,7 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from .config import KimiK2Config
-from .convert.layout import SCHEMES, scheme_for
+from .convert import DEFAULT_SCHEME, SCHEMES
+from .convert.layout import scheme_for
 from .errors import KimiInputError
 
 GiB = 2**30
@@ -47,8 +48,6 @@ SCRATCHPAD_PAGE_BYTES = 512 * MiB
 RUNTIME_RESERVED_BYTES = int(0.43 * GiB)
 
 EXPERT_FORMATS = (*SCHEMES, "bf16")  # the converter's FP8 expert layouts, or unquantized
-# What compile_and_save.py uses when --experts is not given and the checkpoint holds no converted experts yet.
-DEFAULT_EXPERTS = "fp8-per-channel"
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
 
 # --moe-prefill: how prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1488-1497).
@@ -226,10 +225,10 @@ def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: dict | None) -
 
 def experts_for(record: dict | None, experts: str | None) -> str:
     """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
-    would), else the value given, else DEFAULT_EXPERTS (compile_and_save's choice for a raw checkpoint)."""
+    would), else the value given, else DEFAULT_SCHEME (compile_and_save's choice for a raw checkpoint)."""
     held = record["experts"] if record else None
     if experts is None:
-        return held or DEFAULT_EXPERTS
+        return held or DEFAULT_SCHEME
     if held is not None and experts != held:
         raise KimiInputError(f"--experts {experts}: the converted checkpoint holds {held} experts; pass "
                              f"--experts {held} or leave it out")

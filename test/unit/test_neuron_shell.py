@@ -60,6 +60,12 @@ PER_CHANNEL = {"quantized": True, "quantization_dtype": "f8e4m3",
                "valid_moe_tp_degrees": [1, 2, 4, 8, 16, 32, 64]}
 
 
+def per_channel(**opts) -> "contract.ServeOptions":
+    """Serving options for a converted fp8-per-channel checkpoint (fp8-blockwise is ServeOptions' default)."""
+    return contract.ServeOptions(**{"experts": "fp8-per-channel", "checkpoint": "/c", "quant_record": PER_CHANNEL,
+                                    **opts})
+
+
 # -- the package without the SDK, and the scripts' --help ---------------------------------------------------------
 
 def test_import_without_sdk_names_the_missing_packages():
@@ -120,8 +126,7 @@ def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path
 # -- InferenceConfig derivation and the NeuronConfig ---------------------------------------------------------------
 
 def test_neuron_config_kwargs_compile_the_real_batch_and_a_dropless_moe():
-    kw = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(
-        tp=64, batch=4, seq_len=2048, max_context_length=1024, checkpoint="/c", quant_record=PER_CHANNEL))
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=4, seq_len=2048, max_context_length=1024))
     # batch > 1 must reach both graphs: NeuronConfig defaults these four from batch_size only (config.py:161-167)
     assert [kw[k] for k in ("batch_size", "ctx_batch_size", "tkg_batch_size", "max_batch_size",
                             "kv_cache_batch_size")] == [4] * 5
@@ -132,16 +137,14 @@ def test_neuron_config_kwargs_compile_the_real_batch_and_a_dropless_moe():
     assert kw["on_device_sampling_config"]["global_topk"] == 256 and kw["save_sharded_checkpoint"] is True
     assert (kw["seq_len"], kw["max_context_length"]) == (2048, 1024)
     assert kw["blockwise_matmul_config"] == {"logical_nc_config": 2}
-    all_experts = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(
-        tp=64, lnc=1, checkpoint="/c", quant_record=PER_CHANNEL, moe_prefill="all-experts"))
+    all_experts = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, lnc=1, moe_prefill="all-experts"))
     assert all_experts["blockwise_matmul_config"] == {"logical_nc_config": 1, "block_size": 2**30}
     assert contract.fp8_env(kw["quantized"], kw["quantization_dtype"]) == {"XLA_HANDLE_SPECIAL_SCALAR": "1",
                                                                            "UNSAFE_FP8FNCAST": "1"}
 
 
 def test_logits_output_and_collective_flags():
-    kw = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(
-        tp=64, checkpoint="/c", quant_record=PER_CHANNEL, on_device_sampling=False, output_logits=True))
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, on_device_sampling=False, output_logits=True))
     # without on-device sampling the lm_head already gathers the vocab; output_logits would gather it again
     assert kw["output_logits"] is False and kw["disable_numeric_cc_token"] is True
 
@@ -161,6 +164,10 @@ def test_a_one_token_prompt_is_not_batched_with_longer_ones():
 ])
 def test_presharding_passes_cover_every_rank_once(start, size, env, want):
     assert contract.rank_passes(start, size, env) == want
+
+
+def test_serve_options_default_to_the_recommended_expert_format():
+    assert contract.ServeOptions(tp=64).experts == "fp8-blockwise"  # as plan.experts_for (test_plan.py)
 
 
 def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
@@ -189,9 +196,8 @@ def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
      "experts split 16 ways (tp / ep)"),
 ])
 def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
-    o = {"checkpoint": "/c", "quant_record": PER_CHANNEL, **opts}
     with pytest.raises(KimiInputError) as e:
-        contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(**o))
+        contract.neuron_config_kwargs(kimi_cfg(), per_channel(**opts))
     assert needle in str(e.value)
 
 
@@ -261,11 +267,9 @@ def test_a_failed_kernel_compile_recommends_all_experts_prefill_not_torch(capsys
 def test_ep_is_moe_internal_expert_parallelism():
     """--ep splits the routed experts inside the TP ranks (NxDI moe_ep_degree x moe_tp_degree = tp_degree), so
     attention and the shared expert stay TP-sharded over every rank and MoE's single reduction counts each once."""
-    o = contract.ServeOptions(tp=64, ep=16, batch=48, checkpoint="/c", quant_record=PER_CHANNEL)
-    kw = contract.neuron_config_kwargs(kimi_cfg(), o)
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, ep=16, batch=48))
     assert (kw["tp_degree"], kw["moe_ep_degree"], kw["moe_tp_degree"]) == (64, 16, 4) and "ep_degree" not in kw
-    one = contract.neuron_config_kwargs(kimi_cfg(), contract.ServeOptions(tp=64, checkpoint="/c",
-                                                                        quant_record=PER_CHANNEL))
+    one = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64))
     assert "moe_ep_degree" not in one and "moe_tp_degree" not in one  # EP=1 keeps NxDI's defaults
 
 

@@ -353,6 +353,16 @@ def test_cli_takes_the_experts_a_converted_checkpoint_holds(capsys, tmp_path):
                                        "fp8-per-channel experts; pass --experts fp8-per-channel or leave it out\n")
 
 
+def test_fp8_blockwise_is_the_default_for_a_raw_checkpoint(capsys):
+    """The recommended expert format (exact from FP8 and INT4 sources) is what plan and compile_and_save.py (through
+    plan.experts_for) take when none is given and no converted checkpoint records one (ServeOptions:
+    test_neuron_shell.py)."""
+    from kimi_k2_neuron.plan import experts_for
+
+    assert _cli("--config", str(KIMI), "--json") == 0
+    assert json.loads(capsys.readouterr().out)["experts"] == "fp8-blockwise" == experts_for(None, None)
+
+
 def test_cli_refuses_a_tp_the_recorded_scales_do_not_shard_for(capsys, tmp_path):
     """[32, 32] blockwise scales shard for expert TP t when 2048 / t is a multiple of 32, t <= 64; a record listing
     only [1, 2] (as a coarser layout would) refuses TP 64, as the Neuron shell does."""

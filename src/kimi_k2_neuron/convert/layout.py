@@ -58,12 +58,12 @@ import torch
 
 from ..errors import KimiInputError
 from ..checkpoint.shards import TensorInfo
+from . import SCHEMES
 
 CONVERSION_KEY = "kimi_k2_neuron_conversion"
 LAYOUT_VERSION = 1
 FP8_MAX = 240.0  # Neuron e4m3
 FP8_MAX_BYTE = 0x77  # |code| <= 240 <=> (byte & 0x7F) <= 0x77 for e4m3fn (0x7F is NaN)
-SCHEMES = ("fp8-blockwise", "fp8-per-channel")
 NXD_TYPE = {"fp8-blockwise": "blockwise_symmetric", "fp8-per-channel": "expert_wise_per_channel_symmetric"}
 FINE_BLOCK = 32  # see the module docstring: the largest block that divides Kimi's expert width at TP 64
 

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.convert import DEFAULT_SCHEME
 from kimi_k2_neuron.convert.layout import NXD_TYPE
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.launch import FP8_ENV
@@ -91,7 +92,7 @@ class ServeOptions:
     seq_len: int = 1024
     max_context_length: int | None = None  # CTE bucket; defaults to seq_len (NxDI config.py:134)
     batch: int = 1
-    experts: str = "fp8-per-channel"
+    experts: str = DEFAULT_SCHEME  # the recommended expert format (kimi_k2_neuron.convert)
     checkpoint: str | None = None  # converted checkpoint folder (NxDI requires a path when quantized, config.py:218)
     on_device_sampling: bool = True
     do_sample: bool = False

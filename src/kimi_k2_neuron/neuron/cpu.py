@@ -28,6 +28,7 @@ from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADIN
 from neuronx_distributed_inference.models.config import MoENeuronConfig
 
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.convert import DEFAULT_SCHEME
 from kimi_k2_neuron.convert.layout import read_record
 from kimi_k2_neuron.errors import KimiInputError
 
@@ -36,7 +37,6 @@ from .config import KimiK2InferenceConfig
 from .loader import converted_dir_for, ensure_converted
 from .modeling import NeuronKimiK2ForCausalLM
 
-DEFAULT_EXPERTS = "fp8-blockwise"
 CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -45,7 +45,7 @@ class CpuOptions:
     """One NxD CPU-mode model: the checkpoint (raw or converted), its expert scheme and the parallel layout."""
 
     model: str
-    experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_EXPERTS for a raw one
+    experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_SCHEME for a raw one
     tp: int = 1
     ep: int = 1
     dtype: str = "float32"
@@ -67,7 +67,7 @@ def converted_checkpoint(o: CpuOptions) -> tuple[Path, dict]:
         if o.experts not in (None, record["experts"]):
             raise KimiInputError(f"--experts {o.experts}: {o.model} is converted with experts={record['experts']}")
         return Path(o.model), record
-    experts = o.experts or DEFAULT_EXPERTS
+    experts = o.experts or DEFAULT_SCHEME
     dst = None
     if o.cache_dir:
         # one folder per source path and scheme: another checkpoint of the same name must not reuse it

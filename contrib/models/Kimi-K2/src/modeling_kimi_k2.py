@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi-K2 (Moonshot AI) for NxD Inference: the application class, and what converts, plans, compiles, loads and runs
+it. The contrib's entry point (`src` on the path: pytest.ini puts it there for the tests).
+
+The implementation is the `kimi_k2_neuron` package beside this file (src/kimi_k2_neuron/, an exact copy written by
+the kimi-k2-neuron repository's scripts/export_contrib.py; edit it there, not here): a thin NxDI shell
+(kimi_k2_neuron.neuron) over a backend-neutral PyTorch core that also runs, and is tested, on CPU. Importing this
+module needs the Neuron SDK; without it the ImportError names the missing packages.
+"""
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.convert import DEFAULT_SCHEME, convert
+from kimi_k2_neuron.convert.layout import read_record
+from kimi_k2_neuron.neuron import (
+    KimiK2DecoderLayer,
+    KimiK2InferenceConfig,
+    NeuronKimiK2ForCausalLM,
+    NeuronKimiK2Model,
+    NxDParallelContext,
+)
+from kimi_k2_neuron.neuron.contract import ServeOptions, neuron_config_kwargs
+from kimi_k2_neuron.neuron.serving import compile_model, generate, load_compiled, load_tokenizer
+from kimi_k2_neuron.plan import format_plan, plan
+
+__all__ = [
+    "NeuronKimiK2ForCausalLM",
+    "NeuronKimiK2Model",
+    "KimiK2InferenceConfig",
+    "KimiK2DecoderLayer",
+    "NxDParallelContext",
+    "KimiK2Config",
+    "DEFAULT_SCHEME",
+    "convert",
+    "read_record",
+    "plan",
+    "format_plan",
+    "ServeOptions",
+    "neuron_config_kwargs",
+    "compile_model",
+    "load_compiled",
+    "load_tokenizer",
+    "generate",
+]
