@@ -35,7 +35,7 @@ def _rows(text: str) -> list[list[int]]:
 
 
 def cmd_make_tiny(a) -> int:
-    from .checkpoint.tiny import make_tiny
+    from .testing.tiny_checkpoint import make_tiny
 
     check_out_dir(a.out, "OUT")
     out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed)
@@ -182,7 +182,7 @@ def _check_generate_args(a) -> None:
 
 
 def cmd_demo(a) -> int:
-    from .checkpoint.tiny import make_tiny
+    from .testing.tiny_checkpoint import make_tiny
     from .runtime.runner import CpuRunner
     from .runtime.sampling import SamplingParams
 
@@ -204,7 +204,7 @@ def cmd_demo(a) -> int:
     t0 = time.perf_counter()
     ours = runner.logits(rows, prefill_len=len(ids))
     try:
-        from .reference import hf_logits, hf_model
+        from .testing.transformers_oracle import hf_logits, hf_model
     except ImportError as e:
         print(f"skipped the transformers comparison ({e.name} missing): pip install 'kimi-k2-neuron[test]'")
         return 0

@@ -322,6 +322,6 @@ def _check_consistency(c: KimiK2Config, source: str) -> None:
         for i in ids:
             if i is not None and i >= c.vocab_size:
                 bad(f"field {fname}={i} is outside the vocabulary, expected < vocab_size={c.vocab_size}")
-    # The router needs 2 candidates per group to score groups (top-2 sum), as the reference does.
+    # The router needs 2 candidates per group to score groups (top-2 sum), as Kimi's modeling_deepseek.py does.
     if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
         bad(f"field n_group={c.n_group} leaves fewer than 2 experts per group")

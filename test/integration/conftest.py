@@ -80,7 +80,7 @@ def served(tmp_path_factory) -> Served:
 
 
 def _compile_mini(root: Path) -> tuple[Path, Path]:
-    from kimi_k2_neuron.checkpoint.tiny import make_tiny
+    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.convert.layout import read_record
     from kimi_k2_neuron.neuron import contract

@@ -1,6 +1,6 @@
 import pytest
 
-from kimi_k2_neuron.checkpoint.tiny import make_tiny
+from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.checkpoint.source import WeightSource
-from kimi_k2_neuron.checkpoint.tiny import make_tiny
+from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.runtime.runner import CpuRunner

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kimi_k2_neuron.checkpoint.tiny import dense_weights, tiny_config_dict
+from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert import layout
 from kimi_k2_neuron.errors import KimiInputError

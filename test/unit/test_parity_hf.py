@@ -7,7 +7,7 @@ this covers our shard reading, dequantization, weight loading and all of the mod
 import pytest
 import torch
 
-from kimi_k2_neuron.reference import hf_logits, hf_model
+from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100, 2, 90, 91, 92]]

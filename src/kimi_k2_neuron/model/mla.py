@@ -23,7 +23,7 @@ from ..parallel import ParallelContext
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
-# The reference modeling_deepseek.py builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps, so they
+# Kimi's modeling_deepseek.py builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps, so they
 # use DeepseekV3RMSNorm's default; transformers' DeepseekV3 does the same. Matching it matters for configs whose
 # rms_norm_eps is not 1e-6 (Kimi-K2-Thinking and K2.5 use 1e-5).
 LORA_NORM_EPS = 1e-6
@@ -135,7 +135,7 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    # Softmax in float32 as the reference does (it upcasts attention weights), then back to the compute dtype.
+    # Softmax in float32 as modeling_deepseek.py does (it upcasts attention weights), then back to the compute dtype.
     probs = scores.float().masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return probs.to(scores.dtype)
 

@@ -1,4 +1,4 @@
-"""RMSNorm as the reference computes it: in float32, then scaled by the (bf16 in checkpoints) weight."""
+"""RMSNorm as Kimi's modeling_deepseek.py computes it: in float32, then scaled by the (bf16 in checkpoints) weight."""
 
 import torch
 from torch import nn

@@ -1,6 +1,6 @@
 """YaRN rotary embedding as DeepSeek-V3 / Kimi-K2 define it, applied to interleaved pairs of the rope slice.
 
-Reference: the `modeling_deepseek.py` Kimi ships (DeepseekV3YarnRotaryEmbedding, yarn_* helpers). Two details
+Source: the `modeling_deepseek.py` Kimi ships (DeepseekV3YarnRotaryEmbedding, yarn_* helpers). Two details
 are easy to get wrong and both are tested against transformers:
 - the correction range is floor/ceil'd, so beta_fast == beta_slow == 1 (Kimi-K2) turns the ramp into a step;
 - the attention logits are scaled by mscale(factor, mscale_all_dim)**2 on top of qk_head_dim**-0.5.
@@ -39,7 +39,7 @@ def inv_freq(cfg: KimiK2Config) -> torch.Tensor:
     if ys is None:
         return extra
     low, high = yarn_ramp_bounds(dim, base, ys)
-    span = (high - low) if high != low else 0.001  # the reference's guard against a zero-width ramp
+    span = (high - low) if high != low else 0.001  # modeling_deepseek.py's guard against a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span).clamp(0, 1)
     keep = 1.0 - ramp  # 1 = keep the original (extrapolated) frequency, 0 = interpolate by `factor`
     return extra / ys.factor * (1 - keep) + extra * keep
@@ -82,7 +82,7 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Rotate adjacent pairs (x0,x1),(x2,x3),... of the last dim; x [B, heads, S, d], cos/sin [B, S, d/2].
 
     The checkpoint's q_b_proj / kv_a_proj produce interleaved pairs (GPT-J style). The output is written in
-    half-split order ([all first elements | all second elements]), as the reference does after its de-interleave;
+    half-split order ([all first elements | all second elements]), as modeling_deepseek.py does after its de-interleave;
     q and k get the same permutation, so their dot products are unchanged and the cache holds k in this order.
     """
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)

@@ -47,6 +47,6 @@ class NoAuxTcRouter(nn.Module):
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-        # -inf (not the reference's 0.0) so that a masked-out expert can never be chosen, even when every
+        # -inf (not modeling_deepseek.py's 0.0) so that a masked-out expert can never be chosen, even when every
         # biased score in the kept groups is negative; with positive sigmoid scores both agree.
         return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)

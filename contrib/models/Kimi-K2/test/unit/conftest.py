@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kimi_k2_neuron
-from kimi_k2_neuron.checkpoint.tiny import make_tiny
+from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert import DEFAULT_SCHEME, convert
 

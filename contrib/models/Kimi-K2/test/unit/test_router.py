@@ -5,7 +5,7 @@ modeling_deepseek.py computes it, written out here: the correction bias ranks th
 import pytest
 import torch
 
-from kimi_k2_neuron.checkpoint.tiny import tiny_config_dict
+from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 from kimi_k2_neuron.config import KimiK2Config
 
 EXPERTS, TOP_K, TOKENS = 16, 4, 24

@@ -22,7 +22,8 @@ from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
-from ..runtime.tokenizer import KIMI_SPECIAL_BASE, tiny_special_id, write_tiny_tokenizer
+from ..runtime.tokenizer import KIMI_SPECIAL_BASE
+from .tiny_tokenizer import tiny_special_id, write_tiny_tokenizer
 
 QUANTS = ("fp8", "int4", "bf16")
 TINY_BASE_TOKENS = 256  # byte-level base vocabulary; Kimi's 256 special slots follow it

@@ -1,4 +1,4 @@
-"""The independent reference: transformers' DeepseekV3ForCausalLM fed weights dequantized by other people's code.
+"""The transformers oracle: transformers' DeepseekV3ForCausalLM fed weights dequantized by other people's code.
 
 Used by the tests and by `kimi-k2-neuron demo`; needs the `test` extra (transformers, compressed-tensors).
 

@@ -1,0 +1,3 @@
+"""Test fixtures and the independent oracle, not used to serve: tiny checkpoints in Kimi-K2's real storage formats
+(tiny_checkpoint, with its tiny_tokenizer) and transformers' DeepseekV3ForCausalLM fed weights dequantized by
+other people's code (transformers_oracle, which needs the `test` extra)."""
