@@ -96,9 +96,9 @@ def _compiled(args) -> tuple[dict, dict]:
     from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     from transformers import GenerationConfig
 
-    from kimi_k2_neuron.neuron.serving import load_compiled, read_record
+    from kimi_k2_neuron.neuron.serving import load_compiled, read_compiled_record
 
-    record = read_record(args.compiled)
+    record = read_compiled_record(args.compiled)
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
     # Greedy, no EOS: every run decodes to max_length (benchmark_sampling drops EOS itself only with on-device

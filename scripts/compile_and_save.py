@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from kimi_k2_neuron.convert import DEFAULT_SCHEME, SCHEMES
+from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_fp8_env, start
 
 # The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
@@ -68,11 +68,11 @@ def main(argv=None) -> int:
 
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.convert.layout import read_record
+    from kimi_k2_neuron.formats.record import ConversionRecord
 
     try:
         cfg = KimiK2Config.from_file(args.model)
-        record = read_record(args.model)
+        record = ConversionRecord.read(args.model)
         experts = experts_for(record, args.experts)
         # The planner refuses what the shell's check_serve_options refuses (plan.check_compile_options), before the
         # SDK is imported or a raw checkpoint converted.
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             batch=args.batch, experts=experts, checkpoint=str(Path(checkpoint).resolve()),
             on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
             output_logits=args.output_logits, moe_prefill=args.moe_prefill,
-            quant_record=read_record(checkpoint)["nxd"])
+            quant_record=ConversionRecord.read(checkpoint).nxd)
         if not _compile(compile_model, checkpoint, args.out, options, p.summary()):
             return 1
     except KimiInputError as e:

@@ -53,12 +53,12 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids
 
     try:
-        from kimi_k2_neuron.neuron.serving import load_tokenizer, read_record
+        from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
     except ImportError as e:
         return sdk_missing(e)
 
     torch.manual_seed(args.seed)
-    checkpoint = args.model or read_record(args.compiled)["checkpoint"]
+    checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
     # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
     streams = len(args.prompt) == 1 and not args.stop and not (args.cpu and args.tp > 1)
     stream = (lambda s: print(s, end="", flush=True)) if streams else None

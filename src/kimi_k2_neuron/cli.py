@@ -19,9 +19,9 @@ from .arguments import (Parser, add_generation_args, cache_dir, check_generation
                         fail, integer, sampling_values)
 from .errors import KimiInputError
 from .launch import cpu_options
-from .runtime.ranks import RanksError
-from .convert import DEFAULT_SCHEME, SCHEMES
+from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .plan import GiB, MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES
+from .runtime.ranks import RanksError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -61,9 +61,10 @@ def cmd_logits(a) -> int:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
+        from .parallel import check_tp_divides
         from .runtime.tp import tp_logits
 
-        _check_tp_divides(cfg, a.tp)
+        check_tp_divides(cfg, a.tp)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed)
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
@@ -98,14 +99,6 @@ def _nxdi_cpu():
     except ImportError as e:
         raise KimiInputError(f"--backend {NXDI_CPU}: {e}")
     return cpu
-
-
-def _check_tp_divides(cfg, tp: int) -> None:
-    dims = {"num_attention_heads": cfg.num_attention_heads, "vocab_size": cfg.vocab_size,
-            "intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size}
-    for name, n in dims.items():
-        if n % tp:
-            raise KimiInputError(f"--tp {tp}: config.json field {name}={n} is not divisible by {tp}")
 
 
 def _load_tokenizer(model_dir):
@@ -218,11 +211,11 @@ def cmd_demo(a) -> int:
 
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
-    from .convert.layout import read_record
+    from .formats.record import ConversionRecord
     from .plan import experts_for, format_plan, max_seq_len, plan, plan_json
 
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
-    record = read_record(a.model) if a.model else None
+    record = ConversionRecord.read(a.model) if a.model else None
     args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, experts=experts_for(record, a.experts),
                 kv_slots=a.kv_slots, router_dtype=a.router_dtype, context_len=a.max_context_length,
                 moe_prefill=a.moe_prefill, record=record)
@@ -246,7 +239,7 @@ def _max_seq_len_line(cfg, p, found: int | None) -> str:
 
 
 def cmd_convert(a) -> int:
-    from .convert.converter import convert
+    from .convert import convert
 
     check_out_dir(a.dst, "DST")
     res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
@@ -334,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context-length", type=int, default=None,
                    help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
     s.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    s.add_argument("--experts", choices=[*SCHEMES, "bf16"], default=None,
+    s.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
                    help="routed-expert storage on device (default: what a converted --model holds, which is the only "
                         f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
     s.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",

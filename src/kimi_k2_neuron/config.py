@@ -46,6 +46,11 @@ class QuantConfig:
     num_bits: int | None = None  # compressed-tensors
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
+    @property
+    def format(self) -> str:
+        """The storage format this method names: "fp8" (blockwise FP8) or "int4" (compressed-tensors INT4)."""
+        return {"fp8": "fp8", "compressed-tensors": "int4"}[self.method]
+
 
 @dataclass(frozen=True)
 class KimiK2Config:
@@ -91,6 +96,11 @@ class KimiK2Config:
         """Width of one MLA cache entry: the compressed KV plus the shared rotary key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def storage_format(self) -> str:
+        """How the checkpoint stores its quantized weights: "fp8", "int4" or, without a quantization_config, "bf16"."""
+        return "bf16" if self.quant is None else self.quant.format
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
@@ -111,12 +121,8 @@ class KimiK2Config:
     def from_dict(cls, raw: dict, source: str = "<dict>") -> "KimiK2Config":
         if not isinstance(raw, dict):
             raise KimiInputError(f"{source}: expected a JSON object")
-        top_quant = raw.get("quantization_config")
-        if "text_config" in raw:  # Kimi-K2.5 nests the language model's config; quant config may sit on top
-            raw = raw["text_config"]
-            if not isinstance(raw, dict):
-                raise KimiInputError(f"{source}: field text_config must be an object")
-        return _parse(_Fields(raw, source), raw.get("quantization_config", top_quant))
+        raw = language_model_fields(raw, source)
+        return _parse(_Fields(raw, source), raw.get("quantization_config"))
 
     def to_dict(self) -> dict[str, Any]:
         """HF-style dict (what make-tiny writes as config.json)."""
@@ -137,6 +143,26 @@ class KimiK2Config:
         out["attention_bias"] = False
         out["architectures"] = ["DeepseekV3ForCausalLM"]
         return out
+
+
+def language_model_fields(raw: dict, source: str = "<dict>") -> dict:
+    """config.json's language-model fields and its quantization_config. Kimi-K2.5 nests the language model's
+    fields under text_config, and its quantization_config may sit there or on top; other checkpoints are flat."""
+    if "text_config" not in raw:
+        return raw
+    text = raw["text_config"]
+    if not isinstance(text, dict):
+        raise KimiInputError(f"{source}: field text_config must be an object")
+    return {**text, "quantization_config": text.get("quantization_config", raw.get("quantization_config"))}
+
+
+def pop_quantization_config(raw: dict):
+    """Take the quantization_config out of a config.json object (on top, and in K2.5's text_config) and return it
+    (the one in text_config when both are there)."""
+    quant = raw.pop("quantization_config", None)
+    if isinstance(raw.get("text_config"), dict):
+        quant = raw["text_config"].pop("quantization_config", quant)
+    return quant
 
 
 class _Fields:

@@ -12,7 +12,7 @@ import logging
 import os
 
 from .arguments import Parser, cache_dir, fail, integer
-from .convert import DEFAULT_SCHEME, SCHEMES
+from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
 # The e4m3 reinterpretation NxDI asks for with FP8 weights (inference_demo.py:465-467); read when torch-xla is

@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import KimiK2Config
+from .errors import KimiInputError
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -73,6 +76,20 @@ class ParallelContext:
 
 
 SINGLE = ParallelContext()
+
+
+def check_tp_divides(cfg: KimiK2Config, tp: int, split_embedding_dim: bool = False) -> None:
+    """Every dimension the layers split across `tp` ranks must divide: heads (q_b/kv_b/o), vocab (the embedding's
+    rows here, lm_head's columns, so no padded logits to mask), the dense and expert intermediates (the shared
+    expert's too) and, where the embedding is split along its embedding dim (NxD's), hidden."""
+    dims = {"num_attention_heads": cfg.num_attention_heads,
+            **({"hidden_size": cfg.hidden_size} if split_embedding_dim else {}),
+            "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size,
+            "moe_intermediate_size": cfg.moe_intermediate_size,
+            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)}
+    for name, n in dims.items():
+        if n % tp:
+            raise KimiInputError(f"--tp {tp}: config.json field {name}={n} is not divisible by {tp}")
 
 
 class _ShardedLinear(nn.Module):

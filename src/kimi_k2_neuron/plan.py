@@ -17,9 +17,12 @@ import math
 from dataclasses import asdict, dataclass
 
 from .config import KimiK2Config
-from .convert import DEFAULT_SCHEME, SCHEMES
-from .convert.layout import scheme_for
 from .errors import KimiInputError
+from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
+from .formats.layout import converted_tensors
+from .formats.record import ConversionRecord
+from .formats.scheme import ExpertScheme, scheme_for
+from .parallel import check_tp_divides
 
 GiB = 2**30
 MiB = 2**20
@@ -47,7 +50,6 @@ SCRATCHPAD_PAGE_BYTES = 512 * MiB
 # such runtime-owned memory: micro-code, collectives, profile buffers). The middle of that 67 MiB bracket:
 RUNTIME_RESERVED_BYTES = int(0.43 * GiB)
 
-EXPERT_FORMATS = (*SCHEMES, "bf16")  # the converter's FP8 expert layouts, or unquantized
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
 
 # --moe-prefill: how prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1488-1497).
@@ -178,21 +180,9 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
         raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
     if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
         raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
-    _check_tp_divides(cfg, tp)
+    check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_ep(cfg, tp, ep, lnc, batch)
     _check_moe_prefill(cfg, ep, moe_prefill, context_len * batch)
-
-
-def _check_tp_divides(cfg: KimiK2Config, tp: int) -> None:
-    """Every TP-split dimension must divide: heads (q_b/kv_b/o), hidden (embedding sharded across the embedding
-    dim), vocab (lm_head columns, so no padded logits to mask), dense and expert intermediates."""
-    dims = {"num_attention_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size,
-            "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size,
-            "moe_intermediate_size": cfg.moe_intermediate_size,
-            "moe_intermediate_size x n_shared_experts": cfg.moe_intermediate_size * max(cfg.n_shared_experts, 1)}
-    for name, n in dims.items():
-        if n % tp:
-            raise KimiInputError(f"--tp {tp}: config.json field {name}={n} is not divisible by {tp}")
 
 
 def _check_moe_prefill(cfg: KimiK2Config, ep: int, moe_prefill: str, tokens: int) -> None:
@@ -212,21 +202,26 @@ def check_moe_tp(valid: list[int] | None, tp: int, ep: int) -> None:
                              f"expert scales shard only {valid} ways")
 
 
-def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: dict | None) -> list[int] | None:
-    """The expert TP degrees a converted checkpoint's record (convert.layout.read_record) lists, or, without one,
-    those of the layout `convert` would write for this source (compile_and_save converts a raw checkpoint first).
-    None for bf16 experts, which have no scales."""
+def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: ConversionRecord | None) -> list[int] | None:
+    """The expert TP degrees a converted checkpoint's record lists, or, without one, those of the layout `convert`
+    would write for this source (compile_and_save converts a raw checkpoint first). None for bf16 experts, which
+    have no scales."""
     if experts == "bf16":
         return None
     if record is not None:
-        return record["nxd"].get("valid_moe_tp_degrees")
-    return _source_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
+        return record.valid_moe_tp_degrees
+    return converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
 
 
-def experts_for(record: dict | None, experts: str | None) -> str:
+def converted_scheme(cfg: KimiK2Config, experts: str) -> ExpertScheme:
+    """The expert scheme `kimi-k2-neuron convert --experts EXPERTS` writes from this (raw) checkpoint."""
+    return scheme_for(experts, cfg.storage_format, cfg.quant.group_size if cfg.quant else None)
+
+
+def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
     """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
     would), else the value given, else DEFAULT_SCHEME (compile_and_save's choice for a raw checkpoint)."""
-    held = record["experts"] if record else None
+    held = record.experts if record else None
     if experts is None:
         return held or DEFAULT_SCHEME
     if held is not None and experts != held:
@@ -261,80 +256,73 @@ def _logical_cores(lnc: int) -> int:
     return TRN2_CHIPS * TRN2_PHYSICAL_CORES_PER_CHIP // lnc
 
 
-def _attention_params(cfg: KimiK2Config, tp: int) -> tuple[int, int]:
-    """(replicated, TP-sharded) MLA parameters of one layer on one rank. q_a and kv_a are plain nn.Linear on
-    every rank in the NxDI design (§5.1); q_b/kv_b/o split by heads (one head per rank or more if tp > heads)."""
-    h, heads = cfg.hidden_size, _div(cfg.num_attention_heads, tp)
-    replicated = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    sharded = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h
-    if cfg.q_lora_rank:
-        replicated += h * cfg.q_lora_rank
-        sharded += cfg.q_lora_rank * heads * cfg.qk_head_dim
-    else:
-        sharded += h * heads * cfg.qk_head_dim
-    return replicated, sharded
-
-
-def default_block(cfg: KimiK2Config) -> tuple[int, int]:
-    """The blockwise layout `kimi-k2-neuron convert` writes for this source: [32, 1] (one scale per INT4 group)
-    for compressed-tensors INT4 checkpoints, [32, 32] otherwise (convert/layout.py)."""
-    return _source_scheme(cfg, "fp8-blockwise").block
-
-
-def _source_scheme(cfg: KimiK2Config, experts: str):
-    """The expert layout `kimi-k2-neuron convert --experts EXPERTS` writes for this source checkpoint."""
-    int4 = cfg.quant is not None and cfg.quant.method == "compressed-tensors"
-    return scheme_for(experts, "int4" if int4 else "fp8", cfg.quant.group_size if int4 else None)
-
-
-def recorded_block(record: dict | None, experts: str) -> tuple[int, int] | None:
-    """The blockwise block a converted checkpoint's record (convert.layout.read_record) says its scales were
-    written with; None when there is none to read, and plan() then assumes default_block. A converted config.json
-    no longer carries the source's quantization_config, so default_block cannot tell an INT4 source from it."""
-    if record is not None and experts == "fp8-blockwise" and record["experts"] == "fp8-blockwise":
-        return tuple(record["nxd"]["quantization_block_size"])
-    return None
-
-
-def _expert_bytes(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None) -> tuple[int, int]:
-    """(weight bytes, scale bytes) of one MoE layer's routed experts on one rank: E/ep experts (expert parallelism
-    inside the tp ranks, NxDI moe_ep_degree), each with its gate_up [H, 2I/(tp/ep)] and down [I/(tp/ep), H] slices."""
+def _expert_scale_bytes(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme | None) -> int:
+    """Scale bytes of one MoE layer's routed experts on one rank: E/ep experts (expert parallelism inside the tp
+    ranks, NxDI moe_ep_degree), each scaling its gate_up [H, 2I/(tp/ep)] and down [I/(tp/ep), H] slices."""
     h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp // ep)
-    params = e_local * 3 * h * i_local
-    if experts == "bf16":
-        return params * BF16, 0
-    if experts == "fp8-per-channel":  # scales [E,1,2I] sharded like the weight, [E,1,H] replicated (§3.6)
-        return params * FP8, e_local * (2 * i_local + h) * FP32
-    # Local scale = local weight shape / block, a dim below the block collapsing to 1 (§3.6).
-    b1, b2 = block or default_block(cfg)
+    if scheme is None:
+        return 0
+    if scheme.block is None:  # scales [E,1,2I] sharded like the weight, [E,1,H] replicated (§3.6)
+        return e_local * (2 * i_local + h) * FP32
+    # NxD sizes a rank's scale from its local weight shape / block, a dim below the block collapsing to 1 (§3.6).
+    b1, b2 = scheme.block
     gate_up = _div(h, b1) * _div(2 * i_local, b2)
     down = _div(i_local, b1) * _div(h, b2)
-    return params * FP8, e_local * (gate_up + down) * FP32
+    return e_local * (gate_up + down) * FP32
 
 
-def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, block=None,
+# The weight rows, in the order they print, and the first key fragment of the converted checkpoint's tensors each
+# holds (formats.layout.converted_tensors). q_a_proj and kv_a_proj_with_mqa are plain nn.Linear on every rank in the
+# NxDI design (§5.1); q_b/kv_b/o split by heads; the embedding along its embedding dim, lm_head along the vocab.
+_ROWS = (
+    ("attention q_a+kv_a (replicated)", ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.")),
+    ("attention q_b+kv_b+o (TP)", ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj.")),
+    ("norms (replicated)", ("layernorm.", "model.norm.")),
+    ("embedding (TP)", ("embed_tokens.",)),
+    ("lm_head (TP)", ("lm_head.",)),
+    ("dense MLP (TP)", ()),  # what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj
+    ("shared experts (TP)", ("shared_experts.",)),
+    ("router + bias (replicated)", ("mlp.router.",)),
+    ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
+)
+_REPLICATED = ("attention q_a+kv_a (replicated)", "norms (replicated)", "router + bias (replicated)")
+
+
+def _row_of(key: str) -> str:
+    return next((row for row, parts in _ROWS if any(p in key for p in parts)), "dense MLP (TP)")
+
+
+def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, scheme: ExpertScheme | None,
              router_dtype: str = "fp32") -> list[Row]:
-    h, layers = cfg.hidden_size, cfg.num_hidden_layers  # MTP layers (num_nextn_predict_layers) are not loaded
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
-    att_rep, att_tp = _attention_params(cfg, tp)
-    norms = layers * (2 * h + (cfg.q_lora_rank or 0) + cfg.kv_lora_rank) + h
-    expert_w, expert_s = _expert_bytes(cfg, tp, ep, experts, block)
-    rows = [
-        Row("attention q_a+kv_a (replicated)", "bf16", layers * att_rep * BF16),
-        Row("attention q_b+kv_b+o (TP)", "bf16", layers * att_tp * BF16),
-        Row("norms (replicated)", "bf16", norms * BF16),
-        Row("embedding (TP)", "bf16", cfg.vocab_size * _div(h, tp) * BF16),
-        Row("lm_head (TP)", "bf16", _div(cfg.vocab_size, tp) * h * BF16),
-        Row("dense MLP (TP)", "bf16", (layers - n_moe) * 3 * h * _div(cfg.intermediate_size, tp) * BF16),
-        Row("shared experts (TP)", "bf16",
-            n_moe * 3 * h * _div(cfg.moe_intermediate_size * cfg.n_shared_experts, tp) * BF16),
-        Row("router + bias (replicated)", router_dtype,
-            n_moe * (cfg.n_routed_experts * (h + 1)) * (FP32 if router_dtype == "fp32" else BF16)),
-        Row("routed experts (E/ep, I/(tp/ep))", "bf16" if experts == "bf16" else "fp8", n_moe * expert_w),
-    ]
-    if expert_s:
-        rows.append(Row(f"routed expert scales ({experts[4:]})", "fp32", n_moe * expert_s))
+    """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
+    experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
+    dtypes = {row: "bf16" for row, _ in _ROWS} | {"router + bias (replicated)": router_dtype,
+                                                 "routed experts (E/ep, I/(tp/ep))": _expert_dtype(experts)}
+    size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
+    total = dict.fromkeys(dtypes, 0)
+    for key, (_, shape) in converted_tensors(cfg, None).items():
+        row = _row_of(key)
+        total[row] += math.prod(shape) // (1 if row in _REPLICATED else tp) * size[dtypes[row]]
+    rows = [Row(row, dtypes[row], total[row]) for row, _ in _ROWS]
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    scales = _expert_scale_bytes(cfg, tp, ep, scheme)
+    if scales:
+        rows.append(Row(f"routed expert scales ({experts[4:]})", "fp32", n_moe * scales))
     return rows
+
+
+def _expert_dtype(experts: str) -> str:
+    return "bf16" if experts == "bf16" else "fp8"
+
+
+def _expert_scheme(cfg: KimiK2Config, experts: str, block, record: ConversionRecord | None) -> ExpertScheme | None:
+    """The routed experts' scheme: fp8-blockwise with `block` when one is given (what-if), else what the converted
+    checkpoint's record holds, else what `convert` writes from this raw checkpoint; None for bf16 experts."""
+    if experts == "bf16":
+        return None
+    if block is not None and experts == "fp8-blockwise":
+        return ExpertScheme(experts, tuple(block))
+    return record.scheme if record is not None else converted_scheme(cfg, experts)
 
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
@@ -437,7 +425,7 @@ def _allowance(cfg: KimiK2Config, tokens: int, moe: dict) -> list[Row]:
     return rows
 
 
-def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, block=None) -> tuple[float, int]:
+def _bytes_per_token(cfg, weights: list[Row], tp, ep, seq_len, batch) -> tuple[float, int]:
     """Bytes one decode step reads per rank: every non-expert weight (the embedding only for its B rows), the
     routed experts the step runs, and the latent KV cache once (the duplicate V slot is not read)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
@@ -445,38 +433,37 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, experts, seq_len, batch, b
         active = float(e // ep)
     else:  # selective loading: uniform, independent routing misses an expert per token with probability 1 - k/E
         active = (e // ep) * (1 - (1 - k / e) ** batch)
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    expert_w, expert_s = _expert_bytes(cfg, tp, ep, experts, block)
+    experts = sum(r.bytes for r in weights if r.kind.startswith("routed"))  # weights and scales, every MoE layer
     non_expert = sum(r.bytes for r in weights if not r.kind.startswith(("routed", "embedding")))
     embed_rows = batch * _div(cfg.hidden_size, tp) * BF16
-    experts_read = n_moe * (expert_w + expert_s) * active / (e // ep)
+    experts_read = experts * active / (e // ep)
     kv_read = cfg.num_hidden_layers * batch * seq_len * cfg.latent_dim * BF16
     return active, int(non_expert + embed_rows + experts_read + kv_read)
 
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
          kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32",
-         context_len: int | None = None, moe_prefill: str = "kernel", record: dict | None = None) -> Plan:
+         context_len: int | None = None, moe_prefill: str = "kernel", record: ConversionRecord | None = None) -> Plan:
     """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what a converted checkpoint's
-    `record` (convert.layout.read_record) holds, else what the converter writes for this config's source format.
-    The record also fixes `experts` and the expert TP degrees, as compile_and_save's checks do. `context_len`: the
+    `record` holds, else what the converter writes for this config's source format. The record also fixes
+    `experts` and the expert TP degrees, as compile_and_save's checks do. `context_len`: the
     prefill bucket (NxDI max_context_length), default seq_len. `kv_slots` 2 and `router_dtype` "bf16" model other
     ports (NxDI's stock KV cache, a bf16 router)."""
     context = seq_len if context_len is None else context_len
     _check(cfg, tp, ep, lnc, seq_len, context, batch, experts, kv_slots, moe_prefill, record)
     if router_dtype not in ("fp32", "bf16"):
         raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
-    block = block or recorded_block(record, experts)
+    scheme = _expert_scheme(cfg, experts, block, record)
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, experts, block, router_dtype)
+    weights = _weights(cfg, tp, ep, experts, scheme, router_dtype)
     # The MLA latent is replicated on every rank; the stock KVCacheManager gives it a K and a same-width V slot.
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * seq_len * cfg.latent_dim * BF16)
     moe = _moe_runs(cfg, tp, ep, lnc, batch * context, batch, experts, moe_prefill)
     allowance = _allowance(cfg, batch * context, moe)
     total = sum(r.bytes for r in (*weights, kv, *allowance))
-    active, per_token = _bytes_per_token(cfg, weights, tp, ep, experts, seq_len, batch, block)
+    active, per_token = _bytes_per_token(cfg, weights, tp, ep, seq_len, batch)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,

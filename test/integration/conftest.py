@@ -66,14 +66,14 @@ def served(tmp_path_factory) -> Served:
 
     set_fp8_env()  # before the SDK import below
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.neuron.serving import load_compiled, load_tokenizer, read_record
+    from kimi_k2_neuron.neuron.serving import load_compiled, load_tokenizer, read_compiled_record
 
     if os.environ.get("KIMI_K2_MINI") == "1":
         compiled, checkpoint = _compile_mini(tmp_path_factory.mktemp("mini"))
         tokenizer = None
     else:
         compiled = Path(os.environ["KIMI_K2_COMPILED"])
-        checkpoint = Path(os.environ.get("KIMI_K2_CHECKPOINT") or read_record(compiled)["checkpoint"])
+        checkpoint = Path(os.environ.get("KIMI_K2_CHECKPOINT") or read_compiled_record(compiled)["checkpoint"])
         tokenizer = load_tokenizer(checkpoint)
     app = load_compiled(compiled, checkpoint)
     return Served(app, KimiK2Config.from_file(checkpoint), checkpoint, compiled, tokenizer is None, tokenizer)
@@ -82,7 +82,7 @@ def served(tmp_path_factory) -> Served:
 def _compile_mini(root: Path) -> tuple[Path, Path]:
     from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
     from kimi_k2_neuron.convert import convert
-    from kimi_k2_neuron.convert.layout import read_record
+    from kimi_k2_neuron.formats.record import ConversionRecord
     from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.neuron.serving import compile_model
 
@@ -93,7 +93,7 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
     lnc = int(os.environ["KIMI_K2_MINI_LNC"]) if os.environ.get("KIMI_K2_MINI_LNC") else None  # None: platform's
     options = contract.ServeOptions(tp=tp, lnc=lnc, seq_len=128, max_context_length=64, batch=2,
                                     experts="fp8-per-channel", checkpoint=str(checkpoint), output_logits=True,
-                                    quant_record=read_record(checkpoint)["nxd"])
+                                    quant_record=ConversionRecord.read(checkpoint).nxd)
     compile_model(checkpoint, root / "compiled", options)
     return root / "compiled", checkpoint
 

@@ -101,13 +101,13 @@ def test_compiler_args_are_nxdis_own_plus_kimis(converted, scratchpad):
     --modular-flow-mac-threshold=10, a scratchpad page size reaching the compiler), Kimi's added."""
     from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 
-    from kimi_k2_neuron.convert.layout import read_record
+    from kimi_k2_neuron.formats.record import ConversionRecord
     from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM
 
     ckpt = converted[("fp8", "fp8-blockwise")]
-    rec = read_record(ckpt)
-    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec["experts"], checkpoint=str(ckpt),
-                                 quant_record=rec["nxd"],
+    rec = ConversionRecord.read(ckpt)
+    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec.experts, checkpoint=str(ckpt),
+                                 quant_record=rec.nxd,
                                  extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
     kw = contract.neuron_config_kwargs(KimiK2Config.from_file(ckpt), opts)
     app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.from_checkpoint(ckpt, MoENeuronConfig(**kw)))

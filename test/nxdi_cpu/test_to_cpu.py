@@ -64,9 +64,9 @@ def test_loading_is_strict_both_ways(bf16_app):
 
 @pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
 def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
-    """layout.dequantize_nxd (the core runner's reading of a converted checkpoint) against NxD's quantized expert
-    layers themselves: an identity input through the loaded layer gives its dequantized weight [E, in, out]."""
-    from kimi_k2_neuron.convert import layout
+    """quant.nxd_fp8.dequantize_nxd (the core runner's reading of a converted checkpoint) against NxD's quantized
+    expert layers themselves: an identity input through the loaded layer gives its dequantized weight [E, in, out]."""
+    from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
 
     app = cpu.build(cpu.CpuOptions(model=str(converted[("fp8", scheme)])), 8, 1)
     op = _moe_layer(app.token_generation_model.model).expert_mlps.mlp_op
@@ -74,7 +74,7 @@ def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
         e, n_in = proj.weight.shape[0], proj.weight.shape[1]
         with torch.no_grad():
             nxd = proj(torch.eye(n_in).expand(e, 1, n_in, n_in).contiguous())[:, 0]
-        ours = torch.stack([layout.dequantize_nxd(proj.weight[i], proj.scale[i]) for i in range(e)])
+        ours = torch.stack([dequantize_nxd(proj.weight[i], proj.scale[i]) for i in range(e)])
         torch.testing.assert_close(ours, nxd, rtol=1e-6, atol=1e-6)
 
 

@@ -22,16 +22,19 @@ from safetensors.torch import load_file, save_file
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.cli import main as cli_main
-from kimi_k2_neuron.convert import layout, writer
+from kimi_k2_neuron.convert import writer
 from kimi_k2_neuron.convert.converter import MANIFEST, convert
-from kimi_k2_neuron.convert import neuron_fp8
-from kimi_k2_neuron.convert.neuron_fp8 import block_flags, fp8_to_blockwise, halve_codes
+from kimi_k2_neuron.formats import SCHEMES, layout
+from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord
+from kimi_k2_neuron.formats.scheme import NXD_TYPE, scheme_for
+from kimi_k2_neuron.quant import nxd_fp8
+from kimi_k2_neuron.quant.nxd_fp8 import block_flags, fp8_to_blockwise, halve_codes
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.quant.fp8 import dequantize_blockwise, quantize_blockwise
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 SOURCES = ("fp8", "int4", "bf16")
-COMBOS = [(s, t) for s in SOURCES for t in layout.SCHEMES]
+COMBOS = [(s, t) for s in SOURCES for t in SCHEMES]
 INDEX = "model.safetensors.index.json"
 ROWS = [[5, 17, 300, 42, 9, 77, 123, 200, 11, 3, 260, 99]]
 MOE_LAYERS = (1, 2)  # tiny: 3 layers, first_k_dense_replace 1
@@ -72,11 +75,11 @@ def test_layout_matches_nxd(converted, tiny_dirs, source, scheme):
     dst, res = converted[(source, scheme)]
     cfg = WeightSource(tiny_dirs[source]).cfg
     e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    rec = json.loads((dst / "config.json").read_text())[layout.CONVERSION_KEY]
+    rec = json.loads((dst / "config.json").read_text())[CONVERSION_KEY]
     assert "quantization_config" not in json.loads((dst / "config.json").read_text())
     nxd = rec["nxd"]
     assert rec["experts"] == scheme and rec["source_format"] == source and rec["fp8_max"] == 240.0
-    assert nxd["quantization_type"] == layout.NXD_TYPE[scheme] and nxd["quantization_dtype"] == "f8e4m3"
+    assert nxd["quantization_type"] == NXD_TYPE[scheme] and nxd["quantization_dtype"] == "f8e4m3"
     block = None if scheme == "fp8-per-channel" else tuple(nxd["quantization_block_size"])
     if block is not None:
         assert nxd["quantization_block_axis"] == [1, 2]
@@ -200,8 +203,8 @@ def test_k25_layout_serves_its_language_model(converted, tiny_dirs, tmp_path):
                                                                           "vision_tower.blocks.0.attn.qkv.weight"]
     res = convert(k25, tmp_path / "k25-neuron", "fp8-blockwise", progress=False)
     assert "source tensors ignored by name" in res.summary
-    record = layout.read_record(tmp_path / "k25-neuron")
-    assert record["ignored_source_tensors"] == len(src.ignored)
+    record = ConversionRecord.read(tmp_path / "k25-neuron")
+    assert record.raw["ignored_source_tensors"] == len(src.ignored)
     plain = converted[("int4", "fp8-blockwise")][0]
     assert torch.equal(CpuRunner(tmp_path / "k25-neuron").logits(ROWS, prefill_len=8),
                        CpuRunner(plain).logits(ROWS, prefill_len=8))
@@ -248,7 +251,7 @@ def _deq(w, s):  # NxD's blockwise dequantize: blocks inferred from the shapes (
 @pytest.mark.parametrize("source", ["fp8", "int4"])
 def test_blockwise_scales_shard_for_every_valid_tp(converted, tiny_dirs, source):
     dst, _ = converted[(source, "fp8-blockwise")]
-    rec = json.loads((dst / "config.json").read_text())[layout.CONVERSION_KEY]["nxd"]
+    rec = json.loads((dst / "config.json").read_text())[CONVERSION_KEY]["nxd"]
     block, tps = tuple(rec["quantization_block_size"]), rec["valid_moe_tp_degrees"]
     assert len(tps) >= 2
     with ShardedCheckpoint(dst) as ck:
@@ -263,7 +266,7 @@ def test_blockwise_scales_shard_for_every_valid_tp(converted, tiny_dirs, source)
                     assert torch.equal(_deq(lw, ls), _nxd_shard(full, dim, stride, tp, rank))
     # Kimi-K2 itself (I = 2048): one converted checkpoint serves every MoE TP up to 64.
     for src_fmt, group in (("fp8", None), ("int4", 32)):
-        assert 64 in layout.scheme_for("fp8-blockwise", src_fmt, group).nxd(2048)["valid_moe_tp_degrees"]
+        assert 64 in scheme_for("fp8-blockwise", src_fmt, group).nxd(2048)["valid_moe_tp_degrees"]
 
 
 # ------------------------------------------------------------------------------------------ FP8 byte math
@@ -324,7 +327,7 @@ def test_fp8_to_blockwise_matches_float_reference(over, chunk, monkeypatch):
     """The vectorized rescale against _reference_blockwise on codes that cover every non-NaN byte, subnormals
     included, the +-240 edge (0x77/0xF7 stay, 0x78/0xF8 trigger a halving), and chunk boundaries."""
     if chunk is not None:
-        monkeypatch.setattr(neuron_fp8, "_CHUNK", chunk)
+        monkeypatch.setattr(nxd_fp8, "_CHUNK", chunk)
     g = torch.Generator().manual_seed(int(over * 100))
     out_f, in_f = 256, 384
     codes = torch.randint(0, 0x78, (out_f, in_f), generator=g, dtype=torch.uint8)
@@ -529,7 +532,7 @@ def test_nan_and_inf_scales(src_copy, tmp_path):
     assert (tmp_path / "a" / MANIFEST).exists()  # earlier layers are kept for a resume
     d4 = src_copy("int4")
     _rewrite(d4, EXPERT + ".weight_scale", lambda ts: _poke(ts[EXPERT + ".weight_scale"], 3, float("inf")))
-    for i, t in enumerate(layout.SCHEMES):
+    for i, t in enumerate(SCHEMES):
         _convert_fails(d4, tmp_path / f"b{i}", EXPERT + ".weight_scale", "inf", experts=t)
 
 

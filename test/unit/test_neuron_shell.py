@@ -24,7 +24,9 @@ from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import layout
+from kimi_k2_neuron.formats import layout
+from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, ConversionRecord
+from kimi_k2_neuron.formats.scheme import scheme_for
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
 from kimi_k2_neuron.runtime.runner import CpuRunner
@@ -94,8 +96,8 @@ def _compile(*args):
 def test_compile_checks_the_fit_before_anything_else(tmp_path):
     """The real Kimi config with a converted-checkpoint record and no tensors: the planner refuses TP=8."""
     raw = json.loads((CONFIGS / "kimi-k2-instruct-0905.json").read_text())
-    rec = {"layout_version": layout.LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": PER_CHANNEL}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, layout.CONVERSION_KEY: rec}))
+    rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": PER_CHANNEL}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
     r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "8")
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
@@ -107,9 +109,9 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
 
     raw = json.loads((CONFIGS / "kimi-k2-thinking.json").read_text())
     raw.pop("quantization_config")
-    nxd = layout.scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
-    rec = {"layout_version": layout.LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, layout.CONVERSION_KEY: rec}))
+    nxd = scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
+    rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
     r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64")
     want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, "fp8-blockwise", kv_slots=1, block=(32, 1))
     assert want.summary() in r.stdout, r.stdout + r.stderr
@@ -172,7 +174,7 @@ def test_serve_options_default_to_the_recommended_expert_format():
 
 def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
     cfg = kimi_cfg()
-    rec = layout.scheme_for("fp8-blockwise", "fp8").nxd(cfg.moe_intermediate_size)
+    rec = scheme_for("fp8-blockwise", "fp8").nxd(cfg.moe_intermediate_size)
     kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(tp=64, experts="fp8-blockwise", checkpoint="/c",
                                                                   quant_record=rec))
     assert kw["quantization_block_axis"] == [1, 2] and kw["quantization_block_size"] == list(rec[
@@ -218,7 +220,7 @@ def test_the_fit_planner_refuses_exactly_what_the_shell_refuses(experts):
     from kimi_k2_neuron.plan import plan
 
     cfg = kimi_cfg()
-    nxd = layout.scheme_for(experts, "fp8").nxd(cfg.moe_intermediate_size)
+    nxd = scheme_for(experts, "fp8").nxd(cfg.moe_intermediate_size)
     records = (nxd, {**nxd, "valid_moe_tp_degrees": [1, 2, 4]})
     refused = 0
     for tp, ep, batch, (seq, ctx), mode, rec in product(
@@ -227,8 +229,9 @@ def test_the_fit_planner_refuses_exactly_what_the_shell_refuses(experts):
         shell = _refusal(lambda: contract.check_serve_options(cfg, contract.ServeOptions(
             tp=tp, ep=ep, batch=batch, seq_len=seq, max_context_length=ctx, moe_prefill=mode, experts=experts,
             checkpoint="/c", quant_record=rec)))
+        record = ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": experts, "nxd": rec}, "t")
         planner = _refusal(lambda: plan(cfg, tp, ep, 2, seq, batch, experts, context_len=ctx, moe_prefill=mode,
-                                        record={"experts": experts, "nxd": rec}))
+                                        record=record))
         assert planner == shell, (tp, ep, batch, seq, ctx, mode, rec["valid_moe_tp_degrees"])
         refused += shell is not None
     assert 0 < refused < 5 * 4 * 2 * 3 * 3 * 2
@@ -395,22 +398,28 @@ def test_expected_keys_are_the_core_parameters_in_the_neuron_layout():
 def test_converted_layout_keys_map_onto_the_model():
     cfg = tiny_cfg()
     L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-    assert keys.neuron_key(layout.gate_up_key(L)) == f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
-    assert keys.neuron_key(layout.scale_key(layout.down_key(L))) == \
+    assert layout.module_key(layout.gate_up_key(L)) == f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
+    assert layout.module_key(layout.scale_key(layout.down_key(L))) == \
         f"layers.{L}.mlp.expert_mlps.mlp_op.down_proj.scale"
     router = layout.router_keys(L)
-    assert {keys.neuron_key(v) for v in router.values()} == {f"layers.{L}.mlp.router.weight",
-                                                                 f"layers.{L}.mlp.router.e_score_correction_bias"}
-    assert keys.neuron_key("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == \
+    assert {layout.module_key(v) for v in router.values()} == {f"layers.{L}.mlp.router.weight",
+                                                                   f"layers.{L}.mlp.router.e_score_correction_bias"}
+    assert layout.module_key("model.layers.0.self_attn.kv_a_proj_with_mqa.weight") == \
         "layers.0.self_attn.kv_a_proj_with_mqa.weight"
-    assert keys.neuron_key(f"model.layers.{L}.mlp.shared_experts.down_proj.weight") == \
+    assert layout.module_key(f"model.layers.{L}.mlp.shared_experts.down_proj.weight") == \
         f"layers.{L}.mlp.shared_experts.down_proj.weight"
-    assert keys.neuron_key("lm_head.weight") == "lm_head.weight"
-    assert keys.neuron_key("model.layers.2.self_attn.rotary_emb.inv_freq") is None
+    assert layout.module_key("lm_head.weight") == "lm_head.weight"
+    assert layout.is_ignored("model.layers.2.self_attn.rotary_emb.inv_freq")
+    # the state dict takes what the format has a place for, sets aside the rotary buffers, and refuses the rest
+    tensors, nc = _converted_tensors(cfg), SimpleNamespace(quantized=True, tp_degree=1,
+                                                           quantization_type="expert_wise_per_channel_symmetric")
+    assert keys.to_neuron_state_dict({**tensors, "model.layers.2.self_attn.rotary_emb.inv_freq": torch.zeros(1)},
+                                     cfg, nc).keys() == keys.to_neuron_state_dict(tensors, cfg, nc).keys()
     with pytest.raises(KimiInputError, match="must be converted"):
-        keys.neuron_key(layout.expert_name(L, 3, "up_proj"))
+        keys.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
     with pytest.raises(KimiInputError, match="no place"):
-        keys.neuron_key("model.layers.1.self_attn.q_a_proj.weight_scale_inv")
+        keys.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.zeros(1)},
+                                  cfg, nc)
 
 
 def _converted_tensors(cfg: KimiK2Config) -> dict[str, torch.Tensor]:
@@ -501,7 +510,7 @@ def test_a_raw_checkpoint_is_converted_once_into_a_sibling_folder(tiny_dirs, tmp
     shutil.copytree(tiny_dirs["fp8"], raw)
     dst = loader.ensure_converted(raw, "fp8-per-channel", workers=1)
     assert dst == loader.converted_dir_for(raw, "fp8-per-channel") == tmp_path / "kimi-neuron-fp8-per-channel"
-    assert layout.read_record(dst)["experts"] == "fp8-per-channel"
+    assert ConversionRecord.read(dst).experts == "fp8-per-channel"
     stamp = (dst / "config.json").stat().st_mtime_ns
     assert loader.ensure_converted(raw, "fp8-per-channel") == dst and (dst / "config.json").stat().st_mtime_ns == stamp
     assert loader.ensure_converted(dst, "fp8-per-channel") == dst  # already converted: used as is

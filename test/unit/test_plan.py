@@ -306,20 +306,17 @@ def test_cli_json(capsys):
 
 def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, tmp_path):
     """A converted config.json drops the source's quantization_config, so the INT4 source's [32, 1] scales are
-    known only from the conversion record; the CLI and compile_and_save both read it (plan.recorded_block)."""
-    from kimi_k2_neuron.convert.converter import convert
-    from kimi_k2_neuron.convert.layout import read_record
-    from kimi_k2_neuron.plan import recorded_block
+    known only from the conversion record; the CLI and compile_and_save both plan with it (formats.record)."""
+    from kimi_k2_neuron.convert import convert
+    from kimi_k2_neuron.formats.record import ConversionRecord
 
     dst = tmp_path / "int4-blockwise"
     convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
-    rec = read_record(dst)
-    assert recorded_block(rec, "fp8-blockwise") == (32, 1)
-    assert recorded_block(rec, "fp8-per-channel") is None and recorded_block(None, "fp8-blockwise") is None
+    rec = ConversionRecord.read(dst)
+    assert rec.scheme.block == (32, 1)
     converted_cfg = KimiK2Config.from_file(dst)
-    assert converted_cfg.quant is None  # what default_block would see: it would assume [32, 32]
-    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, experts="fp8-blockwise",
-                       block=recorded_block(rec, "fp8-blockwise"))
+    assert converted_cfg.quant is None  # the config alone would say a BF16 source, converted to [32, 32]
+    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, experts="fp8-blockwise", record=rec)
     source = plan(KimiK2Config.from_file(tiny_dirs["int4"]), tp=2, ep=1, lnc=2, seq_len=8, batch=1,
                   experts="fp8-blockwise")
     assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
@@ -335,17 +332,17 @@ def test_cli_refuses_a_tp_that_does_not_divide_the_model(capsys, tp):
 
 def _converted(tmp_path, experts, nxd):
     """The real Kimi config.json with a conversion record and no tensors (the planner reads only config.json)."""
-    from kimi_k2_neuron.convert import layout
+    from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
 
-    rec = {"layout_version": layout.LAYOUT_VERSION, "experts": experts, "nxd": nxd}
-    (tmp_path / "config.json").write_text(json.dumps({**json.loads(KIMI.read_text()), layout.CONVERSION_KEY: rec}))
+    rec = {"layout_version": LAYOUT_VERSION, "experts": experts, "nxd": nxd}
+    (tmp_path / "config.json").write_text(json.dumps({**json.loads(KIMI.read_text()), CONVERSION_KEY: rec}))
     return str(tmp_path)
 
 
 def test_cli_takes_the_experts_a_converted_checkpoint_holds(capsys, tmp_path):
-    from kimi_k2_neuron.convert import layout
+    from kimi_k2_neuron.formats.scheme import scheme_for
 
-    model = _converted(tmp_path, "fp8-per-channel", layout.scheme_for("fp8-per-channel", "fp8").nxd(2048))
+    model = _converted(tmp_path, "fp8-per-channel", scheme_for("fp8-per-channel", "fp8").nxd(2048))
     assert _cli("--model", model, "--json") == 0  # --experts defaults to the record's
     assert json.loads(capsys.readouterr().out)["experts"] == "fp8-per-channel"
     assert _cli("--model", model, "--experts", "fp8-blockwise") == 2
@@ -366,9 +363,9 @@ def test_fp8_blockwise_is_the_default_for_a_raw_checkpoint(capsys):
 def test_cli_refuses_a_tp_the_recorded_scales_do_not_shard_for(capsys, tmp_path):
     """[32, 32] blockwise scales shard for expert TP t when 2048 / t is a multiple of 32, t <= 64; a record listing
     only [1, 2] (as a coarser layout would) refuses TP 64, as the Neuron shell does."""
-    from kimi_k2_neuron.convert import layout
+    from kimi_k2_neuron.formats.scheme import scheme_for
 
-    nxd = {**layout.scheme_for("fp8-blockwise", "fp8").nxd(2048), "valid_moe_tp_degrees": [1, 2]}
+    nxd = {**scheme_for("fp8-blockwise", "fp8").nxd(2048), "valid_moe_tp_degrees": [1, 2]}
     assert _cli("--model", _converted(tmp_path, "fp8-blockwise", nxd)) == 2
     assert "experts split 64 ways (tp / ep), but this checkpoint's expert scales shard only [1, 2] ways" in \
         capsys.readouterr().err

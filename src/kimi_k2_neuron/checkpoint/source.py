@@ -11,7 +11,7 @@ weights (`*.rotary_emb.inv_freq` buffers that real dumps carry, DeepSeek MTP lay
 and projector) are set aside by name in `ignored`; anything else that does not form a complete logical weight is
 an error.
 
-A checkpoint written by `kimi-k2-neuron convert` (fused NxD expert tensors) is read through convert.layout's
+A checkpoint written by `kimi-k2-neuron convert` (fused NxD expert tensors) is read through converted.py's
 ConvertedView, which shows its tensors under these same logical names.
 """
 
@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from ..config import KimiK2Config
-from ..convert.layout import maybe_converted_view
 from ..errors import KimiInputError
+from ..formats.layout import is_ignored
 from ..quant.fp8 import dequantize_blockwise
 from ..quant.int4 import dequantize_group
-from .shards import ShardedCheckpoint
+from .converted import open_checkpoint
 
 FP8_SCALE = "_scale_inv"  # X.weight_scale_inv
 INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
@@ -50,7 +50,7 @@ class WeightSource:
     def __init__(self, model_dir: str | Path, cfg: KimiK2Config | None = None):
         self.dir = Path(model_dir)
         self.cfg = cfg or KimiK2Config.from_file(self.dir)
-        self.ckpt = maybe_converted_view(self.dir, self.cfg, ShardedCheckpoint(self.dir))
+        self.ckpt = open_checkpoint(self.dir, self.cfg)
         self.ignored: list[str] = []
         self.weights: dict[str, LogicalWeight] = {}
         self._group(self.ckpt.keys())
@@ -93,7 +93,7 @@ class WeightSource:
             self._add_logical(base, p)
 
     def _is_ignored(self, key: str) -> bool:
-        if key.endswith(".rotary_emb.inv_freq"):
+        if is_ignored(key):
             return True
         m = _LAYER.match(key)
         if m is None:
@@ -124,14 +124,14 @@ class WeightSource:
 
     def _check_format(self) -> str:
         kinds = {w.kind for w in self.weights.values()}
-        q = self.cfg.quant
-        expected = {None: "plain", "fp8": "fp8", "compressed-tensors": "int4"}[q.method if q else None]
+        q, fmt = self.cfg.quant, self.cfg.storage_format
+        expected = "plain" if fmt == "bf16" else fmt
         for kind in kinds - {"plain", expected}:
             example = next(w for w in self.weights.values() if w.kind == kind)
             said = f"quant_method {q.method!r}" if q else "no quantization_config"
             raise KimiInputError(f"{self.dir / 'config.json'}: {said}, but tensor {example.raw[0]} is "
                                  f"{kind.upper()}-quantized")
-        return {"plain": "bf16", "fp8": "fp8", "int4": "int4"}[expected]
+        return fmt
 
     def _where(self, raw: str) -> str:
         return self.ckpt.info(raw).shard if raw in self.ckpt else str(self.dir)

@@ -1,4 +1,4 @@
-"""`kimi-k2-neuron convert SRC DST`: a Kimi-K2 checkpoint -> the Neuron-ready layout of convert/layout.py, once.
+"""`kimi-k2-neuron convert SRC DST`: a Kimi-K2 checkpoint -> the Neuron-ready layout of kimi_k2_neuron.formats, once.
 
 Streaming: source tensors are read one at a time through the mmap-backed ShardedCheckpoint (a layer's experts
 are gathered by name, wherever the shards cut them), each output file is written front to back one expert slab at
@@ -31,9 +31,14 @@ from tqdm import tqdm
 from .. import __version__
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
+from ..config import pop_quantization_config
 from ..errors import KimiInputError
-from . import layout, neuron_fp8, plan
-from .neuron_fp8 import Stats
+from ..formats import layout
+from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
+from ..formats.scheme import ExpertScheme, scheme_for
+from ..quant import nxd_fp8
+from ..quant.nxd_fp8 import Stats
+from . import schedule
 from .writer import HASH, HASHES, PARTIAL_SUFFIX, ShardWriter, file_digest, write_small_file
 
 MANIFEST = "conversion_manifest.json"
@@ -63,13 +68,13 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
     src, dst = Path(src), Path(dst)
     if workers < 1:
         raise KimiInputError(f"--workers {workers}: expected at least 1")
-    if layout.read_record(src) is not None:
-        raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {layout.CONVERSION_KEY})")
+    if ConversionRecord.read(src) is not None:
+        raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {CONVERSION_KEY})")
     source = WeightSource(src)
     try:
         q = source.cfg.quant
-        scheme = layout.scheme_for(experts, source.format, q.group_size if q else None)
-        units = plan.build(source, scheme)  # every input check that needs no tensor data happens here
+        scheme = scheme_for(experts, source.format, q.group_size if q else None)
+        units = schedule.build(source, scheme)  # every input check that needs no tensor data happens here
         job = _Job(source, scheme, dst, workers, verify, progress)
         return job.run(units)
     finally:
@@ -77,7 +82,7 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
 
 
 class _Job:
-    def __init__(self, source: WeightSource, scheme: layout.ExpertScheme, dst: Path, workers: int, verify: bool,
+    def __init__(self, source: WeightSource, scheme: ExpertScheme, dst: Path, workers: int, verify: bool,
                  progress: bool):
         self.src, self.scheme, self.dst, self.workers, self.verify = source, scheme, dst, workers, verify
         self.cfg, self.progress = source.cfg, progress
@@ -86,7 +91,7 @@ class _Job:
         self._since_release = 0  # source bytes read since the shard mmaps were last released
 
     # -- the run --------------------------------------------------------------------------------------------------
-    def run(self, units: list[plan.Unit]) -> Result:
+    def run(self, units: list[schedule.Unit]) -> Result:
         t0 = time.perf_counter()
         manifest = self._open_dst()
         self._save_manifest(manifest)  # first thing in DST: marks it as a conversion in progress
@@ -143,7 +148,7 @@ class _Job:
         return {**old, "manifest_version": MANIFEST_VERSION, "hash": HASH, "files": old.get("files") or {},
                 "complete": False}
 
-    def _done(self, u: plan.Unit, manifest: dict) -> bool:
+    def _done(self, u: schedule.Unit, manifest: dict) -> bool:
         rec = manifest["files"].get(u.file)
         path = self.dst / u.file
         algo = _record_hash(rec)
@@ -156,7 +161,7 @@ class _Job:
             return False
         return True
 
-    def _record_file(self, manifest: dict, u: plan.Unit, w: ShardWriter, stats: Stats) -> None:
+    def _record_file(self, manifest: dict, u: schedule.Unit, w: ShardWriter, stats: Stats) -> None:
         digest, size = w.result()  # waits for the file's writes, hash, fsync and rename
         manifest["files"][u.file] = {HASH: digest, "bytes": size, "stats": stats.to_json()}
         self._save_manifest(manifest)
@@ -176,11 +181,11 @@ class _Job:
         write_small_file(self.dst / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
     # -- one output file ------------------------------------------------------------------------------------------
-    def _convert_unit(self, u: plan.Unit) -> tuple[ShardWriter, Stats]:
+    def _convert_unit(self, u: schedule.Unit) -> tuple[ShardWriter, Stats]:
         w = ShardWriter(self.dst / u.file, u.entries)
         try:
             stats = Stats()
-            fp32 = [n for n in u.plain if plan.out_dtype(n) == plan.F32]
+            fp32 = [n for n in u.plain if layout.converted_dtype(n) == layout.F32]
             for n in fp32:
                 self._plain(w, n)
             if u.moe_layer is not None:
@@ -197,8 +202,8 @@ class _Job:
         return w, stats
 
     def _plain(self, w: ShardWriter, name: str) -> None:
-        t = self.src.get(name, plan.out_dtype(name))
-        w.add(plan.out_name(name), t)
+        t = self.src.get(name, layout.converted_dtype(name))
+        w.add(layout.converted_name(name), t)
         self._consumed(name)
 
     def _consumed(self, *names: str) -> None:
@@ -270,18 +275,18 @@ class _Job:
         tensors = [self.src.ckpt.get(r) for r in w.raw]
         q = self.cfg.quant
         if self.scheme.block is not None and w.kind == "fp8":
-            return neuron_fp8.fp8_to_blockwise(tensors[0], tensors[1], q.weight_block_size, self.scheme.block,
+            return nxd_fp8.fp8_to_blockwise(tensors[0], tensors[1], q.weight_block_size, self.scheme.block,
                                                dst, base)
         if self.scheme.block is not None and w.kind == "int4":
             out_in = tuple(dst.shape[::-1])
-            return neuron_fp8.int4_to_blockwise(tensors[0], tensors[1], out_in, q.group_size, dst, base)
+            return nxd_fp8.int4_to_blockwise(tensors[0], tensors[1], out_in, q.group_size, dst, base)
         group = q.group_size if q else None
-        ref = neuron_fp8.dense_source(w.kind, tensors, q.weight_block_size if q and w.kind == "fp8" else None,
+        ref = nxd_fp8.dense_source(w.kind, tensors, q.weight_block_size if q and w.kind == "fp8" else None,
                                       group, base)
-        return neuron_fp8.quantize(ref.t().contiguous(), self.scheme.block, dst, base)
+        return nxd_fp8.quantize(ref.t().contiguous(), self.scheme.block, dst, base)
 
     # -- the end ----------------------------------------------------------------------------------------------------
-    def _finish(self, units: list[plan.Unit], manifest: dict) -> None:
+    def _finish(self, units: list[schedule.Unit], manifest: dict) -> None:
         weight_map = {name: u.file for u in units for name, _, _ in u.entries}
         total = sum(manifest["files"][u.file]["bytes"] for u in units)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -302,26 +307,12 @@ class _Job:
 
     def _config(self) -> dict:
         raw = json.loads((self.src.dir / "config.json").read_text())
-        source_q = raw.pop("quantization_config", None)
-        if isinstance(raw.get("text_config"), dict):
-            source_q = raw["text_config"].pop("quantization_config", source_q)
-        raw[layout.CONVERSION_KEY] = self._record(source_q)
+        source_q = pop_quantization_config(raw)
+        raw[CONVERSION_KEY] = record_json(
+            self.scheme, self.src.format, self.cfg.moe_intermediate_size, tool_version=__version__,
+            source_quantization_config=source_q, fp8_max=nxd_fp8.FP8_MAX, stats=_stats_record(self.result.stats),
+            ignored_source_tensors=len(self.src.ignored))
         return raw
-
-    def _record(self, source_q) -> dict:
-        s = self.result.stats
-        return {
-            "layout_version": layout.LAYOUT_VERSION, "tool": "kimi-k2-neuron convert", "tool_version": __version__,
-            "source_format": self.src.format, "source_quantization_config": source_q,
-            "experts": self.scheme.name, "nxd": self.scheme.nxd(self.cfg.moe_intermediate_size),
-            "fp8_max": layout.FP8_MAX, "non_expert_dtype": "bfloat16", "router_dtype": "float32",
-            "keys": {"gate_up": layout.gate_up_key(0).replace(".0.", ".{L}.", 1),
-                     "down": layout.down_key(0).replace(".0.", ".{L}.", 1), "scale": "<weight key minus 'weight'>scale",
-                     **{k.split("mlp.")[1]: v.replace(".0.", ".{L}.", 1) for k, v in layout.router_keys(0).items()}},
-            "stats": _stats_record(s),
-            # Source tensors set aside by name (rotary inv_freq, MTP layers, K2.5's vision tower and projector).
-            "ignored_source_tensors": len(self.src.ignored),
-        }
 
     def _summary(self) -> str:
         r, s = self.result, self.result.stats

@@ -29,8 +29,9 @@ from typing import Any, Mapping
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME
-from kimi_k2_neuron.convert.layout import NXD_TYPE
+from kimi_k2_neuron.config import language_model_fields
+from kimi_k2_neuron.formats import DEFAULT_SCHEME, EXPERT_FORMATS
+from kimi_k2_neuron.formats.scheme import NXD_DTYPE, NXD_TYPE
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.launch import FP8_ENV
 from kimi_k2_neuron.plan import (ALL_EXPERTS_BLOCK_SIZE, check_compile_options, check_moe_tp, decodes_all_experts,
@@ -58,12 +59,8 @@ def missing_neuron_packages() -> list[str]:
 
 # -- serving options -> MoENeuronConfig ---------------------------------------------------------------------------
 
-# Expert storage formats (the names plan.py uses) -> NxD quantization_type (NxD quantization_config.py:65-70): the
-# converter's FP8 schemes, plus unquantized bf16.
-EXPERT_FORMATS = {**NXD_TYPE, "bf16": None}
-# FP8_ENV (launch.py) is what NxDI asks for with this dtype; NxDI keys its matching compiler flag on
-# quantization_dtype == "f8e4m3" exactly (model_wrapper.py:148-157).
-FP8_DTYPE = "f8e4m3"
+# FP8_ENV (launch.py) is what NxDI asks for with the FP8 experts' quantization_dtype (formats.scheme.NXD_DTYPE); NxDI
+# keys its matching compiler flag on quantization_dtype == "f8e4m3" exactly (model_wrapper.py:148-157).
 # How prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1485-1497), as
 # blockwise_matmul_config (moe_configs.py:79-129). "kernel": NxD's choice, the NKI blockwise kernel when
 # can_use_blockwise_matmul_nki holds (blockwise.py:719-801), else its torch fallback. "torch": that fallback, a
@@ -92,7 +89,7 @@ class ServeOptions:
     seq_len: int = 1024
     max_context_length: int | None = None  # CTE bucket; defaults to seq_len (NxDI config.py:134)
     batch: int = 1
-    experts: str = DEFAULT_SCHEME  # the recommended expert format (kimi_k2_neuron.convert)
+    experts: str = DEFAULT_SCHEME  # the recommended expert format (kimi_k2_neuron.formats)
     checkpoint: str | None = None  # converted checkpoint folder (NxDI requires a path when quantized, config.py:218)
     on_device_sampling: bool = True
     do_sample: bool = False
@@ -102,8 +99,7 @@ class ServeOptions:
     global_topk: int = 256
     output_logits: bool = False
     moe_prefill: str = "kernel"  # see MOE_PREFILL
-    # The converted checkpoint's record of its expert quantization (convert/layout.py: config.json
-    # `kimi_k2_neuron_conversion.nxd`): quantization type, block axis/size, the TP degrees its scales shard for.
+    # The converted checkpoint's record of its expert quantization (formats.record.ConversionRecord.nxd): quantization type, block axis/size, the TP degrees its scales shard for.
     quant_record: dict | None = None
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
@@ -137,10 +133,9 @@ def _check_quant_record(o: ServeOptions) -> None:
     if not o.checkpoint or not rec:
         raise KimiInputError(f"--experts {o.experts}: needs a converted checkpoint (see kimi_k2_neuron.convert), "
                              f"whose config.json records the expert quantization")
-    if rec.get("quantization_type") != EXPERT_FORMATS[o.experts] or rec.get("quantization_dtype") != FP8_DTYPE:
+    if rec.get("quantization_type") != NXD_TYPE[o.experts] or rec.get("quantization_dtype") != NXD_DTYPE:
         raise KimiInputError(f"--experts {o.experts}: the checkpoint holds {rec.get('quantization_type')} "
-                             f"{rec.get('quantization_dtype')} experts, expected {EXPERT_FORMATS[o.experts]} "
-                             f"{FP8_DTYPE}")
+                             f"{rec.get('quantization_dtype')} experts, expected {NXD_TYPE[o.experts]} {NXD_DTYPE}")
     check_moe_tp(rec.get("valid_moe_tp_degrees"), o.tp, o.ep)
 
 
@@ -191,7 +186,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     if o.on_device_sampling:
         kw["on_device_sampling_config"] = dict(do_sample=o.do_sample, top_k=o.top_k, top_p=o.top_p,
                                                temperature=o.temperature, dynamic=True, global_topk=o.global_topk)
-    if EXPERT_FORMATS[o.experts] is not None:
+    if o.experts in NXD_TYPE:  # FP8 experts
         kw.update({k: v for k, v in o.quant_record.items() if k in QUANT_FIELDS})
         kw.update(quantized_checkpoints_path=o.checkpoint, modules_to_not_convert=modules_to_not_convert(cfg))
     kw.update(o.extra)
@@ -208,7 +203,7 @@ def modules_to_not_convert(cfg: KimiK2Config) -> list[str]:
 
 def fp8_env(quantized: bool, quantization_dtype: str | None) -> dict[str, str]:
     """The environment a NeuronConfig with these quantization fields needs before anything is traced or run."""
-    return dict(FP8_ENV) if quantized and quantization_dtype == FP8_DTYPE else {}
+    return dict(FP8_ENV) if quantized and quantization_dtype == NXD_DTYPE else {}
 
 
 # -- InferenceConfig ----------------------------------------------------------------------------------------------
@@ -225,10 +220,7 @@ def hf_attributes(model_dir: str | Path) -> dict[str, Any]:
     the core. Kimi-K2.5's text_config is flattened. torch_dtype is dropped: neuron_config carries the dtype."""
     path = Path(model_dir) / "config.json"
     KimiK2Config.from_file(path)  # raises KimiInputError naming the bad field
-    raw = json.loads(path.read_text())
-    if "text_config" in raw:
-        raw = {**raw["text_config"], "quantization_config": raw["text_config"].get(
-            "quantization_config", raw.get("quantization_config"))}
+    raw = language_model_fields(json.loads(path.read_text()))
     attrs = {k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "auto_map")}
     return {**HF_DEFAULTS, **attrs}
 

@@ -28,9 +28,9 @@ from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADIN
 from neuronx_distributed_inference.models.config import MoENeuronConfig
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME
-from kimi_k2_neuron.convert.layout import read_record
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
+from kimi_k2_neuron.formats.record import ConversionRecord
 
 from . import contract
 from .config import KimiK2InferenceConfig
@@ -60,12 +60,12 @@ def check(o: CpuOptions) -> None:
     contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep, sampling=False, on_cpu=True)
 
 
-def converted_checkpoint(o: CpuOptions) -> tuple[Path, dict]:
+def converted_checkpoint(o: CpuOptions) -> tuple[Path, ConversionRecord]:
     """The converted checkpoint for these options, converting a raw one once, and its conversion record."""
-    record = read_record(o.model)
+    record = ConversionRecord.read(o.model)
     if record is not None:
-        if o.experts not in (None, record["experts"]):
-            raise KimiInputError(f"--experts {o.experts}: {o.model} is converted with experts={record['experts']}")
+        if o.experts not in (None, record.experts):
+            raise KimiInputError(f"--experts {o.experts}: {o.model} is converted with experts={record.experts}")
         return Path(o.model), record
     experts = o.experts or DEFAULT_SCHEME
     dst = None
@@ -74,7 +74,7 @@ def converted_checkpoint(o: CpuOptions) -> tuple[Path, dict]:
         tag = hashlib.sha256(str(Path(o.model).resolve()).encode()).hexdigest()[:10]
         dst = Path(o.cache_dir) / f"{converted_dir_for(o.model, experts).name}-{tag}"
     path = ensure_converted(o.model, experts, dst=dst)
-    return path, read_record(path)
+    return path, ConversionRecord.read(path)
 
 
 def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
@@ -89,8 +89,8 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     path, record = converted_checkpoint(o)
     cfg = KimiK2Config.from_file(path)
     opts = contract.ServeOptions(
-        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record["experts"], checkpoint=str(path),
-        quant_record=record["nxd"], on_device_sampling=sampling is not None, **(sampling or {}),
+        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record.experts, checkpoint=str(path),
+        quant_record=record.nxd, on_device_sampling=sampling is not None, **(sampling or {}),
         extra={"on_cpu": True, "torch_dtype": CPU_DTYPES[o.dtype]})
     config = KimiK2InferenceConfig.from_checkpoint(path, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, opts)))
     return NeuronKimiK2ForCausalLM(str(path), config)

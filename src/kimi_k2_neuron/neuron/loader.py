@@ -10,7 +10,7 @@ pass (hence NeuronKimiK2ForCausalLM.shard_weights's passes of contract.SHARD_RAN
 NxDI's load() then reads each rank's pre-sharded file whole (application_base.py:389-399): ~18 GB per rank for
 Kimi-K2 at TP=64, ~1.2 TB of host RAM on a trn2.48xlarge (2 TiB).
 
-The converted layout is kimi_k2_neuron.convert.layout (keys keep the HF `model.` prefix, fused experts, FP8 with
+The converted layout is kimi_k2_neuron.formats (keys keep the HF `model.` prefix, fused experts, FP8 with
 `.scale`, float32 router); keys.to_neuron_state_dict renames and checks it strictly. This file needs no SDK.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kimi_k2_neuron.checkpoint.shards import SAFETENSORS_DTYPES, ShardedCheckpoint
-from kimi_k2_neuron.convert.layout import read_record
+from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.errors import KimiInputError
 
 from . import contract, keys
@@ -47,12 +47,12 @@ def ensure_converted(path: str | Path, experts: str, workers: int = 8, dst: str 
     trn2.48xlarge, not measured), which is why it happens once, up front, and not in every checkpoint_loader_fn
     call."""
     path = Path(path)
-    if read_record(path) is not None:
+    if ConversionRecord.read(path) is not None:
         return path
     from kimi_k2_neuron.convert import convert
 
     dst = Path(dst) if dst is not None else converted_dir_for(path, experts)
-    if read_record(dst) is None:
+    if ConversionRecord.read(dst) is None:
         logger.warning("%s is a raw checkpoint; converting it (experts=%s) into %s. This reads the whole checkpoint "
                        "once: an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured (the progress "
                        "bar shows the ETA).", path, experts, dst)
@@ -71,13 +71,13 @@ def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
         raise KimiInputError("unquantized (bf16) experts: the converter writes FP8 experts only; compile with "
                              "--experts fp8-per-channel or fp8-blockwise")
     path = ensure_converted(path, want)
-    record = read_record(path)
-    if record["experts"] != want:
-        raise KimiInputError(f"{path}: converted with experts={record['experts']}, but the NeuronConfig describes "
+    record = ConversionRecord.read(path)
+    if record.experts != want:
+        raise KimiInputError(f"{path}: converted with experts={record.experts}, but the NeuronConfig describes "
                              f"{want} (quantization_type={nc.quantization_type!r})")
     for k in contract.QUANT_FIELDS:  # e.g. the blockwise block size the scales were written with
-        if k in record["nxd"] and getattr(nc, k, None) != record["nxd"][k]:
-            raise KimiInputError(f"{path}: converted with {k}={record['nxd'][k]!r}, NeuronConfig has "
+        if k in record.nxd and getattr(nc, k, None) != record.nxd[k]:
+            raise KimiInputError(f"{path}: converted with {k}={record.nxd[k]!r}, NeuronConfig has "
                                  f"{getattr(nc, k, None)!r}")
     t0 = time.monotonic()
     tensors = mmap_checkpoint(path)

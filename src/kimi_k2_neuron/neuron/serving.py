@@ -44,7 +44,7 @@ def compile_model(checkpoint: str | Path, out: str | Path, options: contract.Ser
     return app
 
 
-def read_record(compiled: str | Path) -> dict:
+def read_compiled_record(compiled: str | Path) -> dict:
     path = Path(compiled) / RECORD
     if not path.is_file():
         raise FileNotFoundError(f"{compiled} is not a folder written by scripts/compile_and_save.py (no {RECORD})")
@@ -53,7 +53,7 @@ def read_record(compiled: str | Path) -> dict:
 
 def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) -> NeuronKimiK2ForCausalLM:
     """The compiled model, loaded onto the Neuron cores. `checkpoint` defaults to the one it was compiled from."""
-    checkpoint = checkpoint or read_record(compiled)["checkpoint"]
+    checkpoint = checkpoint or read_compiled_record(compiled)["checkpoint"]
     config = KimiK2InferenceConfig.load(str(compiled))
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()

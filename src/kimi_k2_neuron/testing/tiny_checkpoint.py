@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ..config import KimiK2Config
 from ..errors import KimiInputError
+from ..formats.layout import logical_shapes
 from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
@@ -75,49 +76,22 @@ def _int4_quant_config() -> dict:
 
 
 def dense_weights(cfg: KimiK2Config, seed: int) -> dict[str, torch.Tensor]:
-    """Random float32 weights under the checkpoint's names, in checkpoint order (embed, layers, norm, lm_head).
-    Linear weights get std 1/sqrt(fan_in) so activations and attention scores are O(1), which makes attention
-    and routing depend on every detail the parity tests check."""
+    """Random float32 weights of every logical weight of the format, in checkpoint order (embed, layers, norm,
+    lm_head). Linear weights get std 1/sqrt(fan_in) so activations and attention scores are O(1), which makes
+    attention and routing depend on every detail the parity tests check; norms are 1 + 0.1 N(0, 1), the router's
+    correction bias 0.05 N(0, 1), the embedding N(0, 1)."""
     g = torch.Generator().manual_seed(seed)
-
-    def lin(o, i):
-        return torch.randn(o, i, generator=g) / i**0.5
-
-    def norm(d):
-        return 1 + 0.1 * torch.randn(d, generator=g)
-
-    h, w = cfg.hidden_size, {}
-    w["model.embed_tokens.weight"] = torch.randn(cfg.vocab_size, h, generator=g)
-    for L in range(cfg.num_hidden_layers):
-        p = f"model.layers.{L}."
-        w[p + "input_layernorm.weight"] = norm(h)
-        a = p + "self_attn."
-        w[a + "q_a_proj.weight"] = lin(cfg.q_lora_rank, h)
-        w[a + "q_a_layernorm.weight"] = norm(cfg.q_lora_rank)
-        w[a + "q_b_proj.weight"] = lin(cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        w[a + "kv_a_proj_with_mqa.weight"] = lin(cfg.latent_dim, h)
-        w[a + "kv_a_layernorm.weight"] = norm(cfg.kv_lora_rank)
-        w[a + "kv_b_proj.weight"] = lin(cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                        cfg.kv_lora_rank)
-        w[a + "o_proj.weight"] = lin(h, cfg.num_attention_heads * cfg.v_head_dim)
-        w[p + "post_attention_layernorm.weight"] = norm(h)
-        if cfg.is_moe_layer(L):
-            w[p + "mlp.gate.weight"] = lin(cfg.n_routed_experts, h)
-            w[p + "mlp.gate.e_score_correction_bias"] = 0.05 * torch.randn(cfg.n_routed_experts, generator=g)
-            for e in range(cfg.n_routed_experts):
-                _mlp(w, f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size, lin)
-            _mlp(w, f"{p}mlp.shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts, lin)
+    w = {}
+    for name, shape in logical_shapes(cfg).items():
+        if name == "model.embed_tokens.weight":
+            w[name] = torch.randn(shape, generator=g)
+        elif name.endswith("e_score_correction_bias"):
+            w[name] = 0.05 * torch.randn(shape, generator=g)
+        elif len(shape) == 1:  # norms
+            w[name] = 1 + 0.1 * torch.randn(shape, generator=g)
         else:
-            _mlp(w, f"{p}mlp.", h, cfg.intermediate_size, lin)
-    w["model.norm.weight"] = norm(h)
-    w["lm_head.weight"] = lin(cfg.vocab_size, h)
+            w[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
     return w
-
-
-def _mlp(w, prefix, h, inter, lin):
-    w[prefix + "gate_proj.weight"] = lin(inter, h)
-    w[prefix + "up_proj.weight"] = lin(inter, h)
-    w[prefix + "down_proj.weight"] = lin(h, inter)
 
 
 _FP8_LINEARS = ("_proj.weight", "_proj_with_mqa.weight")

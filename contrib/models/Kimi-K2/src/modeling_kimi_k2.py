@@ -9,8 +9,9 @@ module needs the Neuron SDK; without it the ImportError names the missing packag
 """
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME, convert
-from kimi_k2_neuron.convert.layout import read_record
+from kimi_k2_neuron.convert import convert
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
+from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import (
     KimiK2DecoderLayer,
     KimiK2InferenceConfig,
@@ -31,7 +32,7 @@ __all__ = [
     "KimiK2Config",
     "DEFAULT_SCHEME",
     "convert",
-    "read_record",
+    "ConversionRecord",
     "plan",
     "format_plan",
     "ServeOptions",

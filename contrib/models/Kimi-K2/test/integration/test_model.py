@@ -43,14 +43,14 @@ pytestmark = [pytest.mark.trn2, pytest.mark.skipif(SKIP is not None, reason=SKIP
 def served(tmp_path_factory):
     """(loaded application, converted checkpoint, KimiK2Config) of the tiny model."""
     from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
-    from modeling_kimi_k2 import (DEFAULT_SCHEME, KimiK2Config, ServeOptions, compile_model, convert, load_compiled,
-                                  read_record)
+    from modeling_kimi_k2 import (DEFAULT_SCHEME, ConversionRecord, KimiK2Config, ServeOptions, compile_model, convert,
+                                  load_compiled)
 
     root = tmp_path_factory.mktemp("kimi-k2-tiny")
     checkpoint = root / "converted"
     convert(make_tiny(root / "raw", quant="fp8"), checkpoint, DEFAULT_SCHEME, progress=False)
     options = ServeOptions(tp=TP, lnc=LNC, seq_len=128, max_context_length=64, batch=2, checkpoint=str(checkpoint),
-                           output_logits=True, quant_record=read_record(checkpoint)["nxd"])
+                           output_logits=True, quant_record=ConversionRecord.read(checkpoint).nxd)
     compile_model(checkpoint, root / "compiled", options)  # traces both submodels, compiles, pre-shards per rank
     return load_compiled(root / "compiled", checkpoint), checkpoint, KimiK2Config.from_file(checkpoint)
 

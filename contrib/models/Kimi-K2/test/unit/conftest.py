@@ -12,7 +12,8 @@ import pytest
 import kimi_k2_neuron
 from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME, convert
+from kimi_k2_neuron.convert import convert
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
 
 DATA = Path(__file__).parent / "data"  # kimi-k2-instruct.json, kimi-k2-instruct-0905.json, kimi-k2-thinking.json
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME
-from kimi_k2_neuron.convert.layout import scheme_for
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
+from kimi_k2_neuron.formats.scheme import scheme_for
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.rope import softmax_scale
 from kimi_k2_neuron.plan import plan

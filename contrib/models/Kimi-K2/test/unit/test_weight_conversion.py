@@ -11,14 +11,15 @@ import torch
 
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import DEFAULT_SCHEME
-from kimi_k2_neuron.convert.layout import dequantize_nxd, read_record
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
+from kimi_k2_neuron.formats.record import ConversionRecord
+from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
 from kimi_k2_neuron.plan import format_plan, plan
 
 
 def _state(shell, dst, tp=2):
     """The Neuron model's state dict from a converted checkpoint, as its checkpoint_loader_fn builds it."""
-    nc = types.SimpleNamespace(**read_record(dst)["nxd"], tp_degree=tp)  # the fields MoENeuronConfig takes from it
+    nc = types.SimpleNamespace(**ConversionRecord.read(dst).nxd, tp_degree=tp)  # the fields MoENeuronConfig takes from it
     return shell.keys.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
 
 
@@ -54,10 +55,10 @@ def test_nxd_dequantizes_the_source_experts(converted, shell, quant):
 def test_the_usage_steps_before_compiling(converted, shell):
     """The README's Usage up to compile_model, which needs the Neuron SDK: convert (the fixture), plan, options."""
     _, dst, _ = converted["fp8"]
-    cfg, record = KimiK2Config.from_file(dst), read_record(dst)
+    cfg, record = KimiK2Config.from_file(dst), ConversionRecord.read(dst)
     p = plan(cfg, 2, 1, 2, 128, 2, DEFAULT_SCHEME, record=record)
     assert p.fits and "fits: yes" in format_plan(p)
-    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), quant_record=record["nxd"])
+    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), quant_record=record.nxd)
     assert shell.contract.neuron_config_kwargs(cfg, options)["quantization_block_size"] == [32, 32]
 
 

@@ -1,4 +1,9 @@
-"""FP8 e4m3 for Neuron: one expert projection -> NxD [in, out] codes within +-240 plus their scale.
+"""NxD's FP8 expert layout: [in, out] e4m3 codes within +-240 and a float32 scale grid, written from one expert
+projection of any source (the converter) and read back (dequantize_nxd: the CPU runner's view of a converted
+checkpoint, and the tests).
+
+Every stored value lies within +-240, Neuron's e4m3 maximum: the compiler reinterprets OCP e4m3fn bytes with
+exponent 15 as inf/NaN, and NxD maps float8_e4m3fn to +-240.
 
 Three ways in:
 - `fp8_to_blockwise`: source FP8 codes are kept. A block holding a code beyond +-240 gets all its codes halved and
@@ -19,11 +24,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import KimiInputError
-from ..quant.fp8 import check_scales, dequantize_blockwise, scale_grid_shape
-from ..quant.int4 import check_group_scale, dequantize_group, unpack_int4
-from .layout import FP8_MAX, FP8_MAX_BYTE
+from .fp8 import check_scales, dequantize_blockwise, scale_grid_shape
+from .int4 import check_group_scale, dequantize_group, unpack_int4
 
 FP8 = torch.float8_e4m3fn
+FP8_MAX = 240.0  # Neuron e4m3
+FP8_MAX_BYTE = 0x77  # |code| <= 240 <=> (byte & 0x7F) <= 0x77 for e4m3fn (0x7F is NaN)
 # Source rows per transposed copy: 64-row copies of a Kimi expert ran fastest here (torch 2.13, one thread:
 # 1.7 GB/s against 0.9-1.2 for 32, 128 or 256 rows and for one whole-matrix copy).
 _TILE = 64
@@ -259,3 +265,16 @@ def quantize(ref: torch.Tensor, block: tuple[int, int] | None, dst: torch.Tensor
     st.max_err, st.max_ref = float(err.abs().max()), float(amax.max())
     dst.copy_(codes.view(a, b).view(torch.uint8))
     return scale, st
+
+
+def dequantize_nxd(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One expert's FP8 [in, out] codes and its scale ([in/b_in, out/b_out], or [1, out]) -> float32 [in, out].
+
+    Blocks are inferred from the shapes, as NxD's blockwise dequantize does."""
+    if not torch.isfinite(scale).all():
+        raise KimiInputError("converted expert scale contains NaN or inf")
+    x = codes.to(torch.float32)
+    (a, b), (sa, sb) = x.shape, scale.shape
+    if a % sa or b % sb:
+        raise KimiInputError(f"converted expert scale {list(scale.shape)} does not tile weight {list(x.shape)}")
+    return x.view(sa, a // sa, sb, b // sb).mul_(scale[:, None, :, None]).view(a, b)

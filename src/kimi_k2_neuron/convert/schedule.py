@@ -2,9 +2,8 @@
 
 Every source tensor must end up in an output tensor or be explicitly ignored (WeightSource sets aside
 `*.rotary_emb.inv_freq`, DeepSeek MTP layers and Kimi-K2.5's vision tower and projector); the expected logical
-weights come from the CPU model itself (built on the meta device), so a leftover or a missing tensor is an error
-that lists them. Shapes are checked
-here too, so a bad checkpoint fails before the destination is touched.
+weights are the format's (formats.layout.logical_shapes), so a leftover or a missing tensor is an error that lists
+them. Shapes are checked here too, so a bad checkpoint fails before the destination is touched.
 
 Output files: one per unit, in order -- the embeddings, each decoder layer, then the final norm + lm_head.
 Inside a file tensors are ordered fp32 first (router), then the FP8 expert weights, then their fp32 scales, then
@@ -21,9 +20,10 @@ import torch
 from ..checkpoint.source import WeightSource
 from ..config import KimiK2Config
 from ..errors import KimiInputError, listing
-from . import layout
+from ..formats import layout
+from ..formats.layout import BF16, F32, converted_dtype, converted_name, is_routed_expert
+from ..formats.scheme import ExpertScheme
 
-BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 _TOP_FIRST, _TOP_LAST = ("model.embed_tokens.",), ("model.norm.", "lm_head.")
 
 
@@ -35,28 +35,6 @@ class Unit:
     moe_layer: int | None = None  # the layer whose routed experts this file holds
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
     src_bytes: int = 0
-
-
-def out_name(name: str) -> str:
-    """Converted key of a non-expert logical weight (only the router is renamed)."""
-    if ".mlp.gate." in name:
-        layer = int(name.split(".")[2])
-        return layout.router_keys(layer)[name]
-    return name
-
-
-def out_dtype(name: str) -> torch.dtype:
-    return F32 if ".mlp.gate." in name else BF16
-
-
-def expected_shapes(cfg: KimiK2Config) -> dict[str, tuple[int, ...]]:
-    """Logical name -> full shape of every weight the CPU model loads."""
-    from ..model.model import KimiK2ForCausalLM
-    from ..weights import full_shape, owned_params
-
-    with torch.device("meta"):
-        model = KimiK2ForCausalLM(cfg, BF16)
-    return {name: full_shape(name, mod, p) for name, (mod, p) in owned_params(model).items()}
 
 
 def check_accounting(src: WeightSource, expected: dict[str, tuple[int, ...]]) -> None:
@@ -87,7 +65,7 @@ def _logical_shape(src: WeightSource, name: str) -> tuple[tuple[int, ...], str]:
     return tuple(int(v) for v in t.tolist()), src.ckpt.info(w.raw[2]).shard
 
 
-def check_dims(cfg: KimiK2Config, scheme: layout.ExpertScheme, src: WeightSource) -> None:
+def check_dims(cfg: KimiK2Config, scheme: ExpertScheme, src: WeightSource) -> None:
     """The scheme's block grid must tile the expert weights (and the source's blocks, for FP8 sources)."""
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     if h % 4:
@@ -105,17 +83,17 @@ def check_dims(cfg: KimiK2Config, scheme: layout.ExpertScheme, src: WeightSource
                              f" is not a multiple of the {list(scheme.block)} {scheme.name} block")
 
 
-def build(src: WeightSource, scheme: layout.ExpertScheme) -> list[Unit]:
+def build(src: WeightSource, scheme: ExpertScheme) -> list[Unit]:
     cfg = src.cfg
-    expected = expected_shapes(cfg)
+    expected = layout.logical_shapes(cfg)
     check_accounting(src, expected)
     check_dims(cfg, scheme, src)
     groups: list[tuple[list[str], int | None]] = [([n for n in expected if n.startswith(_TOP_FIRST)], None)]
     for layer in range(cfg.num_hidden_layers):
         p = layout.layer_prefix(layer)
         names = [n for n in expected if n.startswith(p)]
-        moe = any(".mlp.experts." in n for n in names)
-        groups.append(([n for n in names if ".mlp.experts." not in n], layer if moe else None))
+        moe = any(is_routed_expert(n) for n in names)
+        groups.append(([n for n in names if not is_routed_expert(n)], layer if moe else None))
     groups.append(([n for n in expected if n.startswith(_TOP_LAST)], None))
     total = len(groups)
     units = []
@@ -134,15 +112,10 @@ def _unit_names(u: Unit, expected) -> list[str]:
     return names
 
 
-def _entries(u: Unit, cfg: KimiK2Config, scheme: layout.ExpertScheme, expected) -> list:
-    plain = [(out_name(n), out_dtype(n), expected[n]) for n in u.plain]
+def _entries(u: Unit, cfg: KimiK2Config, scheme: ExpertScheme, expected) -> list:
+    plain = [(converted_name(n), converted_dtype(n), expected[n]) for n in u.plain]
     first = sorted(e for e in plain if e[1] == F32)
     last = sorted(e for e in plain if e[1] == BF16)
     if u.moe_layer is None:
         return first + last
-    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    gu, dn = layout.gate_up_key(u.moe_layer), layout.down_key(u.moe_layer)
-    experts = [(gu, FP8, (e, h, 2 * i)), (dn, FP8, (e, i, h)),
-               (layout.scale_key(gu), F32, scheme.scale_shape(e, h, 2 * i)),
-               (layout.scale_key(dn), F32, scheme.scale_shape(e, i, h))]
-    return first + experts + last
+    return first + layout.expert_tensors(cfg, u.moe_layer, scheme) + last

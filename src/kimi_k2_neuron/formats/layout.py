@@ -1,0 +1,181 @@
+"""Every tensor of a Kimi-K2 checkpoint by name, dtype and shape: the HF checkpoint's logical weights, the converted
+checkpoint `kimi-k2-neuron convert` writes, and the key map from that onto the Neuron model's state dict.
+
+Logical weights (logical_shapes): the HF names, one `X.weight` per linear, norm and embedding, per expert
+(`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`) and the router's `mlp.gate.weight` and
+`mlp.gate.e_score_correction_bias`, in checkpoint order. The core model's parameters have exactly these names and
+shapes (test/unit/test_formats.py builds it and compares), whatever the storage (FP8, INT4, BF16).
+
+The converted checkpoint (converted_tensors): every key keeps the HF `model.` prefix, which NxDI strips before loading
+(NXDI_CONTRACT.md: state-dict-prefix).
+- unchanged HF names, bf16: embeddings, all norms, all of `self_attn.*`, the dense layers' `mlp.{gate,up,down}_proj`,
+  `mlp.shared_experts.*`, `lm_head`;
+- the router, fp32: `mlp.gate.weight` -> `mlp.router.linear_router.weight` [E, H] (NxD's router names its linear
+  `linear_router`), `mlp.gate.e_score_correction_bias` -> `mlp.router.e_score_correction_bias` [E];
+- the routed experts of a layer fused, as NxD's ExpertMLPsV2 holds them (NXDI_CONTRACT.md: expert-names):
+  `mlp.expert_mlps.mlp_op.gate_up_proj.weight` float8_e4m3fn [E, H, 2I] (gate columns, then up) and
+  `mlp.expert_mlps.mlp_op.down_proj.weight` [E, I, H], each with a float32 `.scale` beside it (same prefix, `scale`
+  instead of `weight`) shaped by the expert scheme (scheme.py).
+
+The Neuron model (module_key): the converted key without `model.`, and the router's weight under the core router's
+name, `mlp.router.weight` (the Neuron model's router is the core's, float32, bias applied after the sigmoid).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import KimiK2Config
+from ..errors import KimiInputError
+from .scheme import ExpertScheme
+
+BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+# Raw keys that are no weight: the non-persistent rotary buffer real dumps carry.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_EXPERTS = "mlp.expert_mlps.mlp_op."
+# HF (logical) router names -> converted names, after the layer prefix.
+_ROUTER = {"mlp.gate.weight": "mlp.router.linear_router.weight",
+           "mlp.gate.e_score_correction_bias": "mlp.router.e_score_correction_bias"}
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}."
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    return f"{layer_prefix(layer)}mlp.experts.{expert}.{proj}.weight"
+
+
+def gate_up_key(layer: int) -> str:
+    return f"{layer_prefix(layer)}{_EXPERTS}gate_up_proj.weight"
+
+
+def down_key(layer: int) -> str:
+    return f"{layer_prefix(layer)}{_EXPERTS}down_proj.weight"
+
+
+def scale_key(weight_key: str) -> str:
+    return weight_key[: -len("weight")] + "scale"
+
+
+def router_keys(layer: int) -> dict[str, str]:
+    """HF (logical) router name -> converted name."""
+    p = layer_prefix(layer)
+    return {p + hf: p + converted for hf, converted in _ROUTER.items()}
+
+
+def key_templates() -> dict[str, str]:
+    """The converted key of each fused or renamed tensor, with `{L}` for the layer (recorded in config.json)."""
+    def template(key: str) -> str:
+        return key.replace(".0.", ".{L}.", 1)
+
+    return {"gate_up": template(gate_up_key(0)), "down": template(down_key(0)),
+            "scale": "<weight key minus 'weight'>scale",
+            **{hf.split("mlp.")[1]: template(converted) for hf, converted in router_keys(0).items()}}
+
+
+def is_ignored(key: str) -> bool:
+    return key.endswith(IGNORED_SUFFIXES)
+
+
+# -- the HF checkpoint ---------------------------------------------------------------------------------------------
+
+def logical_shapes(cfg: KimiK2Config, routed_experts: bool = True) -> dict[str, tuple[int, ...]]:
+    """Logical weight name -> full shape ([out, in] for linears), in checkpoint order: the embedding, each layer
+    (attention, then its dense MLP or router, routed and shared experts), the final norm and lm_head.
+    routed_experts=False leaves the per-expert weights out (Kimi-K2 has 70K of them)."""
+    if cfg.q_lora_rank is None:
+        raise KimiInputError(f"{cfg.source}: field q_lora_rank is null: MLA without a query LoRA is not implemented "
+                             f"(Kimi-K2 has one)")
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for layer in range(cfg.num_hidden_layers):
+        p, a = layer_prefix(layer), layer_prefix(layer) + "self_attn."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            a + "q_a_proj.weight": (cfg.q_lora_rank, h),
+            a + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+            a + "q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            a + "kv_a_proj_with_mqa.weight": (cfg.latent_dim, h),
+            a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+            a + "kv_b_proj.weight": (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            a + "o_proj.weight": (h, heads * cfg.v_head_dim),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if not cfg.is_moe_layer(layer):
+            shapes.update(_mlp(p + "mlp.", h, cfg.intermediate_size))
+            continue
+        shapes.update({p + "mlp.gate.weight": (cfg.n_routed_experts, h),
+                       p + "mlp.gate.e_score_correction_bias": (cfg.n_routed_experts,)})
+        for e in range(cfg.n_routed_experts if routed_experts else 0):
+            shapes.update(_mlp(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
+        if cfg.n_shared_experts:
+            shapes.update(_mlp(p + "mlp.shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts))
+    shapes.update({"model.norm.weight": (h,), "lm_head.weight": (cfg.vocab_size, h)})
+    return shapes
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, int]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+# -- the converted checkpoint ----------------------------------------------------------------------------------------
+
+def converted_name(name: str) -> str:
+    """Converted key of a non-expert logical weight (only the router is renamed)."""
+    if ".mlp.gate." in name:
+        return router_keys(int(name.split(".")[2]))[name]
+    return name
+
+
+def converted_dtype(name: str) -> torch.dtype:
+    """What a non-expert logical weight is stored as: the router float32 (routing is sensitive to rounding), the
+    rest bfloat16."""
+    return F32 if ".mlp.gate." in name else BF16
+
+
+def expert_tensors(cfg: KimiK2Config, layer: int,
+                   scheme: ExpertScheme | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """A MoE layer's fused expert tensors (key, dtype, full shape): gate_up [E, H, 2I], down [E, I, H], then their
+    scales; `scheme` None: unquantized bf16 experts, without scales (what the Neuron model takes for bf16)."""
+    e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    gu, dn = gate_up_key(layer), down_key(layer)
+    if scheme is None:
+        return [(gu, BF16, (e, h, 2 * i)), (dn, BF16, (e, i, h))]
+    return [(gu, FP8, (e, h, 2 * i)), (dn, FP8, (e, i, h)),
+            (scale_key(gu), F32, scheme.scale_shape(e, h, 2 * i)), (scale_key(dn), F32, scheme.scale_shape(e, i, h))]
+
+
+def converted_tensors(cfg: KimiK2Config,
+                      scheme: ExpertScheme | None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Converted key -> (dtype, full shape) of every tensor of the converted checkpoint (`scheme` None: with bf16
+    experts)."""
+    out = {converted_name(n): (converted_dtype(n), shape) for n, shape in logical_shapes(cfg, False).items()}
+    for layer in filter(cfg.is_moe_layer, range(cfg.num_hidden_layers)):
+        out.update({key: (dtype, shape) for key, dtype, shape in expert_tensors(cfg, layer, scheme)})
+    return out
+
+
+# -- the Neuron model ----------------------------------------------------------------------------------------------
+
+def module_key(key: str) -> str:
+    """The Neuron model's state-dict key for a converted (or logical non-expert) checkpoint key: no `model.` prefix,
+    and the router's tensors under NxD's MoE attribute `router` with the core router's own names."""
+    key = key.removeprefix("model.")
+    for hf, converted in _ROUTER.items():
+        for name in (hf, converted):
+            if key.endswith("." + name):
+                return key[: -len(name)] + "mlp.router." + hf.removeprefix("mlp.gate.")
+    return key
+
+
+def neuron_tensors(cfg: KimiK2Config,
+                   scheme: ExpertScheme | None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The Neuron model's state-dict key -> (dtype, full shape) of every tensor its loader must deliver (NxD shards
+    the full tensors per rank)."""
+    return {module_key(k): v for k, v in converted_tensors(cfg, scheme).items()}

@@ -1,0 +1,71 @@
+"""The conversion record: config.json's `kimi_k2_neuron_conversion` object, written once by the converter and read
+back typed by everything that needs to know how a checkpoint was converted (the expert scheme and its block, the
+source format, the NxD settings it loads under). Nothing reads the scale block anywhere else, and nothing guesses it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import KimiInputError
+from . import SCHEMES
+from .layout import key_templates
+from .scheme import ExpertScheme
+
+CONVERSION_KEY = "kimi_k2_neuron_conversion"
+LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ConversionRecord:
+    scheme: ExpertScheme  # the experts' scheme and scale block
+    nxd: dict  # the NeuronConfig quantization fields it loads under, and the expert TP degrees its scales shard for
+    source_format: str | None = None  # fp8, int4 or bf16 (None in a hand-made record)
+    raw: dict = field(default_factory=dict, compare=False, repr=False)  # the whole object (stats, tool, ...)
+
+    @property
+    def experts(self) -> str:
+        return self.scheme.name
+
+    @property
+    def valid_moe_tp_degrees(self) -> list[int] | None:
+        return self.nxd.get("valid_moe_tp_degrees")
+
+    @classmethod
+    def from_json(cls, rec, where: str) -> ConversionRecord:
+        if (not isinstance(rec, dict) or rec.get("layout_version") != LAYOUT_VERSION or rec.get("experts") not in SCHEMES
+                or not isinstance(rec.get("nxd"), dict)):
+            raise KimiInputError(f"{where}: field {CONVERSION_KEY} is not a layout-version {LAYOUT_VERSION} record "
+                                 f"with experts in {list(SCHEMES)}")
+        scheme = ExpertScheme.from_nxd(rec["nxd"])
+        if scheme is None or scheme.name != rec["experts"]:
+            raise KimiInputError(f"{where}: field {CONVERSION_KEY}.nxd does not describe experts={rec['experts']}")
+        return cls(scheme, rec["nxd"], rec.get("source_format"), rec)
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> ConversionRecord | None:
+        """The record of the converted checkpoint in `model_dir`; None for any other folder (KimiK2Config.from_file
+        reports a missing or unreadable config.json)."""
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        rec = raw.get(CONVERSION_KEY) if isinstance(raw, dict) else None
+        return None if rec is None else cls.from_json(rec, str(path))
+
+
+def record_json(scheme: ExpertScheme, source_format: str, moe_intermediate: int, *, tool_version: str,
+                source_quantization_config, fp8_max: float, stats: dict, ignored_source_tensors: int) -> dict:
+    """The record the converter writes (the NxD settings derived from the scheme), in its fixed field order."""
+    return {
+        "layout_version": LAYOUT_VERSION, "tool": "kimi-k2-neuron convert", "tool_version": tool_version,
+        "source_format": source_format, "source_quantization_config": source_quantization_config,
+        "experts": scheme.name, "nxd": scheme.nxd(moe_intermediate),
+        "fp8_max": fp8_max, "non_expert_dtype": "bfloat16", "router_dtype": "float32",
+        "keys": key_templates(), "stats": stats,
+        # Source tensors set aside by name (rotary inv_freq, MTP layers, K2.5's vision tower and projector).
+        "ignored_source_tensors": ignored_source_tensors,
+    }

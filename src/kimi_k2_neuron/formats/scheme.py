@@ -1,0 +1,90 @@
+"""One FP8 expert quantization of the converted checkpoint: the scale layout of the fused [E, in, out] expert
+weights, and the NxD NeuronConfig settings it loads under (see NXDI_CONTRACT.md beside the Neuron shell: scale-grid,
+expert-per-channel-axis).
+
+* `fp8-blockwise`: NxD's `blockwise_symmetric` with block axes [1, 2] (in, out), float32 scales of shape
+  [E, in/b_in, out/b_out]. The block is [32, 32] from FP8 and BF16 sources and [group, 1] = [32, 1] from INT4
+  sources. NxD sizes a rank's scale from its *local* weight and collapses a local dimension smaller than the block
+  to 1, so the block must divide every rank's slice: 32 divides Kimi's per-rank expert width 2048/64 = 32 at TP 64,
+  so one converted checkpoint serves every TP that divides 64 (a [128, 128] grid, the source's own, would collapse
+  to one scale per rank at TP 64 and mix gate and up blocks). Blocks never straddle the gate/up boundary because
+  I % b_out == 0. INT4 codes -8..7 are exact in e4m3 and the INT4 group scale becomes the block scale, so INT4 ->
+  blockwise [32, 1] is lossless (at 4 B of scale per 32 weights, +12.5 % memory against +0.4 % for [32, 32]).
+* `fp8-per-channel`: NxD's `expert_wise_per_channel_symmetric` on axis 2 (the only one expert layers accept), scale
+  [E, 1, out]; TP-independent by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..errors import KimiInputError
+from . import SCHEMES
+
+# Each scheme's NxD quantization_type.
+NXD_TYPE = {"fp8-blockwise": "blockwise_symmetric", "fp8-per-channel": "expert_wise_per_channel_symmetric"}
+NXD_DTYPE = "f8e4m3"
+FINE_BLOCK = 32  # the largest block that divides Kimi's expert width at TP 64 (module docstring)
+
+
+@dataclass(frozen=True)
+class ExpertScheme:
+    """One NxD expert quantization: the scale layout of [E, in, out] FP8 weights."""
+
+    name: str
+    block: tuple[int, int] | None  # (in, out) block for blockwise; None = expert-wise per output channel
+
+    def scale_shape(self, n_experts: int, in_f: int, out_f: int) -> tuple[int, int, int]:
+        if self.block is None:
+            return (n_experts, 1, out_f)
+        return (n_experts, in_f // self.block[0], out_f // self.block[1])
+
+    def nxd(self, moe_intermediate: int) -> dict:
+        """The NeuronConfig quantization fields this layout loads under, and the MoE TP degrees it is valid for."""
+        out = {"quantized": True, "quantization_dtype": NXD_DTYPE, "quantization_type": NXD_TYPE[self.name]}
+        if self.block is None:
+            out["quantization_per_channel_axis"] = 2
+            tps = _divisors(moe_intermediate)
+        else:
+            out.update(quantization_block_axis=[1, 2], quantization_block_size=list(self.block),
+                       quantization_scale_dtype="f32")
+            # gate_up shards its out axis (block b_out) with stride 2, down its in axis (block b_in): every rank's
+            # slice of either must hold whole blocks.
+            tps = [t for t in _divisors(moe_intermediate)
+                   if (moe_intermediate // t) % self.block[0] == 0 and (moe_intermediate // t) % self.block[1] == 0]
+        out["valid_moe_tp_degrees"] = tps
+        return out
+
+    @classmethod
+    def from_nxd(cls, fields: Mapping) -> ExpertScheme | None:
+        """The scheme NxD settings describe (a record's `nxd`, or a NeuronConfig's attributes); None when they are
+        not quantized (bf16 experts)."""
+        if not fields.get("quantized"):
+            return None
+        qtype = fields.get("quantization_type")
+        name = next((n for n, t in NXD_TYPE.items() if t == qtype), None)
+        if name is None:
+            raise KimiInputError(f"quantization_type {qtype!r} is not one Kimi-K2 supports: "
+                                 f"{', '.join(NXD_TYPE.values())}")
+        if name == "fp8-per-channel":
+            return cls(name, None)
+        block = fields.get("quantization_block_size")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block)):
+            raise KimiInputError(f"quantization_block_size {block!r}: expected [in, out] for {qtype}")
+        return cls(name, tuple(block))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def scheme_for(name: str, source_format: str, group_size: int | None = None) -> ExpertScheme:
+    """The scheme `kimi-k2-neuron convert --experts NAME` writes from a source of `source_format` (fp8, int4, bf16)."""
+    if name not in SCHEMES:
+        raise KimiInputError(f"--experts {name!r}: expected one of {', '.join(SCHEMES)}")
+    if name == "fp8-per-channel":
+        return ExpertScheme(name, None)
+    if source_format == "int4":
+        return ExpertScheme(name, (int(group_size), 1))  # one scale per INT4 group: lossless
+    return ExpertScheme(name, (FINE_BLOCK, FINE_BLOCK))
