@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     start(args)
 
     try:
-        import kimi_k2_neuron.neuron  # noqa: F401  (its ImportError names what is missing)
+        import kimi_k2_neuron.neuron.modeling  # noqa: F401  (its ImportError names what is missing)
     except ImportError as e:
         return sdk_missing(e)
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import subprocess
 import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "scripts", REPO / "test/integration", REPO / "contrib"]
 LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Methods our subclasses add on purpose (not overrides).
-NEW_METHODS = {"KimiK2InferenceConfig": {"from_checkpoint", "core_config"}}
+NEW_METHODS = {"KimiK2InferenceConfig": {"from_checkpoint", "for_serving", "core_config"}}
 
 
 class Source:
@@ -375,14 +373,6 @@ class Checker:
                 (self.ok if kw else self.fail)("decoder layer accepts **kwargs")
 
 
-def load_contract():
-    """contract.py without running kimi_k2_neuron.neuron's SDK check: an alias package over the same folder."""
-    pkg = types.ModuleType("_kimi_neuron_sdk_free")
-    pkg.__path__ = [str(REPO / "src/kimi_k2_neuron/neuron")]
-    sys.modules[pkg.__name__] = pkg
-    return importlib.import_module(pkg.__name__ + ".contract")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nxdi", required=True, help="neuronx-distributed-inference checkout (git dir or work tree)")
@@ -395,7 +385,8 @@ def main(argv=None) -> int:
     for _ in range(2):  # a second pass sees subclasses defined in files checked later
         c.failures, c.passes = [], []
         trees = [(path.relative_to(REPO), c.check_file(path)[0]) for path in paths]
-    contract = load_contract()
+    from kimi_k2_neuron.neuron import contract  # pure: imports without the SDK
+
     c.check_neuron_config(contract)
     c.check_attributes(trees, contract)
     c.check_overrides(trees)

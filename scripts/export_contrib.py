@@ -4,7 +4,7 @@ DEST gets this repository's contrib/models/Kimi-K2 (README, pytest.ini, the entr
 contrib's own unit and integration tests), the Kimi-K2 config.json files its unit tests read (test/data/configs ->
 test/unit/data), and a byte-for-byte copy of every module of the kimi_k2_neuron package the contrib needs
 (src/kimi_k2_neuron/): the NxDI shell, kimi_k2_neuron.neuron, and whatever it and the contrib's own files import,
-followed transitively. The rest of the package (the CLI, the transformers oracle) stays here, and nothing outside
+followed transitively, with the documents beside them (the shell's NXDI_CONTRACT.md). The rest of the package (the CLI, the transformers oracle) stays here, and nothing outside
 DEST is needed to run it: `cd DEST && pytest test/unit` (CPU) or `pytest test/integration` (a Neuron instance).
 
 DEST must be absent, empty, or an earlier export (which is replaced). test/unit/test_export_contrib.py exports into
@@ -101,10 +101,12 @@ def check_dest(dest: Path) -> None:
 
 
 def planned_files(modules: dict[str, Path]) -> dict[Path, Path]:
-    """Path inside DEST -> the file of this repository it is a copy of."""
+    """Path inside DEST -> the file of this repository it is a copy of: the contrib's own files, the configs, the
+    vendored modules and the documents beside them (the shell's NXDI_CONTRACT.md, which its code cites)."""
     files = {f.relative_to(CONTRIB): f for f in _contrib_files()}
     files |= {Path("test", "unit", "data", c.name): c for c in sorted(CONFIGS.glob("kimi-k2*.json"))}
-    return files | {Path("src") / f.relative_to(SRC): f for f in modules.values()}
+    docs = {doc for f in modules.values() for doc in f.parent.glob("*.md")}
+    return files | {Path("src") / f.relative_to(SRC): f for f in (*modules.values(), *sorted(docs))}
 
 
 def export(dest: Path) -> dict[str, Path]:

@@ -1,8 +1,9 @@
 """Start-up shared by the trn2 scripts (scripts/compile_and_save.py, run_inference.py, bench_tpot.py) and the trn2
 test fixtures: argument parsing, logging and the FP8 environment.
 
-It imports nothing of the Neuron SDK (kimi_k2_neuron.neuron checks for the SDK on import), so every script parses
-its arguments, and answers --help, on any machine before it reaches for the SDK.
+It imports nothing of the Neuron SDK (the SDK-backed modules of kimi_k2_neuron.neuron check for it on import), and
+neither torch until start(), so every script parses its arguments, and answers --help, on any machine before it
+reaches for the SDK.
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ import os
 from .arguments import Parser, cache_dir, fail, integer
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
-
-# The e4m3 reinterpretation NxDI asks for with FP8 weights (inference_demo.py:465-467); read when torch-xla is
-# imported, so it must be set before. NxDI adds the matching compiler flag itself (model_wrapper.py:148-157).
-FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
-
 
 def script_parser(doc: str) -> argparse.ArgumentParser:
     """A parser whose description is the script docstring's first line and whose epilog is the rest; its argument
@@ -75,6 +71,9 @@ def start(args: argparse.Namespace) -> None:
 
 
 def set_fp8_env() -> None:
+    """NxDI's FP8 environment (contract.FP8_ENV), before anything imports torch-xla, which reads it then."""
+    from .neuron.contract import FP8_ENV
+
     os.environ.update(FP8_ENV)
 
 
@@ -83,5 +82,5 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["FP8_ENV", "add_compiled_args", "add_verbose", "check_compiled_args", "cpu_options", "script_parser",
+__all__ = ["add_compiled_args", "add_verbose", "check_compiled_args", "cpu_options", "script_parser",
            "sdk_missing", "set_fp8_env", "start"]

@@ -19,14 +19,16 @@ from torch import nn
 
 from .config import KimiK2Config
 from .errors import KimiInputError
+from .model.moe import MoE
 
 
 @dataclass(frozen=True)
 class ParallelContext:
     """Which rank this is, how to shard a full tensor, the collectives, and the factory for parallel layers.
 
-    The model asks the context for its layers (`ctx.column(...)`, `ctx.row(...)`, ...), never for a class, so
-    the Neuron shell swaps in NxD's layers by subclassing this and overriding the five factory methods.
+    The model asks the context for its layers (`ctx.column(...)`, `ctx.row(...)`, ..., `ctx.moe(...)`), never for
+    a class, so the Neuron shell swaps in NxD's layers, and NxD's MoE around the core router, by subclassing this
+    and overriding the factory methods.
     """
 
     tp_size: int = 1
@@ -47,6 +49,10 @@ class ParallelContext:
 
     def lm_head(self, dim: int, vocab: int, dtype: torch.dtype) -> nn.Module:
         return ParallelLMHead(dim, vocab, dtype, self)
+
+    def moe(self, cfg: KimiK2Config, dtype: torch.dtype) -> nn.Module:
+        """A MoE layer's routed + shared experts: the core's (kimi_k2_neuron.model.moe) here."""
+        return MoE(cfg, dtype, self)
 
     # -- sharding and collectives -------------------------------------------------------------------------
 

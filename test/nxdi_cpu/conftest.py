@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 def _why_not_runnable() -> str | None:
     try:
-        import kimi_k2_neuron.neuron  # noqa: F401  (its ImportError names the missing packages)
+        import kimi_k2_neuron.neuron.modeling  # noqa: F401  (its ImportError names the missing packages)
     except ImportError as e:
         return (f"NxD/NxDI not importable here ({e}); build the nxdi-cpu venv (README: 'The NxDI model on CPU') or "
                 f"use a Neuron SDK venv")

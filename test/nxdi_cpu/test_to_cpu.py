@@ -82,13 +82,13 @@ def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
 def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     """checkpoint_loader_fn on a real KimiK2InferenceConfig at TP=2: every key the model's state dict has for weights,
     the float32 router as the core reads it."""
-    from kimi_k2_neuron.neuron import keys
+    from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.runtime.runner import CpuRunner
 
     app = cpu.application(cpu.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
     state = app.checkpoint_loader_fn()
     cfg = app.config.core_config()
-    assert set(state) == keys.expected_keys(cfg, scheme) | {"rank_util.rank"}
+    assert set(state) == contract.expected_keys(cfg, scheme) | {"rank_util.rank"}
     core = CpuRunner(converted[("fp8", scheme)]).model
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     assert state[f"layers.{layer}.mlp.router.weight"].dtype == torch.float32

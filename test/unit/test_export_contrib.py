@@ -15,13 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "export_contrib.py"
 
-# Run in DEST: the exported unit tests, then every module of the package (or of the tests' SDK-free alias of
-# kimi_k2_neuron.neuron) that was loaded from a file outside DEST.
+# Run in DEST: the exported unit tests, then every module of the package that was loaded from a file outside DEST.
 _RUN_EXPORTED_TESTS = """
 import sys
 import pytest
 code = pytest.main(["-q", "-p", "no:cacheprovider", "test/unit"])
-ours, dest = ("kimi_k2_neuron", "_kimi_k2_shell_sdk_free"), sys.argv[1]
+ours, dest = ("kimi_k2_neuron",), sys.argv[1]
 outside = sorted(name for name, m in sys.modules.items()
                  if name.split(".")[0] in ours and not (getattr(m, "__file__", None) or dest).startswith(dest))
 print("loaded from outside:", outside)
@@ -59,6 +58,8 @@ def test_every_exported_module_is_the_package_s_own(exported):
         assert (exported / "src" / rel).read_bytes() == (REPO / "src" / rel).read_bytes(), rel
     shell = {p.relative_to(REPO / "src") for p in (REPO / "src" / "kimi_k2_neuron" / "neuron").glob("*.py")}
     assert shell <= vendored  # the whole NxDI shell, and what it imports
+    doc = Path("kimi_k2_neuron/neuron/NXDI_CONTRACT.md")  # the evidence its code cites by name
+    assert (exported / "src" / doc).read_bytes() == (REPO / "src" / doc).read_bytes()
     assert Path("kimi_k2_neuron/cli.py") not in vendored
     assert Path("kimi_k2_neuron/testing/transformers_oracle.py") not in vendored
     others = {p.name for p in (exported / "src").iterdir()} - {"kimi_k2_neuron"}

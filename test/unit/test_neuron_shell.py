@@ -1,20 +1,15 @@
-"""The Neuron shell's SDK-free parts on CPU, without NxD/NxDI: serving options, NeuronConfig kwargs, key mapping,
-the router in NxD's contract, decode masks, the memory-mapped loader.
-
-kimi_k2_neuron.neuron raises ImportError without the SDK, so its SDK-free files are loaded through an alias package
-over the same folder that does not run the package __init__. Everything that needs NxD/NxDI itself (the model, its
-config round trip, loading, prefill and decode, TP, pre-sharding) is tested against the real libraries in
-test/nxdi_cpu; what is left here that stands in for them says "emulated" in its name.
+"""The Neuron shell's pure parts on CPU, without NxD/NxDI: serving options, NeuronConfig kwargs, key mapping, the
+memory-mapped loader. Everything that needs NxD/NxDI itself (the model, its router and decoder layer, its config
+round trip, loading, prefill and decode, TP, pre-sharding) is tested against the real libraries in test/nxdi_cpu;
+what is left here that stands in for them says "emulated" in its name.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,24 +24,13 @@ from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, Conver
 from kimi_k2_neuron.formats.scheme import scheme_for
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
+from kimi_k2_neuron.neuron import contract, loader
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test/data/configs"
 SCRIPTS = ("compile_and_save.py", "run_inference.py", "bench_tpot.py")
 
-
-def _sdk_free(name: str):
-    pkg = types.ModuleType("_kimi_neuron_sdk_free")
-    pkg.__path__ = [str(REPO / "src/kimi_k2_neuron/neuron")]
-    sys.modules.setdefault(pkg.__name__, pkg)
-    return importlib.import_module(f"_kimi_neuron_sdk_free.{name}")
-
-
-contract = _sdk_free("contract")
-loader = _sdk_free("loader")
-keys = _sdk_free("keys")
-layers = _sdk_free("layers")
 
 
 def tiny_cfg(**over) -> KimiK2Config:
@@ -70,14 +54,19 @@ def per_channel(**opts) -> "contract.ServeOptions":
 
 # -- the package without the SDK, and the scripts' --help ---------------------------------------------------------
 
-def test_import_without_sdk_names_the_missing_packages():
+@pytest.mark.parametrize("sdk_import", ["import kimi_k2_neuron.neuron.modeling",
+                                        "from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM",
+                                        "import kimi_k2_neuron.neuron.cpu", "import kimi_k2_neuron.neuron.serving"])
+def test_import_without_sdk_names_the_missing_packages(sdk_import):
     if not contract.missing_neuron_packages() == [p for _, p in contract.NEURON_PACKAGES]:
         pytest.skip("some Neuron packages are importable here")
-    r = subprocess.run([sys.executable, "-c", "import kimi_k2_neuron.neuron"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", sdk_import], capture_output=True, text=True)
     assert r.returncode != 0 and "ImportError" in r.stderr
     for pip_name in ("neuronx-distributed-inference", "neuronx-distributed", "torch-neuronx"):
         assert pip_name in r.stderr
-    ok = subprocess.run([sys.executable, "-c", "import kimi_k2_neuron"], capture_output=True, text=True)
+    assert "README section 'The NxDI model on CPU'" in r.stderr
+    pure = "import kimi_k2_neuron, kimi_k2_neuron.neuron.contract, kimi_k2_neuron.neuron.loader"
+    ok = subprocess.run([sys.executable, "-c", pure], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
 
 
@@ -239,9 +228,7 @@ def test_the_fit_planner_refuses_exactly_what_the_shell_refuses(experts):
 
 def _compile_script(monkeypatch):
     """scripts/compile_and_save.py as a module; it sets the FP8 environment on import, undone after the test."""
-    from kimi_k2_neuron.launch import FP8_ENV
-
-    for name in FP8_ENV:
+    for name in contract.FP8_ENV:
         monkeypatch.delenv(name, raising=False)
     spec = importlib.util.spec_from_file_location("_compile_and_save", REPO / "scripts/compile_and_save.py")
     module = importlib.util.module_from_spec(spec)
@@ -322,44 +309,7 @@ def test_compiler_args_add_kimis_to_nxdis_without_contradicting_them():
     assert contract.compiler_args(got) == got  # idempotent
 
 
-# -- the router in NxD's contract -----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("n_group,topk_group", [(1, 1), (4, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_affinities_at_the_chosen_experts_equal_the_core_router(n_group, topk_group, dtype):
-    cfg = tiny_cfg(n_routed_experts=32, num_experts_per_tok=6, n_group=n_group, topk_group=topk_group)
-    g = torch.Generator().manual_seed(0)
-    router = layers.NxDRouter(cfg)
-    router.weight.data.copy_(torch.randn(32, cfg.hidden_size, generator=g) / cfg.hidden_size ** 0.5)
-    router.e_score_correction_bias.data.copy_(0.3 * torch.randn(32, generator=g))
-    x = torch.randn(2, 5, cfg.hidden_size, generator=g).to(dtype)  # [B, S, H] as MoE passes it
-    logits, aff, ids = router(x)
-    core_w, core_ids = super(layers.NxDRouter, router).forward(x.reshape(-1, cfg.hidden_size))
-    assert torch.equal(ids, core_ids) and aff.shape == (10, 32) and aff.dtype == dtype
-    torch.testing.assert_close(aff.gather(1, ids), core_w.to(dtype))
-    off = torch.ones_like(aff, dtype=torch.bool).scatter(1, ids, False)
-    assert (aff[off] == 0).all()
-    torch.testing.assert_close(logits, x.reshape(-1, cfg.hidden_size).float() @ router.weight.T)
-    # ExpertMLPsV2 masks to the chosen experts and, with normalize_top_k_affinities False, changes nothing
-    # (expert_mlps_v2.py:283-319): rows still sum to routed_scaling_factor.
-    mask = torch.zeros_like(aff, dtype=torch.float64).scatter(1, ids, 1.0)
-    torch.testing.assert_close(aff.masked_fill(mask == 0, 0), aff)
-    torch.testing.assert_close(aff.float().sum(1), torch.full((10,), cfg.routed_scaling_factor),
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0)
-
-
-# -- decode masks and NxDI's prefill/decode flow ----------------------------------------------------------------
-
-def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
-    prior_mask = layers.prior_mask_for_positions(torch.tensor([2, 5]), 6)
-    prior, active = layers.decode_masks(prior_mask, 1)
-    assert prior.tolist() == [[[[1, 1, 0, 0, 0, 0]]], [[[1, 1, 1, 1, 1, 0]]]] and active.tolist() == [[[[1]]]] * 2
-    # the same as the core's rule for a token at position p: it sees cache slots 0..p (mla.py forward)
-    for b, p in enumerate([2, 5]):
-        core_visible = torch.arange(6) <= p
-        core_visible[p] = False  # slot p is not written yet on Neuron: the token itself is the active segment
-        assert torch.equal(prior[b, 0, 0], core_visible)
-
+# -- MLA: the split attention the decoder layer uses for decode ------------------------------------------------
 
 def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs):
     """attend_split (prior cache in place + active entries) == attend(absorbed) over their concatenation."""
@@ -390,8 +340,8 @@ def test_expected_keys_are_the_core_parameters_in_the_neuron_layout():
             mapped |= {f"{layer}.mlp.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down")}
         else:
             mapped.add(name.replace(".mlp.gate.", ".mlp.router."))
-    assert keys.expected_keys(cfg, "bf16") == mapped
-    fp8 = keys.expected_keys(cfg, "fp8-per-channel")
+    assert contract.expected_keys(cfg, "bf16") == mapped
+    fp8 = contract.expected_keys(cfg, "fp8-per-channel")
     assert fp8 - mapped == {k[: -len("weight")] + "scale" for k in mapped if ".expert_mlps." in k}
 
 
@@ -413,13 +363,14 @@ def test_converted_layout_keys_map_onto_the_model():
     # the state dict takes what the format has a place for, sets aside the rotary buffers, and refuses the rest
     tensors, nc = _converted_tensors(cfg), SimpleNamespace(quantized=True, tp_degree=1,
                                                            quantization_type="expert_wise_per_channel_symmetric")
-    assert keys.to_neuron_state_dict({**tensors, "model.layers.2.self_attn.rotary_emb.inv_freq": torch.zeros(1)},
-                                     cfg, nc).keys() == keys.to_neuron_state_dict(tensors, cfg, nc).keys()
+    inv_freq = {"model.layers.2.self_attn.rotary_emb.inv_freq": torch.zeros(1)}
+    assert contract.to_neuron_state_dict({**tensors, **inv_freq}, cfg, nc).keys() == \
+        contract.to_neuron_state_dict(tensors, cfg, nc).keys()
     with pytest.raises(KimiInputError, match="must be converted"):
-        keys.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
+        contract.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
     with pytest.raises(KimiInputError, match="no place"):
-        keys.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.zeros(1)},
-                                  cfg, nc)
+        contract.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)},
+                                      cfg, nc)
 
 
 def _converted_tensors(cfg: KimiK2Config) -> dict[str, torch.Tensor]:
@@ -453,27 +404,27 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     cfg = tiny_cfg()
     nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
     tensors = _converted_tensors(cfg)
-    state = keys.to_neuron_state_dict(tensors, cfg, nc)
-    assert set(state) == keys.expected_keys(cfg, "fp8-per-channel") | {"rank_util.rank"}
+    state = contract.to_neuron_state_dict(tensors, cfg, nc)
+    assert set(state) == contract.expected_keys(cfg, "fp8-per-channel") | {"rank_util.rank"}
     assert state["rank_util.rank"].tolist() == [0, 1]
     router = next(k for k in state if k.endswith("mlp.router.weight"))
     assert state[router].dtype == torch.float32
     missing = dict(tensors)
     del missing[layout.scale_key(layout.gate_up_key(1))]
     with pytest.raises(KimiInputError, match="1 tensor\\(s\\) missing"):
-        keys.to_neuron_state_dict(missing, cfg, nc)
+        contract.to_neuron_state_dict(missing, cfg, nc)
     with pytest.raises(KimiInputError, match="no place for"):
-        keys.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
+        contract.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
     wrong = dict(tensors, **{layout.gate_up_key(1): tensors[layout.gate_up_key(1)].to(torch.bfloat16)})
     with pytest.raises(KimiInputError, match="expected torch.float8_e4m3fn"):
-        keys.to_neuron_state_dict(wrong, cfg, nc)
+        contract.to_neuron_state_dict(wrong, cfg, nc)
     bad_shape = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(KimiInputError, match="model.norm.weight|norm.weight has shape"):
-        keys.to_neuron_state_dict(bad_shape, cfg, nc)
+        contract.to_neuron_state_dict(bad_shape, cfg, nc)
     scale = layout.scale_key(layout.down_key(1))
     bad_scale = dict(tensors, **{scale: tensors[scale][:, :, :-1]})  # per-channel [E, 1, H] is one column short
     with pytest.raises(KimiInputError, match="down_proj.scale has shape"):
-        keys.to_neuron_state_dict(bad_scale, cfg, nc)
+        contract.to_neuron_state_dict(bad_scale, cfg, nc)
 
 
 def test_mmap_checkpoint_reads_what_safetensors_reads(tmp_path):

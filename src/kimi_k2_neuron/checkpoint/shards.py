@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,8 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    # Where its bytes start in the shard file (None: a tensor computed on demand); part of where, not of what.
+    offset: int | None = field(default=None, compare=False)
 
 
 def _json_error(e: json.JSONDecodeError) -> str:
@@ -144,7 +146,7 @@ def _parse_entry(fname: str, name: str, entry: object) -> tuple[torch.dtype, tup
     return dtype, tuple(shape), begin, end
 
 
-def _read_shard(path: Path) -> dict[str, TensorInfo]:
+def read_shard_header(path: Path) -> dict[str, TensorInfo]:
     """Parse and validate one shard's header against its file size; return its tensors by name."""
     header, header_len, size = _read_header_json(path)
     infos: dict[str, TensorInfo] = {}
@@ -153,7 +155,7 @@ def _read_shard(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         dtype, shape, begin, end = _parse_entry(path.name, name, entry)
-        infos[name] = TensorInfo(name, path.name, dtype, shape, end - begin)
+        infos[name] = TensorInfo(name, path.name, dtype, shape, end - begin, 8 + header_len + begin)
         max_end = max(max_end, end)
     needed = 8 + header_len + max_end
     if needed > size:
@@ -190,7 +192,7 @@ class ShardedCheckpoint:
         single = self.model_dir / SINGLE_NAME
         if single.is_file():
             # No index: the single file's own header is the whole truth.
-            return {name: SINGLE_NAME for name in _read_shard(single)}
+            return {name: SINGLE_NAME for name in read_shard_header(single)}
         raise KimiInputError(f"no checkpoint in {self.model_dir}: expected {INDEX_NAME} or {SINGLE_NAME}")
 
     def _load_shard_infos(self, shard: str, names: list[str], weight_map: dict[str, str]) -> None:
@@ -199,7 +201,7 @@ class ShardedCheckpoint:
             raise KimiInputError(
                 f"{INDEX_NAME} names shard {shard} for {sorted(names)[0]}, but that file does not exist"
             )
-        infos = _read_shard(path)
+        infos = read_shard_header(path)
         for name in sorted(names):
             if name not in infos:
                 raise KimiInputError(f"{shard}: tensor {name} listed in {INDEX_NAME} is not in the shard")

@@ -7,6 +7,8 @@
 - record.py: ConversionRecord, the typed record of a conversion in the converted config.json.
 """
 
+from ..errors import KimiInputError
+
 # The converter's expert schemes. DEFAULT_SCHEME is the one recommended, and the default wherever a scheme is not
 # given (compile_and_save.py, plan, ServeOptions, the CPU mode): exact from FP8 and INT4 sources, where
 # fp8-per-channel re-rounds every expert weight (README, "Which expert format").
@@ -14,3 +16,9 @@ SCHEMES = ("fp8-blockwise", "fp8-per-channel")
 DEFAULT_SCHEME = "fp8-blockwise"
 # Routed-expert storage on device: a converter scheme, or unquantized bf16 (planned and configured; never written).
 EXPERT_FORMATS = (*SCHEMES, "bf16")
+
+
+def check_expert_format(name) -> None:
+    """Refuse an expert format that is none of EXPERT_FORMATS, naming the flag."""
+    if name not in EXPERT_FORMATS:
+        raise KimiInputError(f"--experts {name!r}: expected one of {', '.join(EXPERT_FORMATS)}")

@@ -7,12 +7,12 @@ Logical weights (logical_shapes): the HF names, one `X.weight` per linear, norm 
 shapes (test/unit/test_formats.py builds it and compares), whatever the storage (FP8, INT4, BF16).
 
 The converted checkpoint (converted_tensors): every key keeps the HF `model.` prefix, which NxDI strips before loading
-(NXDI_CONTRACT.md: state-dict-prefix).
+(neuron/NXDI_CONTRACT.md: state-dict-prefix).
 - unchanged HF names, bf16: embeddings, all norms, all of `self_attn.*`, the dense layers' `mlp.{gate,up,down}_proj`,
   `mlp.shared_experts.*`, `lm_head`;
 - the router, fp32: `mlp.gate.weight` -> `mlp.router.linear_router.weight` [E, H] (NxD's router names its linear
   `linear_router`), `mlp.gate.e_score_correction_bias` -> `mlp.router.e_score_correction_bias` [E];
-- the routed experts of a layer fused, as NxD's ExpertMLPsV2 holds them (NXDI_CONTRACT.md: expert-names):
+- the routed experts of a layer fused, as NxD's ExpertMLPsV2 holds them (neuron/NXDI_CONTRACT.md: expert-names):
   `mlp.expert_mlps.mlp_op.gate_up_proj.weight` float8_e4m3fn [E, H, 2I] (gate columns, then up) and
   `mlp.expert_mlps.mlp_op.down_proj.weight` [E, I, H], each with a float32 `.scale` beside it (same prefix, `scale`
   instead of `weight`) shaped by the expert scheme (scheme.py).

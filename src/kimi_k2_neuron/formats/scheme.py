@@ -1,5 +1,5 @@
 """One FP8 expert quantization of the converted checkpoint: the scale layout of the fused [E, in, out] expert
-weights, and the NxD NeuronConfig settings it loads under (see NXDI_CONTRACT.md beside the Neuron shell: scale-grid,
+weights, and the NxD NeuronConfig settings it loads under (neuron/NXDI_CONTRACT.md: scale-grid,
 expert-per-channel-axis).
 
 * `fp8-blockwise`: NxD's `blockwise_symmetric` with block axes [1, 2] (in, out), float32 scales of shape

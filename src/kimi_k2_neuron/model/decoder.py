@@ -1,4 +1,8 @@
-"""One Kimi-K2 decoder layer: pre-norm MLA attention, then a pre-norm dense MLP or MoE block."""
+"""One Kimi-K2 decoder layer: pre-norm MLA attention, then a pre-norm dense MLP or MoE block.
+
+The Neuron shell builds this same layer (its MoE block is NxD's, from NxDParallelContext.moe) and only answers
+NxDI's forward contract in a subclass.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from torch import nn
 from ..config import KimiK2Config
 from ..parallel import ParallelContext
 from .mla import MLAttention
-from .moe import MLP, MoE
+from .moe import MLP
 from .norm import RMSNorm
 
 
@@ -18,8 +22,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = MLAttention(cfg, dtype, ctx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = MoE(cfg, dtype, ctx)
+        self.is_moe = cfg.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp = ctx.moe(cfg, dtype)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ctx)
 

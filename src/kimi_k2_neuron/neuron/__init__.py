@@ -1,32 +1,30 @@
 """Kimi-K2 on AWS Trainium2 through NxDI: the thin shell around the kimi_k2_neuron core.
 
-Needs the Neuron SDK (neuronx-distributed-inference, neuronx-distributed, torch-neuronx; SDK 2.29+). Without it this
-import raises ImportError naming what is missing; `import kimi_k2_neuron` never needs it.
+    contract.py        what Kimi requires of NxDI: the SDK, NeuronConfig settings and refusals, EP rules, FP8
+                       environment, compiler arguments, the checkpoint's keys in the model's state dict (pure)
+    loader.py          the converted checkpoint as the model's state dict, memory-mapped (pure)
+    modeling.py        KimiK2InferenceConfig, NeuronKimiK2Model, NeuronKimiK2ForCausalLM (needs the SDK)
+    serving.py         compile, load, generate: what the trn2 scripts and tests share (needs the SDK)
+    cpu.py             the NxDI model in NxD's CPU mode (needs NxD/NxDI)
+    xla_trace.py       one submodel traced with torch_xla on its CPU device (needs NxD/NxDI and torch_xla)
+    NXDI_CONTRACT.md   the NxDI/NxD code each choice rests on (file:line), by name
 
-Module map, SDK-free: contract (serving options -> NeuronConfig, checks, compiler args), keys (checkpoint keys ->
-state dict), layers (attention and router in NxDI/NxD's contracts), loader (memory-mapped converted checkpoint);
-then config (InferenceConfig) -> kv_cache (latent cache manager) -> modeling (decoder layer, model, application
-class) -> serving (compile, load, generate).
+The pure modules import anywhere; the SDK-backed ones, and the names below taken from this package, raise the
+ImportError that names the missing Neuron packages (SDK 2.29+) when the SDK is not there.
 """
 
 from .contract import missing_neuron_packages
 
-_missing = missing_neuron_packages()
-if _missing:
-    raise ImportError(
-        "kimi_k2_neuron.neuron needs the AWS Neuron SDK; missing: " + ", ".join(_missing) + ". Use a Neuron DLAMI "
-        "virtualenv (SDK 2.29+) or `pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
-        + " ".join(_missing) + "` (the PyPI packages of these names are placeholders); to run this NxDI model "
-        "on CPU without them, see the README section 'The NxDI model on CPU'. The CPU core (kimi_k2_neuron) works "
-        "without them.")
+# Resolved on first use from modeling.py, so that importing the pure modules never needs the SDK.
+_MODELING = ("NeuronKimiK2ForCausalLM", "NeuronKimiK2Model", "KimiK2InferenceConfig", "KimiK2DecoderLayer",
+             "NxDParallelContext")
 
-from .config import KimiK2InferenceConfig  # noqa: E402
-from .modeling import (  # noqa: E402
-    KimiK2DecoderLayer,
-    NeuronKimiK2ForCausalLM,
-    NeuronKimiK2Model,
-    NxDParallelContext,
-)
+__all__ = [*_MODELING, "missing_neuron_packages"]
 
-__all__ = ["NeuronKimiK2ForCausalLM", "NeuronKimiK2Model", "KimiK2InferenceConfig", "KimiK2DecoderLayer",
-           "NxDParallelContext", "missing_neuron_packages"]
+
+def __getattr__(name: str):
+    if name in _MODELING:
+        from . import modeling
+
+        return getattr(modeling, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,9 +7,10 @@ device path does and loads it strictly. What this cannot show: tracing (xla_trac
 on its CPU device), neuronx-cc, NKI kernels, Neuron collectives, HBM. Where NxD would take a device-only path (the
 NKI blockwise prefill kernel), it takes its torch path here, and MoEPaths says which one ran.
 
-Rows of different lengths are right-padded as NxDI's HuggingFaceGenerationAdapter pads them (pad position ids 1,
-hf_adapter.py:283-294). A compiled context bucket below seq_len would need per-bucket n_positions, which only the
-traced path sets (ModelWrapper.get, model_wrapper.py:1567-1573), so a CPU run compiles one bucket of seq_len.
+Rows of different lengths are right-padded as NxDI's HuggingFaceGenerationAdapter pads them, pad position ids 1
+(NXDI_CONTRACT.md: adapter-pad-positions). A compiled context bucket below seq_len would need per-bucket n_positions,
+which only the traced path sets (NXDI_CONTRACT.md: bucket-positions), so a CPU run compiles one bucket of seq_len.
+The NxDI/NxD code this rests on is cited by name from NXDI_CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -22,20 +23,21 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
-from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD
-from neuronx_distributed_inference.models.config import MoENeuronConfig
+from .contract import require_neuron_sdk
 
-from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.formats import DEFAULT_SCHEME
-from kimi_k2_neuron.formats.record import ConversionRecord
+require_neuron_sdk()
 
-from . import contract
-from .config import KimiK2InferenceConfig
-from .loader import converted_dir_for, ensure_converted
-from .modeling import NeuronKimiK2ForCausalLM
+import torch  # noqa: E402
+from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
+from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD  # noqa: E402
+
+from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
+from kimi_k2_neuron.formats import DEFAULT_SCHEME  # noqa: E402
+from kimi_k2_neuron.formats.record import ConversionRecord  # noqa: E402
+
+from . import contract  # noqa: E402
+from .loader import converted_dir_for, ensure_converted  # noqa: E402
+from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 
 CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -87,20 +89,18 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet."""
     check(o)
     path, record = converted_checkpoint(o)
-    cfg = KimiK2Config.from_file(path)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record.experts, checkpoint=str(path),
         quant_record=record.nxd, on_device_sampling=sampling is not None, **(sampling or {}),
         extra={"on_cpu": True, "torch_dtype": CPU_DTYPES[o.dtype]})
-    config = KimiK2InferenceConfig.from_checkpoint(path, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, opts)))
-    return NeuronKimiK2ForCausalLM(str(path), config)
+    return NeuronKimiK2ForCausalLM(str(path), KimiK2InferenceConfig.for_serving(path, opts))
 
 
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     """NxDI's pre-sharding (our shard_weights: NxD's ModelBuilder.shard_checkpoint, a few ranks per pass) of the
     checkpoint at o.tp, as compile() runs it after tracing: `out`/weights/tp{rank}_sharded_checkpoint.safetensors.
-    Outside NxD's CPU mode, as on a trn2 host: ModelBuilder shards under a mocked torch.distributed
-    (model_builder.py:828-835), and in CPU mode NxD would ask it for gloo groups (parallel_state.py:801)."""
+    Outside NxD's CPU mode, as on a trn2 host: ModelBuilder shards under a mocked torch.distributed, and in CPU
+    mode NxD would ask it for gloo groups (NXDI_CONTRACT.md: sharding-outside-cpu-mode)."""
     app = application(o, seq_len, batch)
     with nxd_cpu_mode(False):
         app.shard_weights(str(out))
@@ -109,7 +109,8 @@ def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
 
 @contextlib.contextmanager
 def nxd_cpu_mode(on: bool):
-    """NXD_CPU_MODE for a block (NxD reads it at every cpu_mode() call, utils/__init__.py:6-8), restored after."""
+    """NXD_CPU_MODE for a block (NxD reads it at every cpu_mode() call, NXDI_CONTRACT.md: cpu-mode-switch), restored
+    after."""
     previous = os.environ.get("NXD_CPU_MODE")
     os.environ["NXD_CPU_MODE"] = "1" if on else "0"
     try:
@@ -125,10 +126,9 @@ def nxd_cpu_mode(on: bool):
 
 class MoEPaths:
     """Records which ExpertMLPsV2 inference path each MoE call takes, with forward pre-hooks on the model's own
-    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (expert_mlps_v2.py:
-    1467-1497); the nxdi-cpu tier checks it against the method NxD really calls. `blockwise` runs NxD's torch
-    implementation here: the NKI blockwise kernel exists only on device (blockwise.py:759-760, "Cannot run blockwise
-    NKI kernel on CPU")."""
+    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (NXDI_CONTRACT.md:
+    moe-paths); the nxdi-cpu tier checks it against the method NxD really calls. `blockwise` runs NxD's torch
+    implementation here: the NKI blockwise kernel exists only on device (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
 
     DEVICE_ONLY = {"blockwise": "on trn2 the NKI blockwise kernel (with --moe-prefill kernel) instead of torch"}
 
@@ -165,7 +165,7 @@ class MoEPaths:
 
 
 def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
-    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (expert_mlps_v2.py:1467-1497)."""
+    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (NXDI_CONTRACT.md: moe-paths)."""
     cfg = module.routed_experts_mlp_config
     loaded = tokens * cfg.top_k / cfg.num_experts
     ep = module.moe_expert_model_parallel_group.size() > 1
@@ -186,7 +186,7 @@ def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
 
 def padded_prefill(rows: list[list[int]], lengths: list[int]):
     """input_ids, attention_mask and position_ids of a right-padded prefill, as NxDI's HF adapter makes them:
-    positions count the real tokens, padding gets position 1 (hf_adapter.py:283-294)."""
+    positions count the real tokens, padding gets position 1 (NXDI_CONTRACT.md: adapter-pad-positions)."""
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -201,8 +201,9 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = 
     Row r's first min(prefill_len, len) tokens go through NxDI's context-encoding submodel in one call; the rest are
     fed one token per call through the token-generation submodel and NxDI's KV cache, all rows together, each at
     its own position (a row already done is fed token 0 and its logits dropped). NxDI returns only the last prefill
-    position's logits (model_base.py:964-976), so the prefill's final hidden states are read with a forward hook on
-    the model's norm and put through its lm_head; the position NxDI returns is checked against them."""
+    position's logits (NXDI_CONTRACT.md: last-position-logits), so the prefill's final hidden states are read with a
+    forward hook on the model's norm and put through its lm_head; the position NxDI returns is checked against
+    them."""
     b, longest = len(rows), max(len(r) for r in rows)
     k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
     out = torch.full((b, longest, app.config.vocab_size), float("nan"))
@@ -235,7 +236,8 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = 
 
 
 def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
-    """NeuronBaseForCausalLM.forward (model_base.py:3314-3460), with NxD's CPU-mode FP8 indexing bug named."""
+    """NeuronBaseForCausalLM.forward, with NxD's CPU-mode FP8 indexing bug named (NXDI_CONTRACT.md:
+    cpu-fp8-index)."""
     try:
         return app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids).logits.float()
     except NotImplementedError as e:
@@ -354,8 +356,8 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
 # -- NxDI's benchmark -------------------------------------------------------------------------------------------------
 
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
-    """NxDI's benchmark_sampling (utils/benchmark.py:21-207) on the NxDI model in NxD's CPU mode: the report
-    scripts/bench_tpot.py makes on trn2, here with CPU latencies that say nothing about trn2."""
+    """NxDI's benchmark_sampling on the NxDI model in NxD's CPU mode: the report scripts/bench_tpot.py makes on trn2,
+    here with CPU latencies that say nothing about trn2."""
     return run(o, _benchmark_job, seq_len, batch, num_runs)
 
 

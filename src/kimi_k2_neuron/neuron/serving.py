@@ -2,7 +2,7 @@
 
 A compiled folder holds NxDI's model.pt, neuron_config.json and weights/tp{rank}_sharded_checkpoint.safetensors,
 plus `kimi_k2_neuron.json` recording which checkpoint it was compiled from and how (so run/bench find the tokenizer
-and the options without repeating them).
+and the options without repeating them). The NxDI code this rests on is cited by name from NXDI_CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-from neuronx_distributed_inference.models.config import MoENeuronConfig
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 
 from . import contract
-from .config import KimiK2InferenceConfig
-from .modeling import NeuronKimiK2ForCausalLM
+from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 
 logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
@@ -30,12 +28,10 @@ RECORD = "kimi_k2_neuron.json"
 
 def compile_model(checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
                   plan_summary: str | None = None) -> NeuronKimiK2ForCausalLM:
-    cfg = KimiK2Config.from_file(checkpoint)
-    kwargs = contract.neuron_config_kwargs(cfg, options)
-    config = KimiK2InferenceConfig.from_checkpoint(checkpoint, MoENeuronConfig(**kwargs))
+    config = KimiK2InferenceConfig.for_serving(checkpoint, options)
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
-    app.compile(str(out))  # traces CTE + TKG, saves model.pt, then pre-shards the weights (application_base.py:292)
+    app.compile(str(out))  # traces CTE + TKG, saves model.pt, then pre-shards (NXDI_CONTRACT.md: compile-steps)
     seconds = time.monotonic() - t0
     record = {"checkpoint": str(Path(checkpoint).resolve()), "options": dataclasses.asdict(options),
               "plan": plan_summary, "compile_and_shard_seconds": round(seconds, 1)}
@@ -72,7 +68,8 @@ def load_tokenizer(checkpoint: str | Path):
 
 class _Stream(StoppingCriteria):
     """Prints row 0's new text as it is generated. NxDI's generation adapter calls the stopping criteria once per
-    step (hf_adapter.py:247) and has no `streamer` support, so streaming rides on this hook; it never stops."""
+    step and has no `streamer` support (NXDI_CONTRACT.md: adapter-stopping-criteria), so streaming rides on this
+    hook; it never stops."""
 
     def __init__(self, decode, prompt_len: int, write):
         self.decode, self.start, self.write, self.shown = decode, prompt_len, write, ""
@@ -116,10 +113,10 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     contract.check_prompt_lengths([len(e) for e in enc])
     width = max(len(e) for e in enc)
     nc = app.neuron_config
-    # The prompt must fit the CTE bucket (model_wrapper.py:771-778 raises otherwise), and every decode step must write
-    # inside the cache: the step at position p scatters at p and sends a [0, p) mask padded to max_length
-    # (kv_cache_manager.py:577-586, model_wrapper.py:813-826). The last fed token sits at width + new - 2, so
-    # new <= seq_len - width keeps it in range; beyond that the scatter leaves the cache and the next step raises.
+    # The prompt must fit the CTE bucket, and every decode step must write inside the cache: the step at position p
+    # scatters at p and sends a [0, p) mask padded to max_length (NXDI_CONTRACT.md: generation-limits). The last fed
+    # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
+    # cache and the next step raises.
     if width > nc.max_context_length:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {nc.max_context_length}")
     limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone

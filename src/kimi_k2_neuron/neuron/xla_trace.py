@@ -2,13 +2,13 @@
 `kimi-k2-neuron trace-cpu`.
 
 On trn2, ModelBuilder traces each submodel's forward through torch_xla into one HLO graph per bucket
-(model_builder.py:551-576) and hands it to neuronx-cc. A host sync (a tensor read back mid-forward), a
+(NXDI_CONTRACT.md: aot-build) and hands it to neuronx-cc. A host sync (a tensor read back mid-forward), a
 data-dependent shape or an op torch_xla cannot lower shows up there only as a failed or exploding compile. The same
 lazy-tensor trace runs here on torch_xla's CPU device:
 
 1. the submodel is built and loaded by cpu.build (NxD's CPU mode, the device path's build), and one prefill plus
    one decode step run eagerly; a forward pre-hook records the arguments NxDI's model wrapper passes the submodel
-   (padded to the bucket, int32: model_wrapper.py:1315-1335, 705-718), the KV cache before the call, and the
+   (padded to the bucket, int32: NXDI_CONTRACT.md: wrapper-inputs), the KV cache before the call, and the
    outputs, the eager reference;
 2. the submodel moves to the XLA device and the recorded call is replayed in NxD's device mode (NXD_CPU_MODE=0),
    so NxD/NxDI take the branches they take when ModelBuilder traces (not their CPU-mode ones);
@@ -19,7 +19,7 @@ lazy-tensor trace runs here on torch_xla's CPU device:
 What it cannot show: ModelBuilder's input/output aliasing of the KV cache and its weight layout optimization, NKI
 custom calls (the kernels NxD uses only on device are not traced here), whether neuronx-cc accepts the graph, and
 HBM. At TP > 1 the graph has collectives; ModelBuilder traces all ranks in one process under a mocked
-torch.distributed (model_builder.py:551-560), which this does not do (see check).
+torch.distributed (NXDI_CONTRACT.md: mock-distributed), which this does not do (see check).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def _stopped(o: TraceOptions, e: Exception) -> TraceReport:
 
 def output_names(n: int) -> list[str]:
     """The submodel's outputs without on-device sampling: logits, then each layer's K and V cache
-    (model_base.py:1016-1031; K, V per layer in kv_cache_manager.py:158-163)."""
+    (NXDI_CONTRACT.md: submodel-outputs)."""
     return ["logits"] + [f"cache.{i // 2}.{'kv'[i % 2]}" for i in range(n - 1)]
 
 

@@ -62,7 +62,7 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
     if nprocs < 1:
         raise KimiInputError(f"nprocs {nprocs}: expected at least 1 rank")
     ctx = multiprocessing.get_context("spawn")
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
     procs, reports = [], []
     try:
         with _signals(_raise_interrupted):
@@ -80,7 +80,8 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
             _stop(procs)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now (the MASTER_PORT of a fresh process group)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -2,14 +2,11 @@
 """Fixtures of the contrib's CPU tests: Kimi-K2's real config.json files, tiny checkpoints in Kimi-K2's storage
 formats converted to the recommended layout, and the Neuron shell's SDK-free modules."""
 
-import importlib
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
-import kimi_k2_neuron
 from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert import convert
@@ -46,11 +43,8 @@ def converted(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def shell() -> types.SimpleNamespace:
-    """kimi_k2_neuron.neuron's modules that need no Neuron SDK (contract, keys, layers, loader). The package's
-    __init__ refuses to import without the SDK, so they are imported through an alias package over the same
-    folder, which runs the same files without that check."""
-    alias = types.ModuleType("_kimi_k2_shell_sdk_free")
-    alias.__path__ = [str(Path(kimi_k2_neuron.__file__).parent / "neuron")]
-    sys.modules.setdefault(alias.__name__, alias)
-    names = ("contract", "keys", "layers", "loader")
-    return types.SimpleNamespace(**{n: importlib.import_module(f"{alias.__name__}.{n}") for n in names})
+    """kimi_k2_neuron.neuron's modules that need no Neuron SDK: contract (what Kimi requires of NxDI, the key map)
+    and loader (the converted checkpoint, memory-mapped)."""
+    from kimi_k2_neuron.neuron import contract, loader
+
+    return types.SimpleNamespace(contract=contract, loader=loader)

@@ -20,14 +20,14 @@ from kimi_k2_neuron.plan import format_plan, plan
 def _state(shell, dst, tp=2):
     """The Neuron model's state dict from a converted checkpoint, as its checkpoint_loader_fn builds it."""
     nc = types.SimpleNamespace(**ConversionRecord.read(dst).nxd, tp_degree=tp)  # the fields MoENeuronConfig takes from it
-    return shell.keys.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
+    return shell.contract.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
 def test_the_converted_checkpoint_is_what_the_neuron_model_loads(converted, shell, quant):
     _, dst, _ = converted[quant]
     state = _state(shell, dst)  # strict: raises on a missing or unexpected tensor, shape or dtype
-    assert set(state) == shell.keys.expected_keys(KimiK2Config.from_file(dst), DEFAULT_SCHEME) | {"rank_util.rank"}
+    assert set(state) == shell.contract.expected_keys(KimiK2Config.from_file(dst), DEFAULT_SCHEME) | {"rank_util.rank"}
 
 
 def _nxd_experts(state, layer, e, i):
