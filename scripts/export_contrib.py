@@ -4,8 +4,9 @@ DEST gets this repository's contrib/models/Kimi-K2 (README, pytest.ini, the entr
 contrib's own unit and integration tests), the Kimi-K2 config.json files its unit tests read (test/data/configs ->
 test/unit/data), and a byte-for-byte copy of every module of the kimi_k2_neuron package the contrib needs
 (src/kimi_k2_neuron/): the NxDI shell, kimi_k2_neuron.neuron, and whatever it and the contrib's own files import,
-followed transitively, with the documents beside them (the shell's NXDI_CONTRACT.md). The rest of the package (the CLI, the transformers oracle) stays here, and nothing outside
-DEST is needed to run it: `cd DEST && pytest test/unit` (CPU) or `pytest test/integration` (a Neuron instance).
+followed transitively, with the documents beside them (the shell's NXDI_CONTRACT.md). The rest of the package (the
+CLI, the transformers oracle) stays here, and nothing outside DEST is needed to run it: `cd DEST && pytest test/unit`
+(CPU) or `pytest test/integration` (a Neuron instance).
 
 DEST must be absent, empty, or an earlier export (which is replaced). test/unit/test_export_contrib.py exports into
 a temporary folder, runs the exported unit tests with only DEST/src on the path and compares every exported module

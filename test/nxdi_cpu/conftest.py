@@ -16,7 +16,6 @@ import inspect
 from pathlib import Path
 
 import pytest
-import torch
 
 from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 

@@ -4,8 +4,9 @@
 
 Writes `row{i}`: float32 [len(row i), V] logits of DeepseekV3ForCausalLM fed the raw checkpoint as
 kimi_k2_neuron.testing.transformers_oracle dequantizes it with transformers' / compressed-tensors' code (each row
-alone, its first min(PREFILL_LEN, len) tokens in one call, then one token at a time through HF's KV cache). --bf16-non-experts rounds
-every weight but the routed experts and the router to bfloat16 first: what a converted checkpoint stores.
+alone, its first min(PREFILL_LEN, len) tokens in one call, then one token at a time through HF's KV cache).
+--bf16-non-experts rounds every weight but the routed experts and the router to bfloat16 first: what a converted
+checkpoint stores.
 """
 
 import json

@@ -1,13 +1,137 @@
-"""modeling.py's pieces that answer NxD/NxDI's contracts, one at a time: the router NxD's MoE calls, and the masks of
-a decode step (the whole model: test_to_cpu.py, test_logits.py)."""
+"""modeling.py through the real NxD/NxDI, in NxDI's order: KimiK2InferenceConfig through NxDI's own save/load (the
+derived fields and our NeuronConfig settings survive the round trip, what this port does not implement is refused
+again on reload), the model's pieces that answer NxD/NxDI's contracts (the router NxD's MoE calls, the masks of a
+decode step), and NeuronKimiK2ForCausalLM.to_cpu, which builds each submodel as the device path builds it and loads
+it strictly (the whole model's logits: test_cpu.py)."""
+
+import json
+import shutil
 
 import pytest
 import torch
+from neuronx_distributed.quantization.quantization_layers import (QuantizedExpertFusedColumnParallel,
+                                                                  QuantizedExpertFusedRowParallel)
+from neuronx_distributed_inference.models.config import MoENeuronConfig
+from nxdi_support import REPO
 
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, cpu, modeling
+from kimi_k2_neuron.neuron.loader import unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
+
+# -- the config: KimiK2InferenceConfig through NxDI's save and load ----------------------------------------------------
+
+CONFIGS = ["kimi-k2-instruct.json", "kimi-k2-instruct-0905.json", "kimi-k2-thinking.json"]
+
+
+def _config(tmp_path, name, **opts):
+    opts = {"tp": 64, **opts}
+    src = tmp_path / "ckpt"
+    src.mkdir(exist_ok=True)
+    shutil.copy(REPO / "test/data/configs" / name, src / "config.json")
+    cfg = KimiK2Config.from_file(src)
+    kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(experts="bf16", **opts))
+    return cfg, KimiK2InferenceConfig.from_checkpoint(src, MoENeuronConfig(**kw))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_config_survives_nxdis_save_and_load(tmp_path, name):
+    cfg, config = _config(tmp_path, name)
+    config.save(str(tmp_path / "compiled"))
+    again = KimiK2InferenceConfig.load(str(tmp_path / "compiled"))
+    assert (again.head_dim, again.num_local_experts) == (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.n_routed_experts)
+    assert again.head_dim == 576 and again.intermediate_size == cfg.intermediate_size
+    assert again.num_key_value_heads == json.loads((tmp_path / "ckpt/config.json").read_text())["num_key_value_heads"]
+    assert again.core_config() == config.core_config() == KimiK2Config.from_dict(
+        {**json.loads((tmp_path / "ckpt/config.json").read_text()), "quantization_config": None})
+    nc = again.neuron_config
+    # MoENeuronConfig reads only disable_normalize_top_k_affinities back (config.py:822); add_derived_config restores
+    assert nc.normalize_top_k_affinities is False and nc.cast_type == "as-declared" and nc.capacity_factor is None
+    assert (nc.router_config.act_fn, nc.router_config.dtype) == ("sigmoid", torch.float32)
+    assert nc.tkg_batch_size == nc.ctx_batch_size == nc.max_batch_size == 1
+
+
+def test_a_reloaded_config_is_checked_again(tmp_path):
+    """A neuron_config.json edited by hand (here: capacity_factor) is refused when NxDI reloads it."""
+    _, config = _config(tmp_path, "kimi-k2-instruct-0905.json")
+    config.save(str(tmp_path / "compiled"))
+    path = tmp_path / "compiled" / "neuron_config.json"
+    saved = json.loads(path.read_text())
+    saved["neuron_config"]["capacity_factor"] = 1.0
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="capacity_factor=1.0 \\(drops prefill tokens"):
+        KimiK2InferenceConfig.load(str(tmp_path / "compiled"))
+
+
+# Settings this port does not implement, set on a real MoENeuronConfig through ServeOptions.extra (the reload path is
+# test_a_reloaded_config_is_checked_again's).
+REFUSED = [
+    ({"capacity_factor": 1.0}, "capacity_factor=1.0 (drops prefill tokens"),
+    ({"sequence_parallel_enabled": True}, "sequence_parallel_enabled=True"),
+    ({"moe_fused_nki_kernel_enabled": True}, "selection-only bias"),
+    ({"padding_side": "left"}, "padding_side='left'"),
+    ({"qkv_kernel_fuse_residual_add": True}, "returns no residual"),
+    ({"attention_dtype": "float32"}, "attention_dtype=torch.float32 != torch_dtype"),
+    ({"tkg_batch_size": 1, "kv_cache_batch_size": 2, "max_batch_size": 2}, "tkg_batch_size=1 < kv_cache_batch_size=2"),
+    ({"ep_degree": 2}, "global EP counts the shared expert"),
+]
+
+
+@pytest.mark.parametrize("over,needle", REFUSED, ids=[next(iter(o)) for o, _ in REFUSED])
+def test_settings_not_implemented_are_refused_on_a_real_neuron_config(tmp_path, over, needle):
+    with pytest.raises(ValueError, match="unsupported NeuronConfig") as e:
+        _config(tmp_path, "kimi-k2-instruct-0905.json", extra=over)
+    assert needle in str(e.value)
+
+
+EP = dict(tp=64, ep=16, batch=48, seq_len=128)
+EP_REFUSED = [
+    ({"moe_tp_degree": 8}, "moe_tp_degree=8 x moe_ep_degree=16 != tp_degree=64"),
+    ({"moe_ep_degree": 8, "moe_tp_degree": 8}, "moe_ep_degree=8 at tp_degree=64"),
+    ({"blockwise_matmul_config": {"logical_nc_config": 2, "parallelize_token_to_block_mapping": False}},
+     "no spmd_rank"),
+    ({"blockwise_matmul_config": {"logical_nc_config": 2, "block_size": 2**30}}, "all-experts prefill with EP"),
+    ({"tkg_batch_size": 8}, "with batch 8: NxD decodes EP only on all experts"),
+]
+
+
+@pytest.mark.parametrize("over,needle", EP_REFUSED, ids=[str(o) for o, _ in EP_REFUSED])
+def test_moe_expert_parallelism_is_rechecked_on_a_real_neuron_config(tmp_path, over, needle):
+    _config(tmp_path, "kimi-k2-instruct-0905.json", **EP)  # accepted as --ep 16 sets it
+    with pytest.raises(ValueError, match="unsupported NeuronConfig") as e:
+        _config(tmp_path, "kimi-k2-instruct-0905.json", **EP, extra=over)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("scratchpad", [None, 1024])
+def test_compiler_args_are_nxdis_own_plus_kimis(converted, scratchpad):
+    """Each submodel's string, as compile_and_save builds the application, against what NxDI's ModelWrapper computes
+    for the same config by itself (model_wrapper.py:85-162): all of NxDI's kept (prefill's
+    --modular-flow-mac-threshold=10, a scratchpad page size reaching the compiler), Kimi's added."""
+    from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
+
+    from kimi_k2_neuron.formats.record import ConversionRecord
+    from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM
+
+    ckpt = converted[("fp8", "fp8-blockwise")]
+    rec = ConversionRecord.read(ckpt)
+    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec.experts, checkpoint=str(ckpt),
+                                 quant_record=rec.nxd,
+                                 extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
+    kw = contract.neuron_config_kwargs(KimiK2Config.from_file(ckpt), opts)
+    app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.from_checkpoint(ckpt, MoENeuronConfig(**kw)))
+    for w in app.models:
+        nxdi = ModelWrapper(config=w.config, model_cls=w.model_cls, tag=w.tag, compiler_args=None).compiler_args
+        assert w.compiler_args == nxdi.strip() + " " + " ".join(contract.KIMI_COMPILER_ARGS)
+        assert ("--modular-flow-mac-threshold=10" in nxdi) == (w.tag == "context_encoding_model")
+        assert ("--hbm-scratchpad-page-size=1024" in nxdi) == bool(scratchpad)
+        assert (" -O1 " if w.tag == "context_encoding_model" else " -O2 ") in nxdi and "--lnc=2" in nxdi
+
+
+# -- the model ---------------------------------------------------------------------------------------------------------
 
 def tiny_cfg(**over) -> KimiK2Config:
     return KimiK2Config.from_dict({**tiny_config_dict("bf16"), **over})
@@ -56,3 +180,108 @@ def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
         core_visible = torch.arange(6) <= p
         core_visible[p] = False  # slot p is not written yet on Neuron: the token itself is the active segment
         assert torch.equal(prior[b, 0, 0], core_visible)
+
+
+# -- the application: to_cpu builds as the device path does, and loads strictly ----------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_app(converted):
+    """bfloat16 at TP=1, the device dtype: NxDI's own to_cpu would cast the float32 router to bf16 here."""
+    return cpu.build(cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), dtype="bfloat16"), 16, 2)
+
+
+def _moe_layer(model):
+    return next(layer.mlp for layer in model.layers if layer.is_moe)
+
+
+def test_parameters_keep_their_declared_dtypes(bf16_app):
+    for wrapper in bf16_app.models:
+        model = wrapper.model
+        dtypes = {n: p.dtype for n, p in model.named_parameters()}
+        router = {n: d for n, d in dtypes.items() if ".mlp.router." in n}
+        assert router and set(router.values()) == {torch.float32}, router
+        assert dtypes["layers.0.self_attn.q_a_proj.weight"] == torch.bfloat16
+        assert dtypes["embed_tokens.weight"] == torch.bfloat16
+
+
+def test_fp8_experts_are_nxd_quantized_layers_with_their_scales(bf16_app):
+    """NxDI's to_cpu skips quantize.convert, so FP8 codes would load into plain bf16 expert layers and the scales be
+    dropped; built as on device they are NxD's quantized expert layers holding float8 codes and float32 scales."""
+    op = _moe_layer(bf16_app.context_encoding_model.model).expert_mlps.mlp_op
+    assert isinstance(op.gate_up_proj, QuantizedExpertFusedColumnParallel)
+    assert isinstance(op.down_proj, QuantizedExpertFusedRowParallel)
+    for proj in (op.gate_up_proj, op.down_proj):
+        assert proj.weight.dtype == torch.float8_e4m3fn and proj.scale.dtype == torch.float32
+        assert proj.scale.abs().sum() > 0  # loaded, not left at its allocation
+
+
+def test_each_submodel_is_built_with_its_own_config(bf16_app):
+    """As enable_context_encoding / enable_token_generation configure them (model_base.py:3107-3141)."""
+    cte, tkg = bf16_app.context_encoding_model.model, bf16_app.token_generation_model.model
+    assert cte is not tkg
+    assert _moe_layer(cte).expert_mlps.is_prefill is True
+    assert _moe_layer(tkg).expert_mlps.is_prefill is False
+
+
+def test_loading_is_strict_both_ways(bf16_app):
+    model = bf16_app.token_generation_model.model
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("kv_mgr.past_key_values.")}
+    assert unloaded_parameters(model, [], state) == []
+    # kv_mgr.global_rank.rank is a second name of rank_util.rank: loaded with it, not missing
+    assert unloaded_parameters(model, ["kv_mgr.global_rank.rank"], state) == []
+    gone = "layers.1.mlp.router.e_score_correction_bias"
+    without = {k: v for k, v in state.items() if k != gone}
+    assert unloaded_parameters(model, [gone], without) == [gone]
+    with pytest.raises(KimiInputError, match="1 tensor\\(s\\) the model has no place for: layers.1.mlp.stray"):
+        modeling._check_no_unexpected(model, {**state, "layers.1.mlp.stray": torch.zeros(1)}, "ckpt")
+
+
+@pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
+def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
+    """quant.nxd_fp8.dequantize_nxd (the core runner's reading of a converted checkpoint) against NxD's quantized
+    expert layers themselves: an identity input through the loaded layer gives its dequantized weight [E, in, out]."""
+    from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
+
+    app = cpu.build(cpu.CpuOptions(model=str(converted[("fp8", scheme)])), 8, 1)
+    op = _moe_layer(app.token_generation_model.model).expert_mlps.mlp_op
+    for proj in (op.gate_up_proj, op.down_proj):
+        e, n_in = proj.weight.shape[0], proj.weight.shape[1]
+        with torch.no_grad():
+            nxd = proj(torch.eye(n_in).expand(e, 1, n_in, n_in).contiguous())[:, 0]
+        ours = torch.stack([dequantize_nxd(proj.weight[i], proj.scale[i]) for i in range(e)])
+        torch.testing.assert_close(ours, nxd, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
+def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
+    """checkpoint_loader_fn on a real KimiK2InferenceConfig at TP=2: every key the model's state dict has for weights,
+    the float32 router as the core reads it."""
+    from kimi_k2_neuron.neuron import contract
+    from kimi_k2_neuron.runtime.runner import CpuRunner
+
+    app = cpu.application(cpu.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
+    state = app.checkpoint_loader_fn()
+    cfg = app.config.core_config()
+    assert set(state) == contract.expected_keys(cfg, scheme) | {"rank_util.rank"}
+    core = CpuRunner(converted[("fp8", scheme)]).model
+    layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    assert state[f"layers.{layer}.mlp.router.weight"].dtype == torch.float32
+    torch.testing.assert_close(state[f"layers.{layer}.mlp.router.weight"], core.model.layers[layer].mlp.gate.weight)
+
+
+def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
+    app = cpu.application(cpu.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
+    app.neuron_config.quantized_checkpoints_path = str(converted[("fp8", "fp8-blockwise")])
+    with pytest.raises(KimiInputError, match="converted with experts=fp8-blockwise"):
+        app.checkpoint_loader_fn()
+
+
+def test_nxd_converts_exactly_the_routed_experts(bf16_app):
+    """NxD's quantize.convert with contract.modules_to_not_convert: quantized layers are the routed experts only."""
+    from neuronx_distributed.quantization.quantization_layers import BaseQuantizeParallelLinear
+
+    for wrapper in bf16_app.models:
+        quantized = {n for n, m in wrapper.model.named_modules() if isinstance(m, BaseQuantizeParallelLinear)}
+        moe = [i for i, layer in enumerate(wrapper.model.layers) if layer.is_moe]
+        projections = ("gate_up_proj", "down_proj")
+        assert quantized == {f"layers.{i}.mlp.expert_mlps.mlp_op.{p}" for i in moe for p in projections}

@@ -36,20 +36,6 @@ def _row(p, prefix):
     return row.bytes
 
 
-def _hand_params(c):
-    """Parameter count written out tensor by tensor, as the HF checkpoint stores them."""
-    h, heads, n_moe = c.hidden_size, c.num_attention_heads, c.num_hidden_layers - c.first_k_dense_replace
-    attn = (h * c.q_lora_rank + c.q_lora_rank                       # q_a_proj, q_a_layernorm
-            + c.q_lora_rank * heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)  # q_b_proj
-            + h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank        # kv_a_proj_with_mqa, kv_a_layernorm
-            + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)      # kv_b_proj
-            + heads * c.v_head_dim * h + 2 * h)                     # o_proj, input/post-attention norms
-    expert = 3 * h * c.moe_intermediate_size
-    moe = (c.n_routed_experts + c.n_shared_experts) * expert + c.n_routed_experts * (h + 1)  # + gate and its bias
-    dense = 3 * h * c.intermediate_size
-    return c.num_hidden_layers * attn + n_moe * moe + c.first_k_dense_replace * dense + 2 * c.vocab_size * h + h
-
-
 # --- known facts -----------------------------------------------------------------------------------------------
 
 def test_kimi_bf16_experts_do_not_fit_at_tp64(kimi):
@@ -94,30 +80,53 @@ def test_dsv3_needs_tp64_lnc2(dsv3):
 
 # --- byte counts by hand -----------------------------------------------------------------------------------------
 
+# Parameters counted by hand, tensor by tensor as the HF checkpoint stores them (hidden 7168, q_lora 1536, kv_lora 512,
+# rope 64, nope 128, v 128, 61 layers, experts of 2048 plus one shared, dense MLP 18432):
+# Kimi-K2 (64 heads, 384 experts, vocab 163840, 1 dense layer):
+#   attention per layer: q_a 7168*1536 + q_a_layernorm 1536 + q_b 1536*64*192 + kv_a 7168*576 + kv_a_layernorm 512
+#     + kv_b 512*64*256 + o 64*128*7168 + input/post-attention norms 2*7168 = 101,138,432
+#   MoE layer: 385 experts * 3*7168*2048 + router 384*(7168 + 1) = 16,958,226,816; dense layer: 3*7168*18432
+#   = 396,361,728
+#   61 * 101,138,432 + 60 * 16,958,226,816 + 396,361,728 + embed and lm_head 2*163840*7168 + norm 7168
+#   = 1,026,408,232,448; the fp32 router: 60 * 384 * 7169 = 165,173,760 parameters
+# DeepSeek-V3 (128 heads, 256 experts, vocab 129280, 3 dense layers):
+#   attention 187,121,664 per layer (q_b 1536*128*192, kv_b 512*128*256, o 128*128*7168, the rest as above);
+#   MoE layer 257 * 3*7168*2048 + 256*7169 = 11,320,164,608
+#   61 * 187,121,664 + 58 * 11,320,164,608 + 3 * 396,361,728 + 2*129280*7168 + 7168 = 671,026,419,200;
+#   router 58 * 256 * 7169 = 106,445,312
+KIMI_PARAMS, KIMI_ROUTER = 1_026_408_232_448, 165_173_760
+DSV3_PARAMS, DSV3_ROUTER = 671_026_419_200, 106_445_312
+
+
 def test_total_params_match_hand_count(kimi, dsv3):
-    for cfg, published in ((kimi, 1.0264e12), (dsv3, 671e9)):  # kimi_k2_family §7; DeepSeek-V3 paper
-        params = _hand_params(cfg)
-        assert abs(params / published - 1) < 2e-3
-        # At TP=1 everything is on one core: bf16 is 2 bytes a parameter, the fp32 router 2 more.
-        p = plan(cfg, tp=1, ep=1, lnc=2, seq_len=1, batch=1, experts="bf16")
-        assert p.weight_bytes == 2 * params + 2 * _row(p, "router") // 4
+    assert abs(KIMI_PARAMS / 1.0264e12 - 1) < 2e-3 and abs(DSV3_PARAMS / 671e9 - 1) < 2e-3  # as published
+    # At TP=1 everything is on one core: bf16 is 2 bytes a parameter, the fp32 router 2 more:
+    # 2 * 1,026,408,232,448 + 2 * 165,173,760 = 2,053,146,812,416; 2 * 671,026,419,200 + 2 * 106,445,312
+    # = 1,342,265,729,024.
+    for cfg, weight_bytes in ((kimi, 2_053_146_812_416), (dsv3, 1_342_265_729_024)):
+        assert plan(cfg, tp=1, ep=1, lnc=2, seq_len=1, batch=1, experts="bf16").weight_bytes == weight_bytes
+    assert (2 * KIMI_PARAMS + 2 * KIMI_ROUTER, 2 * DSV3_PARAMS + 2 * DSV3_ROUTER) == (2_053_146_812_416,
+                                                                                    1_342_265_729_024)
 
 
 def test_expert_scale_shapes_at_tp64(kimi):
-    c, n_moe = kimi, kimi.num_hidden_layers - kimi.first_k_dense_replace
-    e, h, i_local = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size // 64
-    # [128, 32] blocks (nxdi_contracts §3.6): local gate_up scale [E,56,2], local down scale [E,1,224], fp32.
+    c = kimi  # 60 MoE layers of 384 experts; per rank gate_up [7168, 64], down [32, 7168]
+    # [128, 32] blocks (nxdi_contracts §3.6): local gate_up scale [E,56,2], local down scale [E,1,224], fp32:
+    # 60 * 384 * (56*2 + 1*224) * 4 = 30,965,760.
     b128 = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-blockwise", block=(128, 32))
-    assert _row(b128, "routed expert scales") == n_moe * e * (56 * 2 + 1 * 224) * 4
-    # What the converter writes for an FP8 source, [32, 32]: gate_up [E, 7168/32, 64/32], down [E, 32/32, 7168/32].
+    assert _row(b128, "routed expert scales") == 30_965_760
+    # What the converter writes for an FP8 source, [32, 32]: gate_up [E, 7168/32, 64/32], down [E, 32/32, 7168/32]:
+    # 60 * 384 * (224*2 + 1*224) * 4 = 61,931,520.
     blockwise = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-blockwise")
-    assert _row(blockwise, "routed expert scales") == n_moe * e * (224 * 2 + 1 * 224) * 4
-    # ... and for an INT4 source, [32, 1] (one scale per INT4 group): gate_up [E, 224, 64], down [E, 1, 7168].
+    assert _row(blockwise, "routed expert scales") == 61_931_520
+    # ... and for an INT4 source, [32, 1] (one scale per INT4 group): gate_up [E, 224, 64], down [E, 1, 7168]:
+    # 60 * 384 * (224*64 + 1*7168) * 4 = 1,981,808,640.
     thinking = KimiK2Config.from_file(KIMI.parent / "kimi-k2-thinking.json")
     int4 = plan(thinking, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-blockwise")
-    assert _row(int4, "routed expert scales") == n_moe * e * (224 * 64 + 1 * 7168) * 4
+    assert _row(int4, "routed expert scales") == 1_981_808_640
+    # Per channel: [E, 1, 2I/tp] + [E, 1, H] = 60 * 384 * (2*32 + 7168) * 4 = 666,501,120.
     per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
-    assert _row(per_channel, "routed expert scales") == n_moe * e * (2 * i_local + h) * 4  # [E,1,2I/tp] + [E,1,H]
+    assert _row(per_channel, "routed expert scales") == 666_501_120
     # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank:
     # 60 MoE layers x 24 experts x 3 x 7168 x 512 fp8 bytes = 15,854,469,120. (seq_len 2: the compile path refuses
     # EP with a prefill under 512 token-expert pairs, and 48 x 1 x 8 = 384.)
@@ -128,7 +137,8 @@ def test_expert_scale_shapes_at_tp64(kimi):
 
 def test_kv_cache_and_slots(kimi):
     p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise", kv_slots=2)
-    assert p.kv_cache.bytes == 61 * 2 * 1024 * 576 * 2  # nxdi_contracts §1.4: 144 MB at B=1, S=1K
+    # 61 layers x 2 slots x 1024 tokens x 576 x 2 bytes = 143,917,056 (nxdi_contracts §1.4: 144 MB at B=1, S=1K)
+    assert p.kv_cache.bytes == 143_917_056
     one = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=4, experts="fp8-blockwise")
     assert one.kv_cache.bytes == p.kv_cache.bytes * 4 // 2  # our latent-only cache is the default
 
@@ -137,7 +147,15 @@ def test_roofline(kimi):
     p1 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise")
     assert p1.active_experts_per_layer == pytest.approx(kimi.num_experts_per_tok)
     assert p1.hbm_bytes_per_s == pytest.approx(2.9e12 / 4)
-    assert p1.tpot_lower_bound_s == pytest.approx(p1.bytes_per_token / p1.hbm_bytes_per_s)
+    # Bytes one decode step reads on a core, by hand: every non-expert weight, 61 layers of attention replicated
+    # (q_a + kv_a) 61*7168*(1536+576)*2 = 1,846,935,552 and TP-split (q_b + kv_b + o)
+    # 61*(18,874,368 + 8,388,608 + 58,720,256)/64*2 = 163,905,536, norms (61*(2*7168+1536+512) + 7168)*2 = 2,013,184,
+    # lm_head 163840/64*7168*2 = 36,700,160, the dense MLP 3*7168*18432/64*2 = 12,386,304, the shared experts
+    # 60*3*7168*2048/64*2 = 82,575,360, the fp32 router 60*384*7169*4 = 660,695,040 (2,805,211,136 in all); one
+    # embedding row 7168/64*2 = 224; 8 of the 384 local experts with their scales, (60*384*3*7168*32 + 61,931,520)*8/384
+    # = 331,591,680; the latent cache 61*1024*576*2 = 71,958,528: 3,208,761,568 bytes, / 725 GB/s = 4.426 ms.
+    assert p1.bytes_per_token == 3_208_761_568
+    assert p1.tpot_lower_bound_s == pytest.approx(3_208_761_568 / 725e9)
     p32 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=32, experts="fp8-blockwise")
     assert 8 < p32.active_experts_per_layer < kimi.n_routed_experts  # selective loading: the experts hit
     assert p32.bytes_per_token > p1.bytes_per_token
@@ -353,7 +371,7 @@ def test_cli_takes_the_experts_a_converted_checkpoint_holds(capsys, tmp_path):
 def test_fp8_blockwise_is_the_default_for_a_raw_checkpoint(capsys):
     """The recommended expert format (exact from FP8 and INT4 sources) is what plan and compile_and_save.py (through
     plan.experts_for) take when none is given and no converted checkpoint records one (ServeOptions:
-    test_neuron_shell.py)."""
+    test_contract.py)."""
     from kimi_k2_neuron.plan import experts_for
 
     assert _cli("--config", str(KIMI), "--json") == 0

@@ -35,8 +35,8 @@ class ConversionRecord:
 
     @classmethod
     def from_json(cls, rec, where: str) -> ConversionRecord:
-        if (not isinstance(rec, dict) or rec.get("layout_version") != LAYOUT_VERSION or rec.get("experts") not in SCHEMES
-                or not isinstance(rec.get("nxd"), dict)):
+        if (not isinstance(rec, dict) or rec.get("layout_version") != LAYOUT_VERSION
+                or rec.get("experts") not in SCHEMES or not isinstance(rec.get("nxd"), dict)):
             raise KimiInputError(f"{where}: field {CONVERSION_KEY} is not a layout-version {LAYOUT_VERSION} record "
                                  f"with experts in {list(SCHEMES)}")
         scheme = ExpertScheme.from_nxd(rec["nxd"])

@@ -19,7 +19,7 @@ from kimi_k2_neuron.plan import format_plan, plan
 
 def _state(shell, dst, tp=2):
     """The Neuron model's state dict from a converted checkpoint, as its checkpoint_loader_fn builds it."""
-    nc = types.SimpleNamespace(**ConversionRecord.read(dst).nxd, tp_degree=tp)  # the fields MoENeuronConfig takes from it
+    nc = types.SimpleNamespace(**ConversionRecord.read(dst).nxd, tp_degree=tp)  # what MoENeuronConfig takes of it
     return shell.contract.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
 
 

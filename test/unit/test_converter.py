@@ -1,5 +1,6 @@
-"""`kimi-k2-neuron convert`: every source x target on tiny checkpoints, the NxD layout and +-240 invariant,
-logit drift through the CPU runner, kill-and-resume byte identity, --verify, and one-line errors for bad input."""
+"""The converter (convert/): every source x target on tiny checkpoints, the NxD layout and +-240 invariant, logit
+drift through the CPU runner, kill-and-resume byte identity, --verify, and one-line errors for bad input (the FP8 byte
+math itself: test_nxd_fp8.py; the command line: test_cli.py)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,11 @@ from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.checkpoint.source import WeightSource
-from kimi_k2_neuron.cli import main as cli_main
 from kimi_k2_neuron.convert import writer
 from kimi_k2_neuron.convert.converter import MANIFEST, convert
 from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord
 from kimi_k2_neuron.formats.scheme import NXD_TYPE, scheme_for
-from kimi_k2_neuron.quant import nxd_fp8
-from kimi_k2_neuron.quant.nxd_fp8 import block_flags, fp8_to_blockwise, halve_codes
-from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.quant.fp8 import dequantize_blockwise, quantize_blockwise
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 SOURCES = ("fp8", "int4", "bf16")
@@ -50,14 +46,6 @@ def converted(tiny_dirs, tmp_path_factory):
 
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
-
-
-def _one_line(exc_info, *needles):
-    msg = str(exc_info.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, (n, msg)
-    return msg
 
 
 def _not_finished(d: Path):
@@ -269,110 +257,6 @@ def test_blockwise_scales_shard_for_every_valid_tp(converted, tiny_dirs, source)
         assert 64 in scheme_for("fp8-blockwise", src_fmt, group).nxd(2048)["valid_moe_tp_degrees"]
 
 
-# ------------------------------------------------------------------------------------------ FP8 byte math
-
-
-def test_halve_codes_exact_rne_on_every_code():
-    codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # all but NaN
-    want = (codes.view(torch.float8_e4m3fn).float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
-    got, idx, odd = halve_codes(codes)
-    assert torch.equal(got, want)
-    exact = codes[idx].view(torch.float8_e4m3fn).float() * 0.5 == got[idx].view(torch.float8_e4m3fn).float()
-    assert torch.equal(~exact, odd)
-
-
-@pytest.mark.parametrize("src_max", [448.0, 250.0])  # nearly every block vs a few blocks beyond 240
-def test_fp8_to_blockwise_exact_up_to_counted_codes(src_max):
-    g = torch.Generator().manual_seed(0)
-    w, s = quantize_blockwise(torch.randn(192, 320, generator=g), (128, 128), fp8_max=src_max)
-    dst = torch.empty(320, 192, dtype=torch.uint8)
-    scale, st = fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
-    got = (dst.view(torch.float8_e4m3fn).float().view(10, 32, 6, 32) * scale[:, None, :, None]).view(320, 192)
-    want = dequantize_blockwise(w, s, (128, 128)).t()
-    assert 0 < st.rescaled <= st.blocks == 60 and int((got != want).sum()) == st.inexact
-    assert int((dst & 0x7F).max()) <= 0x77
-
-
-@pytest.mark.parametrize("code,half", [(0x00, 0x00), (0x01, 0x00), (0x02, 0x01), (0x03, 0x02), (0x05, 0x02),
-                                       (0x07, 0x04), (0x08, 0x04), (0x09, 0x04), (0x0B, 0x06), (0x0F, 0x08),
-                                       (0x10, 0x08), (0x77, 0x6F), (0x78, 0x70), (0x7E, 0x76), (0x81, 0x80),
-                                       (0x83, 0x82), (0x8F, 0x88), (0xF8, 0xF0), (0xFE, 0xF6)])
-def test_halve_codes_bit_patterns(code, half):
-    """By hand: subnormals (m * 2^-9) halve to m/2 rounded to even, exponent-1 codes land in the subnormals,
-    larger codes lose one exponent step (0x78 = 256 -> 0x70 = 128, 0x7E = 448 -> 0x76 = 224); the sign stays."""
-    got, _, _ = halve_codes(torch.full((16,), code, dtype=torch.uint8))
-    assert got.tolist() == [half] * 16
-
-
-def _reference_blockwise(w: torch.Tensor, s: torch.Tensor, src_block, block):
-    """fp8_to_blockwise by plain float ops: a block with a code beyond +-240 gets every code halved by float
-    rounding (round to nearest even) and its scale doubled; returns (dst codes, scale, rescaled, inexact)."""
-    bi, bo = block
-    out_f, in_f = w.shape
-    mag = (w.view(torch.uint8) & 0x7F).view(out_f // bo, bo, in_f // bi, bi).amax(dim=(1, 3))
-    flag = mag > 0x77
-    halved = (w.float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
-    per_code = flag.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
-    codes = torch.where(per_code, halved, w.view(torch.uint8))
-    inexact = int((per_code & (halved.view(torch.float8_e4m3fn).float() * 2 != w.float())).sum())
-    grid = s.repeat_interleave(src_block[0], 0).repeat_interleave(src_block[1], 1)[::bo, ::bi]
-    scale = grid * torch.where(flag, 2.0, 1.0)
-    return codes.t().contiguous(), scale.t().contiguous(), int(flag.sum()), inexact
-
-
-@pytest.mark.parametrize("over", [0.0, 0.02, 0.5, 0.97, 1.0])  # share of blocks holding a code beyond +-240
-@pytest.mark.parametrize("chunk", [None, 1])  # whole matrix in one step, or one block row per step
-def test_fp8_to_blockwise_matches_float_reference(over, chunk, monkeypatch):
-    """The vectorized rescale against _reference_blockwise on codes that cover every non-NaN byte, subnormals
-    included, the +-240 edge (0x77/0xF7 stay, 0x78/0xF8 trigger a halving), and chunk boundaries."""
-    if chunk is not None:
-        monkeypatch.setattr(nxd_fp8, "_CHUNK", chunk)
-    g = torch.Generator().manual_seed(int(over * 100))
-    out_f, in_f = 256, 384
-    codes = torch.randint(0, 0x78, (out_f, in_f), generator=g, dtype=torch.uint8)
-    codes |= torch.randint(0, 2, codes.shape, generator=g, dtype=torch.uint8) << 7  # signs
-    codes[:16, :16] = torch.arange(256, dtype=torch.uint8).view(16, 16)  # every byte ...
-    codes[:16, :16][(codes[:16, :16] & 0x7F) == 0x7F] = 0x77  # ... but NaN
-    codes[16:48, :8] = torch.arange(16, dtype=torch.uint8).repeat(32, 1)[:, ::2] | 0x80  # negative small codes
-    codes[48, 40], codes[49, 41] = 0x77, 0xF7  # +-240 alone does not make a block halve
-    blocks = torch.zeros(out_f // 32 * in_f // 32, dtype=torch.bool)
-    blocks[torch.randperm(blocks.numel(), generator=g)[:round(over * blocks.numel())]] = True
-    blocks = blocks.view(out_f // 32, in_f // 32)
-    for r, c in blocks.nonzero().tolist():
-        codes[r * 32 + 5, c * 32 + 3] = 0xF8 if (r + c) % 2 else 0x78
-    w = codes.view(torch.float8_e4m3fn)
-    s = torch.rand(2, 3, generator=g) + 0.5
-    dst = torch.empty(in_f, out_f, dtype=torch.uint8)
-    scale, st = fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
-    want, want_scale, rescaled, inexact = _reference_blockwise(w, s, (128, 128), (32, 32))
-    assert torch.equal(dst, want) and torch.equal(scale, want_scale)
-    assert (st.rescaled, st.inexact, st.blocks) == (rescaled, inexact, 96)
-    blocks[0, 0] = True  # it holds every byte, 0x78-0x7E and 0xF8-0xFE included
-    assert rescaled == int(blocks.sum()) and inexact > 0  # that block's odd small codes round
-
-
-@pytest.mark.parametrize("nan", [0x7F, 0xFF])
-def test_fp8_to_blockwise_refuses_nan(nan):
-    w = torch.full((64, 64), 0x30, dtype=torch.uint8)
-    w[40, 7] = nan
-    with pytest.raises(KimiInputError) as exc:
-        fp8_to_blockwise(w.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128), (32, 32),
-                         torch.empty(64, 64, dtype=torch.uint8), "model.layers.1.mlp.experts.0.up_proj")
-    _one_line(exc, "model.layers.1.mlp.experts.0.up_proj.weight", "NaN")
-
-
-def test_block_flags():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, 0x78, (64, 96), generator=g, dtype=torch.uint8)
-    x |= torch.randint(0, 2, x.shape, generator=g, dtype=torch.uint8) << 7
-    x[3, 5], x[40, 70] = 0xF9, 0x78
-    flags, nan = block_flags(x, (32, 32))
-    assert flags.tolist() == [[True, False, False], [False, False, True]] and not nan
-    x[1, 1] = 0x7F
-    assert block_flags(x, (32, 32))[1]
-
-
 # ------------------------------------------------------------------------------------------ resume and verify
 
 
@@ -462,22 +346,13 @@ def test_version1_sha256_manifest_resumes_and_verifies(converted, tiny_dirs, tmp
     assert {k: v for k, v in _files(dst).items() if k != MANIFEST} == {k: v for k, v in ref.items() if k != MANIFEST}
 
 
-def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny_dirs):
+def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny_dirs, one_line_error):
     dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
     manifest = json.loads((dst / MANIFEST).read_text())
     manifest["manifest_version"] = 99
     (dst / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(KimiInputError) as exc:
-        convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
-    _one_line(exc, str(dst / MANIFEST), "manifest_version 99", "delete DST")
-
-
-def test_cli_convert(tiny_dirs, tmp_path, capsys):
-    assert cli_main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o"), "--experts", "fp8-per-channel"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1 and "bf16 -> fp8-per-channel" in out and "GB/s" in out
-    assert cli_main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o2"), "--experts", "fp8-blockwise",
-                     "--workers", "0"]) == 2
+    one_line_error(lambda: convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False), str(dst / MANIFEST),
+                   "manifest_version 99", "delete DST")
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -506,56 +381,55 @@ def _poke(t: torch.Tensor, i: int, value) -> None:
     t.view(-1)[i] = value
 
 
-def _convert_fails(src, dst, *needles, experts="fp8-blockwise"):
-    with pytest.raises(KimiInputError) as exc:
-        convert(src, dst, experts, progress=False)
+def _convert_fails(one_line_error, src, dst, *needles, experts="fp8-blockwise"):
+    msg = one_line_error(lambda: convert(src, dst, experts, progress=False), *needles)
     _not_finished(dst)
-    return _one_line(exc, *needles)
+    return msg
 
 
-def test_bad_shards(src_copy, tmp_path):
+def test_bad_shards(src_copy, tmp_path, one_line_error):
     d = src_copy()
     shard = d / "model-00002-of-00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])
-    _convert_fails(d, tmp_path / "a", "model-00002-of-00003.safetensors", "truncated")
+    _convert_fails(one_line_error, d, tmp_path / "a", "model-00002-of-00003.safetensors", "truncated")
     assert not (tmp_path / "a").exists()
     shard.unlink()
-    _convert_fails(d, tmp_path / "b", "does not exist")
+    _convert_fails(one_line_error, d, tmp_path / "b", "does not exist")
     (d / "model-00002-of-00003.safetensors").write_bytes(b"\xff" * 64)
-    _convert_fails(d, tmp_path / "c", "corrupt header")
+    _convert_fails(one_line_error, d, tmp_path / "c", "corrupt header")
 
 
-def test_nan_and_inf_scales(src_copy, tmp_path):
+def test_nan_and_inf_scales(src_copy, tmp_path, one_line_error):
     d = src_copy("fp8")
     _rewrite(d, EXPERT + ".weight_scale_inv", lambda ts: _poke(ts[EXPERT + ".weight_scale_inv"], 0, float("nan")))
-    _convert_fails(d, tmp_path / "a", EXPERT + ".weight_scale_inv", "NaN")
+    _convert_fails(one_line_error, d, tmp_path / "a", EXPERT + ".weight_scale_inv", "NaN")
     assert (tmp_path / "a" / MANIFEST).exists()  # earlier layers are kept for a resume
     d4 = src_copy("int4")
     _rewrite(d4, EXPERT + ".weight_scale", lambda ts: _poke(ts[EXPERT + ".weight_scale"], 3, float("inf")))
     for i, t in enumerate(SCHEMES):
-        _convert_fails(d4, tmp_path / f"b{i}", EXPERT + ".weight_scale", "inf", experts=t)
+        _convert_fails(one_line_error, d4, tmp_path / f"b{i}", EXPERT + ".weight_scale", "inf", experts=t)
 
 
-def test_nan_fp8_code(src_copy, tmp_path):
+def test_nan_fp8_code(src_copy, tmp_path, one_line_error):
     d = src_copy("fp8")
     _rewrite(d, EXPERT + ".weight", lambda ts: _poke(ts[EXPERT + ".weight"].view(torch.uint8), 7, 0x7F))
-    _convert_fails(d, tmp_path / "a", EXPERT + ".weight", "NaN")
+    _convert_fails(one_line_error, d, tmp_path / "a", EXPERT + ".weight", "NaN")
 
 
-def test_leftover_and_missing_tensors(src_copy, tmp_path):
+def test_leftover_and_missing_tensors(src_copy, tmp_path, one_line_error):
     d = src_copy("bf16")
     index = json.loads((d / INDEX).read_text())
     _rewrite(d, "model.norm.weight", lambda ts: ts.__setitem__("model.layers.1.mlp.extra.weight", torch.ones(3)))
     index["weight_map"]["model.layers.1.mlp.extra.weight"] = index["weight_map"]["model.norm.weight"]
     (d / INDEX).write_text(json.dumps(index))
-    _convert_fails(d, tmp_path / "a", "no place", "model.layers.1.mlp.extra.weight")
+    _convert_fails(one_line_error, d, tmp_path / "a", "no place", "model.layers.1.mlp.extra.weight")
     del index["weight_map"]["model.layers.1.mlp.extra.weight"]
     del index["weight_map"][EXPERT + ".weight"]
     (d / INDEX).write_text(json.dumps(index))
-    _convert_fails(d, tmp_path / "b", "missing", EXPERT + ".weight")
+    _convert_fails(one_line_error, d, tmp_path / "b", "missing", EXPERT + ".weight")
 
 
-def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch):
+def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_line_error):
     calls = {"n": 0}
     real = writer._write_bytes
 
@@ -567,7 +441,7 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch):
 
     monkeypatch.setattr(writer, "_write_bytes", full_after_some)
     dst = tmp_path / "full"
-    _convert_fails(tiny_dirs["fp8"], dst, "disk full", str(dst))
+    _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full", str(dst))
     if (dst / MANIFEST).exists():
         assert not json.loads((dst / MANIFEST).read_text())["complete"]
     monkeypatch.setattr(writer, "_write_bytes", real)
@@ -575,15 +449,14 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch):
     assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])
 
 
-def test_bad_destinations(converted, tiny_dirs, tmp_path):
+def test_bad_destinations(converted, tiny_dirs, tmp_path, one_line_error):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    _convert_fails(tiny_dirs["fp8"], foreign, str(foreign), "not empty")
+    _convert_fails(one_line_error, tiny_dirs["fp8"], foreign, str(foreign), "not empty")
     other = Path(shutil.copytree(converted[("fp8", "fp8-per-channel")][0], tmp_path / "other"))
     (other / "config.json").unlink()
     (other / INDEX).unlink()
-    _convert_fails(tiny_dirs["fp8"], other, MANIFEST, "experts")
-    with pytest.raises(KimiInputError) as exc:
-        convert(converted[("fp8", "fp8-blockwise")][0], tmp_path / "again", "fp8-blockwise", progress=False)
-    _one_line(exc, "already a converted checkpoint")
+    _convert_fails(one_line_error, tiny_dirs["fp8"], other, MANIFEST, "experts")
+    one_line_error(lambda: convert(converted[("fp8", "fp8-blockwise")][0], tmp_path / "again", "fp8-blockwise",
+                                   progress=False), "already a converted checkpoint")

@@ -1,11 +1,12 @@
-"""The command line as people use it: bad arguments get one line and exit 2 before any model loads; --version; help
-that shows every default; generate's chat default, batches of prompts, --system and --stop; the layer progress bar.
-"""
+"""The `kimi-k2-neuron` command as people use it: bad arguments get one line and exit 2 before any model loads;
+--version; help that shows every default; each command's documented contract (make-tiny, logits, generate with its
+chat default, batches of prompts, --system and --stop, convert, demo, trace-cpu, the nxdi-cpu backend without NxD)."""
 
 from __future__ import annotations
 
 import argparse
 import configparser
+import importlib.util
 import json
 import re
 import subprocess
@@ -13,9 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import kimi_k2_neuron
 from kimi_k2_neuron import cli
+from kimi_k2_neuron.neuron import contract
 from kimi_k2_neuron.runtime import runner as runner_module
 from kimi_k2_neuron.runtime import tp as tp_module
 from kimi_k2_neuron.runtime.chat import chat_messages, cut_at_stop
@@ -25,6 +29,7 @@ from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOO_LONG = ",".join(["1"] * 131073)  # the tiny config's max_position_embeddings is 131072
+
 
 # (argv, words the one error line must hold). {model} is a tiny FP8 checkpoint, {tmp} an empty writable folder.
 BAD_ARGS = [
@@ -116,36 +121,29 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-def assert_one_line_error(rc: int, err: str, words: str) -> None:
-    assert rc == 2, err
-    assert "Traceback" not in err
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert words in lines[0], (words, lines[0])
-
-
 @pytest.mark.parametrize("argv, words", BAD_ARGS, ids=[" ".join(a)[:60] for a, _ in BAD_ARGS])
-def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny_dirs, tmp_path, capsys, no_model_load):
+def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny_dirs, tmp_path, capsys, no_model_load,
+                                                    one_line_error):
     argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
     rc, out, err = run_cli(argv, capsys)
-    assert_one_line_error(rc, err, words)
+    one_line_error.exit(rc, err, words)
     assert out == ""
 
 
-def test_demo_with_an_impossible_cache_folder(monkeypatch, capsys):
+def test_demo_with_an_impossible_cache_folder(monkeypatch, capsys, one_line_error):
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", "/proc/x")
     rc, _, err = run_cli(["demo"], capsys)
-    assert_one_line_error(rc, err, "demo folder (KIMI_K2_NEURON_CACHE) /proc/x/tiny-fp8: expected a writable folder")
+    one_line_error.exit(rc, err, "demo folder (KIMI_K2_NEURON_CACHE) /proc/x/tiny-fp8: expected a writable folder")
 
 
 @pytest.mark.parametrize("argv", [
     ["convert", "{model}", "/proc/nope", "--experts", "fp8-blockwise"],
     ["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "nan"],
 ], ids=["convert to /proc", "generate nan temperature"])
-def test_the_real_process_prints_no_traceback(argv, tiny_dirs):
+def test_the_real_process_prints_no_traceback(argv, tiny_dirs, one_line_error):
     argv = [a.format(model=tiny_dirs["fp8"]) for a in argv]
     r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *argv], capture_output=True, text=True)
-    assert_one_line_error(r.returncode, r.stderr, "error: ")
+    one_line_error.exit(r.returncode, r.stderr, "error: ")
 
 
 def test_version(capsys):
@@ -184,7 +182,57 @@ def test_seed_says_what_it_seeds(capsys):
         assert re.search(r"--seed S\s+seeds the", capsys.readouterr().out), command
 
 
-# -- generate --------------------------------------------------------------------------------------------------------
+# -- make-tiny, logits, convert, demo, trace-cpu -----------------------------------------------------------------------
+
+def test_make_tiny_cli_and_refuses_existing(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert cli.main(["make-tiny", str(out), "--quant", "int4", "--shards", "4", "--seed", "3"]) == 0
+    assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+    assert cli.main(["make-tiny", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is importable here")
+def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny_dirs, capsys):
+    assert cli.main(["trace-cpu", "--model", str(tiny_dirs["fp8"]), "--submodel", "token"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trace-cpu needs NxD, NxDI and torch_xla") and "torch_xla" in err.split(":", 2)[2]
+    assert err.count("\n") == 1
+
+
+def test_logits_cli_contract(tiny_dirs, tmp_path):
+    out = tmp_path / "l.safetensors"
+    assert cli.main(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2,3,4;5,6,7,8", "--prefill-len", "2",
+                 "--out", str(out)]) == 0
+    logits = load_file(out)["logits"]
+    assert logits.dtype == torch.float32 and logits.shape == (2, 4, 512)
+    assert torch.equal(logits, CpuRunner(tiny_dirs["fp8"]).logits([[1, 2, 3, 4], [5, 6, 7, 8]], 2))
+
+
+def test_cli_convert(tiny_dirs, tmp_path, capsys):
+    assert cli.main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o"), "--experts", "fp8-per-channel"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "bf16 -> fp8-per-channel" in out and "GB/s" in out
+    assert cli.main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o2"), "--experts", "fp8-blockwise",
+                     "--workers", "0"]) == 2
+
+
+def test_demo_runs_and_matches_transformers(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
+    assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text
+    diff = float(text.split("max |logit difference| vs transformers")[1].split(": ")[1].split()[0])
+    assert diff < 1e-3
+
+
+# -- generate ----------------------------------------------------------------------------------------------------------
+
+def test_generate_cli_json(tiny_dirs, capsys):
+    assert cli.main(["generate", "--model", str(tiny_dirs["fp8"]), "--prompt", "hello", "--chat", "--max-new-tokens",
+                     "4", "--temperature", "0.7", "--top-k", "50", "--top-p", "0.9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1 <= len(out["tokens"][0]) <= 4 and isinstance(out["text"][0], str)
 
 
 @pytest.fixture(scope="module")
@@ -243,59 +291,20 @@ def test_stop_string_ends_the_row_and_cuts_the_text(fp8, capsys):
     assert out["text"][0] == cut_at_stop(tok.decode(free), [stop]) and stop not in out["text"][0]
 
 
-def test_cut_at_stop_takes_the_earliest():
-    assert cut_at_stop("abcXdefYg", ["Y", "X"]) == "abc"
-    assert cut_at_stop("abc", ["Z", ""]) == "abc"
+# -- --backend nxdi-cpu without NxD ------------------------------------------------------------------------------------
 
-
-# -- progress -------------------------------------------------------------------------------------------------------
-
-
-def test_layer_streamed_shows_progress_with_throughput_and_eta(tiny_dirs, capsys):
-    r = CpuRunner(tiny_dirs["bf16"], layer_streamed=True, progress=True)
-    r.logits([[1, 2, 3, 4]], prefill_len=2)  # one prefill + two decode passes over 3 layers
-    err = capsys.readouterr().err
-    assert re.search(r"logits: 3 passes x 3 layers: .*\d+/9 \[[0-9:]+<[0-9:?]+, *[0-9.?]+ ?layer/s\]", err), err
-
-
-# -- scripts/run_inference.py: the same generation flags, checked before the Neuron SDK is imported -----------------
-
-
-def run_inference_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("run_inference", REPO / "scripts" / "run_inference.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("flags", [
-    ["--prompt", "hi"],
-    ["--prompt", "hi", "--prompt", "yo", "--no-chat", "--stop", "\n\n", "--stop", "END"],
-    ["--prompt", "hi", "--system", "be brief", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"],
-], ids=["defaults", "batch no-chat stops", "system sampling"])
-def test_run_inference_reads_generation_flags_as_the_cli_does(flags):
-    from kimi_k2_neuron.arguments import sampling_values
-
-    script = run_inference_module().build_parser().parse_args(["--compiled", "c", *flags])
-    ours = cli.build_parser().parse_args(["generate", "--model", "m", *flags])
-    for key in ("prompt", "chat", "system", "stop", "seed", "greedy"):
-        assert getattr(script, key) == getattr(ours, key), key
-    (t1, k1, p1), (t2, k2, p2) = sampling_values(script), sampling_values(ours)
-    assert (t1, p1) == (t2, p2) and (k1, k2) == ((50, 0) if t1 > 0 else (0, 0))  # top-k defaults differ on purpose
-
-
-@pytest.mark.parametrize("flags, words", [
-    (["--prompt", "hi", "--greedy", "--top-p", "0.5"], "--top-p: not allowed with --greedy"),
-    (["--prompt", "hi", "--top-k", "3"], "--top-k: needs --temperature > 0"),
-    (["--prompt", "hi", "--no-chat", "--system", "x"], "--system: not allowed with --no-chat"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
-    ([], "required: --prompt"),
-], ids=["greedy top-p", "top-k alone", "system no-chat", "zero tokens", "no prompt"])
-def test_run_inference_refuses_bad_flags_without_the_sdk(flags, words, capsys):
-    try:
-        rc = run_inference_module().main(["--compiled", "c", *flags])
-    except SystemExit as e:  # argparse's own errors exit from parse_args, already printed on one line
-        rc = e.code
-    assert_one_line_error(rc, capsys.readouterr().err, words)
+@pytest.mark.parametrize("cmd", [
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--out",
+     "{tmp}/l.safetensors"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2"],
+    [sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi"],
+    [sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu"],
+], ids=["logits", "generate", "run_inference", "bench_tpot"])
+def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(tiny_dirs, tmp_path, cmd):
+    if not contract.missing_neuron_packages():
+        pytest.skip("NxD/NxDI are importable here")
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert "neuronx-distributed-inference" in err[0] and "README section 'The NxDI model on CPU'" in err[0]

@@ -1,4 +1,5 @@
-"""The same decoder code sharded over 2 CPU ranks (gloo) gives the single-rank logits."""
+"""CPU tensor parallelism (runtime/tp.py): the same decoder code sharded over 2 CPU ranks (gloo) gives the single-rank
+logits; a TP that does not divide the model is refused."""
 
 from safetensors.torch import load_file
 

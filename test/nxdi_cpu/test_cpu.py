@@ -1,0 +1,251 @@
+"""cpu.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its model
+wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
+core's CPU runner on the same converted checkpoint, and against transformers where the conversion is exact.
+
+- Logits: two rows of different lengths, each prefilling its first PREFILL tokens in one context-encoding call (or
+  its whole length, right-padded as NxDI pads), then teacher-forced one token per token-generation call, each row at
+  its own position.
+- MoE paths: cpu.MoEPaths names the ExpertMLPsV2 path NxD really takes (checked with spies on NxD's methods, in test
+  code only); the blockwise prefill path, which NxD runs in torch on CPU and with the NKI kernel on trn2, is covered.
+  FP8 selective loading needs NxD's CPU indexing fix (conftest.py).
+- Generation: NxDI's HuggingFaceGenerationAdapter and on-device sampler (its CPU branches) at TP=2 pick the argmax of
+  the full logits the model computes. On device the sampler takes vocab-sharded logits and gathers its top-k/argmax
+  across ranks with torch-neuronx ops; its CPU branches have no distributed path, so in CPU mode the model's lm_head
+  gathers the vocabulary first (modeling.py, init_model). Without that gather the TP=2 tokens come from one rank's
+  half of the vocabulary (seen: row 1's first token differed). The sharded path itself awaits trn2.
+- Ranks: tensor parallelism through NxD's real parallel layers over gloo (separate processes,
+  kimi_k2_neuron.runtime.ranks; rank 0's logits come back), and NxD's real pre-sharding. The collectives are gloo's,
+  not Neuron's: this checks sharding and the model's use of NxD's layers, not the device's collectives.
+"""
+
+import dataclasses
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+from nxdi_support import oracle_logits, rel_err
+from safetensors import safe_open
+
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.neuron import cpu
+from kimi_k2_neuron.runtime.runner import CpuRunner
+
+ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
+PREFILL = 4
+COMBOS = [(q, s) for q in ("fp8", "int4", "bf16") for s in ("fp8-blockwise", "fp8-per-channel")]
+
+pytestmark = pytest.mark.fp8_selective_cpu
+
+
+# -- teacher-forced logits ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def apps(converted):
+    """One NxDI CPU model per (source, scheme), built once: float32, TP=1, batch 2, seq_len of the longest row."""
+    cache = {}
+
+    def get(q, scheme, dtype="float32"):
+        key = (q, scheme, dtype)
+        if key not in cache:
+            o = cpu.CpuOptions(model=str(converted[(q, scheme)]), dtype=dtype)
+            cache[key] = cpu.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
+        return cache[key]
+    return get
+
+
+def core_rows(ckpt, prefill, dtype=torch.float32):
+    runner = CpuRunner(ckpt, dtype=dtype)
+    return [runner.logits([r], min(prefill, len(r)) if prefill else None)[0] for r in ROWS]
+
+
+@pytest.mark.parametrize("prefill", [PREFILL, None], ids=["prefill4+decode", "ragged-prefill"])
+@pytest.mark.parametrize("q,scheme", COMBOS)
+def test_nxdi_cpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
+    got = cpu.teacher_forced_logits(apps(q, scheme), ROWS, prefill)
+    assert got.shape == (2, 10, 512) and torch.isnan(got[1, 6:]).all() and not torch.isnan(got[0]).any()
+    for r, want in enumerate(core_rows(converted[(q, scheme)], prefill)):
+        assert rel_err(got[r, :len(ROWS[r])], want) < 1e-4, f"row {r}"
+
+
+@pytest.mark.parametrize("q", ["int4", "fp8"])
+def test_exact_conversions_match_transformers(apps, tiny, q, tmp_path):
+    """INT4 -> fp8-blockwise is lossless; FP8 -> fp8-blockwise keeps the codes, and the converted checkpoint stores the
+    non-expert weights in BF16, so the oracle gets that same rounding (a no-op for the INT4 checkpoint's BF16)."""
+    got = cpu.teacher_forced_logits(apps(q, "fp8-blockwise"), ROWS, PREFILL)
+    ref = oracle_logits(tiny[q], ROWS, PREFILL, bf16_non_experts=True, tmp_path=tmp_path)
+    for r, want in enumerate(ref):
+        assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
+
+
+def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
+    """bf16 is a sanity bound, not parity: a near-tie routing decision can flip in bf16 (as the core's bf16 test)."""
+    got = cpu.teacher_forced_logits(apps("fp8", "fp8-blockwise", "bfloat16"), ROWS, PREFILL)
+    for r, want in enumerate(core_rows(converted[("fp8", "fp8-blockwise")], PREFILL)):
+        ours = got[r, :len(ROWS[r])]
+        assert (ours - want).abs().median() / want.abs().max() < 2e-2
+        assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
+    """The KIMI contrib's harness sent ones(pos + 1) as the decode mask, attending the stale cache slot at pos
+    (nxdi_contracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
+    app = apps("fp8", "fp8-blockwise")
+    rows = [r[:PREFILL] for r in ROWS]
+    ids, mask, pos = cpu.padded_prefill(rows, [PREFILL, PREFILL])
+
+    def decode(width):
+        app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.arange(2))
+        step = torch.full((2, 1), PREFILL)
+        out = app.forward(input_ids=torch.tensor([[11], [12]]), attention_mask=torch.ones(2, width, dtype=torch.long),
+                          position_ids=step, seq_ids=torch.arange(2))
+        return out.logits.float()
+
+    right, wrong = decode(PREFILL), decode(PREFILL + 1)
+    assert rel_err(wrong, right) > 1e-3
+    want = torch.stack([cpu.teacher_forced_logits(app, [r + [t]], PREFILL)[0, PREFILL]
+                        for r, t in zip(rows, (11, 12))])
+    assert rel_err(right[:, -1], want) < 1e-5
+
+
+# -- which of NxD's MoE paths ran --------------------------------------------------------------------------------------
+
+METHODS = {"forward_all_experts": "all-experts", "forward_selective_loading": "selective-loading",
+           "forward_blockwise": "blockwise", "forward_all_experts_EP": "all-experts-ep"}
+
+
+def _rows(n, lengths):
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 512, (k,), generator=g).tolist() for k in lengths]
+
+
+# Tiny: 8 experts, top-3, block 512. Prefill of T padded tokens: all-experts while T x 3 < 512, then blockwise.
+# Decode of B rows: selective loading while B x 3 / 8 < 1, then all experts.
+CASES = {
+    "short prefill, batch-2 decode": (_rows(1, [9, 6]), 4,
+                                      {"context_encoding_model": {"all-experts"},
+                                       "token_generation_model": {"selective-loading"}}),
+    "long prefill, batch-3 decode": (_rows(2, [180, 175, 172]), 170,
+                                     {"context_encoding_model": {"blockwise"},
+                                      "token_generation_model": {"all-experts"}}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reported_paths_are_the_paths_nxd_takes(converted, name):
+    rows, prefill, want = CASES[name]
+    ckpt = converted[("fp8", "fp8-blockwise")]
+    app = cpu.build(cpu.CpuOptions(model=str(ckpt)), seq_len=max(map(len, rows)), batch=len(rows))
+    paths = cpu.MoEPaths(app)
+    called = {}
+    owner = {id(m): w.tag for w in app.models for m in w.model.modules() if isinstance(m, ExpertMLPsV2)}
+
+    def spy(method):
+        original = getattr(ExpertMLPsV2, method)
+
+        def record(self, *args, **kwargs):
+            called.setdefault(owner[id(self)], set()).add(METHODS[method])
+            return original(self, *args, **kwargs)
+        return mock.patch.object(ExpertMLPsV2, method, record)
+
+    with spy("forward_all_experts"), spy("forward_selective_loading"), spy("forward_blockwise"):
+        got = cpu.teacher_forced_logits(app, rows, prefill)
+    assert paths.seen == called == want
+    runner = CpuRunner(ckpt)
+    for r, row in enumerate(rows):
+        assert rel_err(got[r, :len(row)], runner.logits([row], prefill)[0]) < 1e-4, f"row {r}"
+    if "blockwise" in want["context_encoding_model"]:
+        assert "blockwise (on trn2 the NKI blockwise kernel" in paths.report()
+
+
+# -- generation through NxDI's adapter and on-device sampler -----------------------------------------------------------
+
+PROMPTS = [[5, 17, 300, 42, 256, 9, 77], [400, 3, 3, 260]]
+NEW = 5
+
+
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling-top_k-1"])
+def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
+    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
+    g = cpu.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, do_sample=do_sample, top_k=1, seed=3)
+    new, report = cpu.generate(o, g)
+    assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
+    assert [len(r) for r in new] == [NEW, NEW]
+    full = [p + n for p, n in zip(PROMPTS, new)]
+    logits, _ = cpu.logits(cpu.CpuOptions(model=o.model), full, prefill_len=None)
+    for r, (p, n) in enumerate(zip(PROMPTS, new)):
+        assert logits[r, len(p) - 1:len(p) - 1 + NEW].argmax(-1).tolist() == n, f"row {r}"
+
+
+# -- ranks: TP over gloo, NxD's pre-sharding ---------------------------------------------------------------------------
+
+def _tp1(opts):
+    return cpu.logits(dataclasses.replace(opts, tp=1, presharded=None), ROWS, PREFILL)[0]
+
+
+def _close(a, b):
+    for r, row in enumerate(ROWS):
+        assert rel_err(a[r, :len(row)], b[r, :len(row)]) < 1e-4, f"row {r}"
+
+
+@pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
+def test_tp2_equals_tp1(converted, scheme):
+    o = cpu.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2)
+    got, report = cpu.logits(o, ROWS, PREFILL)
+    _close(got, _tp1(o))
+    assert "context_encoding_model: all-experts" in report and "token_generation_model: selective-loading" in report
+
+
+# ModelBuilder refuses a torch_neuronx without __version__ (model_builder.py:461); the nxdi-cpu import shim has none,
+# a real torch-neuronx has it. Test-side only: the product never touches torch_neuronx.
+PRESHARD = """
+import sys, torch_neuronx
+if not hasattr(torch_neuronx, "__version__"):
+    torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
+from kimi_k2_neuron.neuron import cpu
+cpu.preshard(cpu.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+"""
+
+
+def _scale_shapes(weights, rank):
+    with safe_open(str(weights / f"tp{rank}_sharded_checkpoint.safetensors"), "pt") as f:
+        return {k.split(".mlp.")[1]: tuple(f.get_slice(k).get_shape()) for k in f.keys() if k.endswith(".scale")
+                and k.startswith("layers.1.")}
+
+
+# Tiny: E=8 experts, H=192, I=64. Blockwise [32, 32] scales of gate_up [E, H, 2I/tp] and down [E, I/tp, H]; per-channel
+# [E, 1, out/tp] for gate_up (columns split) and [E, 1, H] for down (rows split, every output column kept).
+GATE_UP, DOWN = "expert_mlps.mlp_op.gate_up_proj.scale", "expert_mlps.mlp_op.down_proj.scale"
+SCALES = {
+    ("fp8-blockwise", 2): {GATE_UP: (8, 6, 2), DOWN: (8, 1, 6)},
+    ("fp8-per-channel", 2): {GATE_UP: (8, 1, 64), DOWN: (8, 1, 192)},
+    ("fp8-per-channel", 4): {GATE_UP: (8, 1, 32), DOWN: (8, 1, 192)},
+}
+
+@pytest.mark.parametrize("scheme,tp", list(SCALES), ids=[f"{s}-tp{t}" for s, t in SCALES])
+def test_presharded_ranks_give_the_tp1_logits(converted, tmp_path, scheme, tp):
+    """NxD's shard_checkpoint through our shard_weights rank passes; each rank then loads its own file, strictly."""
+    ckpt = converted[("fp8", scheme)]
+    r = subprocess.run([sys.executable, "-c", PRESHARD, str(ckpt), str(tp), str(tmp_path), str(max(map(len, ROWS))),
+                        str(len(ROWS))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    weights = tmp_path / "weights"
+    assert sorted(p.name for p in weights.iterdir()) == [f"tp{i}_sharded_checkpoint.safetensors" for i in range(tp)]
+    for rank in range(tp):
+        assert _scale_shapes(weights, rank) == SCALES[(scheme, tp)]
+    o = cpu.CpuOptions(model=str(ckpt), tp=tp, presharded=str(weights))
+    _close(cpu.logits(o, ROWS, PREFILL)[0], _tp1(o))
+
+
+def test_expert_parallelism_is_refused_on_cpu_with_the_reason(converted):
+    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, ep=2)
+    with pytest.raises(KimiInputError, match="XLA process group's _mesh"):
+        cpu.logits(o, ROWS, PREFILL)
+
+
+def test_bfloat16_over_gloo_is_refused(converted):
+    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, dtype="bfloat16")
+    with pytest.raises(KimiInputError, match="gloo has no bfloat16"):
+        cpu.logits(o, ROWS, PREFILL)

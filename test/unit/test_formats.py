@@ -1,0 +1,79 @@
+"""kimi_k2_neuron.formats, the one owner of the checkpoint formats: the logical weights are the core model's
+parameters, the converted tensors are what the converter writes, the scheme round-trips through its NxD settings, and
+the conversion record is read typed or refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.convert import convert
+from kimi_k2_neuron.formats import SCHEMES, layout
+from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, ConversionRecord
+from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
+from kimi_k2_neuron.model.model import KimiK2ForCausalLM
+from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.weights import full_shape, owned_params
+
+
+def tiny_cfg(**over) -> KimiK2Config:
+    return KimiK2Config.from_dict({**tiny_config_dict("bf16"), **over})
+
+
+@pytest.mark.parametrize("over", [{}, {"num_hidden_layers": 5, "first_k_dense_replace": 2, "n_shared_experts": 2},
+                                  {"n_shared_experts": 0, "moe_layer_freq": 2}],
+                         ids=["tiny", "2 dense, 2 shared", "no shared, every other layer"])
+def test_logical_weights_are_the_core_models_parameters_in_checkpoint_order(over):
+    cfg = tiny_cfg(**over)
+    with torch.device("meta"):
+        model = KimiK2ForCausalLM(cfg, torch.bfloat16)
+    params = {name: full_shape(name, mod, p) for name, (mod, p) in owned_params(model).items()}
+    assert list(layout.logical_shapes(cfg).items()) == list(params.items())
+
+
+def test_a_config_without_a_query_lora_is_refused_in_one_line(one_line_error):
+    one_line_error(lambda: layout.logical_shapes(tiny_cfg(q_lora_rank=None)), "q_lora_rank is null")
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_dirs, tmp_path_factory):
+    root, out = tmp_path_factory.mktemp("formats"), {}
+    for source in ("fp8", "int4"):
+        for scheme in SCHEMES:
+            out[(source, scheme)] = root / f"{source}-{scheme}"
+            convert(tiny_dirs[source], out[(source, scheme)], scheme, progress=False)
+    return out
+
+
+@pytest.mark.parametrize("source", ["fp8", "int4"])
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_converted_tensors_are_what_the_converter_writes(converted, source, scheme):
+    dst = converted[(source, scheme)]
+    record = ConversionRecord.read(dst)
+    assert (record.experts, record.source_format) == (scheme, source)
+    blockwise = (32, 1) if source == "int4" else (32, 32)  # one scale per INT4 group; 32x32 from FP8
+    assert record.scheme.block == (blockwise if scheme == "fp8-blockwise" else None)
+    with ShardedCheckpoint(dst) as ck:
+        written = {k: (ck.info(k).dtype, ck.info(k).shape) for k in ck.keys()}
+    assert written == layout.converted_tensors(KimiK2Config.from_file(dst), record.scheme)
+
+
+@pytest.mark.parametrize("scheme", [scheme_for("fp8-per-channel", "fp8"), scheme_for("fp8-blockwise", "fp8"),
+                                    scheme_for("fp8-blockwise", "int4", 32), ExpertScheme("fp8-blockwise", (128, 32))])
+def test_a_scheme_is_what_its_nxd_settings_describe(scheme):
+    assert ExpertScheme.from_nxd(scheme.nxd(2048)) == scheme
+    assert ExpertScheme.from_nxd({"quantized": False}) is None
+
+
+def test_the_record_is_read_typed_or_refused_in_one_line(converted, tiny_dirs, tmp_path, one_line_error):
+    assert ConversionRecord.read(tiny_dirs["fp8"]) is None  # a raw checkpoint
+    assert ConversionRecord.read(tmp_path) is None  # no config.json at all
+    raw = json.loads((converted[("int4", "fp8-blockwise")] / "config.json").read_text())
+    for bad in ({**raw[CONVERSION_KEY], "layout_version": LAYOUT_VERSION + 1},
+                {**raw[CONVERSION_KEY], "experts": "fp8-per-channel"}):
+        (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: bad}))
+        one_line_error(lambda: ConversionRecord.read(tmp_path), str(tmp_path / "config.json"), CONVERSION_KEY)

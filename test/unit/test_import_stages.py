@@ -1,0 +1,65 @@
+"""The package's import graph follows the data flow: no module imports from a later stage, anywhere in its body
+(lazy imports included). A stage may import from itself and from any earlier one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kimi_k2_neuron"
+# Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
+# converter, the fit planner, running it, the test fixtures, the Neuron shell, the commands.
+STAGES = (
+    ("errors", "config"),
+    ("quant",),
+    ("formats",),
+    ("checkpoint",),
+    ("model", "parallel", "weights"),
+    ("convert",),
+    ("plan",),
+    ("runtime",),
+    ("testing",),
+    ("neuron",),
+    ("arguments", "launch", "cli"),
+)
+STAGE = {top: i for i, tops in enumerate(STAGES) for top in tops}
+
+
+def _module(path: Path) -> list[str]:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _imported(path: Path) -> set[str]:
+    """The first component under kimi_k2_neuron of everything `path` imports."""
+    here, is_package = _module(path), path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name.split(".") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = (node.module or "").split(".") if node.level == 0 else \
+                (here if is_package else here[:-1])[: len(here) - node.level + is_package] + \
+                ((node.module or "").split(".") if node.module else [])
+            names = [base + [alias.name] for alias in node.names] if len(base) == 1 else [base]
+        else:
+            continue
+        found |= {n[1] for n in names if n[0] == "kimi_k2_neuron" and len(n) > 1}
+    return found
+
+
+def test_every_module_belongs_to_a_stage():
+    tops = {_module(p)[1] for p in PACKAGE.rglob("*.py") if len(_module(p)) > 1}
+    assert tops - set(STAGE) == set()
+
+
+def test_no_module_imports_from_a_later_stage():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module(path)
+        if len(module) == 1:  # kimi_k2_neuron/__init__.py: the version only
+            assert _imported(path) == set()
+            continue
+        own = STAGE[module[1]]
+        upward += [f"{'.'.join(module)} -> {top}" for top in _imported(path) if STAGE.get(top, -1) > own]
+    assert upward == []

@@ -1,0 +1,50 @@
+"""MLA: the absorbed path equals the naive one in decode and prefill, over the latent cache (one entry per token
+per layer, nothing per head), and over two cache segments at once (attend_split, the Neuron decode path)."""
+
+import torch
+
+from kimi_k2_neuron.runtime.runner import CpuRunner
+
+ROW = [5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31]
+
+
+def teacher_forced(runner, ids, prefill, absorbed):
+    cache = runner.new_cache(1, len(ids))
+    t = torch.tensor([ids])
+    pos = torch.arange(len(ids))[None]
+    out = [runner.forward(t[:, :prefill], pos[:, :prefill], cache.layers, absorbed=absorbed)]
+    for i in range(prefill, len(ids)):
+        out.append(runner.forward(t[:, i:i + 1], pos[:, i:i + 1], cache.layers, absorbed=absorbed))
+    return torch.cat(out, 1), cache
+
+
+def test_absorbed_decode_equals_naive_decode(tiny_dirs):
+    r = CpuRunner(tiny_dirs["fp8"])
+    absorbed, cache_a = teacher_forced(r, ROW, 3, absorbed=True)
+    naive, cache_n = teacher_forced(r, ROW, 3, absorbed=False)
+    assert (absorbed - naive).abs().max() / naive.abs().max() < 1e-5
+    # The cache is one latent entry per token per layer, kv_lora_rank + rope wide, nothing per head.
+    assert cache_a.layers[0].shape == (1, len(ROW), r.cfg.kv_lora_rank + r.cfg.qk_rope_head_dim)
+    torch.testing.assert_close(cache_a.layers[-1], cache_n.layers[-1])
+
+
+def test_absorbed_prefill_equals_naive_prefill(tiny_dirs):
+    r = CpuRunner(tiny_dirs["bf16"])
+    a, _ = teacher_forced(r, ROW, len(ROW), absorbed=True)
+    n, _ = teacher_forced(r, ROW, len(ROW), absorbed=False)
+    assert (a - n).abs().max() / n.abs().max() < 1e-5
+
+
+def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs):
+    """attend_split (prior cache in place + active entries) == attend(absorbed) over their concatenation."""
+    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(0)
+    b, t, s = 2, 7, 2
+    q_nope = torch.randn(b, attn.n_heads, s, attn.nope, generator=g)
+    q_pe = torch.randn(b, attn.n_heads, s, attn.rope, generator=g)
+    prior, active = (torch.randn(b, n, attn.rank + attn.rope, generator=g) for n in (t, s))
+    prior_mask = torch.rand(b, 1, s, t, generator=g) > 0.3
+    active_mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    want = attn.attend(q_nope, q_pe, torch.cat([prior, active], 1), torch.cat([prior_mask, active_mask], -1), True)
+    got = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

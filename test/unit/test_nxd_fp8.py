@@ -1,0 +1,109 @@
+"""NxD's FP8 expert layout (quant/nxd_fp8.py): halving e4m3 codes byte-exactly, source FP8 blocks rescaled to +-240
+and transposed, against float references and by hand; a NaN code refused in one line."""
+
+import pytest
+import torch
+
+from kimi_k2_neuron.quant import nxd_fp8
+from kimi_k2_neuron.quant.fp8 import dequantize_blockwise, quantize_blockwise
+from kimi_k2_neuron.quant.nxd_fp8 import block_flags, fp8_to_blockwise, halve_codes
+
+
+def test_halve_codes_exact_rne_on_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # all but NaN
+    want = (codes.view(torch.float8_e4m3fn).float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+    got, idx, odd = halve_codes(codes)
+    assert torch.equal(got, want)
+    exact = codes[idx].view(torch.float8_e4m3fn).float() * 0.5 == got[idx].view(torch.float8_e4m3fn).float()
+    assert torch.equal(~exact, odd)
+
+
+@pytest.mark.parametrize("src_max", [448.0, 250.0])  # nearly every block vs a few blocks beyond 240
+def test_fp8_to_blockwise_exact_up_to_counted_codes(src_max):
+    g = torch.Generator().manual_seed(0)
+    w, s = quantize_blockwise(torch.randn(192, 320, generator=g), (128, 128), fp8_max=src_max)
+    dst = torch.empty(320, 192, dtype=torch.uint8)
+    scale, st = fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
+    got = (dst.view(torch.float8_e4m3fn).float().view(10, 32, 6, 32) * scale[:, None, :, None]).view(320, 192)
+    want = dequantize_blockwise(w, s, (128, 128)).t()
+    assert 0 < st.rescaled <= st.blocks == 60 and int((got != want).sum()) == st.inexact
+    assert int((dst & 0x7F).max()) <= 0x77
+
+
+@pytest.mark.parametrize("code,half", [(0x00, 0x00), (0x01, 0x00), (0x02, 0x01), (0x03, 0x02), (0x05, 0x02),
+                                       (0x07, 0x04), (0x08, 0x04), (0x09, 0x04), (0x0B, 0x06), (0x0F, 0x08),
+                                       (0x10, 0x08), (0x77, 0x6F), (0x78, 0x70), (0x7E, 0x76), (0x81, 0x80),
+                                       (0x83, 0x82), (0x8F, 0x88), (0xF8, 0xF0), (0xFE, 0xF6)])
+def test_halve_codes_bit_patterns(code, half):
+    """By hand: subnormals (m * 2^-9) halve to m/2 rounded to even, exponent-1 codes land in the subnormals,
+    larger codes lose one exponent step (0x78 = 256 -> 0x70 = 128, 0x7E = 448 -> 0x76 = 224); the sign stays."""
+    got, _, _ = halve_codes(torch.full((16,), code, dtype=torch.uint8))
+    assert got.tolist() == [half] * 16
+
+
+def _reference_blockwise(w: torch.Tensor, s: torch.Tensor, src_block, block):
+    """fp8_to_blockwise by plain float ops: a block with a code beyond +-240 gets every code halved by float
+    rounding (round to nearest even) and its scale doubled; returns (dst codes, scale, rescaled, inexact)."""
+    bi, bo = block
+    out_f, in_f = w.shape
+    mag = (w.view(torch.uint8) & 0x7F).view(out_f // bo, bo, in_f // bi, bi).amax(dim=(1, 3))
+    flag = mag > 0x77
+    halved = (w.float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
+    per_code = flag.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+    codes = torch.where(per_code, halved, w.view(torch.uint8))
+    inexact = int((per_code & (halved.view(torch.float8_e4m3fn).float() * 2 != w.float())).sum())
+    grid = s.repeat_interleave(src_block[0], 0).repeat_interleave(src_block[1], 1)[::bo, ::bi]
+    scale = grid * torch.where(flag, 2.0, 1.0)
+    return codes.t().contiguous(), scale.t().contiguous(), int(flag.sum()), inexact
+
+
+@pytest.mark.parametrize("over", [0.0, 0.02, 0.5, 0.97, 1.0])  # share of blocks holding a code beyond +-240
+@pytest.mark.parametrize("chunk", [None, 1])  # whole matrix in one step, or one block row per step
+def test_fp8_to_blockwise_matches_float_reference(over, chunk, monkeypatch):
+    """The vectorized rescale against _reference_blockwise on codes that cover every non-NaN byte, subnormals
+    included, the +-240 edge (0x77/0xF7 stay, 0x78/0xF8 trigger a halving), and chunk boundaries."""
+    if chunk is not None:
+        monkeypatch.setattr(nxd_fp8, "_CHUNK", chunk)
+    g = torch.Generator().manual_seed(int(over * 100))
+    out_f, in_f = 256, 384
+    codes = torch.randint(0, 0x78, (out_f, in_f), generator=g, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, codes.shape, generator=g, dtype=torch.uint8) << 7  # signs
+    codes[:16, :16] = torch.arange(256, dtype=torch.uint8).view(16, 16)  # every byte ...
+    codes[:16, :16][(codes[:16, :16] & 0x7F) == 0x7F] = 0x77  # ... but NaN
+    codes[16:48, :8] = torch.arange(16, dtype=torch.uint8).repeat(32, 1)[:, ::2] | 0x80  # negative small codes
+    codes[48, 40], codes[49, 41] = 0x77, 0xF7  # +-240 alone does not make a block halve
+    blocks = torch.zeros(out_f // 32 * in_f // 32, dtype=torch.bool)
+    blocks[torch.randperm(blocks.numel(), generator=g)[:round(over * blocks.numel())]] = True
+    blocks = blocks.view(out_f // 32, in_f // 32)
+    for r, c in blocks.nonzero().tolist():
+        codes[r * 32 + 5, c * 32 + 3] = 0xF8 if (r + c) % 2 else 0x78
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.rand(2, 3, generator=g) + 0.5
+    dst = torch.empty(in_f, out_f, dtype=torch.uint8)
+    scale, st = fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
+    want, want_scale, rescaled, inexact = _reference_blockwise(w, s, (128, 128), (32, 32))
+    assert torch.equal(dst, want) and torch.equal(scale, want_scale)
+    assert (st.rescaled, st.inexact, st.blocks) == (rescaled, inexact, 96)
+    blocks[0, 0] = True  # it holds every byte, 0x78-0x7E and 0xF8-0xFE included
+    assert rescaled == int(blocks.sum()) and inexact > 0  # that block's odd small codes round
+
+
+@pytest.mark.parametrize("nan", [0x7F, 0xFF])
+def test_fp8_to_blockwise_refuses_nan(nan, one_line_error):
+    w = torch.full((64, 64), 0x30, dtype=torch.uint8)
+    w[40, 7] = nan
+    name = "model.layers.1.mlp.experts.0.up_proj"
+    one_line_error(lambda: fp8_to_blockwise(w.view(torch.float8_e4m3fn), torch.ones(1, 1), (128, 128), (32, 32),
+                                            torch.empty(64, 64, dtype=torch.uint8), name), name + ".weight", "NaN")
+
+
+def test_block_flags():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 0x78, (64, 96), generator=g, dtype=torch.uint8)
+    x |= torch.randint(0, 2, x.shape, generator=g, dtype=torch.uint8) << 7
+    x[3, 5], x[40, 70] = 0xF9, 0x78
+    flags, nan = block_flags(x, (32, 32))
+    assert flags.tolist() == [[True, False, False], [False, False, True]] and not nan
+    x[1, 1] = 0x7F
+    assert block_flags(x, (32, 32))[1]

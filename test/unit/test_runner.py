@@ -1,0 +1,107 @@
+"""The CPU runner: rows at their own positions, stop ids, the layer-streamed mode, and every request it refuses from
+config.json alone (ids, positions, prefill length), in one line."""
+
+import re
+
+import pytest
+import torch
+from checkpoint_edits import edit_config, set_field
+
+from kimi_k2_neuron.runtime.runner import CpuRunner
+
+ROW = [5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31]
+ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100, 2, 90, 91, 92]]
+
+
+def test_batch_rows_at_different_positions(tiny_dirs):
+    """Rows with prompts of different lengths decode together; each must equal its own batch-1 run."""
+    r = CpuRunner(tiny_dirs["int4"])
+    prompts = [ROW[:3], ROW[:9], ROW[2:7]]
+    batched = r.generate(prompts, max_new_tokens=6)
+    for p, toks in zip(prompts, batched.tokens):
+        assert toks == r.generate([p], max_new_tokens=6).tokens[0]
+    # And the decode logits themselves, for rows at positions 3 and 9 in one batch:
+    solo = [r.logits([p + [1, 2]], prefill_len=len(p))[0, -2:] for p in prompts[:2]]
+    cache = r.new_cache(2, 12)
+    for i, p in enumerate(prompts[:2]):
+        r.forward(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))
+    steps = []
+    for k, tok in enumerate([1, 2]):
+        pos = torch.tensor([[3 + k], [9 + k]])
+        steps.append(r.forward(torch.tensor([[tok], [tok]]), pos, cache.layers))
+    both = torch.cat(steps, 1)
+    for i in range(2):
+        assert (both[i] - solo[i]).abs().max() / solo[i].abs().max() < 1e-5
+
+
+def test_generation_stops_on_stop_ids(tiny_dirs):
+    r = CpuRunner(tiny_dirs["fp8"])
+    free = r.generate([ROW[:4]], max_new_tokens=8).tokens[0]
+    stop = free[2]
+    cut = r.generate([ROW[:4]], max_new_tokens=8, stop_ids={stop}).tokens[0]
+    assert cut == free[: free.index(stop) + 1]
+
+
+def test_layer_streamed_equals_in_memory(tiny_dirs):
+    mem = CpuRunner(tiny_dirs["fp8"]).logits(ROWS, 6)
+    streamed = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)
+    layers = streamed.model.model.layers
+    assert all(p.is_meta for p in layers.parameters())  # nothing resident between calls
+    resident = []  # while each layer runs, how many layers hold real weights
+    for layer in layers:
+        layer.register_forward_pre_hook(
+            lambda *_: resident.append(sum(not next(l.parameters()).is_meta for l in layers)))
+    assert torch.equal(streamed.logits(ROWS, 6), mem)
+    assert resident and max(resident) == 1  # peak: one decoder layer (plus embeddings, lm_head, KV cache)
+
+
+def test_layer_streamed_shows_progress_with_throughput_and_eta(tiny_dirs, capsys):
+    r = CpuRunner(tiny_dirs["bf16"], layer_streamed=True, progress=True)
+    r.logits([[1, 2, 3, 4]], prefill_len=2)  # one prefill + two decode passes over 3 layers
+    err = capsys.readouterr().err
+    assert re.search(r"logits: 3 passes x 3 layers: .*\d+/9 \[[0-9:]+<[0-9:?]+, *[0-9.?]+ ?layer/s\]", err), err
+
+
+# -- requests refused before any work ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runner(tiny_dirs):
+    return CpuRunner(tiny_dirs["int4"])
+
+
+@pytest.mark.parametrize("rows, needles", [
+    ([[1, 512, 3]], ["token 512", "outside the vocabulary [0, 512)", "config.json"]),
+    ([[-1, 2]], ["token -1", "outside the vocabulary"]),
+    ([[1], []], ["every row needs at least one token"]),
+    ([], ["every row needs at least one token"]),
+    ([[1, 2.0]], ["token 2.0 is a float", "expected an integer id"]),
+    ([["a", 2]], ["token 'a' is a str", "expected an integer id"]),
+    ([[True, 2]], ["token True is a bool", "expected an integer id"]),
+], ids=["too large", "negative", "empty row", "no rows", "float", "str", "bool"])
+def test_bad_input_ids(runner, rows, needles, one_line_error):
+    one_line_error(lambda: runner.logits(rows), "input ids", *needles)
+
+
+LIMIT = "expected at most max_position_embeddings=8 of config.json"
+
+
+@pytest.mark.parametrize("call, needles", [
+    (lambda r: r.logits([[1] * 9]), ["input ids: rows of 9 tokens need 9 positions", LIMIT]),
+    (lambda r: r.generate([[1] * 5, [2]], 4), ["--max-new-tokens 4: a prompt of 5 tokens + 4 new tokens need 9",
+                                               LIMIT]),
+    (lambda r: r.generate([[1]], 0), ["--max-new-tokens 0", "expected an integer >= 1"]),
+], ids=["logits", "generate", "no new tokens"])
+def test_more_positions_than_the_model_has(ckpt, call, needles, one_line_error):
+    d = ckpt("bf16")
+    edit_config(d, set_field("max_position_embeddings", 8))
+    one_line_error(lambda: call(CpuRunner(d)), *needles)
+
+
+def test_bad_prefill_len(runner, one_line_error):
+    one_line_error(lambda: runner.logits([[1, 2, 3]], prefill_len=4), "--prefill-len 4", "sequence length 3")
+    one_line_error(lambda: runner.logits([[1, 2, 3]], prefill_len=-1), "--prefill-len -1")
+
+
+def test_bad_input_ids_streamed(tiny_dirs, one_line_error):
+    r = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)
+    one_line_error(lambda: r.logits([[1, 2, 100_000]]), "token 100000", "outside the vocabulary")

@@ -1,0 +1,141 @@
+"""The trn2 scripts without the Neuron SDK: --help, compile_and_save.py's fit check (with a converted checkpoint's
+recorded block) and its one-line stop where the SDK is needed, its advice when the kernel fails to compile, and
+run_inference.py's generation flags, read and checked as the CLI's."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kimi_k2_neuron import cli
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
+from kimi_k2_neuron.formats.scheme import scheme_for
+from kimi_k2_neuron.neuron import contract
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "test/data/configs"
+SCRIPTS = ("compile_and_save.py", "run_inference.py", "bench_tpot.py")
+PER_CHANNEL = {"quantized": True, "quantization_dtype": "f8e4m3",
+               "quantization_type": "expert_wise_per_channel_symmetric", "quantization_per_channel_axis": 2,
+               "valid_moe_tp_degrees": [1, 2, 4, 8, 16, 32, 64]}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_help_works_without_sdk(script):
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / script), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout
+
+
+# -- compile_and_save.py -----------------------------------------------------------------------------------------------
+
+def _compile(*args):
+    return subprocess.run([sys.executable, str(REPO / "scripts/compile_and_save.py"), *args], capture_output=True,
+                          text=True)
+
+
+def test_compile_checks_the_fit_before_anything_else(tmp_path):
+    """The real Kimi config with a converted-checkpoint record and no tensors: the planner refuses TP=8."""
+    raw = json.loads((CONFIGS / "kimi-k2-instruct-0905.json").read_text())
+    rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": PER_CHANNEL}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "8")
+    assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
+
+
+def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
+    """K2-Thinking converted to fp8-blockwise keeps one scale per INT4 group ([32, 1]); its converted config.json
+    has no quantization_config any more, so only the record says so, and the fit check must use it."""
+    from kimi_k2_neuron.plan import plan
+
+    raw = json.loads((CONFIGS / "kimi-k2-thinking.json").read_text())
+    raw.pop("quantization_config")
+    nxd = scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
+    rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64")
+    want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, "fp8-blockwise", kv_slots=1, block=(32, 1))
+    assert want.summary() in r.stdout, r.stdout + r.stderr
+
+
+def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path):
+    if not contract.missing_neuron_packages():
+        pytest.skip("the Neuron SDK is importable here")
+    r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2")
+    assert r.returncode == 2 and "(fits)" in r.stdout, r.stdout + r.stderr
+    assert r.stderr.startswith("error: kimi_k2_neuron.neuron needs the AWS Neuron SDK"), r.stderr
+
+
+def _compile_script(monkeypatch):
+    """scripts/compile_and_save.py as a module; it sets the FP8 environment on import, undone after the test."""
+    for name in contract.FP8_ENV:
+        monkeypatch.delenv(name, raising=False)
+    spec = importlib.util.spec_from_file_location("_compile_and_save", REPO / "scripts/compile_and_save.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failed_kernel_compile_recommends_all_experts_prefill_not_torch(capsys, monkeypatch):
+    script = _compile_script(monkeypatch)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("neuronx-cc: compilation failed")
+
+    assert script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="kernel"), "summary") is False
+    err = capsys.readouterr().err
+    assert "RuntimeError: neuronx-cc: compilation failed" in err  # NxDI's traceback first
+    last = err.splitlines()[-1]
+    assert last.startswith("error: compiling with --moe-prefill kernel failed (traceback above); ")
+    assert "use --moe-prefill all-experts" in last and "not --moe-prefill torch" in last
+    with pytest.raises(RuntimeError):  # another --moe-prefill: nothing to suggest, the error as it is
+        script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="all-experts"), "summary")
+    assert script._compile(lambda *a, **k: None, "/c", "/out", SimpleNamespace(moe_prefill="kernel"), "s") is True
+    assert "use --moe-prefill all-experts" in " ".join(script.build_parser().format_help().split())
+
+
+# -- run_inference.py: the generation flags, checked before the Neuron SDK is imported ---------------------------------
+
+def run_inference_module():
+    spec = importlib.util.spec_from_file_location("run_inference", REPO / "scripts" / "run_inference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags", [
+    ["--prompt", "hi"],
+    ["--prompt", "hi", "--prompt", "yo", "--no-chat", "--stop", "\n\n", "--stop", "END"],
+    ["--prompt", "hi", "--system", "be brief", "--temperature", "0.7", "--top-p", "0.9", "--seed", "3"],
+], ids=["defaults", "batch no-chat stops", "system sampling"])
+def test_run_inference_reads_generation_flags_as_the_cli_does(flags):
+    from kimi_k2_neuron.arguments import sampling_values
+
+    script = run_inference_module().build_parser().parse_args(["--compiled", "c", *flags])
+    ours = cli.build_parser().parse_args(["generate", "--model", "m", *flags])
+    for key in ("prompt", "chat", "system", "stop", "seed", "greedy"):
+        assert getattr(script, key) == getattr(ours, key), key
+    (t1, k1, p1), (t2, k2, p2) = sampling_values(script), sampling_values(ours)
+    assert (t1, p1) == (t2, p2) and (k1, k2) == ((50, 0) if t1 > 0 else (0, 0))  # top-k defaults differ on purpose
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--prompt", "hi", "--greedy", "--top-p", "0.5"], "--top-p: not allowed with --greedy"),
+    (["--prompt", "hi", "--top-k", "3"], "--top-k: needs --temperature > 0"),
+    (["--prompt", "hi", "--no-chat", "--system", "x"], "--system: not allowed with --no-chat"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
+    ([], "required: --prompt"),
+], ids=["greedy top-p", "top-k alone", "system no-chat", "zero tokens", "no prompt"])
+def test_run_inference_refuses_bad_flags_without_the_sdk(flags, words, capsys, one_line_error):
+    try:
+        rc = run_inference_module().main(["--compiled", "c", *flags])
+    except SystemExit as e:  # argparse's own errors exit from parse_args, already printed on one line
+        rc = e.code
+    one_line_error.exit(rc, capsys.readouterr().err, words)
