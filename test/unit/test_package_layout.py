@@ -1,12 +1,15 @@
-"""The package's import graph follows the data flow: no module imports from a later stage, anywhere in its body
-(lazy imports included). A stage may import from itself and from any earlier one."""
+"""The package's layout: its import graph follows the data flow (no module imports from a later stage, anywhere in its
+body, lazy imports included; a stage may import from itself and from any earlier one), and the README's "How the code
+is laid out" names exactly the modules of the tree."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "src" / "kimi_k2_neuron"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
 # converter, the fit planner, running it, the test fixtures, the Neuron shell, the commands.
 STAGES = (
@@ -63,3 +66,24 @@ def test_no_module_imports_from_a_later_stage():
         own = STAGE[module[1]]
         upward += [f"{'.'.join(module)} -> {top}" for top in _imported(path) if STAGE.get(top, -1) > own]
     assert upward == []
+
+
+def _substantial(path: Path) -> bool:
+    """A module the README must name: any but a package __init__ that only documents or re-exports (it may)."""
+    if path.name != "__init__.py":
+        return True
+    body = ast.parse(path.read_text()).body
+    return any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) or (isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id != "__all__" for t in n.targets)) for n in body)
+
+
+def test_the_readme_layout_names_every_module_of_the_tree():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## How the code is laid out", 1)[1].split("```")[1]
+    listed = re.findall(r"^  (\S+\.(?:py|md)) ", block, re.MULTILINE)
+    files = [p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".md") and "__pycache__" not in p.parts]
+    every = {str(p.relative_to(PACKAGE)) for p in files}
+    must = {str(p.relative_to(PACKAGE)) for p in files if p.suffix == ".md" or _substantial(p)}
+    assert must - set(listed) == set(), "modules the README does not name"
+    assert set(listed) - every == set(), "named in the README, not in the tree"
+    assert len(listed) == len(set(listed))
