@@ -25,8 +25,7 @@ from pathlib import Path
 
 from kimi_k2_neuron.arguments import fail, integer
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, check_compiled_args, cpu_options, script_parser,
-                                   sdk_missing, start)
+from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
@@ -61,21 +60,16 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
     return out
 
 
+def _check_cpu_only_flags(args: argparse.Namespace) -> None:
+    if not args.cpu and (args.seq_len or args.batch):
+        raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        check_compiled_args(args)
-        if not args.cpu and (args.seq_len or args.batch):
-            raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
-    except KimiInputError as e:
-        return fail(e)
-    start(args)
-
-    try:
-        import kimi_k2_neuron.neuron.modeling  # noqa: F401  (its ImportError names what is missing)
-    except ImportError as e:
-        return sdk_missing(e)
-
+    code = begin(args, check_compiled_args, _check_cpu_only_flags)
+    if code is not None:
+        return code
     try:
         raw, meta = _cpu(args) if args.cpu else _compiled(args)
     except KimiInputError as e:

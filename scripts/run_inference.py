@@ -24,8 +24,7 @@ import time
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, check_compiled_args, cpu_options, script_parser,
-                                   sdk_missing, start)
+from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
@@ -40,22 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        check_generation_args(args)
-        check_compiled_args(args)
-    except KimiInputError as e:
-        return fail(e)
-    start(args)
+    code = begin(args, check_generation_args, check_compiled_args)
+    if code is not None:
+        return code
 
     import torch
 
     from kimi_k2_neuron.config import KimiK2Config
+    from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
     from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids
-
-    try:
-        from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
-    except ImportError as e:
-        return sdk_missing(e)
 
     torch.manual_seed(args.seed)
     checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]

@@ -64,6 +64,22 @@ def add_verbose(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log what is being done (INFO level)")
 
 
+def begin(args: argparse.Namespace, *checks) -> int | None:
+    """A script's first steps after parsing: each check(args), start(), then the Neuron SDK (NxD/NxDI for --cpu).
+    The exit code of the one-line error a check or the missing SDK ends with (2), or None when the script goes on."""
+    try:
+        for check in checks:
+            check(args)
+    except KimiInputError as e:
+        return fail(e)
+    start(args)
+    try:
+        from .neuron import modeling  # noqa: F401 -- its ImportError names the missing Neuron packages
+    except ImportError as e:
+        return sdk_missing(e)
+    return None
+
+
 def start(args: argparse.Namespace) -> None:
     """Logging as --verbose asks, and the FP8 environment (before anything imports torch-xla)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
@@ -82,5 +98,5 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["add_compiled_args", "add_verbose", "check_compiled_args", "cpu_options", "script_parser",
+__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "cpu_options", "script_parser",
            "sdk_missing", "set_fp8_env", "start"]
