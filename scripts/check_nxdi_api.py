@@ -276,18 +276,16 @@ class Checker:
         import json
 
         from kimi_k2_neuron.config import KimiK2Config
+        from kimi_k2_neuron.formats import SCHEMES
+        from kimi_k2_neuron.formats.scheme import scheme_for
 
         cfg = KimiK2Config.from_dict(json.loads((REPO / "test/data/configs/kimi-k2-instruct-0905.json").read_text()))
         mod = "neuronx_distributed_inference.models.config"
         names, _, popped = self.accepted(mod, "MoENeuronConfig")
         ods_names, _, ods_popped = self.accepted(mod, "OnDeviceSamplingConfig")
         router_names, _, _ = self.accepted("neuronx_distributed.modules.moe.moe_configs", "RouterConfig")
-        records = {"bf16": None,
-                   "fp8-per-channel": {"quantized": True, "quantization_dtype": "f8e4m3",
-                                       "quantization_type": "expert_wise_per_channel_symmetric"},
-                   "fp8-blockwise": {"quantized": True, "quantization_dtype": "f8e4m3",
-                                     "quantization_type": "blockwise_symmetric", "quantization_block_axis": [1, 2],
-                                     "quantization_block_size": [32, 32], "quantization_scale_dtype": "f32"}}
+        # what a converted checkpoint records for each scheme, and bf16 (no record)
+        records = {"bf16": None, **{s: scheme_for(s, "fp8").nxd(cfg.moe_intermediate_size) for s in SCHEMES}}
         cases = [(experts, rec, 1) for experts, rec in records.items()] + [("fp8-blockwise",
                                                                             records["fp8-blockwise"], 16)]
         for experts, rec, ep in cases:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from .config import KimiK2Config
 from .errors import KimiInputError
-from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
+from .formats import DEFAULT_SCHEME, check_expert_format
 from .formats.layout import converted_tensors
 from .formats.record import ConversionRecord
 from .formats.scheme import ExpertScheme, scheme_for
@@ -238,8 +238,7 @@ def _div(n: int, parts: int) -> int:
 
 def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, experts, kv_slots, moe_prefill,
            record) -> None:
-    if experts not in EXPERT_FORMATS:
-        raise KimiInputError(f"--experts {experts!r}: expected one of {', '.join(EXPERT_FORMATS)}")
+    check_expert_format(experts)
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
     if lnc is None:
