@@ -1,4 +1,5 @@
-"""YaRN frequencies, the softmax factor and interleaved RoPE vs transformers (and the reference's formulation)."""
+"""YaRN frequencies, the softmax factor and interleaved RoPE vs transformers (and Kimi's modeling_deepseek.py's
+formulation)."""
 
 import json
 import math
@@ -57,14 +58,14 @@ def test_beta_one_one_is_a_step():
     torch.testing.assert_close(f[20:], base[20:] / 64)  # pairs 20..31 are interpolated by the factor
 
 
-def test_interleaved_rope_matches_both_reference_formulations():
+def test_interleaved_rope_matches_transformers_and_modeling_deepseek():
     cfg = KimiK2Config.from_dict(CASES["k2-instruct factor 32, beta 1/1"])
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 64, generator=g)  # [B, heads, S, rope]
     pos = torch.tensor([[0, 1, 2, 3, 4], [100, 2000, 4096, 50000, 131071]])  # rows at different positions
     cos, sin = RotaryTable(cfg)(pos)
     ours = apply_interleaved_rope(x, cos, sin)
-    # HF's rotary module gives cat(freqs, freqs) tables per row; the reference de-interleaves, then rotate_half.
+    # HF's rotary module gives cat(freqs, freqs) tables per row; modeling_deepseek.py de-interleaves, then rotate_half.
     hf_cos, hf_sin = DeepseekV3RotaryEmbedding(hf_config(CASES["k2-instruct factor 32, beta 1/1"]))(x, pos)
     deint = x.view(2, 3, 5, 32, 2).transpose(4, 3).reshape(2, 3, 5, 64)
     ref, _ = apply_rotary_pos_emb(deint, deint, hf_cos, hf_sin)
