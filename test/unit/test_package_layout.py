@@ -87,3 +87,12 @@ def test_the_readme_layout_names_every_module_of_the_tree():
     assert must - set(listed) == set(), "modules the README does not name"
     assert set(listed) - every == set(), "named in the README, not in the tree"
     assert len(listed) == len(set(listed))
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says what it holds, once: in the package (package __init__ files aside), and among the test
+    modules, which `pytest test` imports by their file name in one run."""
+    names = [p.name for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    tests = [p.name for p in (REPO / "test").rglob("*.py") if p.name != "conftest.py"]
+    for found in (names, tests):
+        assert sorted({n for n in found if found.count(n) > 1}) == []
