@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail, integer
+from kimi_k2_neuron.arguments import check_out_file, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
@@ -60,14 +60,15 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
     return out
 
 
-def _check_cpu_only_flags(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace) -> None:
     if not args.cpu and (args.seq_len or args.batch):
         raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
+    check_out_file(args.report, "--report")  # before the benchmark, not after it
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    code = begin(args, check_compiled_args, _check_cpu_only_flags)
+    code = begin(args, check_compiled_args, _check_flags)
     if code is not None:
         return code
     try:

@@ -97,6 +97,9 @@ def check_dest(dest: Path) -> None:
     """Refuse a DEST that holds anything but an earlier export, before anything is written."""
     if dest.exists() and not dest.is_dir():
         raise KimiInputError(f"{dest}: not a folder")
+    here = dest.resolve()
+    if here == REPO or REPO in here.parents or here in REPO.parents:  # replacing it would delete the sources
+        raise KimiInputError(f"{dest}: inside this repository ({REPO}) or holding it; give a folder outside it")
     if dest.is_dir() and any(dest.iterdir()) and not (dest / ENTRY).is_file():
         raise KimiInputError(f"{dest}: not empty and not an earlier export (no {ENTRY}); give a new or empty folder")
 

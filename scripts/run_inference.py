@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
@@ -47,15 +48,15 @@ def main(argv=None) -> int:
 
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
-    from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids
+    from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids, reply_text
 
     torch.manual_seed(args.seed)
-    checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
     # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
     streams = len(args.prompt) == 1 and not args.stop and not (args.cpu and args.tp > 1)
     stream = (lambda s: print(s, end="", flush=True)) if streams else None
     t0 = time.monotonic()
     try:
+        checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
         cfg = KimiK2Config.from_file(checkpoint)
         tok = load_tokenizer(checkpoint)
         rows = _generate(args, prompt_ids(tok, args.prompt, args.chat, args.system), tok, cfg, checkpoint, stream)
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     if stream:
         print()
     else:
-        print_rows(args.prompt, [cut_at_stop(tok.decode(r, skip_special=True), args.stop) for r in rows])
+        print_rows(args.prompt, [cut_at_stop(reply_text(tok, r), args.stop) for r in rows])
     n = sum(len(r) for r in rows)
     # Wall time of the whole call (prefill included): not a TPOT; scripts/bench_tpot.py measures decode alone.
     where = "NxD CPU mode, model build included; not a trn2 time" if args.cpu else "prefill included"
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
 def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
     """New tokens per prompt: the compiled model on trn2, or the NxDI model in NxD's CPU mode with --cpu."""
     temperature, top_k, top_p = sampling_values(args)
-    decode = (lambda ids: tok.decode(ids, skip_special=True))
+    decode = partial(reply_text, tok)
     stops = tok.stop_ids(cfg.eos_token_ids)
     from kimi_k2_neuron.neuron import contract
 
@@ -94,6 +95,7 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
         return rows
     from kimi_k2_neuron.neuron.serving import generate_ids, load_compiled
 
+    contract.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
     app = load_compiled(args.compiled, checkpoint)
     return generate_ids(app, rows, stops, decode=decode, max_new_tokens=args.max_new_tokens,
                         **contract.sampler_settings(temperature, top_k, top_p), stream=stream, stop=args.stop)

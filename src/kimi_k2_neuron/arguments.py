@@ -140,7 +140,8 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k: 
     p.add_argument("--temperature", type=number(0.0), default=None, metavar="T",
                    help="sample with this temperature; 0 is greedy (default: greedy)")
     p.add_argument("--top-k", type=integer(0), default=None, metavar="K",
-                   help=f"with --temperature > 0: sample among the k most likely tokens; 0 = all (default: {top_k})")
+                   help=f"with --temperature > 0: sample among the k most likely tokens; 0 = all (NxDI's on-device "
+                        f"sampler: its compiled global top-k) (default: {top_k})")
     p.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=None, metavar="P",
                    help="with --temperature > 0: sample within this probability mass (default: 1, all)")
     p.add_argument("--seed", type=integer(0), default=0, metavar="S",

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -109,7 +110,7 @@ def _load_tokenizer(model_dir):
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import StopStrings, cut_at_stop, prompt_ids
+    from .runtime.chat import StopStrings, cut_at_stop, prompt_ids, reply_text
     from .runtime.runner import CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
 
@@ -123,17 +124,17 @@ def cmd_generate(a) -> int:
     if a.backend == NXDI_CPU:
         return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
     runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
-    stop_when = StopStrings(tok.decode, a.stop).done if a.stop else None
+    stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
     res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
                           seed=a.seed, stop_when=stop_when)
-    texts = [cut_at_stop(tok.decode(t), a.stop) for t in res.tokens] if a.prompt else None
+    texts = [cut_at_stop(reply_text(tok, t), a.stop) for t in res.tokens] if a.prompt else None
     _print_generation(a, res.tokens, texts, res)
     return 0
 
 
 def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
     """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
-    from .runtime.chat import cut_at_stop
+    from .runtime.chat import cut_at_stop, reply_text
 
     cpu = _nxdi_cpu()
     from .neuron import contract
@@ -144,7 +145,7 @@ def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
                        tokenizer_dir=a.model if tok else None)
     tokens, paths = cpu.generate(cpu_options(a), g)
     print(paths, file=sys.stderr)
-    texts = [cut_at_stop(tok.decode(t), a.stop) for t in tokens] if a.prompt else None
+    texts = [cut_at_stop(reply_text(tok, t), a.stop) for t in tokens] if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0
 
@@ -373,7 +374,7 @@ def _model_opts(s):
                    help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
                         "which has no XLA process groups)")
     s.add_argument("--tp", type=integer(1), default=1, metavar="N",
-                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: float32 only")
+                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: bfloat16 only at 1 rank")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")

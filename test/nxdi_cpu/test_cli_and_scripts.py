@@ -115,3 +115,43 @@ def test_bench_tpot_cpu_writes_a_report_marked_cpu(tiny, env, tmp_path):
     assert report["device"] == "cpu" and "not a trn2 latency" in report["note"]
     assert report["tpot_ms"]["p50"] > 0 and report["ttft_ms"]["p50"] > 0 and report["seq_len"] == 32
     assert "in NxD's CPU mode, not a trn2 number" in r.stdout
+
+
+def test_a_stop_string_ends_rows_as_on_the_core(tiny, env):
+    """NxDI's adapter pads a row that has finished while the other goes on: the row ends where its stop string
+    completed, as on the core runner, with no pad ids after it."""
+    args = ["generate", "--model", str(tiny["fp8"]), "--prompt", "Hello, Kimi!", "--prompt", "Bye",
+            "--max-new-tokens", "12", "--json"]
+    free = json.loads(_run(args, env).stdout)
+    tok = KimiTokenizer.from_dir(tiny["fp8"])
+    # a piece of row 0's text that row 1's never holds, so that row 0 ends while row 1 goes on
+    pieces = (tok.decode([i], skip_special=True) for i in free["tokens"][0][:-1])
+    stop = next(t for t in pieces if t.strip() and "\ufffd" not in t and t not in free["text"][1])
+    core = _run(args + ["--stop", stop], env)
+    nxdi = _run(args + ["--stop", stop, "--backend", "nxdi-cpu"], env)
+    assert core.returncode == 0 and nxdi.returncode == 0, core.stderr[-3000:] + nxdi.stderr[-3000:]
+    got, want = json.loads(nxdi.stdout), json.loads(core.stdout)
+    assert len(want["tokens"][0]) < len(want["tokens"][1]) == 12
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "--input-ids", "5;1,2,3"], "one-token prompt"),
+    (["generate", "--input-ids", "1,2,3", "--temperature", "1", "--top-k", "300"], "--top-k 300"),
+    (["logits", "--input-ids", "1,2,3", "--tp", "3", "--out", "{tmp}/l.safetensors"], "--tp 3"),
+], ids=["one-token row", "top-k above the sampler's", "tp 3"])
+def test_what_config_and_flags_refuse_is_refused_before_converting(tiny, env, tmp_path, args, words):
+    r = _run([a.replace("{tmp}", str(tmp_path)) for a in args] + ["--backend", "nxdi-cpu", "--model",
+                                                                  str(tiny["fp8"])], env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ") and words in r.stderr, r.stderr
+    assert not (tmp_path / "cache" / "converted").exists()  # the raw checkpoint was not converted
+
+
+@pytest.mark.parametrize("script", ["run_inference.py", "bench_tpot.py"])
+def test_a_folder_compile_and_save_did_not_write_is_one_line(script, env, tmp_path):
+    flags = ["--prompt", "hi"] if script == "run_inference.py" else ["--report", str(tmp_path / "r.json")]
+    r = _run(["--compiled", str(tmp_path), *flags], env, script)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == (f"error: --compiled {tmp_path}: not a folder written by "
+                                                 f"scripts/compile_and_save.py (no kimi_k2_neuron.json in it)")

@@ -88,6 +88,15 @@ def test_a_folder_that_is_not_an_export_is_refused_and_an_earlier_export_replace
     assert _export(tmp_path / "again").returncode == 0 and not stale.exists()
 
 
+def test_a_folder_inside_this_repository_is_refused_before_anything_is_written():
+    # The repository's own contrib folder has the entry module of an export: replacing it would delete the sources.
+    # (A folder that does not exist yet stands in for it here, so that a regression cannot delete them.)
+    dest = REPO / "contrib" / "models" / "not-yet-there"
+    r = _export(dest)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "inside this repository" in r.stderr, r.stderr
+    assert not dest.exists()
+
+
 def test_check_tells_whether_an_earlier_copy_is_still_current(exported, tmp_path):
     r = _export(exported, "--check")
     assert r.returncode == 0 and "is what an export writes now" in r.stdout, r.stdout + r.stderr

@@ -121,3 +121,29 @@ def test_no_rank_outlives_a_stopped_parent(tiny_dirs, tmp_path, sig):
         assert rc == 128 + sig and "Traceback" not in err
         assert err.rstrip().splitlines()[-1].endswith(f"error: interrupted by {sig.name}; terminated every rank")
     assert not (tmp_path / "l").exists()
+
+
+def sleep_long(rank):
+    time.sleep(600)
+
+
+def test_a_signal_while_a_rank_starts_still_stops_that_rank(monkeypatch):
+    # SIGTERM lands just after the second rank's process exists and before run_ranks has noted it: that rank must be
+    # stopped with the others, not left for the interpreter to wait for at exit.
+    from multiprocessing.context import SpawnProcess
+    from kimi_k2_neuron.runtime.ranks import RanksInterrupted
+
+    started, real_start = [], SpawnProcess.start
+
+    def start_then_signal(self):
+        real_start(self)
+        started.append(self)
+        if len(started) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(SpawnProcess, "start", start_then_signal)
+    t0 = time.monotonic()
+    with pytest.raises(RanksInterrupted, match="interrupted by SIGTERM"):
+        run_ranks(sleep_long, 3)
+    assert len(started) == 2 and not any(p.is_alive() for p in started)
+    assert time.monotonic() - t0 < 60

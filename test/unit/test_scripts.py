@@ -103,11 +103,15 @@ def test_a_failed_kernel_compile_recommends_all_experts_prefill_not_torch(capsys
 
 # -- run_inference.py: the generation flags, checked before the Neuron SDK is imported ---------------------------------
 
-def run_inference_module():
-    spec = importlib.util.spec_from_file_location("run_inference", REPO / "scripts" / "run_inference.py")
+def script_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_inference_module():
+    return script_module("run_inference")
 
 
 @pytest.mark.parametrize("flags", [
@@ -139,3 +143,9 @@ def test_run_inference_refuses_bad_flags_without_the_sdk(flags, words, capsys, o
     except SystemExit as e:  # argparse's own errors exit from parse_args, already printed on one line
         rc = e.code
     one_line_error.exit(rc, capsys.readouterr().err, words)
+
+
+def test_bench_tpot_checks_its_report_path_before_the_benchmark(tmp_path, capsys, one_line_error):
+    # Without the SDK too: the check comes before it, so a trn2 run cannot be thrown away at the end.
+    rc = script_module("bench_tpot").main(["--compiled", str(tmp_path), "--report", "/nonexistent/dir/r.json"])
+    one_line_error.exit(rc, capsys.readouterr().err, "--report /nonexistent/dir/r.json", "existing folder")

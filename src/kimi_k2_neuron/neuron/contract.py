@@ -179,8 +179,14 @@ def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill)
     if o.experts != "bf16":
         _check_quant_record(o)
-    if o.on_device_sampling and not 1 <= o.top_k <= o.global_topk:
-        raise KimiInputError(f"--top-k {o.top_k}: on-device sampling needs 1 <= top_k <= {o.global_topk}")
+    if o.on_device_sampling:
+        check_top_k(o.top_k, o.global_topk)
+
+
+def check_top_k(top_k: int, global_topk: int = ServeOptions.global_topk) -> None:
+    """NxDI's on-device sampler draws from at most the compiled global top-k."""
+    if not 1 <= top_k <= global_topk:
+        raise KimiInputError(f"--top-k {top_k}: on-device sampling needs 1 <= top_k <= {global_topk}")
 
 
 def _check_quant_record(o: ServeOptions) -> None:

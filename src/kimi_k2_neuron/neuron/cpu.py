@@ -21,6 +21,7 @@ import hashlib
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from .contract import require_neuron_sdk
@@ -31,9 +32,11 @@ import torch  # noqa: E402
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
 from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD  # noqa: E402
 
+from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats import DEFAULT_SCHEME  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord  # noqa: E402
+from kimi_k2_neuron.plan import check_compile_options  # noqa: E402
 
 from . import contract  # noqa: E402
 from .loader import converted_dir_for, ensure_converted  # noqa: E402
@@ -60,6 +63,19 @@ def check(o: CpuOptions) -> None:
     if o.dtype not in CPU_DTYPES:
         raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(CPU_DTYPES)}")
     contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep, sampling=False, on_cpu=True)
+
+
+def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
+                  prompts: list[list[int]] | None = None) -> None:
+    """What config.json and the flags alone refuse (the TP split, the sampler's top-k, a batch NxDI's generation
+    adapter would get wrong), before a raw checkpoint is converted or a rank starts."""
+    check(o)
+    cfg = KimiK2Config.from_file(o.model)
+    check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch, contract.ServeOptions.moe_prefill)
+    if sampling is not None:
+        contract.check_top_k(sampling["top_k"])
+    if prompts is not None:
+        contract.check_prompt_lengths([len(r) for r in prompts])
 
 
 def converted_checkpoint(o: CpuOptions) -> tuple[Path, ConversionRecord]:
@@ -300,6 +316,7 @@ def library_output_to_stderr():
 
 def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
     """teacher_forced_logits of the NxDI model at o.tp ranks, and the MoE path report."""
+    check_request(o, max(len(r) for r in rows), len(rows))
     return run(o, _logits_job, rows, prefill_len)
 
 
@@ -336,16 +353,23 @@ def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]]
     """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks, and
     the report of the paths taken (MoEPaths). `stream` (TP=1 only: ranks are other processes) receives row 0's text
     as it comes."""
+    check_request(o, _generation_seq_len(g), len(g.rows), g.sampling, g.rows)
     return run(o, _generate_job, g, stream if o.tp == 1 else None)
 
 
+def _generation_seq_len(g: Generation) -> int:
+    return max(len(r) for r in g.rows) + g.max_new_tokens
+
+
 def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
+    from kimi_k2_neuron.runtime.chat import reply_text
+
     from .serving import generate_ids, load_tokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
-    app = build(o, seq_len=max(len(r) for r in g.rows) + g.max_new_tokens, batch=len(g.rows), sampling=g.sampling)
+    app = build(o, seq_len=_generation_seq_len(g), batch=len(g.rows), sampling=g.sampling)
     tok = load_tokenizer(g.tokenizer_dir) if g.tokenizer_dir else None
-    decode = (lambda ids: tok.decode(ids, skip_special=True)) if tok else None
+    decode = partial(reply_text, tok) if tok else None
     paths = MoEPaths(app)
     rows = generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,
                         do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
@@ -355,9 +379,13 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
 
 # -- NxDI's benchmark -------------------------------------------------------------------------------------------------
 
+_BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark_sampling runs on trn2
+
+
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
     """NxDI's benchmark_sampling on the NxDI model in NxD's CPU mode: the report scripts/bench_tpot.py makes on trn2,
     here with CPU latencies that say nothing about trn2."""
+    check_request(o, seq_len, batch, _BENCH_SAMPLING)
     return run(o, _benchmark_job, seq_len, batch, num_runs)
 
 
@@ -365,7 +393,7 @@ def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs:
     from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     from transformers import GenerationConfig
 
-    app = build(o, seq_len=seq_len, batch=batch, sampling=contract.sampler_settings(0.0, 0, 1.0))
+    app = build(o, seq_len=seq_len, batch=batch, sampling=_BENCH_SAMPLING)
     gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
     with tempfile.TemporaryDirectory() as d:
         return benchmark_sampling(app, None, gen, target="all", num_runs=num_runs,

@@ -43,13 +43,15 @@ def compile_model(checkpoint: str | Path, out: str | Path, options: contract.Ser
 def read_compiled_record(compiled: str | Path) -> dict:
     path = Path(compiled) / RECORD
     if not path.is_file():
-        raise FileNotFoundError(f"{compiled} is not a folder written by scripts/compile_and_save.py (no {RECORD})")
+        raise KimiInputError(f"--compiled {compiled}: not a folder written by scripts/compile_and_save.py "
+                             f"(no {RECORD} in it)")
     return json.loads(path.read_text())
 
 
 def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) -> NeuronKimiK2ForCausalLM:
     """The compiled model, loaded onto the Neuron cores. `checkpoint` defaults to the one it was compiled from."""
-    checkpoint = checkpoint or read_compiled_record(compiled)["checkpoint"]
+    record = read_compiled_record(compiled)  # also refuses a folder compile_and_save.py did not finish
+    checkpoint = checkpoint or record["checkpoint"]
     config = KimiK2InferenceConfig.load(str(compiled))
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
@@ -131,13 +133,18 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     gen_cfg = GenerationConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad)
     criteria = StoppingCriteriaList([_Stream(decode, width, stream)] if stream else [])
-    if stop:
-        criteria.append(StopStrings(decode, stop, start=width))
+    strings = StopStrings(decode, stop, start=width) if stop else None
+    if strings:
+        criteria.append(strings)
     out = HuggingFaceGenerationAdapter(app).generate(input_ids, attention_mask=attention_mask,
                                                      generation_config=gen_cfg, stopping_criteria=criteria)
-    new_rows = []
-    for row in out[:n].tolist():
-        new = row[width:]
-        cut = next((i + 1 for i, t in enumerate(new) if t in stop_ids), len(new))
-        new_rows.append(new[:cut])
-    return new_rows
+    # The adapter pads a finished row while others go on: cut each row where it finished, as the CPU runner does.
+    return [_finished(row[width:], stop_ids, strings) for row in out[:n].tolist()]
+
+
+def _finished(new: list[int], stop_ids, strings) -> list[int]:
+    """`new` up to and including the token that ended it: a stop id, or the one that completed a --stop string."""
+    for i, t in enumerate(new):
+        if t in stop_ids or (strings and strings.done(new[:i + 1])):
+            return new[:i + 1]
+    return new

@@ -24,6 +24,12 @@ def prompt_ids(tokenizer, prompts: Sequence[str], chat: bool = True, system: str
     return [tokenizer.encode(t) for t in texts]
 
 
+def reply_text(tokenizer, ids: Sequence[int]) -> str:
+    """Generated ids as the user reads them, and as --stop strings see them, on every backend: special tokens (the
+    <|im_end|> that ended the turn) dropped, the ones marked special=false (<think>, tool-call markers) kept."""
+    return tokenizer.decode(ids, skip_special=True)
+
+
 def cut_at_stop(text: str, stops: Iterable[str]) -> str:
     """`text` up to (not including) the earliest stop string in it; all of it when none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]

@@ -70,8 +70,9 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
                 read, write = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_rank_main, args=(target, rank, env, os.getpid(), write, args),
                                 name=f"rank-{rank}")
-                p.start()
-                procs.append(p)
+                with _deferred(_STOPPING):  # a signal inside start() would leave a rank that _stop() cannot see
+                    p.start()
+                    procs.append(p)
                 reports.append(read)
                 write.close()  # only the rank keeps a write end
             _supervise(procs, reports)
@@ -85,6 +86,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_STOPPING = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def _deferred(signums):
+    """Hold `signums` back inside the block; one that arrived meanwhile is delivered (its handler runs) after it.
+    A rank inherits the mask and lifts it first thing (_rank_main)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signums)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _raise_interrupted(signum, frame):
@@ -151,6 +166,7 @@ def _rank_main(target, rank: int, env: dict, parent_pid: int, report, args: tupl
     # holds; killed outright, it would leave e.g. tqdm's multiprocessing lock for the resource tracker to warn about.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops the ranks
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)  # blocked while the parent started this rank (_deferred)
     _die_with_parent(parent_pid)
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     try:
