@@ -215,8 +215,9 @@ def cmd_plan(a) -> int:
     from .formats.record import ConversionRecord
     from .plan import experts_for, format_plan, max_seq_len, plan, plan_json
 
-    cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
-    record = ConversionRecord.read(a.model) if a.model else None
+    config = Path(a.model) / "config.json" if a.model else a.config
+    cfg = KimiK2Config.from_file(config)
+    record = ConversionRecord.read_config(config)  # a converted checkpoint's, through --model or --config
     args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, experts=experts_for(record, a.experts),
                 kv_slots=a.kv_slots, router_dtype=a.router_dtype, context_len=a.max_context_length,
                 moe_prefill=a.moe_prefill, record=record)

@@ -173,9 +173,10 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
     """The parallel layout and MoE prefill settings scripts/compile_and_save.py can compile, naming the argument
     it refuses: the planner and the Neuron shell's check_serve_options both call this. lnc None (NxDI resolves it
     later) skips the EP layout rule; the shell re-checks the resolved config."""
-    for name, v in (("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
+    _check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
+    if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
+        raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
     if lnc not in (None, 1, 2):
         raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
     if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
@@ -183,6 +184,12 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
     check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_ep(cfg, tp, ep, lnc, batch)
     _check_moe_prefill(cfg, ep, moe_prefill, context_len * batch)
+
+
+def _check_counts(*named) -> None:
+    for name, v in named:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
 
 
 def _check_moe_prefill(cfg: KimiK2Config, ep: int, moe_prefill: str, tokens: int) -> None:
@@ -484,8 +491,10 @@ def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, exper
         return plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=context_len, moe_prefill=moe_prefill,
                     **kw)
 
+    fixed_prefill = [("--max-context-length", context_len)] if context_len is not None else []
+    _check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill)  # the search ranges are computed from these
     ranges = _constant_path_ranges(cfg, batch, ep, context_len, moe_prefill)
-    lowest = at(ranges[0][0])  # refuses bad arguments before the search
+    lowest = at(ranges[0][0])  # refuses the other bad arguments before the search
     for lo, hi in reversed(ranges):
         best = _largest_fitting(at, lo, hi)
         if best is not None:

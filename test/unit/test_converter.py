@@ -104,6 +104,8 @@ def test_fp8_blockwise_keeps_expert_values(converted, tiny_dirs):
     changed = sum(int((a.get(n, torch.float32) != b.get(n, torch.float32)).sum()) for n in names)
     assert res.stats.rescaled > 0 and changed <= res.stats.inexact
     assert res.stats.inexact < 1e-3 * sum(b.ckpt.info(n).nbytes // 4 for n in names)
+    assert res.summary.endswith(f"inexact codes {res.stats.inexact}; experts exact but for those codes (the "
+                                f"subnormal tail, rounded to nearest even); 3 source tensors ignored by name")
 
 
 def test_int4_blockwise_is_lossless(converted, tiny_dirs):
@@ -112,6 +114,7 @@ def test_int4_blockwise_is_lossless(converted, tiny_dirs):
     for n in [n for n in a.names() if ".mlp.experts." in n]:
         assert torch.equal(a.get(n, torch.float32), b.get(n, torch.float32)), n
     assert res.stats.rescaled == 0 and res.stats.sq_err == 0
+    assert "inexact codes 0; experts exact; " in res.summary
 
 
 def _drift(src_dir, dst_dir, dtype):
@@ -416,6 +419,18 @@ def test_nan_fp8_code(src_copy, tmp_path, one_line_error):
     _convert_fails(one_line_error, d, tmp_path / "a", EXPERT + ".weight", "NaN")
 
 
+@pytest.mark.parametrize("source, dtype", [("fp8", torch.float8_e5m2), ("fp8", torch.uint8), ("bf16", torch.int16)])
+def test_expert_bytes_of_another_dtype_are_refused_by_every_scheme(src_copy, tmp_path, one_line_error, source,
+                                                                   dtype):
+    # Same bytes, other dtype: read as e4m3 codes (or as numbers) they would convert without a word.
+    d = src_copy(source)
+    name = EXPERT + ".weight"
+    _rewrite(d, name, lambda ts: ts.__setitem__(name, ts[name].view(torch.uint8).view(dtype)))
+    for i, scheme in enumerate(SCHEMES):
+        _convert_fails(one_line_error, d, tmp_path / f"o{i}", name, str(dtype).removeprefix("torch."),
+                       experts=scheme)
+
+
 def test_leftover_and_missing_tensors(src_copy, tmp_path, one_line_error):
     d = src_copy("bf16")
     index = json.loads((d / INDEX).read_text())
@@ -427,6 +442,26 @@ def test_leftover_and_missing_tensors(src_copy, tmp_path, one_line_error):
     del index["weight_map"][EXPERT + ".weight"]
     (d / INDEX).write_text(json.dumps(index))
     _convert_fails(one_line_error, d, tmp_path / "b", "missing", EXPERT + ".weight")
+
+
+def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converted, tiny_dirs, tmp_path,
+                                                                         monkeypatch, one_line_error):
+    ref = _files(converted[("fp8", "fp8-blockwise")][0])
+    dst = Path(shutil.copytree(converted[("fp8", "fp8-blockwise")][0], tmp_path / "d"))
+    (dst / "model-00003-of-00005.safetensors").unlink()  # lost: the rerun redoes it
+
+    real = writer._write_bytes
+
+    def full_for_shards(f, buf):  # the manifest still saves; the lost shard cannot be written
+        if ".safetensors" in f.name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(f, buf)
+
+    monkeypatch.setattr(writer, "_write_bytes", full_for_shards)
+    _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full")  # and DST no longer looks like a checkpoint
+    monkeypatch.undo()
+    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    assert {k: v for k, v in _files(dst).items() if k != MANIFEST} == {k: v for k, v in ref.items() if k != MANIFEST}
 
 
 def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_line_error):

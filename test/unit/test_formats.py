@@ -69,6 +69,12 @@ def test_a_scheme_is_what_its_nxd_settings_describe(scheme):
     assert ExpertScheme.from_nxd({"quantized": False}) is None
 
 
+@pytest.mark.parametrize("block", [[32, 0], [True, 32], [-32, 32], [32], "32x32", None])
+def test_a_hand_made_block_size_is_refused_in_one_line(block, one_line_error):
+    nxd = {**scheme_for("fp8-blockwise", "fp8").nxd(2048), "quantization_block_size": block}
+    one_line_error(lambda: ExpertScheme.from_nxd(nxd), f"quantization_block_size {block!r}", "two integers >= 1")
+
+
 def test_the_record_is_read_typed_or_refused_in_one_line(converted, tiny_dirs, tmp_path, one_line_error):
     assert ConversionRecord.read(tiny_dirs["fp8"]) is None  # a raw checkpoint
     assert ConversionRecord.read(tmp_path) is None  # no config.json at all

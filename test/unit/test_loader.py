@@ -31,3 +31,12 @@ def test_a_raw_checkpoint_is_converted_once_into_a_sibling_folder(tiny_dirs, tmp
     stamp = (dst / "config.json").stat().st_mtime_ns
     assert loader.ensure_converted(raw, "fp8-per-channel") == dst and (dst / "config.json").stat().st_mtime_ns == stamp
     assert loader.ensure_converted(dst, "fp8-per-channel") == dst  # already converted: used as is
+
+
+def test_a_conversion_of_another_checkpoint_at_the_same_path_is_not_reused(tiny_dirs, tmp_path, one_line_error):
+    raw = tmp_path / "kimi"
+    shutil.copytree(tiny_dirs["fp8"], raw)
+    dst = loader.ensure_converted(raw, "fp8-blockwise", workers=1)
+    shutil.rmtree(raw)
+    shutil.copytree(tiny_dirs["int4"], raw)  # another checkpoint, downloaded to the same folder
+    one_line_error(lambda: loader.ensure_converted(raw, "fp8-blockwise"), str(dst), "holds another conversion")

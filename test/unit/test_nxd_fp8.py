@@ -107,3 +107,12 @@ def test_block_flags():
     assert flags.tolist() == [[True, False, False], [False, False, True]] and not nan
     x[1, 1] = 0x7F
     assert block_flags(x, (32, 32))[1]
+
+
+def test_block_flags_of_a_block_too_large_for_carry_free_lane_counts():
+    # 256 codes beyond +-240, all in byte 7 of their 8-byte lanes, in one 64 x 64 block: summed per lane they would
+    # carry out of the int64 and read as none. Such blocks take the byte path.
+    x = torch.zeros(64, 64, dtype=torch.uint8)
+    x[:32, 7::8] = 0x78
+    flags, nan = block_flags(x, (64, 64))
+    assert flags.tolist() == [[True]] and not nan

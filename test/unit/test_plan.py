@@ -363,6 +363,8 @@ def test_cli_takes_the_experts_a_converted_checkpoint_holds(capsys, tmp_path):
     model = _converted(tmp_path, "fp8-per-channel", scheme_for("fp8-per-channel", "fp8").nxd(2048))
     assert _cli("--model", model, "--json") == 0  # --experts defaults to the record's
     assert json.loads(capsys.readouterr().out)["experts"] == "fp8-per-channel"
+    assert _cli("--config", str(Path(model) / "config.json"), "--json") == 0  # its config.json alone: the same
+    assert json.loads(capsys.readouterr().out)["experts"] == "fp8-per-channel"
     assert _cli("--model", model, "--experts", "fp8-blockwise") == 2
     assert capsys.readouterr().err == ("error: --experts fp8-blockwise: the converted checkpoint holds "
                                        "fp8-per-channel experts; pass --experts fp8-per-channel or leave it out\n")
@@ -401,3 +403,14 @@ def test_cli_max_seq_len(capsys):
     assert json.loads(capsys.readouterr().out)["max_seq_len"] is None  # 29.5 GiB of bf16 experts fit nowhere
     # argparse: one or the other (main turns argparse's exit into its return code)
     assert main(["plan", "--config", str(KIMI), "--tp", "64", "--seq-len", "8", "--max-seq-len"]) == 2
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--batch", "0"], "--batch 0: expected an integer >= 1"),
+    (["--max-context-length", "0"], "--max-context-length 0: expected an integer >= 1"),
+    (["--seq-len", "262145"], "--seq-len 262145: exceeds config.json field max_position_embeddings=262144"),
+], ids=["batch 0", "context 0", "seq-len past the model's positions"])
+def test_cli_refuses_bad_counts_before_planning(flags, words, capsys, one_line_error):
+    search = [] if "--seq-len" in flags else ["--max-seq-len"]
+    rc = main(["plan", "--config", str(KIMI), "--tp", "64", *flags, *search])
+    one_line_error.exit(rc, capsys.readouterr().err, words)

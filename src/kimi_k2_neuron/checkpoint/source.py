@@ -26,13 +26,13 @@ import torch
 from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..formats.layout import is_ignored
+from ..quant import check_plain
 from ..quant.fp8 import dequantize_blockwise
 from ..quant.int4 import dequantize_group
 from .converted import open_checkpoint
 
 FP8_SCALE = "_scale_inv"  # X.weight_scale_inv
 INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _K25_PREFIX = "language_model."  # Kimi-K2.5 nests the language model under this prefix
 # ... next to its vision tower and projector, which this port does not serve (text in, text out): set aside by name.
 _K25_MULTIMODAL = ("vision_tower.", "mm_projector.")
@@ -70,9 +70,7 @@ class WeightSource:
             packed, scale, shape = (self.ckpt.get(k) for k in w.raw)
             return dequantize_group(packed, scale, shape, self.cfg.quant.group_size, out_dtype=dtype, name=base)
         t = self.ckpt.get(w.raw[0])
-        if t.dtype not in _FLOAT_DTYPES:
-            raise KimiInputError(f"{self._where(w.raw[0])}: tensor {w.raw[0]} has dtype {t.dtype}, "
-                                 f"expected bf16/fp16/fp32 (or a quantized weight with its scales)")
+        check_plain(t, f"{self._where(w.raw[0])}: tensor {w.raw[0]}")
         return t.to(dtype)
 
     def close(self):

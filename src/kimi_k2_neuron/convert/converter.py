@@ -10,7 +10,8 @@ file while the next one is converted (torch, write(), fsync and BLAKE3 release t
 Resumable and deterministic: every finished file is renamed into place and recorded with its BLAKE3 hash in
 `conversion_manifest.json`; a rerun skips recorded files whose size matches (`verify` re-hashes them, with sha256
 for the records of a version-1 manifest), so a run killed at any moment and rerun produces the same bytes as an
-uninterrupted one. config.json is written last: until it exists, DST does not look like a checkpoint.
+uninterrupted one. config.json is written last (and removed first when a rerun has files to redo): until it exists,
+DST does not look like a checkpoint.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ class _Job:
         self._save_manifest(manifest)  # first thing in DST: marks it as a conversion in progress
         todo = [u for u in units if not self._done(u, manifest)]
         self.result.skipped = len(units) - len(todo)
+        if todo:  # a finished DST being redone in part (a file lost, --verify) must not look finished meanwhile
+            for f in ("config.json", INDEX_NAME):  # the last two written, first to go
+                (self.dst / f).unlink(missing_ok=True)
         bar = tqdm(total=sum(u.src_bytes for u in todo), unit="B", unit_scale=True, desc="converting",
                    disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
         with bar, _torch_threads(), ThreadPoolExecutor(self.workers) as pool:
@@ -290,20 +294,17 @@ class _Job:
         weight_map = {name: u.file for u in units for name, _, _ in u.entries}
         total = sum(manifest["files"][u.file]["bytes"] for u in units)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        write_small_file(self.dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        _put(self.dst / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
         self._copy_aux()
         manifest["complete"] = True
         self._save_manifest(manifest)
-        write_small_file(self.dst / "config.json", (json.dumps(self._config(), indent=2) + "\n").encode())
+        _put(self.dst / "config.json", (json.dumps(self._config(), indent=2) + "\n").encode())
 
     def _copy_aux(self) -> None:
         """Tokenizer, generation config, chat template, ...: every other top-level file of the source."""
         for f in sorted(self.src.dir.iterdir()):
             if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
-                data = f.read_bytes()
-                target = self.dst / f.name
-                if not (target.is_file() and target.read_bytes() == data):
-                    write_small_file(target, data)
+                _put(self.dst / f.name, f.read_bytes())
 
     def _config(self) -> dict:
         raw = json.loads((self.src.dir / "config.json").read_text())
@@ -319,13 +320,24 @@ class _Job:
         gb = r.bytes_read / 1e9
         rate = f"{gb / r.seconds:.2f} GB/s" if r.seconds > 0 and gb else "-"
         rec = _stats_record(s)
-        err = (f"; re-rounding error rms {rec['relative_rms_error']:.3g}, max {rec['relative_max_error']:.3g} "
-               f"(relative to the source weights)" if s.sq_ref else "; experts exact")
+        if s.sq_ref:  # requantized from dequantized values: measured against them
+            err = (f"; re-rounding error rms {rec['relative_rms_error']:.3g}, max {rec['relative_max_error']:.3g} "
+                   f"(relative to the source weights)")
+        elif s.inexact:  # rescaled codes: exact but for the halved subnormals that lost their last bit
+            err = "; experts exact but for those codes (the subnormal tail, rounded to nearest even)"
+        else:
+            err = "; experts exact"
         redo = f", {len(r.redone)} rewritten after failing --verify" if r.redone else ""
         return (f"converted {self.src.format} -> {self.scheme.name} into {self.dst}: {r.files} files "
                 f"({r.skipped} already done{redo}), {gb:.2f} GB read in {r.seconds:.1f} s ({rate}); "
                 f"FP8 scales raised to fit +-240: {s.rescaled}/{s.blocks}, inexact codes {s.inexact}{err}; "
                 f"{len(self.src.ignored)} source tensors ignored by name")
+
+
+def _put(target: Path, data: bytes) -> None:
+    """Write a small file unless it already holds `data` (a rerun over a finished DST changes nothing)."""
+    if not (target.is_file() and target.read_bytes() == data):
+        write_small_file(target, data)
 
 
 def _stats_record(s: Stats) -> dict:

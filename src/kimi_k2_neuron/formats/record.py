@@ -48,7 +48,12 @@ class ConversionRecord:
     def read(cls, model_dir: str | Path) -> ConversionRecord | None:
         """The record of the converted checkpoint in `model_dir`; None for any other folder (KimiK2Config.from_file
         reports a missing or unreadable config.json)."""
-        path = Path(model_dir) / "config.json"
+        return cls.read_config(Path(model_dir) / "config.json")
+
+    @classmethod
+    def read_config(cls, path: str | Path) -> ConversionRecord | None:
+        """The record in config.json file `path`; None when it holds none or cannot be read."""
+        path = Path(path)
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError):

@@ -70,8 +70,10 @@ class ExpertScheme:
         if name == "fp8-per-channel":
             return cls(name, None)
         block = fields.get("quantization_block_size")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) for b in block)):
-            raise KimiInputError(f"quantization_block_size {block!r}: expected [in, out] for {qtype}")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise KimiInputError(f"quantization_block_size {block!r}: expected [in, out], two integers >= 1, "
+                                 f"for {qtype}")
         return cls(name, tuple(block))
 
 

@@ -49,13 +49,17 @@ def ensure_converted(path: str | Path, experts: str, workers: int = 8, dst: str 
     from kimi_k2_neuron.convert import convert
 
     dst = Path(dst) if dst is not None else converted_dir_for(path, experts)
-    if ConversionRecord.read(dst) is None:
-        logger.warning("%s is a raw checkpoint; converting it (experts=%s) into %s. This reads the whole checkpoint "
-                       "once: an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured (the progress "
-                       "bar shows the ETA).", path, experts, dst)
-        res = convert(path, dst, experts, workers=workers)
-        logger.warning("converted %.1f GB in %.1f min (%.0f MB/s): %s", res.bytes_read / 1e9, res.seconds / 60,
-                       res.bytes_read / 1e6 / max(res.seconds, 1e-9), res.summary)
+    if ConversionRecord.read(dst) is not None:
+        # Done before: the converter's resume checks it is this source's conversion (config, index and shard sizes;
+        # a checkpoint since put at the same path is refused) and finds every file there, in about a second.
+        convert(path, dst, experts, workers=workers, progress=False)
+        return dst
+    logger.warning("%s is a raw checkpoint; converting it (experts=%s) into %s. This reads the whole checkpoint "
+                   "once: an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured (the progress "
+                   "bar shows the ETA).", path, experts, dst)
+    res = convert(path, dst, experts, workers=workers)
+    logger.warning("converted %.1f GB in %.1f min (%.0f MB/s): %s", res.bytes_read / 1e9, res.seconds / 60,
+                   res.bytes_read / 1e6 / max(res.seconds, 1e-9), res.summary)
     return dst
 
 

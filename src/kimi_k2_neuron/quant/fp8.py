@@ -52,6 +52,13 @@ def _scale_rows_inplace(x: torch.Tensor, col_scale: torch.Tensor, bo: int) -> No
         x[full:].mul_(col_scale[-1])
 
 
+def check_fp8_weight(weight, name: str) -> None:
+    """HF's FP8 checkpoints store 2-D float8_e4m3fn codes; other bytes beside a weight_scale_inv are refused."""
+    if not isinstance(weight, torch.Tensor) or weight.dtype != FP8_DTYPE or weight.dim() != 2:
+        got = f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise KimiInputError(f"{name}.weight: expected a 2-D float8_e4m3fn tensor, got {got}")
+
+
 def dequantize_blockwise(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
@@ -61,9 +68,7 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """FP8 [O, I] weight x float32 block scales -> dense [O, I] in ``out_dtype`` (math done in float32)."""
     bo, bi = _check_block(block)
-    if not isinstance(weight, torch.Tensor) or weight.dtype != FP8_DTYPE or weight.dim() != 2:
-        got = f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise KimiInputError(f"{name}.weight: expected a 2-D float8_e4m3fn tensor, got {got}")
+    check_fp8_weight(weight, name)
     if not isinstance(scale_inv, torch.Tensor) or scale_inv.dtype != torch.float32:
         got = scale_inv.dtype if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
         raise KimiInputError(f"{name}.weight_scale_inv: expected float32, got {got}")

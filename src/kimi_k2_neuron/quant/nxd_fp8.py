@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import KimiInputError
-from .fp8 import check_scales, dequantize_blockwise, scale_grid_shape
+from . import check_plain
+from .fp8 import check_fp8_weight, check_scales, dequantize_blockwise, scale_grid_shape
 from .int4 import check_group_scale, dequantize_group, unpack_int4
 
 FP8 = torch.float8_e4m3fn
@@ -94,10 +95,16 @@ def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
     """[rows/br, cols/bc] bool: the block holds a code beyond +-240; and whether any code is NaN."""
     rows, cols = b.shape
     br, bc = block
-    if cols % 8 or bc % 8:  # lanes would straddle blocks: plain byte ops (tiny shapes only)
+    if not _lanes_fit(b.shape, block):  # plain byte ops
         mag = (b & 0x7F).view(rows // br, br, cols // bc, bc).amax(dim=(1, 3))
         return mag > FP8_MAX_BYTE, bool((mag == 0x7F).any())
     return _lane_flags(_lanes(b) & _L7F, b.shape, block)
+
+
+def _lanes_fit(shape: tuple[int, int], block: tuple[int, int]) -> bool:
+    """Whether _lane_flags applies: rows and blocks hold whole 8-byte lanes (not so on tiny shapes), and a block's
+    per-byte counts stay below 256 (fewer than 2048 codes a block: 32 x 32 has 1024), so they never carry."""
+    return shape[1] % 8 == 0 and block[1] % 8 == 0 and block[0] * block[1] < 8 * 256
 
 
 def _lane_flags(mag: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
@@ -110,7 +117,7 @@ def _lane_flags(mag: torch.Tensor, shape: tuple[int, int], block: tuple[int, int
     br, bc = block
     nan = bool(mag.view(torch.uint8).max() == 0x7F)
     over = (mag + _L08).bitwise_and_(_H80).bitwise_right_shift_(7)  # 0/1 per byte
-    # Each byte sum stays below 256 (a block has br*bc/8 lanes per byte position), so sums never carry.
+    # Each byte sum stays below 256 (a block has br*bc/8 lanes per byte position; _lanes_fit), so sums never carry.
     counts = over.view(rows, cols // bc, bc // 8).sum(-1).view(rows // br, br, cols // bc).sum(1)
     return counts != 0, nan
 
@@ -151,6 +158,7 @@ def _grid(n: int, block: int, what: str) -> int:
 def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int], block: tuple[int, int],
                      dst: torch.Tensor, name: str) -> tuple[torch.Tensor, Stats]:
     """HF FP8 [out, in] codes + scale_inv grid -> dst[in, out] codes (written in place), scale [in/bi, out/bo]."""
+    check_fp8_weight(w, name)  # the rescale below works on the e4m3 bit pattern
     out_f, in_f = w.shape
     bi, bo = block
     go, gi = _grid(out_f, bo, name), _grid(in_f, bi, name)
@@ -180,7 +188,7 @@ def _rescale_transpose(u: torch.Tensor, block: tuple[int, int], dst: torch.Tenso
                        name: str) -> tuple[torch.Tensor, int]:
     """dst = u.T with every block of u that holds a code beyond +-240 halved; returns the blocks' flags and how
     many codes the halving changed (odd subnormal-tail codes of halved blocks)."""
-    lanes_fit = u.shape[1] % 8 == 0 and block[1] % 8 == 0
+    lanes_fit = _lanes_fit(u.shape, block)
     mag = _lanes(u) & _L7F if lanes_fit else None
     flag, nan = _lane_flags(mag, u.shape, block) if lanes_fit else block_flags(u, block)
     if nan:
@@ -230,6 +238,7 @@ def dense_source(kind: str, tensors: list[torch.Tensor], src_block, group: int |
         return dequantize_blockwise(tensors[0], tensors[1], src_block, name=name)
     if kind == "int4":
         return dequantize_group(tensors[0], tensors[1], tensors[2], group, name=name)
+    check_plain(tensors[0], f"{name}.weight")
     w = tensors[0].to(torch.float32)
     if not torch.isfinite(w).all():
         raise KimiInputError(f"{name}.weight: contains NaN or inf; cannot quantize to FP8")
