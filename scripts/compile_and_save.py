@@ -28,6 +28,7 @@ from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_f
 # The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
 # then. start() sets it again, with logging.
 set_fp8_env()
+from kimi_k2_neuron.arguments import check_out_dir, integer  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.plan import MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES, experts_for, format_plan, plan  # noqa: E402
 
@@ -48,11 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"expert format (default: what a converted checkpoint holds; {DEFAULT_SCHEME}, exact from FP8 "
                         "and INT4 sources, for a raw one)")
-    p.add_argument("--convert-workers", type=int, default=8, help="converter threads, when --model is raw")
+    p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")
     p.add_argument("--no-on-device-sampling", action="store_true", help="return logits to the host instead")
     p.add_argument("--output-logits", action="store_true", help="also return logits with on-device sampling "
                                                                 "(needed by the logit-parity test)")
-    p.add_argument("--global-topk", type=int, default=256, help="on-device sampling's top-k pre-selection")
+    p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
     p.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
                    help="how prefill runs the routed experts: kernel = NxD's blockwise NKI kernel (NxD itself takes "
                         "its torch path where the kernel does not apply), torch = that torch blockwise path, "
@@ -71,6 +72,7 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.formats.record import ConversionRecord
 
     try:
+        check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.read(args.model)
         experts = experts_for(record, args.experts)

@@ -42,6 +42,13 @@ def test_generation_stops_on_stop_ids(tiny_dirs):
     assert cut == free[: free.index(stop) + 1]
 
 
+def test_decode_throughput_counts_only_the_tokens_rows_got():
+    from kimi_k2_neuron.runtime.runner import GenerationResult
+
+    # two decode steps: row 0 got two tokens from them, row 1 had stopped at its prefill token
+    assert GenerationResult([[1, 2, 3], [4]], 0.1, 0.5, 2).decode_tokens_per_second == 4.0
+
+
 def test_layer_streamed_equals_in_memory(tiny_dirs):
     mem = CpuRunner(tiny_dirs["fp8"]).logits(ROWS, 6)
     streamed = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)

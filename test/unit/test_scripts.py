@@ -50,6 +50,13 @@ def test_compile_checks_the_fit_before_anything_else(tmp_path):
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
 
+def test_compile_checks_its_output_folder_first(tiny_dirs, tmp_path, one_line_error):
+    (tmp_path / "file").write_text("")
+    r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "file" / "c"), "--tp", "2")
+    one_line_error.exit(r.returncode, r.stderr, "--out", "is a file")
+    assert not any(tiny_dirs["fp8"].parent.glob("*-neuron-*"))  # nothing converted
+
+
 def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     """K2-Thinking converted to fp8-blockwise keeps one scale per INT4 group ([32, 1]); its converted config.json
     has no quantization_config any more, so only the record says so, and the fit check must use it."""

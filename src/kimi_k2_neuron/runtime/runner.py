@@ -45,7 +45,9 @@ class GenerationResult:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        n = self.decode_steps * len(self.tokens)
+        """Tokens the decode steps gave the rows (each row's first came from prefill); a row that has stopped
+        still rides along in the batch but adds none."""
+        n = sum(max(len(t) - 1, 0) for t in self.tokens)
         return n / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
 
