@@ -78,6 +78,8 @@ def main(argv=None) -> int:
 
 def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
     """New tokens per prompt: the compiled model on trn2, or the NxDI model in NxD's CPU mode with --cpu."""
+    from kimi_k2_neuron.runtime.chat import reply_text
+
     temperature, top_k, top_p = sampling_values(args)
     decode = partial(reply_text, tok)
     stops = tok.stop_ids(cfg.eos_token_ids)
