@@ -375,7 +375,8 @@ def _model_opts(s):
                    help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
                         "which has no XLA process groups)")
     s.add_argument("--tp", type=integer(1), default=1, metavar="N",
-                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: bfloat16 only at 1 rank")
+                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: bfloat16 "
+                        "only at 1 rank")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
