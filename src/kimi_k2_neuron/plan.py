@@ -21,7 +21,7 @@ from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, check_expert_format
 from .formats.layout import converted_tensors
 from .formats.record import ConversionRecord
-from .formats.scheme import ExpertScheme, scheme_for
+from .formats.scheme import ExpertScheme, converted_scheme
 from .parallel import check_tp_divides
 
 GiB = 2**30
@@ -218,11 +218,6 @@ def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: ConversionReco
     if record is not None:
         return record.valid_moe_tp_degrees
     return converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
-
-
-def converted_scheme(cfg: KimiK2Config, experts: str) -> ExpertScheme:
-    """The expert scheme `kimi-k2-neuron convert --experts EXPERTS` writes from this (raw) checkpoint."""
-    return scheme_for(experts, cfg.storage_format, cfg.quant.group_size if cfg.quant else None)
 
 
 def experts_for(record: ConversionRecord | None, experts: str | None) -> str:

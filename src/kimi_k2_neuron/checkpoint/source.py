@@ -54,7 +54,12 @@ class WeightSource:
         self.ignored: list[str] = []
         self.weights: dict[str, LogicalWeight] = {}
         self._group(self.ckpt.keys())
-        self.format = self._check_format()
+        self._check_format()
+
+    @property
+    def format(self) -> str:
+        """The storage format of the experts: fp8, int4 or bf16 (config.json's, checked against the tensors)."""
+        return self.cfg.storage_format
 
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.weights if n.startswith(prefix)]
@@ -120,7 +125,7 @@ class WeightSource:
                 raise KimiInputError(f"{self._where(raw)}: FP8 tensor {raw} has no {raw}{FP8_SCALE}")
             add(name, "plain", [raw])
 
-    def _check_format(self) -> str:
+    def _check_format(self) -> None:
         kinds = {w.kind for w in self.weights.values()}
         q, fmt = self.cfg.quant, self.cfg.storage_format
         expected = "plain" if fmt == "bf16" else fmt
@@ -129,7 +134,6 @@ class WeightSource:
             said = f"quant_method {q.method!r}" if q else "no quantization_config"
             raise KimiInputError(f"{self.dir / 'config.json'}: {said}, but tensor {example.raw[0]} is "
                                  f"{kind.upper()}-quantized")
-        return fmt
 
     def _where(self, raw: str) -> str:
         return self.ckpt.info(raw).shard if raw in self.ckpt else str(self.dir)

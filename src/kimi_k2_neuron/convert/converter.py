@@ -36,7 +36,7 @@ from ..config import pop_quantization_config
 from ..errors import KimiInputError
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
-from ..formats.scheme import ExpertScheme, scheme_for
+from ..formats.scheme import ExpertScheme, converted_scheme
 from ..quant import nxd_fp8
 from ..quant.nxd_fp8 import Stats
 from . import schedule
@@ -73,8 +73,7 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
         raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {CONVERSION_KEY})")
     source = WeightSource(src)
     try:
-        q = source.cfg.quant
-        scheme = scheme_for(experts, source.format, q.group_size if q else None)
+        scheme = converted_scheme(source.cfg, experts)
         units = schedule.build(source, scheme)  # every input check that needs no tensor data happens here
         job = _Job(source, scheme, dst, workers, verify, progress)
         return job.run(units)
@@ -276,17 +275,13 @@ class _Job:
     def _proj(self, name: str, dst: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         w = self.src.weights[name]
         base = name[: -len(".weight")]
-        tensors = [self.src.ckpt.get(r) for r in w.raw]
         q = self.cfg.quant
-        if self.scheme.block is not None and w.kind == "fp8":
-            return nxd_fp8.fp8_to_blockwise(tensors[0], tensors[1], q.weight_block_size, self.scheme.block,
-                                               dst, base)
-        if self.scheme.block is not None and w.kind == "int4":
-            out_in = tuple(dst.shape[::-1])
-            return nxd_fp8.int4_to_blockwise(tensors[0], tensors[1], out_in, q.group_size, dst, base)
-        group = q.group_size if q else None
-        ref = nxd_fp8.dense_source(w.kind, tensors, q.weight_block_size if q and w.kind == "fp8" else None,
-                                      group, base)
+        if self.scheme.block is not None and w.kind in ("fp8", "int4"):  # straight from the codes, exact
+            codes, scale = (self.src.ckpt.get(r) for r in w.raw[:2])
+            if w.kind == "fp8":
+                return nxd_fp8.fp8_to_blockwise(codes, scale, q.weight_block_size, self.scheme.block, dst, base)
+            return nxd_fp8.int4_to_blockwise(codes, scale, tuple(dst.shape[::-1]), q.group_size, dst, base)
+        ref = self.src.get(name, torch.float32)  # the exact value, whatever the storage
         return nxd_fp8.quantize(ref.t().contiguous(), self.scheme.block, dst, base)
 
     # -- the end ----------------------------------------------------------------------------------------------------

@@ -88,28 +88,23 @@ def build(src: WeightSource, scheme: ExpertScheme) -> list[Unit]:
     expected = layout.logical_shapes(cfg)
     check_accounting(src, expected)
     check_dims(cfg, scheme, src)
-    groups: list[tuple[list[str], int | None]] = [([n for n in expected if n.startswith(_TOP_FIRST)], None)]
+    # (plain names, MoE layer or None, routed-expert names) per output file
+    groups: list[tuple[list[str], int | None, list[str]]] = [
+        ([n for n in expected if n.startswith(_TOP_FIRST)], None, [])]
     for layer in range(cfg.num_hidden_layers):
         p = layout.layer_prefix(layer)
         names = [n for n in expected if n.startswith(p)]
-        moe = any(is_routed_expert(n) for n in names)
-        groups.append(([n for n in names if not is_routed_expert(n)], layer if moe else None))
-    groups.append(([n for n in expected if n.startswith(_TOP_LAST)], None))
+        experts = [n for n in names if is_routed_expert(n)]
+        groups.append(([n for n in names if not is_routed_expert(n)], layer if experts else None, experts))
+    groups.append(([n for n in expected if n.startswith(_TOP_LAST)], None, []))
     total = len(groups)
     units = []
-    for k, (plain, layer) in enumerate(groups):
+    for k, (plain, layer, experts) in enumerate(groups):
         u = Unit(k, f"model-{k + 1:05d}-of-{total:05d}.safetensors", sorted(plain), layer)
         u.entries = _entries(u, cfg, scheme, expected)
-        u.src_bytes = sum(src.ckpt.info(r).nbytes for n in _unit_names(u, expected) for r in src.weights[n].raw)
+        u.src_bytes = sum(src.ckpt.info(r).nbytes for n in plain + experts for r in src.weights[n].raw)
         units.append(u)
     return units
-
-
-def _unit_names(u: Unit, expected) -> list[str]:
-    names = list(u.plain)
-    if u.moe_layer is not None:
-        names += [n for n in expected if n.startswith(f"{layout.layer_prefix(u.moe_layer)}mlp.experts.")]
-    return names
 
 
 def _entries(u: Unit, cfg: KimiK2Config, scheme: ExpertScheme, expected) -> list:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ..config import KimiK2Config
 from ..errors import KimiInputError
 from . import SCHEMES
 
@@ -90,3 +91,8 @@ def scheme_for(name: str, source_format: str, group_size: int | None = None) -> 
     if source_format == "int4":
         return ExpertScheme(name, (int(group_size), 1))  # one scale per INT4 group: lossless
     return ExpertScheme(name, (FINE_BLOCK, FINE_BLOCK))
+
+
+def converted_scheme(cfg: KimiK2Config, experts: str) -> ExpertScheme:
+    """The expert scheme `kimi-k2-neuron convert --experts EXPERTS` writes from this (raw) checkpoint."""
+    return scheme_for(experts, cfg.storage_format, cfg.quant.group_size if cfg.quant else None)

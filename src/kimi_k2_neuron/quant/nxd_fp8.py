@@ -24,9 +24,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import KimiInputError
-from . import check_plain
-from .fp8 import check_fp8_weight, check_scales, dequantize_blockwise, scale_grid_shape
-from .int4 import check_group_scale, dequantize_group, unpack_int4
+from .fp8 import check_fp8_weight, check_scales, scale_grid_shape
+from .int4 import check_group_scale, unpack_int4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 240.0  # Neuron e4m3
@@ -230,19 +229,6 @@ def int4_to_blockwise(packed: torch.Tensor, scale: torch.Tensor, shape: tuple[in
     q = unpack_int4(packed, in_f, name=name)  # validates the packed shape
     transpose_into(dst, _INT4_TO_FP8[(q + 8).long()])
     return s.t().contiguous(), Stats(blocks=s.numel())
-
-
-def dense_source(kind: str, tensors: list[torch.Tensor], src_block, group: int | None, name: str) -> torch.Tensor:
-    """The exact float32 [out, in] value of a source weight, whatever its storage."""
-    if kind == "fp8":
-        return dequantize_blockwise(tensors[0], tensors[1], src_block, name=name)
-    if kind == "int4":
-        return dequantize_group(tensors[0], tensors[1], tensors[2], group, name=name)
-    check_plain(tensors[0], f"{name}.weight")
-    w = tensors[0].to(torch.float32)
-    if not torch.isfinite(w).all():
-        raise KimiInputError(f"{name}.weight: contains NaN or inf; cannot quantize to FP8")
-    return w
 
 
 def quantize(ref: torch.Tensor, block: tuple[int, int] | None, dst: torch.Tensor,
