@@ -28,7 +28,7 @@ from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_f
 # The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
 # then. start() sets it again, with logging.
 set_fp8_env()
-from kimi_k2_neuron.arguments import check_out_dir, integer  # noqa: E402
+from kimi_k2_neuron.arguments import check_out_dir, fail, integer  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.plan import MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES, experts_for, format_plan, plan  # noqa: E402
 
@@ -85,8 +85,7 @@ def main(argv=None) -> int:
             print(format_plan(p), file=sys.stderr)
             raise KimiInputError("this configuration does not fit (see above); pass --force to compile anyway")
     except KimiInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
 
     try:
         from kimi_k2_neuron.neuron import contract
@@ -107,8 +106,7 @@ def main(argv=None) -> int:
         if not _compile(compile_model, checkpoint, args.out, options, p.summary()):
             return 1
     except KimiInputError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     print(f"compiled to {args.out} in {(time.monotonic() - t0) / 60:.1f} min")
     return 0
 

@@ -25,7 +25,7 @@ from functools import partial
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
+from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_generate, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
 
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
-    from kimi_k2_neuron.runtime.chat import cut_at_stop, print_rows, prompt_ids, reply_text
+    from kimi_k2_neuron.runtime.chat import print_rows, prompt_ids, reply_texts
 
     torch.manual_seed(args.seed)
     # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     if stream:
         print()
     else:
-        print_rows(args.prompt, [cut_at_stop(reply_text(tok, r), args.stop) for r in rows])
+        print_rows(args.prompt, reply_texts(tok, rows, args.stop))
     n = sum(len(r) for r in rows)
     # Wall time of the whole call (prefill included): not a TPOT; scripts/bench_tpot.py measures decode alone.
     where = "NxD CPU mode, model build included; not a trn2 time" if args.cpu else "prefill included"
@@ -80,26 +80,16 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
     """New tokens per prompt: the compiled model on trn2, or the NxDI model in NxD's CPU mode with --cpu."""
     from kimi_k2_neuron.runtime.chat import reply_text
 
-    temperature, top_k, top_p = sampling_values(args)
-    decode = partial(reply_text, tok)
     stops = tok.stop_ids(cfg.eos_token_ids)
-    from kimi_k2_neuron.neuron import contract
-
     if args.cpu:
-        from kimi_k2_neuron.neuron import cpu
-
-        g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stops)), max_new_tokens=args.max_new_tokens,
-                           **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed,
-                           stop=tuple(args.stop),
-                           tokenizer_dir=str(checkpoint))
-        rows, paths = cpu.generate(cpu_options(args), g, stream)
-        print(paths, file=sys.stderr)
-        return rows
+        return cpu_generate(args, rows, stops, str(checkpoint), stream)
+    from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.neuron.serving import generate_ids, load_compiled
 
     contract.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
     app = load_compiled(args.compiled, checkpoint)
-    return generate_ids(app, rows, stops, decode=decode, max_new_tokens=args.max_new_tokens,
+    temperature, top_k, top_p = sampling_values(args)
+    return generate_ids(app, rows, stops, decode=partial(reply_text, tok), max_new_tokens=args.max_new_tokens,
                         **contract.sampler_settings(temperature, top_k, top_p), stream=stream, stop=args.stop)
 
 

@@ -19,7 +19,7 @@ from . import __version__
 from .arguments import (Parser, add_generation_args, cache_dir, check_generation_args, check_out_dir, check_out_file,
                         fail, integer, sampling_values)
 from .errors import KimiInputError
-from .launch import cpu_options
+from .launch import cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .plan import GiB, MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES
 from .runtime.ranks import RanksError
@@ -110,7 +110,7 @@ def _load_tokenizer(model_dir):
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import StopStrings, cut_at_stop, prompt_ids, reply_text
+    from .runtime.chat import StopStrings, prompt_ids, reply_text, reply_texts
     from .runtime.runner import CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
 
@@ -127,25 +127,18 @@ def cmd_generate(a) -> int:
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
     res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
                           seed=a.seed, stop_when=stop_when)
-    texts = [cut_at_stop(reply_text(tok, t), a.stop) for t in res.tokens] if a.prompt else None
+    texts = reply_texts(tok, res.tokens, a.stop) if a.prompt else None
     _print_generation(a, res.tokens, texts, res)
     return 0
 
 
 def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
     """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
-    from .runtime.chat import cut_at_stop, reply_text
+    from .runtime.chat import reply_texts
 
-    cpu = _nxdi_cpu()
-    from .neuron import contract
-
-    temperature, top_k, top_p = sampling_values(a)
-    g = cpu.Generation(rows=prompts, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=a.max_new_tokens,
-                       **contract.sampler_settings(temperature, top_k, top_p), seed=a.seed, stop=tuple(a.stop),
-                       tokenizer_dir=a.model if tok else None)
-    tokens, paths = cpu.generate(cpu_options(a), g)
-    print(paths, file=sys.stderr)
-    texts = [cut_at_stop(reply_text(tok, t), a.stop) for t in tokens] if a.prompt else None
+    _nxdi_cpu()  # a one-line error naming what is missing
+    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None)
+    texts = reply_texts(tok, tokens, a.stop) if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0
 
@@ -177,6 +170,7 @@ def _check_generate_args(a) -> None:
 
 def cmd_demo(a) -> int:
     from .testing.tiny_checkpoint import make_tiny
+    from .runtime.chat import prompt_ids
     from .runtime.runner import CpuRunner
     from .runtime.sampling import SamplingParams
 
@@ -187,8 +181,7 @@ def cmd_demo(a) -> int:
         print(f"made a tiny FP8 Kimi-K2-format checkpoint in {model_dir}")
     runner = CpuRunner(model_dir)
     tok = _load_tokenizer(model_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello, Kimi!"}])
-    ids = tok.encode(prompt)
+    ids = prompt_ids(tok, ["Hello, Kimi!"])[0]
     res = runner.generate([ids], a.max_new_tokens, SamplingParams(), stop_ids=tok.stop_ids(runner.cfg.eos_token_ids))
     print(f"prompt: {len(ids)} tokens; generated {len(res.tokens[0])} tokens (random weights, so no sense): "
           f"{res.tokens[0]}")

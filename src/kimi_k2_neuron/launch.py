@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
-from .arguments import Parser, cache_dir, fail, integer
+from .arguments import Parser, cache_dir, fail, integer, sampling_values
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
@@ -60,6 +61,22 @@ def cpu_options(args: argparse.Namespace):
                           dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
 
 
+def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, tokenizer_dir: str | None,
+                 stream=None) -> list[list[int]]:
+    """The generation flags' request (sampling, --seed, --stop) for token-id `rows` through the NxDI model in NxD's
+    CPU mode (kimi_k2_neuron.neuron.cpu.generate), its MoE path report on stderr; new tokens per row. Imports the
+    SDK."""
+    from .neuron import contract, cpu
+
+    temperature, top_k, top_p = sampling_values(args)
+    g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
+                       **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
+                       tokenizer_dir=tokenizer_dir)
+    tokens, paths = cpu.generate(cpu_options(args), g, stream)
+    print(paths, file=sys.stderr)
+    return tokens
+
+
 def add_verbose(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log what is being done (INFO level)")
 
@@ -98,5 +115,5 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "cpu_options", "script_parser",
+__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "cpu_generate", "cpu_options", "script_parser",
            "sdk_missing", "set_fp8_env", "start"]

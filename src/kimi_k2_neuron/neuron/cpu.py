@@ -34,9 +34,8 @@ from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADIN
 
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
-from kimi_k2_neuron.formats import DEFAULT_SCHEME  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord  # noqa: E402
-from kimi_k2_neuron.plan import check_compile_options  # noqa: E402
+from kimi_k2_neuron.plan import check_compile_options, experts_for  # noqa: E402
 
 from . import contract  # noqa: E402
 from .loader import converted_dir_for, ensure_converted  # noqa: E402
@@ -81,11 +80,9 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
 def converted_checkpoint(o: CpuOptions) -> tuple[Path, ConversionRecord]:
     """The converted checkpoint for these options, converting a raw one once, and its conversion record."""
     record = ConversionRecord.read(o.model)
+    experts = experts_for(record, o.experts)
     if record is not None:
-        if o.experts not in (None, record.experts):
-            raise KimiInputError(f"--experts {o.experts}: {o.model} is converted with experts={record.experts}")
         return Path(o.model), record
-    experts = o.experts or DEFAULT_SCHEME
     dst = None
     if o.cache_dir:
         # one folder per source path and scheme: another checkpoint of the same name must not reuse it
@@ -394,7 +391,7 @@ def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs:
     from transformers import GenerationConfig
 
     app = build(o, seq_len=seq_len, batch=batch, sampling=_BENCH_SAMPLING)
-    gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
+    gen = GenerationConfig(**_BENCH_SAMPLING, eos_token_id=[], pad_token_id=0)
     with tempfile.TemporaryDirectory() as d:
         return benchmark_sampling(app, None, gen, target="all", num_runs=num_runs,
                                   benchmark_report_path=str(Path(d) / "nxdi.json"))

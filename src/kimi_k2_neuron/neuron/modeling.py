@@ -426,15 +426,13 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
                                nc.on_device_sampling_config is not None, nc.on_cpu)
         os.environ["NXD_CPU_MODE"] = "1"
         rank = _init_cpu_process_groups(nc)
+        loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)
+            state = dict(loaded)  # once per submodel: get_sharded_checkpoint replaces entries by this rank's slices
+            _check_no_unexpected(model, state, presharded or self.model_path)
             if presharded is None:
-                state = self.checkpoint_loader_fn()
-                _check_no_unexpected(model, state, self.model_path)
                 get_sharded_checkpoint(state, model, rank, nc.tp_degree)  # NxD's per-rank slicing, as pre-sharding
-            else:
-                state = read_presharded(presharded, rank)
-                _check_no_unexpected(model, state, presharded)
             missing = unloaded_parameters(model, model.load_state_dict(state, strict=False).missing_keys, state)
             if missing:
                 raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -90,10 +91,10 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
     """Text prompts (through the chat template unless chat=False; `system` opens each chat) -> generate_ids. A row
     also ends once its text holds a string of `stop` (the caller cuts the text there: runtime.chat.cut_at_stop).
     `stream` receives row 0's new text as it comes."""
-    from kimi_k2_neuron.runtime.chat import prompt_ids
+    from kimi_k2_neuron.runtime.chat import prompt_ids, reply_text
 
     return generate_ids(app, prompt_ids(tokenizer, prompts, chat, system), tokenizer.stop_ids(cfg.eos_token_ids),
-                        decode=lambda ids: tokenizer.decode(ids, skip_special=True), max_new_tokens=max_new_tokens,
+                        decode=partial(reply_text, tokenizer), max_new_tokens=max_new_tokens,
                         do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, stream=stream,
                         stop=stop)
 

@@ -30,6 +30,12 @@ def reply_text(tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(ids, skip_special=True)
 
 
+def reply_texts(tokenizer, rows: Sequence[Sequence[int]], stops: Iterable[str]) -> list[str]:
+    """Each row's reply_text, cut at the earliest of `stops` (--stop strings are never shown)."""
+    stops = list(stops)
+    return [cut_at_stop(reply_text(tokenizer, ids), stops) for ids in rows]
+
+
 def cut_at_stop(text: str, stops: Iterable[str]) -> str:
     """`text` up to (not including) the earliest stop string in it; all of it when none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]

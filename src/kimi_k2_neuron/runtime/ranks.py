@@ -113,7 +113,7 @@ def _signals(handler):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, handler) for s in _STOPPING}
     try:
         yield
     finally:
