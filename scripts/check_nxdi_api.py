@@ -303,8 +303,12 @@ class Checker:
                 (self.ok if key in router_names else self.fail)(f"RouterConfig({key}=)")
         _, cls, _ = self.lookup("neuronx_distributed.modules.moe.moe_configs", "BlockwiseMatmulConfig")
         bmm_keys = self.popped(self.method(cls, "from_kwargs"))
-        for mode, extra in contract.MOE_PREFILL.items():
-            o = contract.ServeOptions(tp=64, experts="bf16", moe_prefill=mode)
+        from kimi_k2_neuron.neuron import moe_paths
+
+        for mode in moe_paths.MODES:
+            # shard-on-intermediate needs 128 expert columns per physical core: --ep 16 at --tp 64
+            ep = 16 if mode == "shard-on-intermediate" else 1
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48 if ep > 1 else 1, experts="bf16", moe_prefill=mode)
             for key in contract.neuron_config_kwargs(cfg, o).get("blockwise_matmul_config", {}):
                 (self.ok if key in bmm_keys else self.fail)(f"BlockwiseMatmulConfig.from_kwargs({key}=) [{mode}]")
 

@@ -2,7 +2,10 @@
 
 The folder gets NxDI's model.pt (context-encoding and token-generation NEFFs), neuron_config.json, one
 weights/tp{rank}_sharded_checkpoint.safetensors per rank, and kimi_k2_neuron.json (the checkpoint and options).
-The configuration is checked against the fit planner first and refused if it does not fit, unless --force.
+The configuration is checked against the fit planner first and refused if it does not fit, unless --force, and so is
+the host: free disk in --out for the pre-sharded weights, and host RAM for NxDI's load(), which reads every rank's
+file whole. --dry-run prints the NeuronConfig it would compile, the MoE path of each submodel and the planner's
+verdict as JSON, and touches nothing (it needs NxDI importable, not the Neuron compiler).
 A raw HF checkpoint is first converted, once, into a sibling folder <model>-neuron-<experts> (kimi_k2_neuron.convert;
 an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
 taken is printed at the end).
@@ -17,6 +20,8 @@ Arguments are parsed before the Neuron SDK is imported, so --help works without 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 import traceback
@@ -30,7 +35,10 @@ from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_f
 set_fp8_env()
 from kimi_k2_neuron.arguments import check_out_dir, fail, integer  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
-from kimi_k2_neuron.plan import MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES, experts_for, format_plan, plan  # noqa: E402
+from kimi_k2_neuron.formats.record import experts_for  # noqa: E402
+from kimi_k2_neuron.launch import check_host_resources  # noqa: E402
+from kimi_k2_neuron.neuron import moe_paths  # noqa: E402
+from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,11 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-logits", action="store_true", help="also return logits with on-device sampling "
                                                                 "(needed by the logit-parity test)")
     p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
-    p.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
-                   help="how prefill runs the routed experts: kernel = NxD's blockwise NKI kernel (NxD itself takes "
-                        "its torch path where the kernel does not apply), torch = that torch blockwise path, "
-                        "all-experts = every token through every expert. " + MOE_PREFILL_FALLBACK)
-    p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit")
+    p.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
+                   help="how prefill runs the routed experts: " + moe_paths.modes_help())
+    p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit, or "
+                                                        "the host lacks the disk or RAM it estimates")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print, as JSON, the NeuronConfig that would be compiled (NxDI's neuron_config.json), the "
+                        "MoE path of each submodel and the planner's verdict; write nothing, convert nothing")
     add_verbose(p)
     return p
 
@@ -72,23 +82,30 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.formats.record import ConversionRecord
 
     try:
-        check_out_dir(args.out, "--out")  # before hours of conversion and compilation
+        if not args.dry_run:
+            check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.read(args.model)
         experts = experts_for(record, args.experts)
-        # The planner refuses what the shell's check_serve_options refuses (plan.check_compile_options), before the
-        # SDK is imported or a raw checkpoint converted.
+        # The planner applies the shell's compile rules (contract.check_compile_options) before the SDK is imported
+        # or a raw checkpoint converted.
         p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts, kv_slots=1,
                  context_len=args.max_context_length, moe_prefill=args.moe_prefill, record=record)
+        if args.dry_run:
+            return _dry_run(args, cfg, record, experts, p)
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
             raise KimiInputError("this configuration does not fit (see above); pass --force to compile anyway")
+        if not args.force:
+            check_host_resources(p, args.out)
+        advice = fallback_advice(prefill_fallbacks(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts,
+                                                   args.moe_prefill, context_len=args.max_context_length,
+                                                   record=record), args.moe_prefill)
     except KimiInputError as e:
         return fail(e)
 
     try:
-        from kimi_k2_neuron.neuron import contract
         from kimi_k2_neuron.neuron.loader import ensure_converted
         from kimi_k2_neuron.neuron.serving import compile_model
     except ImportError as e:
@@ -97,13 +114,8 @@ def main(argv=None) -> int:
     try:
         t0 = time.monotonic()
         checkpoint = ensure_converted(args.model, experts, workers=args.convert_workers)  # once, if raw
-        options = contract.ServeOptions(
-            tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
-            batch=args.batch, experts=experts, checkpoint=str(Path(checkpoint).resolve()),
-            on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
-            output_logits=args.output_logits, moe_prefill=args.moe_prefill,
-            quant_record=ConversionRecord.read(checkpoint).nxd)
-        if not _compile(compile_model, checkpoint, args.out, options, p.summary()):
+        options = _options(args, experts, checkpoint, ConversionRecord.read(checkpoint))
+        if not _compile(compile_model, checkpoint, args.out, options, p.summary(), advice):
             return 1
     except KimiInputError as e:
         return fail(e)
@@ -111,17 +123,58 @@ def main(argv=None) -> int:
     return 0
 
 
-def _compile(compile_model, checkpoint, out, options, summary) -> bool:
-    """compile_model; when it fails with the default MoE prefill, NxDI's traceback and then the fallback to try."""
+def _options(args, experts: str, checkpoint, record):
+    from kimi_k2_neuron.neuron import contract
+
+    return contract.ServeOptions(
+        tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
+        batch=args.batch, experts=experts, checkpoint=str(Path(checkpoint).resolve()),
+        on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
+        output_logits=args.output_logits, moe_prefill=args.moe_prefill, quant_record=record.nxd if record else None)
+
+
+def _dry_run(args, cfg, record, experts: str, p) -> int:
+    """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, the MoE path of each
+    submodel and the plan, as JSON on stdout. A raw checkpoint is planned as `convert` would write it."""
+    try:
+        from kimi_k2_neuron.formats.scheme import converted_scheme
+        from kimi_k2_neuron.neuron.loader import converted_dir_for
+        from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
+    except ImportError as e:
+        return sdk_missing(e)
+    checkpoint = args.model if record else converted_dir_for(args.model, experts)
+    nxd = record.nxd if record else converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)
+    options = _options(args, experts, checkpoint, None)
+    options = dataclasses.replace(options, quant_record=None if experts == "bf16" else nxd)
+    try:
+        config = KimiK2InferenceConfig.for_serving(args.model, options)
+    except KimiInputError as e:
+        return fail(e)
+    tokens = args.batch * options.context_length
+    prefill = moe_paths.prefill_path(cfg, tokens, args.moe_prefill)
+    kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
+    decode = moe_paths.call_path(args.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
+                                 moe_paths.MODES[args.moe_prefill].block_size, decode=True)
+    print(json.dumps({
+        "neuron_config": json.loads(config.to_json_string())["neuron_config"],
+        "checkpoint": str(checkpoint), "converted": record is not None,
+        "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
+                      "token_generation": {"tokens": args.batch, "path": decode}},
+        "plan": p.to_dict()}, indent=2, default=str))
+    return 0
+
+
+def _compile(compile_model, checkpoint, out, options, summary: str, advice: str) -> bool:
+    """compile_model; when a kernel prefill mode fails, NxDI's traceback and then the planner's fallback advice."""
     try:
         compile_model(checkpoint, out, options, plan_summary=summary)
     except KimiInputError:
         raise
     except Exception:
-        if options.moe_prefill != "kernel":
+        if moe_paths.MODES[options.moe_prefill].kernel is None:
             raise
         traceback.print_exc()
-        print(f"error: compiling with --moe-prefill kernel failed (traceback above); {MOE_PREFILL_FALLBACK}",
+        print(f"error: compiling with --moe-prefill {options.moe_prefill} failed (traceback above)\n{advice}",
               file=sys.stderr)
         return False
     return True

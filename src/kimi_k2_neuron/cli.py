@@ -21,7 +21,8 @@ from .arguments import (Parser, add_generation_args, cache_dir, check_generation
 from .errors import KimiInputError
 from .launch import cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
-from .plan import GiB, MOE_PREFILL_FALLBACK, MOE_PREFILL_MODES
+from .neuron import moe_paths
+from .plan import GiB
 from .runtime.ranks import RanksError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -206,7 +207,8 @@ def cmd_demo(a) -> int:
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
     from .formats.record import ConversionRecord
-    from .plan import experts_for, format_plan, max_seq_len, plan, plan_json
+    from .formats.record import experts_for
+    from .plan import format_plan, max_seq_len, plan, plan_json
 
     config = Path(a.model) / "config.json" if a.model else a.config
     cfg = KimiK2Config.from_file(config)
@@ -325,9 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
                    help="routed-expert storage on device (default: what a converted --model holds, which is the only "
                         f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
-    s.add_argument("--moe-prefill", choices=MOE_PREFILL_MODES, default="kernel",
-                   help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill; "
-                        + MOE_PREFILL_FALLBACK)
+    s.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
+                   help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill: "
+                        + moe_paths.modes_help())
     s.add_argument("--kv-slots", type=int, default=1,
                    help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
                         "same-width dead V slot")

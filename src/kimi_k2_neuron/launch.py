@@ -77,6 +77,44 @@ def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, toke
     return tokens
 
 
+# NEFFs and model.pt beside the pre-sharded weights: not known before compiling (NxD keeps the weights out of the
+# NEFFs), so the disk check keeps this fraction of the weights on top.
+NEFF_MARGIN = 0.1
+
+
+def check_host_resources(p, out: str) -> None:
+    """Refuse, before hours of work, a host that cannot hold what the plan `p` writes and loads: free disk where
+    --out goes (the pre-sharded weights, plus NEFF_MARGIN) and host RAM for NxDI's load(), which reads every rank's
+    file whole (MemAvailable)."""
+    import shutil
+    from pathlib import Path
+
+    gib = 2**30
+    need_disk = int(p.presharded_bytes * (1 + NEFF_MARGIN))
+    where = next(d for d in Path(out).resolve().parents if d.exists()) if not Path(out).exists() else Path(out)
+    free = shutil.disk_usage(where).free
+    if free < need_disk:
+        raise KimiInputError(f"--out {out}: {free / gib:.1f} GiB free on its disk, the pre-sharded weights need "
+                             f"{need_disk / gib:.1f} GiB ({p.tp} rank files of {p.weight_bytes / gib:.2f} GiB, plus "
+                             f"{NEFF_MARGIN:.0%} for the NEFFs); free space, or pass --force")
+    available = host_memory_available()
+    if available is not None and available < p.presharded_bytes:
+        raise KimiInputError(f"host RAM: {available / gib:.1f} GiB available, NxDI's load() reads all {p.tp} rank "
+                             f"files whole: {p.presharded_bytes / gib:.1f} GiB; use a bigger host, or pass --force")
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def add_verbose(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log what is being done (INFO level)")
 
@@ -115,5 +153,5 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "cpu_generate", "cpu_options", "script_parser",
-           "sdk_missing", "set_fp8_env", "start"]
+__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "check_host_resources", "cpu_generate",
+           "cpu_options", "host_memory_available", "script_parser", "sdk_missing", "set_fp8_env", "start"]

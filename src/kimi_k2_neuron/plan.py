@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass
 
 from .config import KimiK2Config
 from .errors import KimiInputError
-from .formats import DEFAULT_SCHEME, check_expert_format
+from .formats import check_expert_format
 from .formats.layout import converted_tensors
-from .formats.record import ConversionRecord
+from .formats.record import ConversionRecord, experts_for, valid_moe_tp_degrees
 from .formats.scheme import ExpertScheme, converted_scheme
-from .parallel import check_tp_divides
+from .neuron import moe_paths
+from .neuron.contract import check_compile_options, check_counts, check_moe_tp
+from .neuron.moe_paths import decodes_all_experts
 
 GiB = 2**30
 MiB = 2**20
@@ -52,24 +54,6 @@ RUNTIME_RESERVED_BYTES = int(0.43 * GiB)
 
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
 
-# --moe-prefill: how prefill runs the routed experts once T * top_k >= the block size (expert_mlps_v2.py:1488-1497).
-# contract.MOE_PREFILL turns each into NxD's blockwise_matmul_config.
-MOE_PREFILL_MODES = ("kernel", "torch", "all-experts")
-MOE_BLOCK_SIZE = 512  # NxD's default blockwise block (modules/moe/model_utils.py:94)
-# A block no prefill reaches, so every prefill takes forward_all_experts (expert_mlps_v2.py:1491-1494), as the
-# GLM-5.2 contrib does (NxDI contrib/models/GLM-5.2/src/modeling_glm5.py:766-773).
-ALL_EXPERTS_BLOCK_SIZE = 2**30
-# Which --moe-prefill to fall back to, said once for the CLI help, compile_and_save's help and its error.
-MOE_PREFILL_FALLBACK = (
-    "if NxD's NKI blockwise prefill kernel fails to compile at Kimi's 32 expert columns per rank (2048 / TP 64; "
-    "NxD's own checks accept that shape, but the GLM-5.2 contrib, an MLA model at the same shape, says the kernel "
-    "cannot run there and bypasses it), use --moe-prefill "
-    "all-experts, which that contrib runs at TP=64 with 256 FP8 experts and a 2048-token prefill; not --moe-prefill "
-    "torch, which unrolls a Python loop over ~400 blocks per MoE layer into the graph. all-experts runs every "
-    "token through every local expert (E / top_k times the expert FLOPs) and holds their [E, tokens, hidden] "
-    "output: check the fit with `kimi-k2-neuron plan ... --moe-prefill all-experts`")
-
-
 @dataclass(frozen=True)
 class Row:
     kind: str
@@ -87,7 +71,7 @@ class Plan:
     batch: int
     experts: str
     context_len: int  # tokens per sequence in one prefill call (the CTE bucket, NxDI max_context_length)
-    moe_prefill: str  # MOE_PREFILL_MODES
+    moe_prefill: str  # moe_paths.MODES
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
     decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
@@ -116,6 +100,13 @@ class Plan:
     def headroom_bytes(self) -> int:
         return self.usable_bytes - self.total_bytes
 
+    @property
+    def presharded_bytes(self) -> int:
+        """The pre-sharded weights compile_and_save writes: one file of this rank's weights per rank. NxDI's load()
+        reads every one whole into host RAM (NXDI_CONTRACT.md: presharded-load), so it is the host RAM it needs
+        too."""
+        return self.weight_bytes * self.tp
+
     def summary(self) -> str:
         """One line, for refusing to compile a configuration that does not fit."""
         return (f"{self.model}: TP={self.tp} EP={self.ep} LNC={self.lnc} seq_len={self.seq_len} batch={self.batch} "
@@ -129,107 +120,11 @@ class Plan:
             d[key] = [{**r, "gib": r["bytes"] / GiB} for r in d[key]]
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
         d.update(weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
+                 presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
                  usable_gib=self.usable_bytes / GiB, unfused_fp32_gib=self.unfused_fp32_bytes / GiB,
                  headroom_gib=self.headroom_bytes / GiB, tpot_lower_bound_ms=self.tpot_lower_bound_s * 1e3)
         return d
-
-
-# --ep layouts by (tp, lnc). NxD builds the MoE groups with its trn2 replica-group logic (parallel_state.py:355-378):
-# at 64 ranks on LNC=2, 4 x 16, 16 x 4 and 64 x 1 (tp x replicas) are documented to work, 8 x 8 as unsupported, and
-# 32 x 2 takes LOGIC2, whose expert-TP groups mix the two EP halves (the prefill token-to-block MAX-reduce over that
-# group, expert_mlps_v2.py:1312-1328, would merge two expert sets). 1 x 64 is what NxDI's MiniMax-M3 contrib runs.
-# Kimi-K2 only fits at TP=64 LNC=2, so no other layout is listed. (The Neuron shell refuses the rest too.)
-EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
-
-
-def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
-    return ep == 1 or ep in EP_LAYOUTS.get((tp, lnc), ())
-
-
-def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
-    """NxD's decode runs every local expert once batch * top_k >= E (expert_mlps_v2.py:1473-1478, threshold 1.0 in
-    model_utils.py:93), and only then with EP (there is no selective loading with EP, l.1480-1481)."""
-    return batch * top_k >= n_experts
-
-
-def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -> None:
-    """The expert parallelism NxD can run for this model (the planner and the Neuron shell both apply it).
-    lnc None (NxDI resolves it later) skips the layout rule; the shell re-checks the resolved config."""
-    if tp % ep or cfg.n_routed_experts % ep:
-        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
-    if ep == 1:
-        return
-    if lnc is not None and not ep_layout_supported(tp, ep, lnc):
-        raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
-                             f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
-    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
-        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
-        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
-                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
-
-
-def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill) -> None:
-    """The parallel layout and MoE prefill settings scripts/compile_and_save.py can compile, naming the argument
-    it refuses: the planner and the Neuron shell's check_serve_options both call this. lnc None (NxDI resolves it
-    later) skips the EP layout rule; the shell re-checks the resolved config."""
-    _check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
-    if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
-        raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
-                             f"{cfg.max_position_embeddings}")
-    if lnc not in (None, 1, 2):
-        raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
-    if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
-        raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
-    check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
-    check_ep(cfg, tp, ep, lnc, batch)
-    _check_moe_prefill(cfg, ep, moe_prefill, context_len * batch)
-
-
-def _check_counts(*named) -> None:
-    for name, v in named:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
-
-
-def _check_moe_prefill(cfg: KimiK2Config, ep: int, moe_prefill: str, tokens: int) -> None:
-    if moe_prefill not in MOE_PREFILL_MODES:
-        raise KimiInputError(f"--moe-prefill {moe_prefill!r}: expected one of {', '.join(MOE_PREFILL_MODES)}")
-    # NxD's all-experts prefill has no EP variant (expert_mlps_v2.py:1491-1494 calls forward_all_experts): it runs
-    # for --moe-prefill all-experts and for prefill calls of fewer than block_size / top_k tokens.
-    if ep > 1 and (moe_prefill == "all-experts" or tokens * cfg.num_experts_per_tok < MOE_BLOCK_SIZE):
-        raise KimiInputError(f"--ep {ep}: needs --moe-prefill kernel or torch and a prefill of at least "
-                             f"{MOE_BLOCK_SIZE} token-expert pairs (NxD's all-experts prefill has no EP variant)")
-
-
-def check_moe_tp(valid: list[int] | None, tp: int, ep: int) -> None:
-    """The experts' scales shard only for the expert TP degrees (tp / ep) their layout records."""
-    if valid is not None and tp // ep not in valid:
-        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but this checkpoint's "
-                             f"expert scales shard only {valid} ways")
-
-
-def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: ConversionRecord | None) -> list[int] | None:
-    """The expert TP degrees a converted checkpoint's record lists, or, without one, those of the layout `convert`
-    would write for this source (compile_and_save converts a raw checkpoint first). None for bf16 experts, which
-    have no scales."""
-    if experts == "bf16":
-        return None
-    if record is not None:
-        return record.valid_moe_tp_degrees
-    return converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
-
-
-def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
-    """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
-    would), else the value given, else DEFAULT_SCHEME (compile_and_save's choice for a raw checkpoint)."""
-    held = record.experts if record else None
-    if experts is None:
-        return held or DEFAULT_SCHEME
-    if held is not None and experts != held:
-        raise KimiInputError(f"--experts {experts}: the converted checkpoint holds {held} experts; pass "
-                             f"--experts {held} or leave it out")
-    return experts
 
 
 def _div(n: int, parts: int) -> int:
@@ -328,72 +223,40 @@ def _expert_scheme(cfg: KimiK2Config, experts: str, block, record: ConversionRec
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
 #
-# From NxD's code, at the lines cited (estimates: neuronx-cc decides what it keeps in HBM):
-# - The NKI blockwise kernel path: BlockwiseMatmulNKIFunc.forward treats any 3-D expert scale as "blockwise" and
-#   dequantizes all local experts to bf16 before calling the kernel (blockwise.py:955-967). Both FP8 schemes have
-#   3-D scales, [E, in/b, out/b] and [E, 1, out] (quantization_layers.py:244-299; checked with the real NxD on CPU),
-#   so both pay a bf16 copy of every local expert in each MoE layer of a prefill: the kernel's HBM operands.
-# - The torch paths (forward_all_experts, expert_mlps_v2.py:366-391; the torch blockwise loop, l.1350-1405;
-#   selective loading, l.595-625) run QuantizedExpertFused{Column,Row}Parallel.forward (quantization_layers.py:
-#   1124-1181, 1326-1380): every expert they compute is dequantized to bf16 (l.1151/1153, 1341/1343), gathered
-#   first when only some run (l.1139-1141, 1334-1336), and their matmul outputs are tensors of the graph:
-#   [experts, rows, 2I/tp], the GLU's [.., I/tp] and [.., H], bf16 (experts.py:195-204).
+# From NxD's code (NXDI_CONTRACT.md: moe-temporaries; estimates: neuronx-cc decides what it keeps in HBM):
+# - The kernel paths: NxD dequantizes every local expert to bf16 before calling the kernel, for both FP8 schemes
+#   (their scales are 3-D): the kernel's HBM operands. Its activations and output are in the calibrated prefill
+#   scratchpad, which the DeepSeek-V3 contrib measured on a blockwise kernel.
+# - The torch paths (all-experts, the torch blockwise loop, selective loading) dequantize to bf16 every expert they
+#   compute, gathered first when only some run, and their matmul outputs are tensors of the graph: [experts, rows,
+#   2I/tp], the GLU's [.., I/tp] and [.., H], bf16.
 # Counted: those bf16 copies and outputs, one MoE layer at a time. Not counted (Plan.unfused_fp32_bytes): the fp32
-# products on the way there, weight x scale for blockwise weights and on the kernel path (dequantize.py:121), output
-# x scale for per-channel outputs on the torch paths (dequantize.py:37-39). Each is a cast-multiply-cast chain that
-# the compiler can fuse into its bf16 result, and the evidence says it does: the GLM-5.2 contrib's all-experts
-# prefill (per-tensor FP8 experts, whose outputs go through the same dequantize.py:37-39) runs 2048 tokens at TP=64
-# beside ~15 GB of weights per core (modeling_glm5.py:727-733), where the unfused fp32 product of its
-# [256 experts, 2048 tokens, 6144] down projection alone would take 12.9 GB.
-
-
-def prefill_path(cfg: KimiK2Config, tokens: int, moe_prefill: str, lnc: int, i_local: int) -> str:
-    """The ExpertMLPsV2 path one prefill call of `tokens` tokens takes (expert_mlps_v2.py:1486-1497): "selective"
-    below n_routed_experts / top_k tokens, "all-experts" below block_size / top_k (every prefill with
-    --moe-prefill all-experts), else blockwise: NxD's NKI "kernel" where can_use_blockwise_matmul_nki holds
-    (l.843-864), otherwise its "torch" loop over the blocks (l.908)."""
-    pairs = tokens * cfg.num_experts_per_tok
-    if pairs < cfg.n_routed_experts:  # DEFAULT_SELECTIVE_LOADING_THRESHOLD 1.0 (model_utils.py:93)
-        return "selective"
-    if pairs < (ALL_EXPERTS_BLOCK_SIZE if moe_prefill == "all-experts" else MOE_BLOCK_SIZE):
-        return "all-experts"
-    if moe_prefill == "torch" or not _nki_blockwise_eligible(cfg.hidden_size, i_local, lnc):
-        return "torch"
-    return "kernel"
-
-
-def _nki_blockwise_eligible(hidden: int, i_local: int, lnc: int) -> bool:
-    """can_use_blockwise_matmul_nki's checks that depend on shape and LNC, for the MoE this port builds (GLU with
-    silu, no bias, no clamps; blockwise.py:719-801): nkilib has the kernel for LNC=2 only (l.697-703), hidden must
-    be 512..8192 in multiples of 512 (l.716-717) and the per-rank expert width a multiple of 16 (l.797)."""
-    return lnc == 2 and 512 <= hidden <= 8192 and hidden % 512 == 0 and i_local % 16 == 0
-
-
-def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int) -> int:
-    """Blocks per MoE layer on the blockwise paths: the worst case over routings, ceil((T * top_k - (E_local - 1))
-    / block) + E_local - 1, at most T * top_k (expert_mlps_v2.py:716-720). The torch path runs a Python loop over
-    them (l.1380), so the graph holds that many copies of one expert's MLP per layer."""
-    pairs, e_local = tokens * cfg.num_experts_per_tok, cfg.n_routed_experts // ep
-    return min(math.ceil((pairs - (e_local - 1)) / MOE_BLOCK_SIZE) + e_local - 1, pairs)
-
+# products on the way there, weight x scale for blockwise weights and on the kernel paths, output x scale for
+# per-channel outputs on the torch paths. Each is a cast-multiply-cast chain that the compiler can fuse into its bf16
+# result, and the evidence says it does: the GLM-5.2 contrib's all-experts prefill (per-tensor FP8 experts, whose
+# outputs go through the same output x scale) runs 2048 tokens at TP=64 beside ~15 GB of weights per core, where the
+# unfused fp32 product of its [256 experts, 2048 tokens, 6144] down projection alone would take 12.9 GB.
+# (NXDI_CONTRACT.md: glm5-all-experts.)
 
 def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int, experts: str) -> tuple[int, int]:
     """(counted bf16 bytes, fp32 bytes assumed fused) one MoE layer's routed experts allocate on one rank while a
     call of `tokens` tokens runs down `path` (see the comment above). The kernel's own activations are not here:
-    the calibrated prefill scratchpad (CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN) was measured on that path."""
-    h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp // ep)
-    # (experts dequantized or gathered at once, rows each one computes): the kernel takes all local experts;
+    the calibrated prefill scratchpad (CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN) was measured on a kernel path."""
+    h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, moe_paths.local_intermediate(cfg, tp, ep)
+    kernel = path in moe_paths.KERNEL_MODES
+    # (experts dequantized or gathered at once, rows each one computes): a kernel takes all local experts;
     # all-experts runs every token through every expert; the torch loop one block of one expert at a time;
     # selective loading one token's top-k experts at a time.
-    n, rows = {"kernel": (e_local, 0), "all-experts": (e_local, tokens), "torch": (1, MOE_BLOCK_SIZE),
-               "selective": (cfg.num_experts_per_tok, 1)}[path]
+    n, rows = ((e_local, 0) if kernel else
+               {"all-experts": (e_local, tokens), "torch": (1, moe_paths.MODES["torch"].block_size),
+                "selective": (cfg.num_experts_per_tok, 1)}[path])
     weights = n * 3 * h * i_local  # gate_up [H, 2I/tp] + down [I/tp, H] elements
     copied = experts != "bf16" or path in ("torch", "selective")  # dequantized, or gathered by index
-    counted = (weights if copied else 0) * BF16 + n * rows * (3 * i_local + h) * BF16
-    # weight x scale (dequantize.py:121): blockwise weights, and per-channel ones on the kernel path (blockwise.py:964)
-    fp32_weights = weights if experts == "fp8-blockwise" or (path == "kernel" and experts != "bf16") else 0
-    # output x scale (dequantize.py:37-39): per-channel gate_up and down outputs on the torch paths (l.1166, 1357)
-    fp32_outputs = n * rows * (2 * i_local + h) if experts == "fp8-per-channel" and path != "kernel" else 0
+    counted = ((weights if copied else 0) + n * rows * (3 * i_local + h)) * BF16
+    # weight x scale: blockwise weights, and per-channel ones on the kernel paths
+    fp32_weights = weights if experts == "fp8-blockwise" or (kernel and experts != "bf16") else 0
+    # output x scale: per-channel gate_up and down outputs on the torch paths
+    fp32_outputs = n * rows * (2 * i_local + h) if experts == "fp8-per-channel" and not kernel else 0
     return counted, (fp32_weights + fp32_outputs) * FP32
 
 
@@ -401,13 +264,14 @@ def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, experts, moe_prefil
     """How the MoE layers run a prefill of `tokens` tokens and a decode step of `batch`, and what they allocate.
     Selective-loading decode (one token's top-k experts at a time, ~11 MB at TP=64) is in the calibrated runtime
     allowance, whose DeepSeek-V3 decode ran it; all-experts decode (batch x top_k >= E) is counted."""
-    path = prefill_path(cfg, tokens, moe_prefill, lnc, cfg.moe_intermediate_size // (tp // ep))
+    path = moe_paths.prefill_path(cfg, tokens, moe_prefill)
     decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, experts)
     decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, experts) if decode == "all-experts"
                                  else (0, 0))
     return dict(prefill_path=path, decode_path=decode, prefill_bytes=prefill_bytes, decode_bytes=decode_bytes,
-                prefill_blocks=blockwise_blocks(cfg, tokens, ep) if path in ("kernel", "torch") else None,
+                prefill_blocks=(moe_paths.blockwise_blocks(cfg, tokens, ep, moe_paths.MODES[path].block_size)
+                                if path in moe_paths.MODES and path != "all-experts" else None),
                 unfused_fp32_bytes=prefill_fp32 + decode_fp32)
 
 
@@ -444,7 +308,8 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, seq_len, batch) -> tuple[f
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
          kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32",
-         context_len: int | None = None, moe_prefill: str = "kernel", record: ConversionRecord | None = None) -> Plan:
+         context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
+         record: ConversionRecord | None = None) -> Plan:
     """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what a converted checkpoint's
     `record` holds, else what the converter writes for this config's source format. The record also fixes
     `experts` and the expert TP degrees, as compile_and_save's checks do. `context_len`: the
@@ -478,7 +343,7 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
 
 
 def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, experts: str,
-                context_len: int | None = None, moe_prefill: str = "kernel", **kw) -> Plan:
+                context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE, **kw) -> Plan:
     """The plan at the largest seq_len that fits, searched up to the model's max_position_embeddings; when none
     fits, the plan at the smallest seq_len tried (its `fits` is False). The prefill bucket is seq_len (as
     compile_and_save defaults it) unless `context_len` fixes it; `kw` as plan()."""
@@ -487,45 +352,93 @@ def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, exper
                     **kw)
 
     fixed_prefill = [("--max-context-length", context_len)] if context_len is not None else []
-    _check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill)  # the search ranges are computed from these
+    check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill)  # the search ranges are computed from these
+    moe_paths.mode(moe_prefill)
     ranges = _constant_path_ranges(cfg, batch, ep, context_len, moe_prefill)
     lowest = at(ranges[0][0])  # refuses the other bad arguments before the search
-    for lo, hi in reversed(ranges):
-        best = _largest_fitting(at, lo, hi)
+    for lo, hi, step in reversed(ranges):
+        best = _largest_fitting(at, lo, hi, step)
         if best is not None:
             return best
     return lowest
 
 
-def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill) -> list[tuple[int, int]]:
-    """seq_len intervals, low to high, inside which a plan's total only grows with seq_len. It can drop where the
-    prefill's MoE path changes (at T x top_k = E and = block size, prefill_path), so each is searched apart. With
-    EP, prefills below one block are refused (_check_moe_prefill), so the search starts above them."""
+def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill) -> list[tuple[int, int, int]]:
+    """(lo, hi, step): seq_len intervals, low to high, inside which a plan's total only grows with seq_len, and the
+    step between the seq_lens the prefill mode accepts there. The total can drop where the prefill's MoE path
+    changes (at T x top_k = E and = the block size, moe_paths.prefill_path), so each is searched apart. With EP,
+    prefills below one block are refused, so the search starts above them; the shard-on-block kernel takes prefills
+    of whole 128-token tiles only."""
     top = cfg.max_position_embeddings
     if context_len is not None:  # the prefill is fixed: only the KV cache grows
-        return [(context_len, top)]
+        return [(context_len, top, 1)]
     pairs = batch * cfg.num_experts_per_tok
-    switches = [-(-cfg.n_routed_experts // pairs)]
-    if moe_prefill != "all-experts":
-        switches.append(-(-MOE_BLOCK_SIZE // pairs))
+    block = moe_paths.mode(moe_prefill).block_size
+    switches = [-(-cfg.n_routed_experts // pairs), -(-block // pairs)]
     bounds = sorted({1, *(s for s in switches if 1 < s <= top)}) + [top + 1]
     ranges = [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
-    if ep > 1 and moe_prefill != "all-experts":
+    if ep > 1:
         ranges = [(a, b) for a, b in ranges if a >= switches[-1]] or ranges[-1:]
-    return ranges
+    tile = 128 // math.gcd(batch, 128) if moe_prefill == "shard-on-block" else 1
+    out = []
+    for lo, hi in ranges:
+        step = tile if moe_paths.prefill_path(cfg, batch * lo, moe_prefill) == moe_prefill else 1
+        lo, hi = -(-lo // step) * step, hi // step * step
+        if lo <= hi:
+            out.append((lo, hi, step))
+    return out
 
 
-def _largest_fitting(at, lo: int, hi: int) -> Plan | None:
-    """Bisection for the largest seq_len in [lo, hi] that fits, the total being non-decreasing there."""
+def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
+    """Bisection for the largest seq_len in [lo, hi], a multiple of `step`, that fits, the total being
+    non-decreasing there."""
     if not at(lo).fits:
         return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if at(mid).fits:
-            lo = mid
+    k_lo, k_hi = lo // step, hi // step
+    while k_lo < k_hi:
+        mid = (k_lo + k_hi + 1) // 2
+        if at(mid * step).fits:
+            k_lo = mid
         else:
-            hi = mid - 1
-    return at(lo)
+            k_hi = mid - 1
+    return at(k_lo * step)
+
+
+def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
+                      moe_prefill: str, context_len: int | None = None, **kw) -> list[Plan]:
+    """The planner's advice if the `moe_prefill` kernel fails to compile: for each other mode, its plan at this
+    configuration if that fits, else (all-experts, whose temporaries grow with the prefill) the plan at the largest
+    prefill bucket (--max-context-length) that fits. Modes refused here, and those that fit nowhere, are left out."""
+    context = seq_len if context_len is None else context_len
+    out = []
+    for name in moe_paths.MODES:
+        if name == moe_prefill:
+            continue
+        try:
+            p = plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=context, moe_prefill=name, **kw)
+            if not p.fits and name == "all-experts":
+                p = _largest_fitting(lambda c: plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=c,
+                                                    moe_prefill=name, **kw), 1, context) or p
+        except KimiInputError:
+            continue
+        if p.fits:
+            out.append(p)
+    return out
+
+
+def fallback_advice(plans: list[Plan], failed: str) -> str:
+    """One line per fitting alternative to a --moe-prefill that failed to compile (prefill_fallbacks)."""
+    if not plans:
+        return "no other --moe-prefill fits this configuration by the planner; a smaller --seq-len or --batch may"
+    lines = [f"if neuronx-cc fails in the --moe-prefill {failed} kernel, these fit by the planner (estimates):"]
+    for p in plans:
+        bucket = f" --max-context-length {p.context_len}" if p.context_len != p.seq_len else ""
+        blocks = f", {p.prefill_blocks} blocks per MoE layer unrolled into the graph" if p.moe_prefill == "torch" \
+            else ""
+        limit = f" (prompts up to {p.context_len} tokens)" if bucket else ""
+        lines.append(f"  --moe-prefill {p.moe_prefill}{bucket}: {p.total_bytes / GiB:.2f} of "
+                     f"{p.usable_bytes / GiB:.2f} GiB{blocks}{limit}")
+    return "\n".join(lines)
 
 
 def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
@@ -539,8 +452,8 @@ def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
         "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
         "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "
         "bracketed by its seq 512 loading and seq 1024 running out of HBM); estimates",
-        "MoE temporaries, from NxD's code (estimates): the NKI prefill kernel gets every local expert dequantized to "
-        "bf16 first, for both FP8 schemes (blockwise.py:955-967); the torch and all-experts paths hold the bf16 "
+        "MoE temporaries, from NxD's code (estimates): the NKI prefill kernels get every local expert dequantized to "
+        "bf16 first, for both FP8 schemes; the torch and all-experts paths hold the bf16 "
         "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
         "dequantization are assumed fused into their bf16 results and are not counted",
         "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
@@ -573,6 +486,10 @@ def format_plan(p: Plan) -> str:
               f"fits: {'yes' if p.fits else 'NO'}",
               *([f"not counted: {p.unfused_fp32_bytes / GiB:.3f} GiB of fp32 dequantization products, assumed fused "
                  f"into their bf16 results (see assumptions)"] if p.unfused_fp32_bytes else []),
+              "",
+              f"host: {p.presharded_bytes / GiB:.1f} GiB of pre-sharded weights ({p.tp} files of "
+              f"{p.weight_bytes / GiB:.2f} GiB) on disk, and as much host RAM for NxDI's load(), which reads each "
+              f"whole",
               "",
               f"decode roofline, a lower bound and not a prediction: {p.bytes_per_token / 1e9:.3f} GB read per "
               f"token per core ({p.active_experts_per_layer:.2f} routed experts per MoE layer) / "

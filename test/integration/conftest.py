@@ -91,8 +91,10 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
     convert(raw, checkpoint, "fp8-per-channel", progress=False)
     tp = int(os.environ.get("KIMI_K2_MINI_TP", "2"))
     lnc = int(os.environ["KIMI_K2_MINI_LNC"]) if os.environ.get("KIMI_K2_MINI_LNC") else None  # None: platform's
+    # --moe-prefill torch: the tiny model's hidden size is below NxD's prefill kernels' (moe_paths)
     options = contract.ServeOptions(tp=tp, lnc=lnc, seq_len=128, max_context_length=64, batch=2,
                                     experts="fp8-per-channel", checkpoint=str(checkpoint), output_logits=True,
+                                    moe_prefill="torch",
                                     quant_record=ConversionRecord.read(checkpoint).nxd)
     compile_model(checkpoint, root / "compiled", options)
     return root / "compiled", checkpoint

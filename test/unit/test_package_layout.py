@@ -11,7 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
-# converter, the fit planner, running it, the test fixtures, the Neuron shell, the commands.
+# converter, running it, the test fixtures, the Neuron shell, the fit planner (which applies the shell's rules), the
+# commands.
 STAGES = (
     ("errors", "config"),
     ("quant",),
@@ -19,10 +20,10 @@ STAGES = (
     ("checkpoint",),
     ("model", "parallel", "weights"),
     ("convert",),
-    ("plan",),
     ("runtime",),
     ("testing",),
     ("neuron",),
+    ("plan",),
     ("arguments", "launch", "cli"),
 )
 STAGE = {top: i for i, tops in enumerate(STAGES) for top in tops}

@@ -75,7 +75,8 @@ def test_dsv3_bf16_is_marginal_and_the_reservation_is_inside_its_bracket(dsv3):
 
 def test_dsv3_needs_tp64_lnc2(dsv3):
     assert not plan(dsv3, tp=32, ep=1, lnc=2, seq_len=512, batch=1, experts="bf16", **CONTRIB).fits  # ~40 GB/rank
-    assert not plan(dsv3, tp=64, ep=1, lnc=1, seq_len=512, batch=1, experts="bf16", **CONTRIB).fits  # 12 GiB/core
+    # 12 GiB/core; at LNC=1 NxD has no prefill kernel, its torch loop runs
+    assert not plan(dsv3, tp=64, ep=1, lnc=1, seq_len=512, batch=1, experts="bf16", moe_prefill="torch", **CONTRIB).fits
 
 
 # --- byte counts by hand -----------------------------------------------------------------------------------------
@@ -128,9 +129,9 @@ def test_expert_scale_shapes_at_tp64(kimi):
     per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, experts="fp8-per-channel")
     assert _row(per_channel, "routed expert scales") == 666_501_120
     # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank:
-    # 60 MoE layers x 24 experts x 3 x 7168 x 512 fp8 bytes = 15,854,469,120. (seq_len 2: the compile path refuses
-    # EP with a prefill under 512 token-expert pairs, and 48 x 1 x 8 = 384.)
-    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=2, batch=48, experts="fp8-per-channel")
+    # 60 MoE layers x 24 experts x 3 x 7168 x 512 fp8 bytes = 15,854,469,120. (seq_len 16: 48 x 16 = 768 tokens,
+    # whole 128-token tiles for the shard-on-block kernel.)
+    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=16, batch=48, experts="fp8-per-channel")
     assert _row(ep16, "routed experts (") == 15_854_469_120
     assert _row(ep16, "routed experts (") == _row(per_channel, "routed experts (")
 
@@ -176,7 +177,7 @@ def test_the_prefill_kernel_gets_every_local_expert_dequantized_for_both_fp8_sch
     """Both schemes' scales are 3-D, so BlockwiseMatmulNKIFunc dequantizes all local experts before the kernel
     (NxD blockwise.py:955-967): a bf16 copy counted, its fp32 product reported as assumed fused."""
     p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts=experts)
-    assert p.prefill_path == "kernel" and p.prefill_blocks == 399  # ceil((1024 x 8 - 383) / 512) + 383
+    assert p.prefill_path == "shard-on-block" and p.prefill_blocks == 445  # ceil((1024 x 8 - 383) / 128) + 383
     assert _row(p, "prefill MoE temporaries") == 528_482_304
     assert p.unfused_fp32_bytes == 1_056_964_608
     # activations 0.5 GiB (calibrated, 1024 tokens) + 0.492 GiB of temporaries: two 512 MiB pages
@@ -193,7 +194,7 @@ def test_all_experts_prefill_holds_every_expert_output(kimi):
     assert p.prefill_path == "all-experts" and p.prefill_blocks is None
     assert _row(p, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
     assert p.unfused_fp32_bytes == 1_056_964_608  # blockwise: weight x scale in fp32 (dequantize.py:121)
-    assert not p.fits  # ~5.3 GiB more than the kernel path at seq 1024
+    assert not p.fits  # ~5.3 GiB more than the shard-on-block kernel at seq 1024
     # per-channel scales its outputs instead (dequantize.py:37-39): 384 x 1024 x (64 + 7168) x 4 = 11,374,952,448
     pc = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-per-channel", moe_prefill="all-experts")
     assert _row(pc, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
@@ -210,18 +211,44 @@ def test_torch_prefill_runs_one_block_of_one_expert_at_a_time(kimi):
 
 
 @pytest.mark.parametrize("seq_len,lnc,mode,path", [
-    (47, 2, "kernel", "selective"),     # 47 x 8 = 376 < 384 experts (expert_mlps_v2.py:1488-1490)
-    (48, 2, "kernel", "all-experts"),   # 384 <= 48 x 8 < 512, the block (l.1491-1494)
-    (63, 2, "kernel", "all-experts"),   # 504 < 512
-    (64, 2, "kernel", "kernel"),        # 512: blockwise, and the NKI kernel applies at LNC=2 (blockwise.py:719-801)
-    (64, 1, "kernel", "torch"),         # nkilib has no LNC=1 kernel (blockwise.py:697-703): NxD's torch loop
+    (47, 2, "shard-on-block", "selective"),    # 47 x 8 = 376 < 384 experts
+    (128, 2, "shard-on-block", "shard-on-block"),  # 1024 pairs >= 384: blockwise, NxD's shard-on-block kernel
+    (48, 2, "torch", "all-experts"),   # 384 <= 48 x 8 < 512, the torch path's block
+    (63, 2, "torch", "all-experts"),   # 504 < 512
     (64, 2, "torch", "torch"),
+    (64, 1, "torch", "torch"),         # no kernel at LNC=1: the torch loop is the only blockwise path there
     (4096, 2, "all-experts", "all-experts"),  # block 2**30
 ])
 def test_which_prefill_path_nxd_takes(kimi, seq_len, lnc, mode, path):
     tp = 64 if lnc == 2 else 32  # 128 logical cores at LNC=1, but 64 heads: TP 32 is the largest that divides
     p = plan(kimi, tp=tp, ep=1, lnc=lnc, seq_len=seq_len, batch=1, experts="fp8-per-channel", moe_prefill=mode)
     assert p.prefill_path == path
+
+
+@pytest.mark.parametrize("kw,needle", [
+    # the kernel's final reduction reads 128-row tiles of its [T, 2, H] output
+    (dict(seq_len=100), "a prefill of 100 tokens (batch x --max-context-length) must be a multiple of 128"),
+    (dict(lnc=1, tp=32), "nkilib has its MoE prefill kernels for LNC=2 only"),
+    # 2048 / 64 = 32 columns per rank, 16 per physical core; the kernel's tiles are 128 rows
+    (dict(moe_prefill="shard-on-intermediate"), "a multiple of 128 (16 here)"),
+])
+def test_kernel_prefill_modes_are_refused_where_their_kernel_cannot_run(kimi, kw, needle):
+    args = dict(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise") | kw
+    with pytest.raises(KimiInputError) as e:
+        plan(kimi, **args)
+    assert needle in str(e.value)
+    # the tile rule is on the whole prefill call: 3 rows x 1000 tokens = 3000 is refused, 3 x 1024 = 24 tiles is not
+    assert plan(kimi, **(args | dict(seq_len=1024, batch=3, lnc=2, tp=64,
+                                     moe_prefill="shard-on-block"))).prefill_path == "shard-on-block"
+
+
+def test_shard_on_intermediate_where_each_core_gets_128_columns(kimi):
+    """--ep 16 at --tp 64: experts split 4 ways, 512 columns per rank, 256 per physical core; block 256."""
+    p = plan(kimi, tp=64, ep=16, lnc=2, seq_len=128, batch=48, experts="fp8-per-channel",
+             moe_prefill="shard-on-intermediate")
+    assert p.prefill_path == "shard-on-intermediate"
+    # 48 x 128 x 8 = 49,152 pairs, 24 local experts: ceil((49,152 - 23) / 256) + 23 = 192 + 23
+    assert p.prefill_blocks == 215
 
 
 def test_all_experts_decode_temporaries(kimi):
@@ -232,7 +259,7 @@ def test_all_experts_decode_temporaries(kimi):
     assert p.decode_path == "all-experts" and _row(p, "decode MoE temporaries") == 796_262_400
     ep16 = plan(kimi, tp=64, ep=16, lnc=2, seq_len=128, batch=48, experts="fp8-blockwise")
     assert _row(ep16, "decode MoE temporaries") == 548_536_320
-    assert ep16.prefill_blocks == 119  # 48 x 128 tokens x 8 = 49,152 pairs: ceil((49,152 - 23) / 512) + 23
+    assert ep16.prefill_blocks == 407  # 48 x 128 tokens x 8 = 49,152 pairs: ceil((49,152 - 23) / 128) + 23
     assert plan(kimi, tp=64, ep=1, lnc=2, seq_len=128, batch=47, experts="fp8-blockwise").decode_path == "selective"
 
 
@@ -251,28 +278,62 @@ def test_glm_5_2_all_experts_prefill_fits_only_if_its_fp32_products_are_fused(ds
     assert p.fits and 10 * p.headroom_bytes < 12.125 * GiB
 
 
+def test_the_fallback_advice_is_what_the_planner_says_fits(kimi):
+    """If the shard-on-block kernel fails to compile, the advice is the other modes the planner fits: at the
+    recommended configuration the torch loop at 1024 tokens, and all-experts only with a smaller prefill bucket
+    (at 1024 its [384, 1024, 7264] outputs do not fit)."""
+    from kimi_k2_neuron.plan import fallback_advice, prefill_fallbacks
+
+    plans = prefill_fallbacks(kimi, 64, 1, 2, 1024, 1, "fp8-blockwise", "shard-on-block")
+    assert {p.moe_prefill for p in plans} == {"torch", "all-experts"}  # shard-on-intermediate is refused at EP=1
+    for p in plans:
+        again = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise",
+                     context_len=p.context_len, moe_prefill=p.moe_prefill)
+        assert again.fits
+    (all_experts,) = [p for p in plans if p.moe_prefill == "all-experts"]
+    assert all_experts.context_len < 1024
+    assert not plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, experts="fp8-blockwise",
+                    context_len=all_experts.context_len + 1, moe_prefill="all-experts").fits
+    text = fallback_advice(plans, "shard-on-block")
+    assert "--moe-prefill torch:" in text and f"--max-context-length {all_experts.context_len}" in text
+
+
 # --- the largest seq_len that fits ---------------------------------------------------------------------------------
 
 def test_max_seq_len_is_the_last_that_fits(kimi):
-    for batch, ep in ((1, 1), (4, 1), (48, 16)):
+    """The shard-on-block kernel takes prefills of whole 128-token tiles, so the seq_lens it can compile step by
+    128 / gcd(batch, 128): the next one does not fit, and the ones between are refused, not planned."""
+    for batch, ep, step in ((1, 1, 128), (4, 1, 32), (48, 16, 8)):
         p = max_seq_len(kimi, tp=64, ep=ep, lnc=2, batch=batch, experts="fp8-blockwise")
-        assert p.fits and p.batch == batch
-        assert not plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + 1, batch=batch, experts="fp8-blockwise").fits
+        assert p.fits and p.batch == batch and p.seq_len * batch % 128 == 0
+        assert not plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + step, batch=batch,
+                        experts="fp8-blockwise").fits
+        with pytest.raises(KimiInputError, match="must be a multiple of 128"):
+            plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + 1, batch=batch, experts="fp8-blockwise")
+    torch_path = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=1, experts="fp8-blockwise", moe_prefill="torch")
+    assert not plan(kimi, tp=64, ep=1, lnc=2, seq_len=torch_path.seq_len + 1, batch=1, experts="fp8-blockwise",
+                    moe_prefill="torch").fits
 
 
 def test_max_seq_len_searches_each_prefill_path_apart(kimi):
-    """What a plan allocates can drop where the prefill path changes: at batch 1 and seq 63 all-experts holds
-    [384, 63, 7264] outputs, 384 x 63 x 7264 x 2 = 351,461,376 bytes, that the kernel path at 64 does not (here the
-    512 MiB scratchpad pages hide it; across a page boundary they would not). So the bisection runs per path:
-    batch 1 switches at 48 (48 x 8 = 384 experts) and 64 (512, the block)."""
+    """What a plan allocates can drop where the prefill path changes: at batch 1 and seq 63 the torch mode's
+    all-experts path holds every local expert dequantized, 528,482,304 bytes, and [384, 63, 7264] outputs, 384 x 63
+    x 7264 x 2 = 351,461,376, where its blockwise loop at 64 holds one expert and one 512-token block, 8,814,592.
+    So the bisection runs per path: batch 1 switches at 48 (48 x 8 = 384 experts) and, for torch, 64 (512, its
+    block); shard-on-block (block 128) is blockwise from 48 tokens on, in steps of 128."""
     from kimi_k2_neuron.plan import _constant_path_ranges
 
-    at63, at64 = (plan(kimi, tp=64, ep=1, lnc=2, seq_len=s, batch=1, experts="fp8-blockwise") for s in (63, 64))
-    assert _row(at63, "prefill MoE temporaries") - _row(at64, "prefill MoE temporaries") == 351_461_376
-    assert _constant_path_ranges(kimi, 1, 1, None, "kernel") == [(1, 47), (48, 63), (64, 262144)]
-    assert _constant_path_ranges(kimi, 1, 1, None, "all-experts") == [(1, 47), (48, 262144)]
-    assert _constant_path_ranges(kimi, 48, 16, None, "kernel") == [(2, 262144)]  # EP: from 512 / (48 x 8) up
-    assert _constant_path_ranges(kimi, 1, 1, 1024, "kernel") == [(1024, 262144)]  # fixed prefill: KV only grows
+    at63, at64 = (plan(kimi, tp=64, ep=1, lnc=2, seq_len=s, batch=1, experts="fp8-blockwise", moe_prefill="torch")
+                  for s in (63, 64))
+    assert _row(at63, "prefill MoE temporaries") - _row(at64, "prefill MoE temporaries") == \
+        528_482_304 + 351_461_376 - 8_814_592
+    assert _constant_path_ranges(kimi, 1, 1, None, "torch") == [(1, 47, 1), (48, 63, 1), (64, 262144, 1)]
+    assert _constant_path_ranges(kimi, 1, 1, None, "all-experts") == [(1, 47, 1), (48, 262144, 1)]
+    assert _constant_path_ranges(kimi, 1, 1, None, "shard-on-block") == [(1, 15, 1), (16, 47, 1),
+                                                                         (128, 262144, 128)]
+    # EP: from one block up (48 x 8 = 384 pairs >= 128), in steps of 128 / gcd(48, 128) = 8
+    assert _constant_path_ranges(kimi, 48, 16, None, "shard-on-block") == [(8, 262144, 8)]
+    assert _constant_path_ranges(kimi, 1, 1, 1024, "shard-on-block") == [(1024, 262144, 1)]  # KV only grows
 
 
 def test_max_seq_len_with_a_fixed_prefill_is_kv_bound(kimi):
@@ -334,9 +395,11 @@ def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, 
     assert rec.scheme.block == (32, 1)
     converted_cfg = KimiK2Config.from_file(dst)
     assert converted_cfg.quant is None  # the config alone would say a BF16 source, converted to [32, 32]
-    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, experts="fp8-blockwise", record=rec)
+    # torch: the tiny model's hidden size is below the prefill kernels'
+    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, experts="fp8-blockwise", record=rec,
+                       moe_prefill="torch")
     source = plan(KimiK2Config.from_file(tiny_dirs["int4"]), tp=2, ep=1, lnc=2, seq_len=8, batch=1,
-                  experts="fp8-blockwise")
+                  experts="fp8-blockwise", moe_prefill="torch")
     assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
 
 

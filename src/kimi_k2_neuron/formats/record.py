@@ -9,10 +9,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import KimiK2Config
 from ..errors import KimiInputError
-from . import SCHEMES
+from . import DEFAULT_SCHEME, SCHEMES
 from .layout import key_templates
-from .scheme import ExpertScheme
+from .scheme import ExpertScheme, converted_scheme
 
 CONVERSION_KEY = "kimi_k2_neuron_conversion"
 LAYOUT_VERSION = 1
@@ -74,3 +75,26 @@ def record_json(scheme: ExpertScheme, source_format: str, moe_intermediate: int,
         # Source tensors set aside by name (rotary inv_freq, MTP layers, K2.5's vision tower and projector).
         "ignored_source_tensors": ignored_source_tensors,
     }
+
+
+def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
+    """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
+    would), else the value given, else DEFAULT_SCHEME (compile_and_save's choice for a raw checkpoint)."""
+    held = record.experts if record else None
+    if experts is None:
+        return held or DEFAULT_SCHEME
+    if held is not None and experts != held:
+        raise KimiInputError(f"--experts {experts}: the converted checkpoint holds {held} experts; pass "
+                             f"--experts {held} or leave it out")
+    return experts
+
+
+def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: ConversionRecord | None) -> list[int] | None:
+    """The expert TP degrees a converted checkpoint's record lists, or, without one, those of the layout `convert`
+    would write for this source (compile_and_save converts a raw checkpoint first). None for bf16 experts, which
+    have no scales."""
+    if experts == "bf16":
+        return None
+    if record is not None:
+        return record.valid_moe_tp_degrees
+    return converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]

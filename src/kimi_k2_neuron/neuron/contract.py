@@ -19,8 +19,10 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, check_expert_format, layout
 from kimi_k2_neuron.formats.scheme import NXD_DTYPE, NXD_TYPE, ExpertScheme, scheme_for
-from kimi_k2_neuron.plan import (ALL_EXPERTS_BLOCK_SIZE, check_compile_options, check_moe_tp, decodes_all_experts,
-                                 ep_layout_supported)
+from kimi_k2_neuron.parallel import check_tp_divides
+
+from . import moe_paths
+from .moe_paths import ALL_EXPERTS_BLOCK_SIZE, decodes_all_experts
 
 # -- the Neuron SDK ----------------------------------------------------------------------------------------------
 
@@ -64,16 +66,6 @@ def require_neuron_sdk() -> None:
 # passes this to MoENeuronConfig, enforce_neuron_config sets it again on every construction, and build_moe
 # (modeling.py) reads it from the NeuronConfig (NXDI_CONTRACT.md: moe-settings, normalize-reload).
 MOE_SETTINGS = {"capacity_factor": None, "glu_mlp": True, "glu_type": "glu", "normalize_top_k_affinities": False}
-# How prefill runs the routed experts once T * top_k >= the block size, as blockwise_matmul_config
-# (NXDI_CONTRACT.md: moe-prefill-paths). "kernel": NxD's choice, its NKI blockwise kernel where that applies, else its
-# torch fallback. "torch": that fallback, a Python loop over ~400 blocks per MoE layer unrolled into the graph.
-# "all-experts": every token through every expert, no blockwise path at all (what GLM-5.2's contrib does, block_size
-# 2**30) -- dropless and simple, but E / top_k times the expert FLOPs and an [E, tokens, hidden] output. The kernel
-# path takes both FP8 schemes: their scales are 3-D, so NxD dequantizes the local experts to bf16 and calls the
-# kernel without scales (plan.moe_temporaries counts the copies; NXDI_CONTRACT.md: kernel-dequantizes). If the
-# kernel fails to compile at 32 expert columns per rank, fall back to all-experts, not torch: plan.MOE_PREFILL_FALLBACK.
-MOE_PREFILL = {"kernel": {}, "torch": {"use_torch_block_wise": True},
-               "all-experts": {"block_size": ALL_EXPERTS_BLOCK_SIZE}}
 # NeuronConfig fields a converted checkpoint's record sets. Its quantization_per_channel_axis is not one: expert
 # layers default it to 2 and accept only 2 (NXDI_CONTRACT.md: quant-fields, expert-per-channel-axis).
 QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantization_block_axis",
@@ -101,7 +93,7 @@ class ServeOptions:
     temperature: float = 1.0
     global_topk: int = 256
     output_logits: bool = False
-    moe_prefill: str = "kernel"  # see MOE_PREFILL
+    moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
     # The converted checkpoint's record of its expert quantization (ConversionRecord.nxd): quantization type, block
     # axis and size, the expert TP degrees its scales shard for.
     quant_record: dict | None = None
@@ -149,7 +141,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         kw.update(moe_ep_degree=o.ep, moe_tp_degree=o.tp // o.ep)
     # The MoE kernel's LNC defaults to the platform's, not to the NeuronConfig's (NXDI_CONTRACT.md: moe-kernel-lnc).
     lnc = {} if o.lnc is None else {"logical_nc_config": o.lnc}
-    kw["blockwise_matmul_config"] = {**lnc, **MOE_PREFILL[o.moe_prefill]}
+    kw["blockwise_matmul_config"] = {**lnc, **moe_paths.mode(o.moe_prefill).blockwise}
     if o.on_device_sampling:
         kw["on_device_sampling_config"] = dict(do_sample=o.do_sample, top_k=o.top_k, top_p=o.top_p,
                                                temperature=o.temperature, dynamic=True, global_topk=o.global_topk)
@@ -169,12 +161,69 @@ def modules_to_not_convert(cfg: KimiK2Config) -> list[str]:
     return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense]
 
 
+# -- the parallel layout and the MoE prefill --------------------------------------------------------------------------
+
+# --ep layouts by (tp, lnc): NxD builds the MoE groups with its trn2 replica-group logic (NXDI_CONTRACT.md:
+# ep-replica-groups): at 64 ranks on LNC=2, 4 x 16, 16 x 4 and 64 x 1 (tp x replicas) are documented to work, 8 x 8
+# as unsupported, and 32 x 2 mixes the two EP halves in one expert-TP group; 1 x 64 is what NxDI's MiniMax-M3 contrib
+# runs. Kimi-K2 fits only at TP=64 LNC=2, so no other layout is listed.
+EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+
+
+def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
+    return ep == 1 or ep in EP_LAYOUTS.get((tp, lnc), ())
+
+
+def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -> None:
+    """The expert parallelism NxD can run for this model. lnc None (NxDI resolves it later) skips the layout rule;
+    enforce_neuron_config re-checks the resolved config."""
+    if tp % ep or cfg.n_routed_experts % ep:
+        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
+    if ep == 1:
+        return
+    if lnc is not None and not ep_layout_supported(tp, ep, lnc):
+        raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
+                             f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
+    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
+        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
+        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
+                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+
+
+def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill) -> None:
+    """The parallel layout and MoE prefill settings NxD can compile for this model, naming the argument it refuses
+    (check_serve_options, the fit planner and NxD's CPU mode all call this). lnc None (NxDI resolves it later) skips
+    the LNC rules; enforce_neuron_config re-checks the resolved config."""
+    check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
+    if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
+        raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+    if lnc not in (None, 1, 2):
+        raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
+        raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
+    check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
+    check_ep(cfg, tp, ep, lnc, batch)
+    moe_paths.check_prefill_mode(cfg, moe_prefill, tp, ep, lnc, context_len * batch)
+
+
+def check_counts(*named) -> None:
+    for name, v in named:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
+
+
+def check_moe_tp(valid: list[int] | None, tp: int, ep: int) -> None:
+    """The experts' scales shard only for the expert TP degrees (tp / ep) their layout records."""
+    if valid is not None and tp // ep not in valid:
+        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but this checkpoint's "
+                             f"expert scales shard only {valid} ways")
+
+
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    """Refuse a configuration that cannot compile or would compute something else, naming the argument. The
-    layout and MoE prefill rules are the fit planner's (plan.check_compile_options), so `kimi-k2-neuron plan` and
-    compile_and_save's fit check refuse the same configurations."""
+    """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
     check_expert_format(o.experts)
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill)
     if o.experts != "bf16":
@@ -251,6 +300,13 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
     bad += _moe_ep_problems(nc, n_experts, top_k)
+    bmm = getattr(nc, "blockwise_matmul_config", None)
+    if bmm is not None:
+        _restore_block_sharding_strategy(bmm)
+        if moe_paths.mode_of(bmm) is None:  # NXDI_CONTRACT.md: blockwise-dispatch
+            bad.append(f"blockwise_matmul_config={_blockwise_fields(bmm)} (none of --moe-prefill "
+                       f"{', '.join(moe_paths.MODES)}; with no kernel flag at LNC=2 NxD 2.29 calls a kernel that only "
+                       f"raises)")
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     for name, value in MOE_SETTINGS.items():
@@ -259,6 +315,22 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
     rc = getattr(nc, "router_config", None)
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
+
+
+def _restore_block_sharding_strategy(bmm) -> None:
+    """NxDI saves the strategy enum in neuron_config.json as the enum's __dict__ and NxD's from_kwargs converts only
+    strings back (NXDI_CONTRACT.md: strategy-reload): a reloaded config would hand the kernel a dict. Put the enum
+    back, by name."""
+    value = getattr(bmm, "block_sharding_strategy", None)
+    if isinstance(value, dict) and "_name_" in value:
+        from neuronx_distributed.modules.moe.moe_configs import BlockShardStrategy
+
+        bmm.block_sharding_strategy = BlockShardStrategy[value["_name_"]]
+
+
+def _blockwise_fields(bmm) -> dict:
+    keys = {k for m in moe_paths.MODES.values() for k in m.blockwise}
+    return {k: getattr(getattr(bmm, k, None), "name", getattr(bmm, k, None)) for k in sorted(keys)}
 
 
 def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
@@ -282,7 +354,7 @@ def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
     if bmm is not None and not getattr(bmm, "parallelize_token_to_block_mapping", True):  # NXDI_CONTRACT.md: spmd-rank
         out.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts, "
                    "expert_mlps_v2.py:121-138)")
-    if bmm is not None and getattr(bmm, "block_size", 0) >= MOE_PREFILL["all-experts"]["block_size"]:
+    if bmm is not None and getattr(bmm, "block_size", 0) >= ALL_EXPERTS_BLOCK_SIZE:
         # NXDI_CONTRACT.md: all-experts-no-ep
         out.append("all-experts prefill with EP (no EP variant, expert_mlps_v2.py:1492-1494)")
     return out

@@ -30,14 +30,12 @@ require_neuron_sdk()
 
 import torch  # noqa: E402
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
-from neuronx_distributed.modules.moe.model_utils import DEFAULT_SELECTIVE_LOADING_THRESHOLD  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
-from kimi_k2_neuron.formats.record import ConversionRecord  # noqa: E402
-from kimi_k2_neuron.plan import check_compile_options, experts_for  # noqa: E402
+from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
 
-from . import contract  # noqa: E402
+from . import contract, moe_paths  # noqa: E402
 from .loader import converted_dir_for, ensure_converted  # noqa: E402
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 
@@ -55,6 +53,9 @@ class CpuOptions:
     dtype: str = "float32"
     cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
     presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
+    # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
+    # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
+    moe_prefill: str | None = None
 
 
 def check(o: CpuOptions) -> None:
@@ -70,11 +71,24 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     adapter would get wrong), before a raw checkpoint is converted or a rank starts."""
     check(o)
     cfg = KimiK2Config.from_file(o.model)
-    check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch, contract.ServeOptions.moe_prefill)
+    contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
+                                   prefill_mode(cfg, o, seq_len * batch))
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
         contract.check_prompt_lengths([len(r) for r in prompts])
+
+
+def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
+    """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
+    LNC=2), else "torch": tiny configs are below the kernels' shapes."""
+    if o.moe_prefill is not None:
+        return o.moe_prefill
+    try:
+        moe_paths.check_prefill_mode(cfg, moe_paths.DEFAULT_MODE, o.tp, o.ep, 2, tokens)
+    except KimiInputError:
+        return "torch"
+    return moe_paths.DEFAULT_MODE
 
 
 def converted_checkpoint(o: CpuOptions) -> tuple[Path, ConversionRecord]:
@@ -102,8 +116,10 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet."""
     check(o)
     path, record = converted_checkpoint(o)
+    mode = prefill_mode(KimiK2Config.from_file(path), o, seq_len * batch)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record.experts, checkpoint=str(path),
+        moe_prefill=mode,
         quant_record=record.nxd, on_device_sampling=sampling is not None, **(sampling or {}),
         extra={"on_cpu": True, "torch_dtype": CPU_DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(str(path), KimiK2InferenceConfig.for_serving(path, opts))
@@ -139,16 +155,15 @@ def nxd_cpu_mode(on: bool):
 
 class MoEPaths:
     """Records which ExpertMLPsV2 inference path each MoE call takes, with forward pre-hooks on the model's own
-    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (NXDI_CONTRACT.md:
-    moe-paths); the nxdi-cpu tier checks it against the method NxD really calls. `blockwise` runs NxD's torch
-    implementation here: the NKI blockwise kernel exists only on device (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
-
-    DEVICE_ONLY = {"blockwise": "on trn2 the NKI blockwise kernel (with --moe-prefill kernel) instead of torch"}
+    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (moe_paths.call_path); the
+    nxdi-cpu tier checks it against the method NxD really calls. NxD runs every blockwise mode with its torch loop
+    on CPU; the report names the kernel trn2 runs instead (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
 
     def __init__(self, app):
         self.seen: dict[str, set[str]] = {}
         self._handles = []
         self._sampling = app.neuron_config.on_device_sampling_config is not None
+        self._mode = moe_paths.mode_of(app.neuron_config.blockwise_matmul_config)
         for wrapper in app.models:
             for module in wrapper.model.modules():
                 if isinstance(module, ExpertMLPsV2):
@@ -166,9 +181,12 @@ class MoEPaths:
             h.remove()
 
     def report(self) -> str:
+        kernel = moe_paths.MODES[self._mode].kernel if self._mode else None
+        device = (f"blockwise (NxD's torch loop here; on trn2 nkilib's {kernel} kernel, --moe-prefill {self._mode})"
+                  if kernel else f"blockwise (NxD's torch loop, --moe-prefill {self._mode}, as on trn2)")
         parts = []
         for tag, paths in sorted(self.seen.items()):
-            notes = [f"{p} ({self.DEVICE_ONLY[p]})" if p in self.DEVICE_ONLY else p for p in sorted(paths)]
+            notes = [device if p == "blockwise" else p for p in sorted(paths)]
             parts.append(f"{tag}: {', '.join(notes)}")
         report = "NxD MoE paths taken in CPU mode: " + ("; ".join(parts) or "none")
         if self._sampling:  # see NeuronKimiK2Model.init_model
@@ -178,21 +196,15 @@ class MoEPaths:
 
 
 def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
-    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (NXDI_CONTRACT.md: moe-paths)."""
+    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (moe_paths.call_path), "-ep" added to
+    all-experts decode under expert parallelism."""
     cfg = module.routed_experts_mlp_config
-    loaded = tokens * cfg.top_k / cfg.num_experts
-    ep = module.moe_expert_model_parallel_group.size() > 1
-    if seq_len == 1:
-        if loaded >= DEFAULT_SELECTIVE_LOADING_THRESHOLD:
-            return "all-experts-ep" if ep else "all-experts"
-        return "selective-loading"
     if cfg.capacity_factor is not None:
         return "capacity-factor"
-    if loaded < DEFAULT_SELECTIVE_LOADING_THRESHOLD:
-        return "selective-loading"
-    if tokens * cfg.top_k < module.blockwise_matmul_config.block_size:
-        return "all-experts"
-    return "blockwise"
+    path = moe_paths.call_path(tokens, cfg.top_k, cfg.num_experts, module.blockwise_matmul_config.block_size,
+                               decode=seq_len == 1)
+    ep = module.moe_expert_model_parallel_group.size() > 1
+    return path + "-ep" if path == "all-experts" and seq_len == 1 and ep else path
 
 
 # -- teacher-forced logits ----------------------------------------------------------------------------------------

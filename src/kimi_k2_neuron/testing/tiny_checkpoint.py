@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..config import KimiK2Config
 from ..errors import KimiInputError
-from ..formats.layout import logical_shapes
+from ..formats.layout import is_routed_expert, logical_shapes
 from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
@@ -77,48 +77,56 @@ def _int4_quant_config() -> dict:
 
 def dense_weights(cfg: KimiK2Config, seed: int) -> dict[str, torch.Tensor]:
     """Random float32 weights of every logical weight of the format, in checkpoint order (embed, layers, norm,
-    lm_head). Linear weights get std 1/sqrt(fan_in) so activations and attention scores are O(1), which makes
-    attention and routing depend on every detail the parity tests check; norms are 1 + 0.1 N(0, 1), the router's
-    correction bias 0.05 N(0, 1), the embedding N(0, 1)."""
+    lm_head), drawn by random_weight from one generator."""
     g = torch.Generator().manual_seed(seed)
-    w = {}
-    for name, shape in logical_shapes(cfg).items():
-        if name == "model.embed_tokens.weight":
-            w[name] = torch.randn(shape, generator=g)
-        elif name.endswith("e_score_correction_bias"):
-            w[name] = 0.05 * torch.randn(shape, generator=g)
-        elif len(shape) == 1:  # norms
-            w[name] = 1 + 0.1 * torch.randn(shape, generator=g)
-        else:
-            w[name] = torch.randn(shape, generator=g) / shape[1] ** 0.5
-    return w
+    return {name: random_weight(name, shape, g) for name, shape in logical_shapes(cfg).items()}
+
+
+def random_weight(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Linear weights get std 1/sqrt(fan_in) so activations and attention scores are O(1), which makes attention and
+    routing depend on every detail the parity tests check; norms are 1 + 0.1 N(0, 1), the router's correction bias
+    0.05 N(0, 1), the embedding N(0, 1)."""
+    if name == "model.embed_tokens.weight":
+        return torch.randn(shape, generator=g)
+    if name.endswith("e_score_correction_bias"):
+        return 0.05 * torch.randn(shape, generator=g)
+    if len(shape) == 1:  # norms
+        return 1 + 0.1 * torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) / shape[1] ** 0.5
 
 
 _FP8_LINEARS = ("_proj.weight", "_proj_with_mqa.weight")
 
 
-def store(name: str, t: torch.Tensor, quant: str) -> dict[str, torch.Tensor]:
-    """One dense weight -> the raw tensors a real checkpoint of format `quant` holds for it."""
-    base = name[: -len(".weight")]
+def store(name: str, t: torch.Tensor, cfg: KimiK2Config) -> dict[str, torch.Tensor]:
+    """One dense weight -> the raw tensors a real checkpoint of cfg's storage format holds for it: FP8 blocks of the
+    config's weight_block_size, INT4 groups of its group_size."""
+    base, quant = name[: -len(".weight")], cfg.storage_format
     if name.endswith("e_score_correction_bias"):
         return {name: t.float()}
     if quant == "fp8" and name.endswith(_FP8_LINEARS):
-        q, s = quantize_blockwise(t, tuple(FP8_BLOCK))
+        q, s = quantize_blockwise(t, cfg.quant.weight_block_size)
         return {name: q, base + ".weight_scale_inv": s}
-    if quant == "int4" and ".mlp.experts." in name:
-        packed, scale, shape = quantize_group(t, INT4_GROUP)
+    if quant == "int4" and is_routed_expert(name):
+        packed, scale, shape = quantize_group(t, cfg.quant.group_size)
         return {base + ".weight_packed": packed, base + ".weight_scale": scale, base + ".weight_shape": shape}
     return {name: t.to(torch.bfloat16)}
 
 
-def raw_tensors(cfg: KimiK2Config, quant: str, seed: int) -> dict[str, torch.Tensor]:
+def raw_tensors(cfg: KimiK2Config, seed: int) -> dict[str, torch.Tensor]:
     raw = {}
     for name, t in dense_weights(cfg, seed).items():
-        raw.update(store(name, t, quant))
-        if name.endswith("input_layernorm.weight"):  # real dumps carry this non-persistent buffer too
-            layer = name[: -len("input_layernorm.weight")]
-            raw[layer + "self_attn.rotary_emb.inv_freq"] = torch.zeros(cfg.qk_rope_head_dim // 2, dtype=torch.bfloat16)
+        raw.update(store(name, t, cfg))
+        raw.update(stray_buffer(name, cfg))
     return raw
+
+
+def stray_buffer(name: str, cfg: KimiK2Config) -> dict[str, torch.Tensor]:
+    """Real dumps carry each layer's non-persistent rotary buffer too (next to its input_layernorm here)."""
+    if not name.endswith("input_layernorm.weight"):
+        return {}
+    layer = name[: -len("input_layernorm.weight")]
+    return {layer + "self_attn.rotary_emb.inv_freq": torch.zeros(cfg.qk_rope_head_dim // 2, dtype=torch.bfloat16)}
 
 
 def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
@@ -128,7 +136,7 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
         raise KimiInputError(f"--shards {n_shards}: expected 1..{len(names)}")
     if n_shards == 1:
         return [names]
-    experts = [i for i, n in enumerate(names) if ".mlp.experts." in n]
+    experts = [i for i, n in enumerate(names) if is_routed_expert(n)]
     first_layer = names[experts[0]].split(".mlp.")[0]
     first_layer_experts = [i for i in experts if names[i].startswith(first_layer + ".")]
     cut = first_layer_experts[len(first_layer_experts) // 2]
@@ -148,7 +156,7 @@ def make_tiny(out: str | Path, quant: str = "fp8", shards: int = 3, seed: int = 
         raise KimiInputError(f"{out} already exists; make-tiny writes a new folder")
     raw_cfg = {**tiny_config_dict(quant), **(config_overrides or {})}
     cfg = KimiK2Config.from_dict(raw_cfg, source="tiny config")
-    tensors = raw_tensors(cfg, quant, seed)
+    tensors = raw_tensors(cfg, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -56,9 +56,11 @@ def test_the_usage_steps_before_compiling(converted, shell):
     """The README's Usage up to compile_model, which needs the Neuron SDK: convert (the fixture), plan, options."""
     _, dst, _ = converted["fp8"]
     cfg, record = KimiK2Config.from_file(dst), ConversionRecord.read(dst)
-    p = plan(cfg, 2, 1, 2, 128, 2, DEFAULT_SCHEME, record=record)
+    # torch: the tiny model's hidden size is below NxD's prefill kernels'
+    p = plan(cfg, 2, 1, 2, 128, 2, DEFAULT_SCHEME, record=record, moe_prefill="torch")
     assert p.fits and "fits: yes" in format_plan(p)
-    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), quant_record=record.nxd)
+    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), quant_record=record.nxd,
+                                          moe_prefill="torch")
     assert shell.contract.neuron_config_kwargs(cfg, options)["quantization_block_size"] == [32, 32]
 
 

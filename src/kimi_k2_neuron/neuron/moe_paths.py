@@ -1,0 +1,166 @@
+"""Which of NxD's MoE paths a call takes, and what each prefill mode (`--moe-prefill`) needs of Kimi's shapes.
+
+NxD's ExpertMLPsV2 picks a path per call from the token count T, top-k and the expert count (NXDI_CONTRACT.md:
+moe-paths): decode (one token per row) runs selective loading, or every local expert once batch x top_k >= E; a
+prefill runs selective loading below E / top_k tokens, every expert below block_size / top_k, and otherwise the
+blockwise path, whose kernel NxD chooses from two BlockwiseMatmulConfig flags (NXDI_CONTRACT.md: blockwise-dispatch).
+With neither flag, NxD 2.29 calls a shard-on-hidden kernel that only raises; so every mode here names the path it
+takes, and each is refused where it cannot run (NXDI_CONTRACT.md: shard-on-block-kernel, shard-on-i-kernel).
+
+Pure: no SDK, no torch. The planner models each path's HBM; contract.py turns a mode into NxD's config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+
+DEFAULT_BLOCK_SIZE = 512  # NxD's default blockwise block
+# A block no prefill reaches: every prefill takes the all-experts path (as NxDI's GLM-5.2 contrib does).
+ALL_EXPERTS_BLOCK_SIZE = 2**30
+KERNEL_BLOCK_SIZES = (128, 256, 512, 1024)  # NxD's kernel eligibility (NXDI_CONTRACT.md: blockwise-eligibility)
+# NxD runs MoE decode on every local expert once batch x top_k / E reaches this (and only then with EP).
+SELECTIVE_LOADING_THRESHOLD = 1.0
+
+
+@dataclass(frozen=True)
+class PrefillMode:
+    """One way to run a prefill's routed experts: the BlockwiseMatmulConfig keys it sets (logical_nc_config aside,
+    which contract.py adds) and the nkilib kernel NxD calls for it, if any."""
+
+    name: str
+    blockwise: dict = field(default_factory=dict)
+    kernel: str | None = None
+    about: str = ""
+
+    @property
+    def block_size(self) -> int:
+        return self.blockwise.get("block_size", DEFAULT_BLOCK_SIZE)
+
+
+MODES = {m.name: m for m in (
+    # The only nkilib kernel NxD 2.29 reaches that takes 32 expert columns per rank as they are: it computes every
+    # block (no dynamic skip), asserts PING_PONG, and at block 128 pads the fewest rows (~384 of its ~445 blocks hold
+    # tokens at 1024 tokens whatever the block) with the smallest SBUF working set. skip_dma_token: the skip mode
+    # nkilib's own tests of this kernel use (no augmented copy of the hidden states). Both FP8 schemes reach it
+    # dequantized to bf16 (NXDI_CONTRACT.md: kernel-dequantizes).
+    PrefillMode("shard-on-block", {"use_shard_on_block_dynamic_while": True, "block_sharding_strategy": "PING_PONG",
+                                   "block_size": 128, "skip_dma_token": True},
+                kernel="bwmm_shard_on_block",
+                about="NxD's nkilib shard-on-block kernel (bwmm_shard_on_block), block 128"),
+    # Splits each rank's expert columns over the 2 physical cores and skips empty blocks; needs 128 columns per core.
+    PrefillMode("shard-on-intermediate", {"use_shard_on_intermediate_dynamic_while": True, "block_size": 256},
+                kernel="blockwise_mm_baseline_shard_intermediate_hybrid",
+                about="NxD's nkilib shard-on-intermediate kernel, block 256; needs moe_intermediate_size / (tp / "
+                      "ep) / 2 a multiple of 128 (--ep 16 or 64 at --tp 64)"),
+    PrefillMode("torch", {"use_torch_block_wise": True},
+                about="NxD's torch blockwise loop: one copy of an expert MLP per block, ~400 per MoE layer, unrolled "
+                      "into the graph"),
+    PrefillMode("all-experts", {"block_size": ALL_EXPERTS_BLOCK_SIZE},
+                about="every token through every local expert (E / top_k times the expert FLOPs, an [E, tokens, "
+                      "hidden] output); no EP"),
+)}
+DEFAULT_MODE = "shard-on-block"
+KERNEL_MODES = tuple(name for name, m in MODES.items() if m.kernel)
+
+
+def modes_help() -> str:
+    """--moe-prefill's help: each mode and what it runs."""
+    return "; ".join(f"{m.name} = {m.about}" for m in MODES.values())
+
+
+def mode(name: str) -> PrefillMode:
+    if name not in MODES:
+        raise KimiInputError(f"--moe-prefill {name!r}: expected one of {', '.join(MODES)}")
+    return MODES[name]
+
+
+def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
+    """NxD decodes on every local expert once batch x top_k >= E, and only then with EP (no selective loading with
+    EP)."""
+    return batch * top_k >= SELECTIVE_LOADING_THRESHOLD * n_experts
+
+
+def local_intermediate(cfg: KimiK2Config, tp: int, ep: int) -> int:
+    """One rank's columns of each routed expert: experts split ep ways, each expert tp / ep ways."""
+    return -(-cfg.moe_intermediate_size // (tp // ep))
+
+
+def call_path(tokens: int, top_k: int, n_experts: int, block_size: int, decode: bool) -> str:
+    """The path ExpertMLPsV2 takes for one dropless call of `tokens` tokens (NXDI_CONTRACT.md: moe-paths):
+    "selective" (the chosen experts gathered per token), "all-experts" or "blockwise"."""
+    loaded = tokens * top_k / n_experts
+    if loaded < SELECTIVE_LOADING_THRESHOLD:
+        return "selective"
+    if decode or tokens * top_k < block_size:
+        return "all-experts"
+    return "blockwise"
+
+
+def prefill_path(cfg: KimiK2Config, tokens: int, mode_name: str) -> str:
+    """The path one prefill call of `tokens` tokens (batch x bucket) takes: "selective", "all-experts", or the
+    blockwise mode itself ("shard-on-block", "shard-on-intermediate", "torch")."""
+    m = mode(mode_name)
+    path = call_path(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts, m.block_size, decode=False)
+    return m.name if path == "blockwise" else path
+
+
+def mode_of(blockwise_config) -> str | None:
+    """The mode an NxD BlockwiseMatmulConfig (or the dict of one) is configured for; None when it is none of
+    MODES, e.g. no kernel flag at LNC=2, which NxD 2.29 sends to a kernel that only raises."""
+    def value(key):
+        v = blockwise_config.get(key) if isinstance(blockwise_config, dict) else getattr(blockwise_config, key, None)
+        return getattr(v, "name", v)  # NxD's BlockShardStrategy enum, by name
+
+    flags = ("use_shard_on_block_dynamic_while", "use_shard_on_intermediate_dynamic_while", "use_torch_block_wise")
+    for m in MODES.values():
+        if (all(value(k) == v for k, v in m.blockwise.items())
+                and all(bool(value(f)) == bool(m.blockwise.get(f)) for f in flags)):
+            return m.name
+    return None
+
+
+def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int, block_size: int) -> int:
+    """Blocks per MoE layer on a blockwise path, NxD's worst case over routings: ceil((T x top_k - (E_local - 1)) /
+    block) + E_local - 1, at most T x top_k. The kernels and the torch loop compute every one."""
+    pairs, e_local = tokens * cfg.num_experts_per_tok, cfg.n_routed_experts // ep
+    return min(math.ceil((pairs - (e_local - 1)) / block_size) + e_local - 1, pairs)
+
+
+def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc: int | None, tokens: int) -> None:
+    """Refuse a prefill mode where NxD or its kernel cannot run it at these shapes, naming the flag and the rule.
+    lnc None (NxDI resolves it later) skips the LNC rule; the shell re-checks the resolved config."""
+    m = mode(mode_name)
+    path = prefill_path(cfg, tokens, mode_name)
+    # NxD's all-experts prefill has no EP variant: it runs for --moe-prefill all-experts and below one block.
+    if ep > 1 and path in ("all-experts", "selective"):
+        raise KimiInputError(f"--ep {ep}: a prefill of {tokens} tokens takes NxD's {path} path, which has no EP "
+                             f"variant; use --moe-prefill {DEFAULT_MODE} or torch with a prefill of at least "
+                             f"{-(-m.block_size // cfg.num_experts_per_tok)} tokens (batch x --max-context-length)")
+    if m.kernel is None:
+        return
+    flag = f"--moe-prefill {m.name}"
+    if lnc is not None and lnc != 2:
+        raise KimiInputError(f"{flag} with --lnc {lnc}: nkilib has its MoE prefill kernels for LNC=2 only (at LNC=1 "
+                             f"NxD would silently take its torch loop); use --lnc 2 or --moe-prefill torch")
+    h, i_local = cfg.hidden_size, local_intermediate(cfg, tp, ep)
+    if not (512 <= h <= 8192 and h % 512 == 0):
+        raise KimiInputError(f"{flag}: NxD's blockwise kernels need hidden_size in 512..8192, a multiple of 512 "
+                             f"(config.json has {h}); use --moe-prefill torch")
+    if i_local % 16:
+        raise KimiInputError(f"{flag}: the kernel needs each rank's expert columns (moe_intermediate_size / (tp / ep)"
+                             f" = {i_local}) a multiple of 16; use --moe-prefill torch")
+    if m.block_size not in KERNEL_BLOCK_SIZES:
+        raise KimiInputError(f"{flag}: block {m.block_size} is not one of NxD's kernel blocks {KERNEL_BLOCK_SIZES}")
+    if m.name == "shard-on-block" and path == m.name and tokens % 128:
+        # The kernel's final reduction reads whole 128-row tiles of the output.
+        raise KimiInputError(f"{flag}: a prefill of {tokens} tokens (batch x --max-context-length) must be a "
+                             f"multiple of 128 for the kernel's 128-row output tiles")
+    if m.name == "shard-on-intermediate" and (i_local // 2) % 128:
+        raise KimiInputError(f"{flag}: the kernel splits each rank's {i_local} expert columns over the 2 physical "
+                             f"cores and computes them in 128-row tiles, so it needs moe_intermediate_size / (tp / ep)"
+                             f" / 2 a multiple of 128 ({i_local // 2} here); use --moe-prefill {DEFAULT_MODE}, or "
+                             f"more --ep")
