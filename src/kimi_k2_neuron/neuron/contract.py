@@ -471,10 +471,11 @@ def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
             "top_p": top_p}
 
 
-def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None, sampling: bool, on_cpu: bool) -> None:
+def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
     """What NeuronKimiK2ForCausalLM.to_cpu needs of a NeuronConfig's fields: gloo has no bfloat16 collectives (NxDI's
     to_cpu refuses bf16 at TP > 1) and NxD no float16 CPU path; NxD's MoE expert parallelism needs XLA process
-    groups; NxDI's sampler takes its CPU branches only with on_cpu (NXDI_CONTRACT.md: cpu-mode-limits)."""
+    groups (NXDI_CONTRACT.md: cpu-mode-limits). The CPU harness also sets on_cpu, without which NxDI's sampler takes
+    its device branches, whose argmax and top-k are device-only ops (NXDI_CONTRACT.md: device-sampler)."""
     if torch_dtype not in (torch.float32, torch.bfloat16) or (torch_dtype == torch.bfloat16 and tp > 1):
         raise KimiInputError(f"--dtype {torch_dtype} at --tp {tp}: NxD's CPU mode runs float32, or bfloat16 at "
                              f"--tp 1 (gloo has no bfloat16 collectives)")
@@ -482,8 +483,6 @@ def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None, sampling: bool, on_c
         raise KimiInputError(f"--ep {moe_ep}: NxD's MoE expert parallelism does not run in its CPU mode (its "
                              f"expert-rank lookup reads the XLA process group's _mesh, parallel_state.py:991, which "
                              f"gloo groups lack); use --ep 1 on CPU")
-    if sampling and not on_cpu:
-        raise KimiInputError("on-device sampling in NxD's CPU mode needs NeuronConfig(on_cpu=True)")
 
 
 # NxD's shard_checkpoint keeps every rank's sharded dict until the last rank is written, and the stride-2 split of

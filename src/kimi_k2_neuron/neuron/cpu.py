@@ -62,7 +62,7 @@ def check(o: CpuOptions) -> None:
     """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
     if o.dtype not in CPU_DTYPES:
         raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(CPU_DTYPES)}")
-    contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep, sampling=False, on_cpu=True)
+    contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep)
 
 
 def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,

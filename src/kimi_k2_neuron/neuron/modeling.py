@@ -422,8 +422,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         shard_weights writes and NxDI's load() reads on device) to load instead of sharding the checkpoint here.
         float32 at any TP, or bfloat16 at TP=1 (gloo has no bfloat16 collectives, as NxDI's to_cpu says)."""
         nc = self.neuron_config
-        contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1),
-                               nc.on_device_sampling_config is not None, nc.on_cpu)
+        contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
         rank = _init_cpu_process_groups(nc)
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)

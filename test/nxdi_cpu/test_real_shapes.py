@@ -1,0 +1,216 @@
+"""The recommended trn2 configuration at Kimi-K2's real per-rank shapes, through the real NxD/NxDI on CPU.
+
+Which branch NxD takes depends on the shapes, and tiny configs are below every kernel's, so these tests use
+checkpoints whose tensors are one TP=64 rank's exactly (testing/rank_slice.py: hidden 7168, one head, q_lora 1536,
+latent 512 + 64, 384 experts of 32 columns, vocab 2560; one dense and two MoE layers; random weights stored as
+Kimi-K2-Instruct-0905's FP8 and Kimi-K2-Thinking's INT4 are, converted to fp8-blockwise), with the real buckets: a
+1024-token prefill and decode at batch 1 and 4.
+
+- In NxD's device mode, on torch_xla's CPU device (what ModelBuilder traces), the prefill reaches nkilib's
+  shard-on-block kernel entry with arguments that match the kernel's signature and asserts. The kernel cannot run
+  here (it needs a NeuronCore): a test stand-in records the call and computes NxD's torch path for one block, so the
+  rest of the graph traces at real shapes. Decode takes selective loading at batch 1 and 4 and traces clean.
+- In NxD's CPU mode at TP=2 over gloo (a two-rank checkpoint, so each rank holds the TP=64 slice), the logits equal
+  the core runner's, and NxD's functions are the traced ones but for the one documented CPU substitution: NxD runs
+  its torch loop where trn2 runs the kernel.
+- The sampler trn2 runs: on-device greedy sampling over vocab-sharded logits at TP=2, NxD's distributed argmax
+  over gloo (its two device-only ops replaced by torch in the test process), picks the argmax of the gathered logits.
+
+What still awaits trn2: the kernel's numerics, neuronx-cc accepting the graphs (and its instruction limits), HBM.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from nxdi_support import REPO, rel_err
+from real_shapes import (NxdCalls, ShardOnBlockEntry, device_sampler_greedy, logits_and_calls,
+                         shard_on_block_problems)
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.neuron import cpu, moe_paths, xla_trace
+from kimi_k2_neuron.runtime.runner import CpuRunner
+from kimi_k2_neuron.testing.rank_slice import make_rank_slice
+
+CONFIGS = REPO / "test/data/configs"
+TP_REAL = 64
+PREFILL_TOKENS = 1024  # the real prefill bucket
+pytestmark = pytest.mark.fp8_selective_cpu
+
+xla_trace.sync_log()  # torch_xla latches its debug settings at its first execution (test_xla_trace.py says why)
+
+
+@pytest.fixture(scope="session")
+def rank_slices(tmp_path_factory):
+    """(source format, ranks) -> a converted fp8-blockwise checkpoint of `ranks` TP=64 ranks' shapes."""
+    from kimi_k2_neuron.convert import convert
+
+    root = tmp_path_factory.mktemp("rank-slices")
+    out = {}
+    for source, config, ranks in (("fp8", "kimi-k2-instruct-0905.json", 2), ("int4", "kimi-k2-thinking.json", 2),
+                                  ("fp8", "kimi-k2-instruct-0905.json", 1)):
+        raw = make_rank_slice(root / f"{source}-{ranks}", CONFIGS / config, TP_REAL, ranks)
+        out[(source, ranks)] = root / f"{source}-{ranks}-blockwise"
+        convert(raw, out[(source, ranks)], "fp8-blockwise", progress=False)
+    return out
+
+
+def test_the_rank_slice_is_one_real_rank(rank_slices):
+    """Per rank at TP=2 (and whole at TP=1), every split tensor is Kimi-K2's TP=64 slice; what NxD keeps whole per rank
+    keeps its real size."""
+    real = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
+    for ranks in (1, 2):
+        c = KimiK2Config.from_file(rank_slices[("fp8", ranks)])
+        assert c.num_attention_heads // ranks == real.num_attention_heads // TP_REAL == 1
+        assert c.moe_intermediate_size // ranks == real.moe_intermediate_size // TP_REAL == 32
+        assert c.intermediate_size // ranks == real.intermediate_size // TP_REAL
+        assert c.vocab_size // ranks == real.vocab_size // TP_REAL
+        assert (c.hidden_size, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim, c.n_routed_experts,
+                c.num_experts_per_tok) == (real.hidden_size, real.q_lora_rank, real.kv_lora_rank,
+                                           real.qk_rope_head_dim, real.n_routed_experts, real.num_experts_per_tok)
+        assert (c.num_hidden_layers, c.first_k_dense_replace) == (3, 1)
+
+
+def test_the_recommended_mode_is_nxds_shard_on_block_kernel_config(rank_slices):
+    """The CPU harness builds the trn2 NeuronConfig at these shapes, and NxD parses its blockwise keys into the flags
+    that select the shard-on-block kernel (NxD's from_kwargs drops a key it does not know without a word)."""
+    app = cpu.application(cpu.CpuOptions(model=str(rank_slices[("fp8", 1)])), seq_len=PREFILL_TOKENS, batch=1)
+    bmm = app.neuron_config.blockwise_matmul_config
+    assert moe_paths.mode_of(bmm) == "shard-on-block"
+    assert bmm.use_shard_on_block_dynamic_while is True and not bmm.use_shard_on_intermediate_dynamic_while
+    assert bmm.block_sharding_strategy.name == "PING_PONG" and bmm.block_size == 128 and bmm.skip_dma_token
+
+
+# -- traced as ModelBuilder traces, on torch_xla's CPU device, TP=1 ---------------------------------------------------
+
+def _fill_prefix_torch_branch(cache, prefix_cache):
+    """NxDI's fill_prefix in device mode calls torch_neuronx's binary-only xla_hlo_call; its CPU-mode branch is the
+    same update in torch (test_xla_trace.py's torch_fill_prefix fixture says more)."""
+    from neuronx_distributed_inference.modules.kvcache import utils
+
+    previous = os.environ.get("NXD_CPU_MODE")
+    os.environ["NXD_CPU_MODE"] = "1"
+    try:
+        return utils.fill_prefix(cache, prefix_cache)
+    finally:
+        os.environ["NXD_CPU_MODE"] = previous if previous is not None else "0"
+
+
+def _trace(rank_slices, submodel, batch, seq_len):
+    """(TraceReport, NxdCalls, ShardOnBlockEntry) of one submodel traced at TP=1 on the one-rank slice."""
+    from neuronx_distributed.modules.moe import blockwise
+    from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
+    from neuronx_distributed_inference.modules.kvcache import kv_cache_manager
+
+    p = xla_trace.prepare(xla_trace.TraceOptions(cpu.CpuOptions(model=str(rank_slices[("fp8", 1)])), submodel,
+                                                 seq_len=seq_len, batch=batch))
+    kernel = ShardOnBlockEntry(NxdCalls())
+    handles = [m.register_forward_pre_hook(kernel.hook) for m in p.model.modules() if isinstance(m, ExpertMLPsV2)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kv_cache_manager, "fill_prefix", _fill_prefix_torch_branch)
+        mp.setattr(blockwise, "_bwmm_shard_on_block_nki_call", kernel)
+        with kernel.spy:
+            report = xla_trace.run(p)
+    for h in handles:
+        h.remove()
+    return report, kernel.spy, kernel
+
+
+@pytest.fixture(scope="module")
+def traces(rank_slices):
+    """The prefill (1024 tokens, batch 1) and decode (batch 1 and 4) submodels traced as ModelBuilder traces them."""
+    return {"context": _trace(rank_slices, "context", 1, PREFILL_TOKENS),
+            **{f"token{b}": _trace(rank_slices, "token", b, 256) for b in (1, 4)}}
+
+
+def test_the_prefill_reaches_the_shard_on_block_kernel_with_its_arguments(rank_slices, traces):
+    report, spy, kernel = traces["context"]
+    assert report.stopped is None and report.clean, report.format()
+    print(f"\nprefill graph at real per-rank shapes: {report.hlo_instructions} HLO instructions")
+    # NxD's own choice, in device mode: the blockwise path, the kernel eligible, the shard-on-block entry
+    assert spy.returned["can_use_blockwise_matmul_nki"] is True
+    order = [c for c in spy.calls if c in ("ExpertMLPsV2.forward_blockwise", "BlockwiseMatmulNKIFunc.forward",
+                                           "_call_bwmm_shard_on_block_kernel")]
+    assert order == ["ExpertMLPsV2.forward_blockwise", "BlockwiseMatmulNKIFunc.forward",
+                     "_call_bwmm_shard_on_block_kernel"]
+    never = {"_call_shard_hidden_kernel", "_call_shard_on_intermediate_kernel",
+             "ExpertMLPsV2.torch_blockwise_matmul_inference", "ExpertMLPsV2.forward_all_experts",
+             "ExpertMLPsV2.forward_selective_loading"}
+    assert never & set(spy.calls) == set()
+    assert "blockwise_scale_dequantize" in spy.calls  # NxD dequantizes the FP8 experts before the kernel
+    # one call per MoE layer, each with the kernel's signature and shapes: T = 1024, N = ceil((1024 x 8 - 383) / 128)
+    # + 383 = 445 blocks of 128
+    cfg = KimiK2Config.from_file(rank_slices[("fp8", 1)])
+    blocks = moe_paths.blockwise_blocks(cfg, PREFILL_TOKENS, 1, 128)
+    assert blocks == 445 and len(kernel.calls) == 2
+    for call in kernel.calls:
+        call = dict(call)
+        assert int(call.pop("grid")) == 2  # LNC=2: one kernel instance per physical core
+        assert shard_on_block_problems(call, PREFILL_TOKENS, cfg.hidden_size, cfg.n_routed_experts,
+                                       cfg.moe_intermediate_size, 128, blocks) == []
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_at_real_shapes_takes_selective_loading_in_one_clean_graph(traces, batch):
+    """batch x top-8 < 384 experts: selective loading, at batch 1 and 4; the graph is one compile with no host sync,
+    and computes what NxDI computes eagerly (bf16: argmax flips only in near ties, as test_xla_trace.py says)."""
+    report, spy, kernel = traces[f"token{batch}"]
+    assert report.stopped is None and report.clean, report.format()
+    print(f"\ndecode graph at real per-rank shapes, batch {batch}: {report.hlo_instructions} HLO instructions")
+    assert report.max_rel_diff_vs_eager < 2e-2, report.rel_diff_vs_eager
+    for m in report.argmax_mismatches:
+        assert m["eager_margin"] <= 2 * report.max_abs_logit_diff, report.format()
+    assert "ExpertMLPsV2.forward_selective_loading" in spy.calls and not kernel.calls
+    assert {"ExpertMLPsV2.forward_all_experts", "ExpertMLPsV2.forward_blockwise"} & set(spy.calls) == set()
+
+
+# -- NxD's CPU mode at TP=2 over gloo ---------------------------------------------------------------------------------
+
+def _rows(batch: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+# (source, batch, row length): one prefill call of batch x length = 1024 tokens, then 3 decode steps
+CASES = [("fp8", 1, PREFILL_TOKENS), ("fp8", 4, PREFILL_TOKENS // 4), ("int4", 1, PREFILL_TOKENS)]
+
+
+@pytest.mark.parametrize("source,batch,length", CASES, ids=[f"{s}-batch{b}" for s, b, _ in CASES])
+def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, batch, length):
+    ckpt = rank_slices[(source, 2)]
+    cfg = KimiK2Config.from_file(ckpt)
+    rows = _rows(batch, length, cfg.vocab_size)
+    prefill = length - 3
+    o = cpu.CpuOptions(model=str(ckpt), tp=2)
+    assert cpu.prefill_mode(cfg, o, batch * length) == "shard-on-block"  # the trn2 NeuronConfig, not a CPU one
+    got, report, calls, returned = cpu.run(o, logits_and_calls, rows, prefill)
+    want = CpuRunner(ckpt, dtype=torch.float32).logits(rows, prefill)
+    assert rel_err(got, want) < 1e-4
+    assert "context_encoding_model: blockwise (NxD's torch loop here; on trn2 nkilib's bwmm_shard_on_block" in report
+    assert "token_generation_model: selective" in report
+    # The functions NxD ran are the traced (trn2) ones but for one substitution: on a CPU device NxD's kernel check
+    # says no and its torch loop runs where the kernel entry is.
+    assert returned["can_use_blockwise_matmul_nki"] is False
+    cpu_only = {"ExpertMLPsV2.torch_blockwise_matmul_inference"}
+    device_only = {"BlockwiseMatmulNKIFunc.forward", "_call_bwmm_shard_on_block_kernel", "get_data",
+                   "_call_bwmm_shard_on_block_kernel.<locals>.<lambda>", "torch_to_nki_dtype",
+                   "check_kernel_availability", "check_blockwise_mm_kernel_compatibility",
+                   "get_kernel_activation_func_id", "blockwise_scale_dequantize"}
+    traced = set(traces["context"][1].calls) | set(traces[f"token{batch}"][1].calls)
+    assert set(calls) - cpu_only == traced - device_only, (sorted(set(calls) - traced), sorted(traced - set(calls)))
+
+
+def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(rank_slices):
+    """On-device greedy sampling with the trn2 settings at TP=2: lm_head keeps the vocabulary sharded (1280 columns
+    per rank of the two-rank slice, 2560 being a TP=64 rank's), NxDI's Sampler calls NxD's distributed argmax,
+    whose gathers run over gloo here; the sampled token is the argmax of the logits NxDI gathers for output_logits."""
+    ckpt = rank_slices[("fp8", 2)]
+    rows = _rows(2, 16, KimiK2Config.from_file(ckpt).vocab_size)
+    steps, (got, gathered_in_lm_head, sampler) = 2, cpu.run(cpu.CpuOptions(model=str(ckpt), tp=2),
+                                                            device_sampler_greedy, rows, 2)
+    assert gathered_in_lm_head is False and sampler == "Sampler"
+    assert len(got) == steps + 1
+    for tokens, logits in got:
+        assert tokens.tolist() == logits.argmax(-1).tolist()
