@@ -7,6 +7,7 @@
     serving.py         compile, load, generate: what the trn2 scripts and tests share (needs the SDK)
     cpu.py             the NxDI model in NxD's CPU mode (needs NxD/NxDI)
     xla_trace.py       one submodel traced with torch_xla on its CPU device (needs NxD/NxDI and torch_xla)
+    vllm_parsers.py    vLLM tool-call and reasoning parsers for Kimi's output, a plugin file (needs vLLM)
     NXDI_CONTRACT.md   the NxDI/NxD code each choice rests on (file:line), by name
 
 The pure modules import anywhere; the SDK-backed ones, and the names below taken from this package, raise the
