@@ -231,7 +231,11 @@ def _max_seq_len_line(cfg, p, found: int | None) -> str:
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
-    beyond = "= max_position_embeddings" if found == top else f"{found + 1} does not fit"
+    from .plan import seq_len_step
+
+    step = seq_len_step(p)
+    beyond = ("= max_position_embeddings" if found == top else f"{found + 1} does not fit" if step == 1 else
+              f"the next the shard-on-block kernel takes, {found + step}, does not fit")
     return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"
 
 

@@ -379,7 +379,7 @@ def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill
     ranges = [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
     if ep > 1:
         ranges = [(a, b) for a, b in ranges if a >= switches[-1]] or ranges[-1:]
-    tile = 128 // math.gcd(batch, 128) if moe_prefill == "shard-on-block" else 1
+    tile = _tile_step(batch) if moe_prefill == "shard-on-block" else 1
     out = []
     for lo, hi in ranges:
         step = tile if moe_paths.prefill_path(cfg, batch * lo, moe_prefill) == moe_prefill else 1
@@ -387,6 +387,18 @@ def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill
         if lo <= hi:
             out.append((lo, hi, step))
     return out
+
+
+def seq_len_step(p: Plan) -> int:
+    """The step between the seq_lens around p's that compile: whole 128-token tiles of a prefill that runs the
+    shard-on-block kernel, when the prefill bucket is seq_len (batch x seq_len a multiple of 128); else 1."""
+    tiled = p.prefill_path == "shard-on-block" and p.context_len == p.seq_len
+    return _tile_step(p.batch) if tiled else 1
+
+
+def _tile_step(batch: int) -> int:
+    """The smallest seq_len step keeping batch x seq_len in whole 128-token tiles (moe_paths.check_prefill_mode)."""
+    return 128 // math.gcd(batch, 128)
 
 
 def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:

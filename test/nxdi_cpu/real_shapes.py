@@ -58,8 +58,9 @@ def shard_on_block_problems(kw: dict, tokens: int, hidden: int, experts: int, co
 
 class NxdCalls:
     """The functions of NxD's and NxDI's MoE, sampling, operators, KV cache and dequantization code that run inside
-    the block, in first-call order, and what each last returned: sys.setprofile watches them, nothing is replaced.
-    `paused` stops recording (while a test stand-in stands for a kernel)."""
+    the block while a watched model's forward runs (`watch`), in first-call order, and what each last returned:
+    sys.setprofile watches them, nothing is replaced. `paused` stops recording (while a test stand-in stands for a
+    kernel)."""
 
     WATCHED = ("/modules/moe/", "/generation/sampling", "/operators/", "/kvcache/", "/quantization/dequantize")
 
@@ -67,9 +68,20 @@ class NxdCalls:
         self.calls: list[str] = []
         self.returned: dict[str, object] = {}
         self.paused = False
+        self._depth = 0  # watched forwards running
+
+    def watch(self, *models) -> list:
+        """Record only inside these models' forwards (not the host code around them); returns the hook handles."""
+        def enter(*_):
+            self._depth += 1
+
+        def leave(*_):
+            self._depth -= 1
+
+        return [h for m in models for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
 
     def _profile(self, frame, event, arg):
-        if self.paused or event not in ("call", "return"):
+        if self.paused or self._depth == 0 or event not in ("call", "return"):
             return
         path = frame.f_code.co_filename
         if "neuronx_distributed" not in path or not any(w in path for w in self.WATCHED):
@@ -125,43 +137,55 @@ def logits_and_calls(rank: int, o, rows: list[list[int]], prefill_len: int):
 
     app = cpu.build(o, seq_len=max(map(len, rows)), batch=len(rows))
     paths = cpu.MoEPaths(app)
-    with NxdCalls() as spy:
+    spy = NxdCalls()
+    spy.watch(*(w.model for w in app.models))
+    with spy:
         logits = cpu.teacher_forced_logits(app, rows, prefill_len)
     return logits, paths.report(), spy.calls, spy.returned
 
 
-class _TorchArgmax:
-    """Test-only stand-in for torch_neuronx's Argmax custom call (an XLA op, which needs XLA tensors)."""
+class _TorchTopK:
+    """Test-only stand-in for torch_neuronx's TopK custom call (an XLA op, which needs XLA tensors)."""
 
     @staticmethod
-    def apply(tensor, dim, keepdim=False):
-        return torch.argmax(tensor, dim=dim, keepdim=keepdim)
+    def apply(tensor, k, dim=-1):
+        return torch.topk(tensor, k, dim=dim)
 
 
-def _torch_cascaded_max():
-    """Test-only stand-in for nkilib's cascaded_max kernel as NxD calls it, nki_max[grid](x [B, V]) -> the max value
-    and its index per row, [B, 1] each (NxD operators/argmax.py:123-133 unsqueezes them only for 3-D input)."""
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda x: torch.max(x, dim=-1, keepdim=True)
-    return Kernel()
+class _TorchRotatedTopK:
+    """Test-only stand-in for nkilib's rotated top-k kernel as NxD calls it, nki_topk[lnc](t, k, sorted_flag)
+    (NxD operators/topk.py:14-23): the k largest along the last dim, values and indices."""
+
+    def __getitem__(self, lnc):
+        return lambda t, k, sorted_flag=False: torch.topk(t, k, dim=-1, sorted=sorted_flag)
+
+
+def _replace_device_only_sampling_ops() -> None:
+    """In this (rank) process, NxD's and NxDI's device-only sampling ops become their torch equivalents: nkilib's
+    top-k and cumsum kernels, torch_neuronx's TopK custom call and NxDI's xla_hlo_call random draw. What stays NxD's
+    and NxDI's own: the top-k over each rank's vocabulary shard, the all-gathers of values and indices over the TP
+    group (gloo here), the shard offsets, the global top-k, the temperature, top-p and multinomial arithmetic."""
+    import neuronx_distributed.operators.topk  # noqa: F401 -- loaded, to replace two of its names
+    import neuronx_distributed_inference.modules.generation.sampling as sampling
+
+    topk = sys.modules["neuronx_distributed.operators.topk"]  # the package re-exports the function under this name
+    topk.TopK, topk.nki_topk = _TorchTopK, _TorchRotatedTopK()
+    sampling.nki_cumsum = lambda t, axis: torch.cumsum(t, dim=axis)
+    sampling.rand_like = torch.rand_like
 
 
 def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
-    """The trn2 sampler configuration at o.tp ranks: on-device greedy sampling over vocab-sharded logits (on_cpu off,
-    so lm_head does not gather and NxDI's sampler calls NxD's distributed argmax), with output_logits to read the
-    gathered logits too. NxD's two device-only ops in that path, torch_neuronx's Argmax custom call and nkilib's
-    cascaded_max kernel, are replaced in this process by their torch equivalents (test code); the shard maxima,
-    the all-gathers over gloo and the shard offsets are NxD's. -> (sampled tokens, logits) per step."""
-    import neuronx_distributed.operators.argmax  # noqa: F401 (loaded, to replace two of its names below)
-
+    """The trn2 sampler configuration at o.tp ranks: on-device sampling as compile_and_save sets it (greedy through
+    NxDI's dynamic sampler, top_k 1) over vocab-sharded logits (on_cpu off, so lm_head does not gather and NxDI's
+    Sampler runs NxD's distributed top-k over the TP group), with output_logits to read the gathered logits too.
+    NxD's and NxDI's device-only ops in that path are replaced in this process (_replace_device_only_sampling_ops,
+    test code). -> ((sampled tokens, logits) per step, lm_head gathers?, the sampler's class)."""
+    _replace_device_only_sampling_ops()
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.formats.record import ConversionRecord
     from kimi_k2_neuron.neuron import contract, cpu
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 
-    argmax_module = sys.modules["neuronx_distributed.operators.argmax"]  # the package re-exports the function
-    argmax_module.Argmax, argmax_module.nki_max = _TorchArgmax, _torch_cascaded_max()
     path = cpu.converted_checkpoint(o)[0]
     record = ConversionRecord.read(path)
     opts = contract.ServeOptions(

@@ -155,3 +155,28 @@ def test_a_folder_compile_and_save_did_not_write_is_one_line(script, env, tmp_pa
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (f"error: --compiled {tmp_path}: not a folder written by "
                                                  f"scripts/compile_and_save.py (no kimi_k2_neuron.json in it)")
+
+
+def test_compile_dry_run_prints_the_neuron_config_and_touches_nothing(tmp_path, env):
+    """A folder with only Kimi-K2-Instruct-0905's config.json: the NeuronConfig compile() would trace, as NxDI writes
+    neuron_config.json, the MoE path of each submodel (the prefill on nkilib's shard-on-block kernel, decode on
+    selective loading) and the plan; no conversion, no output folder, nothing beside the config."""
+    model = tmp_path / "k2"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "test/data/configs/kimi-k2-instruct-0905.json").read_text())
+    r = _run(["--model", str(model), "--out", str(tmp_path / "out"), "--tp", "64", "--dry-run"], env,
+             script="compile_and_save.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    nc = got["neuron_config"]
+    assert (nc["tp_degree"], nc["seq_len"], nc["logical_nc_config"], nc["quantized"]) == (64, 1024, 2, True)
+    assert nc["quantization_type"] == "blockwise_symmetric" and nc["quantization_block_size"] == [32, 32]
+    bmm = nc["blockwise_matmul_config"]
+    assert bmm["use_shard_on_block_dynamic_while"] is True and bmm["block_size"] == 128
+    assert bmm["block_sharding_strategy"]["_name_"] == "PING_PONG"
+    assert got["moe_paths"]["context_encoding"] == {"tokens": 1024, "path": "shard-on-block",
+                                                   "nki_kernel": "bwmm_shard_on_block"}
+    assert got["moe_paths"]["token_generation"]["path"] == "selective"
+    assert got["plan"]["fits"] and got["converted"] is False
+    assert not (tmp_path / "out").exists() and not any("-neuron-" in p.name for p in tmp_path.iterdir())
+    assert [p.name for p in model.iterdir()] == ["config.json"]

@@ -17,7 +17,7 @@ from nxdi_support import REPO
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, cpu, modeling
+from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, cpu, modeling, moe_paths
 from kimi_k2_neuron.neuron.loader import unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
@@ -53,6 +53,20 @@ def test_config_survives_nxdis_save_and_load(tmp_path, name):
     assert nc.normalize_top_k_affinities is False and nc.cast_type == "as-declared" and nc.capacity_factor is None
     assert (nc.router_config.act_fn, nc.router_config.dtype) == ("sigmoid", torch.float32)
     assert nc.tkg_batch_size == nc.ctx_batch_size == nc.max_batch_size == 1
+    # the prefill mode survives too: NxDI writes NxD's strategy enum as a dict, which would reach the kernel as one
+    bmm = nc.blockwise_matmul_config
+    saved = json.loads((tmp_path / "compiled/neuron_config.json").read_text())["neuron_config"]
+    assert isinstance(saved["blockwise_matmul_config"]["block_sharding_strategy"], dict)
+    assert type(bmm.block_sharding_strategy).__name__ == "BlockShardStrategy"
+    assert bmm.block_sharding_strategy.name == "PING_PONG"
+    assert moe_paths.mode_of(bmm) == "shard-on-block" and bmm.use_shard_on_block_dynamic_while
+
+
+def test_a_config_with_no_kernel_flag_is_refused(tmp_path):
+    """With neither kernel flag at LNC=2, NxD 2.29 calls _call_shard_hidden_kernel, which only raises: a NeuronConfig
+    that says so (here through `extra`) is refused when it is built, not at the first trace."""
+    with pytest.raises(ValueError, match="none of --moe-prefill shard-on-block"):
+        _config(tmp_path, "kimi-k2-instruct-0905.json", extra={"blockwise_matmul_config": {"logical_nc_config": 2}})
 
 
 def test_a_reloaded_config_is_checked_again(tmp_path):

@@ -461,7 +461,14 @@ def test_cli_max_seq_len(capsys):
     assert d["max_seq_len"] == d["seq_len"] and d["fits"] and d["context_len"] == d["seq_len"]
     assert main(args) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith(f"max seq_len: {d['seq_len']} ({d['seq_len'] + 1} does not fit;")
+    # batch 1 on the shard-on-block kernel: seq_lens in whole 128-token tiles
+    assert first.startswith(f"max seq_len: {d['seq_len']} (the next the shard-on-block kernel takes, "
+                            f"{d['seq_len'] + 128}, does not fit;")
+    fixed = [*args, "--max-context-length", "1024"]  # the prefill fixed: any seq_len compiles
+    assert main([*fixed, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["max_seq_len"]
+    assert main(fixed) == 0
+    assert capsys.readouterr().out.startswith(f"max seq_len: {found} ({found + 1} does not fit;")
     assert main(["plan", "--config", str(KIMI), "--tp", "64", "--experts", "bf16", "--max-seq-len", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["max_seq_len"] is None  # 29.5 GiB of bf16 experts fit nowhere
     # argparse: one or the other (main turns argparse's exit into its return code)

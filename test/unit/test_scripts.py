@@ -15,6 +15,7 @@ import pytest
 
 from kimi_k2_neuron import cli
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
 from kimi_k2_neuron.formats.scheme import scheme_for
 from kimi_k2_neuron.neuron import contract
@@ -157,3 +158,27 @@ def test_bench_tpot_checks_its_report_path_before_the_benchmark(tmp_path, capsys
     # Without the SDK too: the check comes before it, so a trn2 run cannot be thrown away at the end.
     rc = script_module("bench_tpot").main(["--compiled", str(tmp_path), "--report", "/nonexistent/dir/r.json"])
     one_line_error.exit(rc, capsys.readouterr().err, "--report /nonexistent/dir/r.json", "existing folder")
+
+
+def test_the_host_check_names_the_disk_and_the_ram_it_needs(tmp_path, monkeypatch):
+    """Before hours of work: free disk where --out goes for the pre-sharded weights (+10 % for the NEFFs), and host
+    RAM for NxDI's load(), which reads every rank's file whole."""
+    import shutil
+
+    from kimi_k2_neuron import launch
+
+    gib = 2**30
+    p = SimpleNamespace(presharded_bytes=64 * 17 * gib, weight_bytes=17 * gib, tp=64)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100 * gib))
+    with pytest.raises(KimiInputError) as e:
+        launch.check_host_resources(p, str(tmp_path / "compiled"))
+    assert "100.0 GiB free on its disk, the pre-sharded weights need 1196.8 GiB (64 rank files of 17.00 GiB" in \
+        str(e.value)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2000 * gib))
+    monkeypatch.setattr(launch, "host_memory_available", lambda: 512 * gib)
+    with pytest.raises(KimiInputError, match="host RAM: 512.0 GiB available, NxDI's load.. reads all 64 rank files "
+                                             "whole: 1088.0 GiB"):
+        launch.check_host_resources(p, str(tmp_path / "compiled"))
+    monkeypatch.setattr(launch, "host_memory_available", lambda: 2048 * gib)
+    launch.check_host_resources(p, str(tmp_path / "compiled"))  # a trn2.48xlarge's 2 TiB

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The MoE router the Neuron model gives NxD (NxDRouter) against DeepSeek-V3's noaux_tc gate as Kimi-K2's
-modeling_deepseek.py computes it, written out here: the correction bias ranks the experts and nothing else.
-NxDRouter lives in the Neuron model's module, so these tests need NxD and NxDI importable (skipped, with the
-missing packages named, elsewhere)."""
+"""The MoE router the Neuron model gives NxD (NxDRouter) against transformers' DeepseekV3TopkRouter, the noaux_tc
+gate as transformers writes it (an implementation independent of this port): the correction bias ranks the experts
+and nothing else. NxDRouter lives in the Neuron model's module, so these tests need NxD and NxDI importable, and
+with them transformers (skipped, with the missing packages named, elsewhere)."""
 
 import pytest
 import torch
@@ -13,20 +13,19 @@ from kimi_k2_neuron.config import KimiK2Config
 EXPERTS, TOP_K, TOKENS = 16, 4, 24
 
 
-def reference_gate(x, weight, bias, cfg):
-    """(expert ids [T, k], combine weights [T, k]): float32 sigmoid scores; biased scores pick topk_group groups (a
-    group scores the sum of its two best) and then the experts; the weights are the chosen experts' unbiased scores,
-    normalized when norm_topk_prob, times routed_scaling_factor."""
-    scores = torch.sigmoid(x.float() @ weight.T)
-    biased = scores + bias
-    per_group = biased.view(len(x), cfg.n_group, -1)
-    best = per_group.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices
-    keep = torch.zeros(len(x), cfg.n_group, dtype=torch.bool).scatter(1, best, True)
-    ids = per_group.masked_fill(~keep[..., None], float("-inf")).view(len(x), -1).topk(cfg.num_experts_per_tok).indices
-    weights = scores.gather(1, ids)
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return ids, weights * cfg.routed_scaling_factor
+def transformers_gate(x, weight, bias, cfg):
+    """(expert ids [T, k], combine weights [T, k]) of transformers' DeepseekV3TopkRouter with these weights."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    gate = DeepseekV3TopkRouter(DeepseekV3Config(
+        hidden_size=cfg.hidden_size, n_routed_experts=cfg.n_routed_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor))
+    with torch.no_grad():
+        gate.weight.copy_(weight)
+        gate.e_score_correction_bias.copy_(bias)
+        return gate(x)[-2:]  # (indices, weights); transformers 5 puts the router logits first
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def _router(nxd_router, n_group=1, topk_group=1, norm=True, seed=0):
 def test_nxd_router_is_the_noaux_tc_gate(nxd_router, n_group, topk_group, norm):
     cfg, router, x = _router(nxd_router, n_group, topk_group, norm)
     logits, affinities, ids = router(x[None])  # NxD's contract: hidden [B, S, H] -> three [T, ...] tensors
-    want_ids, want_weights = reference_gate(x, router.weight, router.e_score_correction_bias, cfg)
+    want_ids, want_weights = transformers_gate(x, router.weight, router.e_score_correction_bias, cfg)
     assert logits.shape == (TOKENS, EXPERTS) and affinities.dtype == x.dtype  # cast to the hidden dtype, as NxD's
     assert [set(r) for r in ids.tolist()] == [set(r) for r in want_ids.tolist()]
     chosen = torch.zeros(TOKENS, EXPERTS).scatter(1, want_ids, want_weights)
