@@ -110,6 +110,9 @@ class _Job:
                     pending.append((u, *self._convert_unit(u)))
                     while len(pending) > 1:  # one file's finishing overlaps the next file's conversion
                         self._record_file(manifest, *pending.popleft())
+            except BaseException:
+                bar.leave = False  # the error's one line replaces the bar on screen
+                raise
             finally:  # also on errors: files already renamed into place are kept for a resume
                 self._settle(manifest, pending)
         self.result.files = len(units)
@@ -274,7 +277,7 @@ class _Job:
 
     def _proj(self, name: str, dst: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         w = self.src.weights[name]
-        base = name[: -len(".weight")]
+        base = self.src.described(name)
         q = self.cfg.quant
         if self.scheme.block is not None and w.kind in ("fp8", "int4"):  # straight from the codes, exact
             codes, scale = (self.src.ckpt.get(r) for r in w.raw[:2])
