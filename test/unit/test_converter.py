@@ -484,10 +484,10 @@ def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converte
 
     real = writer._write_bytes
 
-    def full_for_shards(f, buf):  # the manifest still saves; the lost shard cannot be written
+    def full_for_shards(f, buf, *offset):  # the manifest still saves; the lost shard cannot be written
         if ".safetensors" in f.name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(f, buf)
+        real(f, buf, *offset)
 
     monkeypatch.setattr(writer, "_write_bytes", full_for_shards)
     _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full")  # and DST no longer looks like a checkpoint
@@ -500,11 +500,11 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_
     calls = {"n": 0}
     real = writer._write_bytes
 
-    def full_after_some(f, buf):
+    def full_after_some(f, buf, *offset):
         calls["n"] += 1
         if calls["n"] > 12:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(f, buf)
+        real(f, buf, *offset)
 
     monkeypatch.setattr(writer, "_write_bytes", full_after_some)
     dst = tmp_path / "full"

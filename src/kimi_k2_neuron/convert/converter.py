@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -30,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__
+from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
 from ..config import pop_quantization_config
@@ -37,7 +39,8 @@ from ..errors import KimiInputError
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
 from ..formats.scheme import ExpertScheme, converted_scheme
-from ..quant import nxd_fp8
+from ..quant import check_finite, nxd_fp8
+from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
 from .writer import HASH, HASHES, PARTIAL_SUFFIX, ShardWriter, file_digest, write_small_file
@@ -88,6 +91,8 @@ class _Job:
         self.cfg, self.progress = source.cfg, progress
         self.fingerprint = _fingerprint(source)
         self.result = Result()
+        self._slabs = BufferPool()  # expert slabs, back from the writer once written (page-aligned: O_DIRECT)
+        self._local = threading.local()  # each worker's read buffer
         self._since_release = 0  # source bytes read since the shard mmaps were last released
 
     # -- the run --------------------------------------------------------------------------------------------------
@@ -191,14 +196,11 @@ class _Job:
         w = ShardWriter(self.dst / u.file, u.entries)
         try:
             stats = Stats()
-            fp32 = [n for n in u.plain if layout.converted_dtype(n) == layout.F32]
-            for n in fp32:
-                self._plain(w, n)
-            if u.moe_layer is not None:
+            if u.moe_layer is not None:  # first: their big slabs start page-aligned (O_DIRECT)
                 stats = self._experts(w, u.moe_layer)
-            for n in u.plain:
-                if n not in fp32:
-                    self._plain(w, n)
+            fp32 = [n for n in u.plain if layout.converted_dtype(n) == layout.F32]
+            for n in fp32 + [n for n in u.plain if n not in fp32]:  # schedule's order: fp32, then bf16
+                self._plain(w, n)
             w.commit()
         except BaseException:
             w.abort()
@@ -228,7 +230,7 @@ class _Job:
             scales[key] = []
             for e, (codes, scale, st) in self._ordered(lambda e, p=projs, s=shape: self._expert(layer, e, p, s),
                                                        range(e_count)):
-                w.add(key, codes)
+                w.add(key, codes, release=lambda c=codes: self._slabs.give(c.view(-1)))
                 scales[key].append(scale)
                 stats.merge(st)
                 self._consumed(*(layout.expert_name(layer, e, p) for p in projs))
@@ -266,7 +268,10 @@ class _Job:
 
     def _expert(self, layer: int, e: int, projs: tuple[str, ...], shape: tuple[int, int]):
         """One expert's [in, out] codes (gate and up side by side for gate_up) and its scale."""
-        codes = torch.empty(shape, dtype=torch.uint8)
+        names = [layout.expert_name(layer, e, p) for p in projs]
+        if self.scheme.block is not None and all(self.src.weights[n].kind == "fp8" for n in names):
+            return self._fp8_expert(names, shape)
+        codes = self._slabs.take(shape[0] * shape[1]).view(shape)
         width = shape[1] // len(projs)
         scales, stats = [], Stats()
         for k, proj in enumerate(projs):
@@ -274,6 +279,32 @@ class _Job:
             scales.append(s)
             stats.merge(st)
         return codes, torch.cat(scales, dim=1), stats
+
+    def _fp8_expert(self, names: list[str], shape: tuple[int, int]):
+        """FP8 source codes kept: the projections' [out, in] codes read one after another along out (gate then up)
+        into this worker's own buffer, rescaled there in place, and laid side by side by one transposed copy."""
+        ckpt, q, block = self.src.ckpt, self.cfg.quant, self.scheme.block
+        raw = [self.src.weights[n].raw for n in names]
+        infos = [ckpt.info(w) for w, _ in raw]
+        for n, i in zip(names, infos):
+            check_fp8_weight(torch.empty(i.shape, dtype=i.dtype, device="meta"), self.src.described(n))
+        nbytes = sum(i.nbytes for i in infos)
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes + 2 * PAGE:
+            buf = self._local.buf = aligned_empty(nbytes + 2 * PAGE)
+        codes = ckpt.read_bytes([w for w, _ in raw], buf)
+        rows = [i.shape[0] for i in infos]
+        for n, part in zip(names, codes.split([r * infos[0].shape[1] for r in rows])):
+            check_finite(part.view(torch.float8_e4m3fn), f"{self.src.described(n)}.weight")  # names the projection
+        codes = codes.view(sum(rows), infos[0].shape[1])
+        flag, inexact = nxd_fp8.rescale_blocks(codes, block[::-1], self.src.described(names[0]))
+        scale = torch.cat([nxd_fp8.blockwise_scale(ckpt.get(s), tuple(i.shape), q.weight_block_size, block, f,
+                                                   self.src.described(n))
+                           for n, (_, s), i, f in zip(names, raw, infos, flag.split([r // block[1] for r in rows]))],
+                          dim=1)
+        dst = self._slabs.take(shape[0] * shape[1]).view(shape)
+        nxd_fp8.transpose_into(dst, codes)
+        return dst, scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
 
     def _proj(self, name: str, dst: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         w = self.src.weights[name]
