@@ -28,7 +28,7 @@ def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in a float tensor. Summed first (a NaN or inf anywhere makes the sum NaN or inf, and torch's
     sum runs several times faster than isfinite); only a non-finite sum, which finite values can also give by
     overflowing, is checked element by element."""
-    if not t.is_floating_point() or t.numel() == 0 or math.isfinite(float(t.sum(dtype=torch.float32))):
+    if not t.is_floating_point() or t.numel() == 0 or math.isfinite(float(t.sum())):  # (a dtype= copies bf16)
         return True
     return bool(torch.isfinite(t).all())
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import KimiInputError
-from .fp8 import check_fp8_weight, check_scales, scale_grid_shape
+from . import check_finite
+from .fp8 import check_fp8_weight, check_scales, fp8_values, scale_grid_shape
 from .int4 import check_group_scale, unpack_int4
 
 FP8 = torch.float8_e4m3fn
@@ -95,13 +96,17 @@ def inexact_halves(b: torch.Tensor) -> int:
     return int(((m < 0x10) & (m & 1).bool()).sum())
 
 
-def _column_extremes(b: torch.Tensor, br: int) -> tuple[torch.Tensor, ...]:
-    """Per block row and column, the max and min of the bytes read as uint8 and as int8: reductions over an outer
-    dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes runs
-    ~30x slower)."""
+def _column_max(b: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group of `group` rows and per column, the max of the bytes read as uint8 and as int8: a reduction over an
+    outer dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes
+    runs ~30x slower)."""
     rows, cols = b.shape
-    u, i = b.view(rows // br, br, cols), b.view(torch.int8).view(rows // br, br, cols)
-    return u.amax(1), i.amax(1), u.amin(1), i.amin(1)
+    return b.view(rows // group, group, cols).amax(1), b.view(torch.int8).view(rows // group, group, cols).amax(1)
+
+
+def _column_min(b: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = b.shape
+    return b.view(rows // group, group, cols).amin(1), b.view(torch.int8).view(rows // group, group, cols).amin(1)
 
 
 def _any_per_block(col: torch.Tensor, bc: int) -> torch.Tensor:
@@ -114,7 +119,7 @@ def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
 
     From the byte extremes of each block column: the largest positive magnitude is the int8 max, the largest
     negative one the uint8 max minus 0x80; NaN is 0x7F (int8 max) or 0xFF (uint8 max)."""
-    umax, imax = _column_extremes(b, block[0])[:2]
+    umax, imax = _column_max(b, block[0])
     nan = bool((imax == 0x7F).any()) or bool((umax == 0xFF).any())
     return _any_per_block((imax > FP8_MAX_BYTE) | (umax > 0x80 + FP8_MAX_BYTE), block[1]), nan
 
@@ -177,32 +182,36 @@ def _rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple
     the blocks' flags and how many codes the halving rounded (odd subnormal-tail codes of halved blocks).
 
     Halving subtracts 8 from every byte of an int64 lane of 8 codes: exact (and borrow-free) for magnitudes
-    >= 0x10, one pass. The lanes holding a smaller code in a halved block are found from the block columns' byte
-    minima (a positive code >= 0x10 has uint8 min >= 0x10, a negative one int8 min >= -0x70), taken before the
-    subtraction, and redone byte by byte: in DeepSeek-style FP8 ~1 lane in 300."""
+    >= 0x10, one pass. Lanes holding a smaller code in a halved block are redone byte by byte from their original
+    codes: candidates from the byte minima of each 8-row column segment (a positive code >= 0x10 has uint8 min
+    >= 0x10, a negative one int8 min >= -0x70), taken before the subtraction; in DeepSeek-style FP8 about 1 lane
+    in 60 is a candidate and 1 in 300 holds such a code."""
     br, bc = block
     rows, cols = u.shape
-    umax, imax, umin, imin = _column_extremes(u, br)
+    umax, imax = _column_max(u, br)
     if bool((imax == 0x7F).any()) or bool((umax == 0xFF).any()):
         raise KimiInputError(f"{name}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights")
     flag = _any_per_block((imax > FP8_MAX_BYTE) | (umax > 0x80 + FP8_MAX_BYTE), bc)
     n_flag = int(flag.sum())
     if not n_flag:
         return flag, 0
-    if cols % 8 or bc % 8:  # lanes would straddle rows or blocks (tiny shapes): byte by byte
+    if cols % 8 or bc % 8 or br % 8:  # lanes or 8-row groups would straddle blocks (tiny shapes): byte by byte
         per_code = flag.repeat_interleave(br, 0).repeat_interleave(bc, 1)
         inexact = inexact_halves(u[per_code])
         u.copy_(torch.where(per_code, halve_codes(u), u))
         return flag, inexact
-    small = (umin < 0x10) | (imin < -0x80 + 0x10)  # [rows/br, cols]: the block column holds a magnitude < 0x10
-    small_lane = small.view(rows // br, cols // 8, 8).any(-1) & flag.repeat_interleave(bc // 8, 1)
-    block_row, lane = small_lane.nonzero(as_tuple=True)
+    umin, imin = _column_min(u, 8)
+    small = (umin < 0x10) | (imin < -0x80 + 0x10)  # [rows/8, cols]
+    tiles = small.view(rows // 8, cols // 8, 8).any(-1) & flag.repeat_interleave(br // 8, 0).repeat_interleave(
+        bc // 8, 1)  # 8 x 8 tiles of a halved block holding a small magnitude somewhere
+    group, lane = tiles.nonzero(as_tuple=True)
     lanes = u.view(torch.int64).view(rows, cols // 8)
-    r = (block_row[:, None] * br + torch.arange(br)).reshape(-1)  # every row of those block columns
-    c = lane.repeat_interleave(br)
-    fixed = lanes[r, c].view(torch.uint8)  # original codes, before the subtraction below
+    r, c = (group[:, None] * 8 + torch.arange(8)).reshape(-1), lane.repeat_interleave(8)
+    fixed = lanes[r, c].view(torch.uint8).view(-1, 8)  # original codes, before the subtraction below
+    real = ((fixed & 0x7F) < 0x10).any(1)  # the candidate lanes that hold one themselves
+    r, c, fixed = r[real], c[real], fixed[real]
     inexact = inexact_halves(fixed)
-    fixed = halve_codes(fixed).view(torch.int64)
+    fixed = halve_codes(fixed).view(torch.int64).view(-1)
     if n_flag == flag.numel():
         lanes.sub_(_L08)
     else:  # unflagged blocks subtract 0
@@ -263,7 +272,8 @@ def dequantize_nxd(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Blocks are inferred from the shapes, as NxD's blockwise dequantize does."""
     if not torch.isfinite(scale).all():
         raise KimiInputError("converted expert scale contains NaN or inf")
-    x = codes.to(torch.float32)
+    check_finite(codes, "converted expert codes")
+    x = fp8_values(codes)
     (a, b), (sa, sb) = x.shape, scale.shape
     if a % sa or b % sb:
         raise KimiInputError(f"converted expert scale {list(scale.shape)} does not tile weight {list(x.shape)}")
