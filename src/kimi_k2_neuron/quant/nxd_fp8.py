@@ -79,7 +79,7 @@ def _i64(pattern: str) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_L08 = _i64("08")
+_L01, _L08, _H80 = (_i64(b) for b in ("01", "08", "80"))
 
 
 def halve_codes(b: torch.Tensor) -> torch.Tensor:
@@ -96,32 +96,53 @@ def inexact_halves(b: torch.Tensor) -> int:
     return int(((m < 0x10) & (m & 1).bool()).sum())
 
 
-def _column_max(b: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per group of `group` rows and per column, the max of the bytes read as uint8 and as int8: a reduction over an
-    outer dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes
-    runs ~30x slower)."""
-    rows, cols = b.shape
-    return b.view(rows // group, group, cols).amax(1), b.view(torch.int8).view(rows // group, group, cols).amax(1)
-
-
-def _column_min(b: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = b.shape
-    return b.view(rows // group, group, cols).amin(1), b.view(torch.int8).view(rows // group, group, cols).amin(1)
-
-
 def _any_per_block(col: torch.Tensor, bc: int) -> torch.Tensor:
-    """[block rows, cols] bool -> [block rows, cols / bc]: any column of the block."""
-    return col.view(col.shape[0], col.shape[1] // bc, bc).any(-1)
+    """[block rows, cols] bool -> [block rows, cols / bc]: any column of the block. Eight bools at a time as one
+    int64 where the row allows (torch's inner any() over 32 bools costs as much as a pass over the codes)."""
+    rows, cols = col.shape
+    if cols % 8 or bc % 8:
+        return col.view(rows, cols // bc, bc).any(-1)
+    return col.view(torch.uint8).view(torch.int64).view(rows, cols // bc, bc // 8).amax(-1) != 0
 
 
 def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
-    """[rows/br, cols/bc] bool: the block holds a code beyond +-240; and whether any code is NaN.
+    """[rows/br, cols/bc] bool: the block holds a code beyond +-240; and whether any code is NaN."""
+    umax, imax = _column_extremes(b, block[0], False)[:2]
+    return _over_240(umax, imax, block[1]), _has_nan(umax, imax)
 
-    From the byte extremes of each block column: the largest positive magnitude is the int8 max, the largest
-    negative one the uint8 max minus 0x80; NaN is 0x7F (int8 max) or 0xFF (uint8 max)."""
-    umax, imax = _column_max(b, block[0])
-    nan = bool((imax == 0x7F).any()) or bool((umax == 0xFF).any())
-    return _any_per_block((imax > FP8_MAX_BYTE) | (umax > 0x80 + FP8_MAX_BYTE), block[1]), nan
+
+def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tensor, ...]:
+    """Per column and per br rows, the max of the bytes read as uint8 and as int8, and (minima) per 8 rows their
+    mins: reductions over an outer dimension, which torch vectorizes along the contiguous rows (an inner reduction
+    over a block's 32 bytes runs ~30x slower). Row chunks of whole blocks (~1 MB) stay in L2 across the
+    reductions."""
+    rows, cols = b.shape
+    out = [torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)]
+    if minima:
+        out += [torch.empty(rows // 8, cols, dtype=torch.uint8), torch.empty(rows // 8, cols, dtype=torch.int8)]
+    step = br * max(1, _CHUNK // (br * cols))
+    for r in range(0, rows, step):
+        c = b[r: r + step]
+        n = c.shape[0]
+        for t, group, reduce in zip(out, (br, br, 8, 8), (torch.amax, torch.amax, torch.amin, torch.amin)):
+            src = c if t.dtype == torch.uint8 else c.view(torch.int8)
+            reduce(src.view(n // group, group, cols), 1, out=t[r // group: (r + n) // group])
+    return tuple(out)
+
+
+def _has_nan(umax: torch.Tensor, imax: torch.Tensor) -> bool:
+    """NaN is 0x7F (the largest int8) or 0xFF (the largest uint8). Whole-tensor reductions: torch's comparisons
+    of byte tensors run ~1 ns an element here, its reductions ~20x faster."""
+    return umax.numel() > 0 and (int(imax.max()) == 0x7F or int(umax.max()) == 0xFF)
+
+
+def _over_240(umax: torch.Tensor, imax: torch.Tensor, bc: int) -> torch.Tensor:
+    """Blocks holding a code beyond +-240, from the column maxima: the largest positive magnitude is the int8 max,
+    the largest negative one the uint8 max minus 0x80 (compared once per block, after reducing the block's
+    columns)."""
+    rows, cols = umax.shape
+    bu, bi = (t.view(rows, cols // bc, bc).amax(-1) for t in (umax, imax))
+    return (bi > FP8_MAX_BYTE) | (bu > 0x80 + FP8_MAX_BYTE)
 
 
 def _grid(n: int, block: int, what: str) -> int:
@@ -164,47 +185,39 @@ def blockwise_scale(s: torch.Tensor, shape: tuple[int, int], src_block: tuple[in
 
 def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
     """Halve, in place, every [br, bc] block of u (uint8 e4m3fn codes [rows, cols]) that holds a code beyond +-240;
-    returns the blocks' flags [rows/br, cols/bc] and how many codes the halving rounded. Row chunks of whole blocks
-    (~1 MB, within L2): each is checked and halved while it is in cache. Rows of several projections may follow
-    one another (gate then up) as long as no block straddles two."""
-    rows, cols = u.shape
-    step = block[0] * max(1, _CHUNK // (block[0] * cols))
-    flags, inexact = [], 0
-    for r in range(0, rows, step):
-        f, n = _rescale_blocks(u[r: r + step], block, name)
-        flags.append(f)
-        inexact += n
-    return torch.cat(flags), inexact
-
-
-def _rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
-    """Halve, in place, every block of u [rows, cols] (uint8 e4m3fn codes) that holds a code beyond +-240; returns
-    the blocks' flags and how many codes the halving rounded (odd subnormal-tail codes of halved blocks).
+    returns the blocks' flags [rows/br, cols/bc] and how many codes the halving rounded (odd subnormal-tail codes
+    of halved blocks). Rows of several projections may follow one another (gate then up) as long as no block
+    straddles two.
 
     Halving subtracts 8 from every byte of an int64 lane of 8 codes: exact (and borrow-free) for magnitudes
     >= 0x10, one pass. Lanes holding a smaller code in a halved block are redone byte by byte from their original
-    codes: candidates from the byte minima of each 8-row column segment (a positive code >= 0x10 has uint8 min
-    >= 0x10, a negative one int8 min >= -0x70), taken before the subtraction; in DeepSeek-style FP8 about 1 lane
-    in 60 is a candidate and 1 in 300 holds such a code."""
+    codes: candidates are the 8 x 8 tiles whose 8-row column minima show one (a positive code >= 0x10 has uint8
+    min >= 0x10, a negative one int8 min >= -0x70); in DeepSeek-style FP8 about 1 lane in 60 is a candidate and
+    most candidates hold one. Everything but the reductions and that pass works on per-block or per-tile tensors,
+    once per matrix: torch's per-call cost (~10 us here) would dominate per chunk."""
     br, bc = block
     rows, cols = u.shape
-    umax, imax = _column_max(u, br)
-    if bool((imax == 0x7F).any()) or bool((umax == 0xFF).any()):
+    lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks
+    umax, imax, *minima = _column_extremes(u, br, lanes_fit)
+    if _has_nan(umax, imax):
         raise KimiInputError(f"{name}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights")
-    flag = _any_per_block((imax > FP8_MAX_BYTE) | (umax > 0x80 + FP8_MAX_BYTE), bc)
+    flag = _over_240(umax, imax, bc)
     n_flag = int(flag.sum())
     if not n_flag:
         return flag, 0
-    if cols % 8 or bc % 8 or br % 8:  # lanes or 8-row groups would straddle blocks (tiny shapes): byte by byte
+    if not lanes_fit:  # (tiny shapes) byte by byte
         per_code = flag.repeat_interleave(br, 0).repeat_interleave(bc, 1)
         inexact = inexact_halves(u[per_code])
         u.copy_(torch.where(per_code, halve_codes(u), u))
         return flag, inexact
-    umin, imin = _column_min(u, 8)
-    small = (umin < 0x10) | (imin < -0x80 + 0x10)  # [rows/8, cols]
-    tiles = small.view(rows // 8, cols // 8, 8).any(-1) & flag.repeat_interleave(br // 8, 0).repeat_interleave(
-        bc // 8, 1)  # 8 x 8 tiles of a halved block holding a small magnitude somewhere
-    group, lane = tiles.nonzero(as_tuple=True)
+    # A magnitude below 0x10 is a zero high nibble: uint8 min & 0xF0 == 0 for a positive code, (int8 min ^ 0x80)
+    # & 0xF0 == 0 for a negative one; then a zero byte in an int64 lane of such column minima marks the 8 x 8 tile
+    # ((v - 0x01..) & ~v & 0x80.. is nonzero exactly when v has a zero byte). Byte arithmetic, no comparisons.
+    umin, imin = minima
+    m = torch.minimum(umin & 0xF0, (imin.view(torch.uint8) ^ 0x80) & 0xF0).view(torch.int64)  # [rows/8, cols/8]
+    group, lane = ((m - _L01).bitwise_and_(~m).bitwise_and_(_H80) != 0).nonzero(as_tuple=True)
+    keep = flag[group // (br // 8), lane // (bc // 8)]  # tiles of halved blocks only
+    group, lane = group[keep], lane[keep]
     lanes = u.view(torch.int64).view(rows, cols // 8)
     r, c = (group[:, None] * 8 + torch.arange(8)).reshape(-1), lane.repeat_interleave(8)
     fixed = lanes[r, c].view(torch.uint8).view(-1, 8)  # original codes, before the subtraction below
