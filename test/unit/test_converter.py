@@ -535,3 +535,13 @@ def test_nan_code_in_a_converted_checkpoint_is_refused_at_load(converted, tmp_pa
     key = layout.gate_up_key(1)
     shard = _rewrite(dst, key, lambda ts: _poke(ts[key].view(torch.uint8), 3 * 192 * 128 + 5, code))
     one_line_error(lambda: CpuRunner(dst).logits(ROWS), f"{shard.name}: tensor {key} (expert 3)", "NaN FP8 codes")
+
+
+def test_same_bytes_without_o_direct(converted, tiny_dirs, tmp_path, monkeypatch):
+    """Where the filesystem refuses O_DIRECT (tmpfs), reads and writes go through the page cache: same files."""
+    from kimi_k2_neuron.checkpoint import shards
+    monkeypatch.setattr(writer, "open_direct_file", lambda *a: None)
+    monkeypatch.setattr(shards, "open_direct", lambda *a: None)
+    dst = tmp_path / "buffered"
+    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])

@@ -38,7 +38,7 @@ from pathlib import Path
 import blake3
 import torch
 
-from ..checkpoint.direct import PAGE, is_aligned, open_direct_file, pwrite_fully
+from ..checkpoint.direct import PAGE, aligned_empty, is_aligned, open_direct_file, pwrite_fully
 from ..checkpoint.shards import SAFETENSORS_DTYPES
 from ..errors import KimiInputError
 
@@ -51,7 +51,8 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _QUEUED = 4  # slabs queued per file (a Kimi gate_up slab is 29 MB): enough to ride out a slow write
 _COMMIT, _ABORT = object(), object()
 _FADVISE = hasattr(os, "posix_fadvise")
-_WRITEBACK_STEP = 64 << 20  # file bytes between writeback kicks
+_WRITEBACK_STEP = 64 << 20  # file bytes between writeback kicks (without O_DIRECT)
+_STAGE = 8 << 20  # bytes gathered from unaligned pieces per O_DIRECT write
 _written_in_process = 0
 _die_lock = threading.Lock()
 
@@ -127,15 +128,17 @@ class ShardWriter:
         self.order = [name for name, _, _ in entries]
         self.size = len(header) + (max(e for _, e in self.spans.values()) if self.spans else 0)
         self._cur, self._pos = 0, 0  # index into order, data bytes queued so far
-        self._written = self._flushed = 0  # file bytes written / handed to writeback (the file's thread)
+        self._written = self._flushed = 0  # file bytes taken / handed to writeback (the file's thread)
         self._f = open(self.tmp, "wb", buffering=0)
-        self._direct = open_direct_file(self.tmp, "r+b")  # same file, page-aligned slabs only
+        self._direct = open_direct_file(self.tmp, "r+b")  # same file, whole pages from page-aligned memory
+        self._stage: torch.Tensor | None = None  # pages gathered from unaligned pieces, for the O_DIRECT descriptor
+        self._staged = self._stage_at = 0
         self._queue: queue.Queue = queue.Queue(_QUEUED)
         self._error: Exception | None = None
         self._digest: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"write {self.final.name}", daemon=True)
         self._thread.start()
-        self._queue.put((memoryview(header), False, None, False))  # through the page cache; a whole number of pages
+        self._queue.put((memoryview(header), False, None, False))  # a whole number of pages, staged
 
     def add(self, name: str, data: torch.Tensor, release=None) -> None:
         """Queue `data` (a tensor whose bytes continue tensor `name`); it must not be modified afterwards, until
@@ -199,13 +202,13 @@ class ShardWriter:
                     return
                 buf, aligned, release, counted = item
                 item = None
-                direct = self._write(buf, aligned)
+                self._write(buf, aligned)
                 h.update(buf)
                 n = len(buf)
                 del buf  # the last view of the slab: its owner may reuse it now
                 if release is not None:
                     release()
-                self._start_writeback(n, direct)
+                self._start_writeback()
                 if counted:
                     _maybe_die(n)
             except Exception as e:  # noqa: BLE001 -- re-raised in the caller's thread
@@ -213,28 +216,66 @@ class ShardWriter:
                 self._close()
                 self.tmp.unlink(missing_ok=True)
 
-    def _write(self, buf, aligned: bool) -> bool:
-        """Write buf at the end of the data so far: with O_DIRECT when buf and the file position are page-aligned
-        (the position stays so only while every earlier piece was); returns whether it was."""
-        direct = self._direct is not None and aligned and self._written % PAGE == 0
+    def _write(self, buf, aligned: bool) -> None:
+        """Append buf to the file. With O_DIRECT: straight from buf when it is page-aligned memory of whole pages
+        and lands on a page boundary (the expert slabs); else copied into the stage, which goes out a whole number
+        of pages at a time (the small tensors; the header). Without: through the page cache."""
         try:
-            _write_bytes(self._direct if direct else self._f, buf, self._written)
-            return direct
+            if self._direct is None:
+                _write_bytes(self._f, buf, self._written)
+            elif aligned and self._staged % PAGE == 0:
+                self._flush_stage()
+                _write_bytes(self._direct, buf, self._written)
+            else:
+                self._to_stage(memoryview(buf).cast("B"))
         except OSError as e:
-            if e.errno in _DISK_FULL:
-                raise KimiInputError(f"{self.final.parent}: disk full while writing {self.final.name} "
-                                     f"({os.strerror(e.errno)}); free space and rerun to resume") from None
-            raise KimiInputError(f"{self.tmp}: cannot write ({e.strerror or e})") from None
+            raise self._write_error(e) from None
+        self._written += len(buf)
 
-    def _start_writeback(self, n: int, direct: bool) -> None:
-        """Hand the bytes written so far to the disk now rather than at fsync, and drop those already on disk from
-        the page cache: the disk works while later slabs are converted, and a 1 TB conversion does not push the
-        source's read-ahead out of memory. (POSIX_FADV_DONTNEED starts writeback of a range's dirty pages and
-        drops its clean ones; it is only advice, so any error is ignored.)"""
-        self._written += n
-        if direct:  # nothing of it went through the page cache
-            self._flushed = self._written
-        elif _FADVISE and self._written - self._flushed >= _WRITEBACK_STEP:
+    def _to_stage(self, view: memoryview) -> None:
+        if self._stage is None:
+            self._stage = aligned_empty(_STAGE)
+        stage, at = self._stage.numpy(), self._written  # at: the file offset of view's first byte
+        while view:
+            if not self._staged:
+                self._stage_at = at
+            k = min(len(view), _STAGE - self._staged)
+            stage[self._staged: self._staged + k] = view[:k]
+            self._staged += k
+            view, at = view[k:], at + k
+            if self._staged == _STAGE:
+                self._flush_stage()
+
+    def _flush_stage(self, last: bool = False) -> None:
+        """Write the stage's whole pages with O_DIRECT (it starts on a page boundary: the file's position was one
+        when staging began) and, at the end of the file, its last partial page through the page cache."""
+        if not self._staged:
+            return
+        at = self._stage_at
+        if at % PAGE:
+            raise RuntimeError(f"{self.tmp.name}: stage at offset {at}, not on a page boundary")
+        whole = self._staged - self._staged % PAGE
+        stage = self._stage.numpy()
+        if whole:
+            _write_bytes(self._direct, stage[:whole], at)
+        if self._staged > whole:
+            if not last:
+                raise RuntimeError("a partial page can only end the file")
+            _write_bytes(self._f, stage[whole: self._staged], at + whole)
+        self._staged = 0
+
+    def _write_error(self, e: OSError) -> KimiInputError:
+        if e.errno in _DISK_FULL:
+            return KimiInputError(f"{self.final.parent}: disk full while writing {self.final.name} "
+                                  f"({os.strerror(e.errno)}); free space and rerun to resume")
+        return KimiInputError(f"{self.tmp}: cannot write ({e.strerror or e})")
+
+    def _start_writeback(self) -> None:
+        """Without O_DIRECT: hand the bytes written so far to the disk now rather than at fsync, and drop those
+        already on disk from the page cache: the disk works while later slabs are converted, and a 1 TB conversion
+        does not push the source's read-ahead out of memory. (POSIX_FADV_DONTNEED starts writeback of a range's
+        dirty pages and drops its clean ones; it is only advice, so any error is ignored.)"""
+        if self._direct is None and _FADVISE and self._written - self._flushed >= _WRITEBACK_STEP:
             try:
                 os.posix_fadvise(self._f.fileno(), 0, self._written, os.POSIX_FADV_DONTNEED)
             except OSError:
@@ -243,6 +284,8 @@ class ShardWriter:
 
     def _publish(self) -> None:
         try:
+            if self._direct is not None:
+                self._flush_stage(last=True)
             os.fsync(self._f.fileno())  # the file's, whichever descriptor wrote: O_DIRECT data too
             self._close()
             os.replace(self.tmp, self.final)
