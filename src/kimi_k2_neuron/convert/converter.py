@@ -294,10 +294,13 @@ class _Job:
             buf = self._local.buf = aligned_empty(nbytes + 2 * PAGE)
         codes = ckpt.read_bytes([w for w, _ in raw], buf)
         rows = [i.shape[0] for i in infos]
-        for n, part in zip(names, codes.split([r * infos[0].shape[1] for r in rows])):
-            check_finite(part.view(torch.float8_e4m3fn), f"{self.src.described(n)}.weight")  # names the projection
+        try:
+            flag, inexact = nxd_fp8.rescale_blocks(codes.view(sum(rows), infos[0].shape[1]), block[::-1], "")
+        except KimiInputError:  # NaN codes: say in which projection
+            for n, part in zip(names, codes.split([r * infos[0].shape[1] for r in rows])):
+                check_finite(part.view(torch.float8_e4m3fn), f"{self.src.described(n)}.weight")
+            raise
         codes = codes.view(sum(rows), infos[0].shape[1])
-        flag, inexact = nxd_fp8.rescale_blocks(codes, block[::-1], self.src.described(names[0]))
         scale = torch.cat([nxd_fp8.blockwise_scale(ckpt.get(s), tuple(i.shape), q.weight_block_size, block, f,
                                                    self.src.described(n))
                            for n, (_, s), i, f in zip(names, raw, infos, flag.split([r // block[1] for r in rows]))],

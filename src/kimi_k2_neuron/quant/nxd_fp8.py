@@ -112,22 +112,25 @@ def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
 
 
 def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tensor, ...]:
-    """Per column and per br rows, the max of the bytes read as uint8 and as int8, and (minima) per 8 rows their
-    mins: reductions over an outer dimension, which torch vectorizes along the contiguous rows (an inner reduction
-    over a block's 32 bytes runs ~30x slower). Row chunks of whole blocks (~1 MB) stay in L2 across the
-    reductions."""
+    """Per column and per br rows, the max of the bytes read as uint8 and as int8; and (minima) per column and per
+    8 rows, a byte whose high nibble is zero exactly when those rows hold a magnitude below 0x10 there: uint8 min &
+    0xF0 for positive codes, (int8 min ^ 0x80) & 0xF0 for negative ones, the smaller of the two. Reductions over an
+    outer dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes
+    runs ~30x slower), a row chunk of whole blocks (~1 MB) at a time so that its passes stay in L2."""
     rows, cols = b.shape
-    out = [torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)]
-    if minima:
-        out += [torch.empty(rows // 8, cols, dtype=torch.uint8), torch.empty(rows // 8, cols, dtype=torch.int8)]
+    umax, imax = torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)
+    small = torch.empty(rows // 8, cols, dtype=torch.uint8) if minima else None
     step = br * max(1, _CHUNK // (br * cols))
     for r in range(0, rows, step):
         c = b[r: r + step]
         n = c.shape[0]
-        for t, group, reduce in zip(out, (br, br, 8, 8), (torch.amax, torch.amax, torch.amin, torch.amin)):
-            src = c if t.dtype == torch.uint8 else c.view(torch.int8)
-            reduce(src.view(n // group, group, cols), 1, out=t[r // group: (r + n) // group])
-    return tuple(out)
+        i = c.view(torch.int8)
+        torch.amax(c.view(n // br, br, cols), 1, out=umax[r // br: (r + n) // br])
+        torch.amax(i.view(n // br, br, cols), 1, out=imax[r // br: (r + n) // br])
+        if minima:
+            neg = i.view(n // 8, 8, cols).amin(1).view(torch.uint8).bitwise_xor_(0x80)
+            torch.minimum(c.view(n // 8, 8, cols).amin(1), neg, out=small[r // 8: (r + n) // 8])
+    return (umax, imax) if small is None else (umax, imax, small.bitwise_and_(0xF0))
 
 
 def _has_nan(umax: torch.Tensor, imax: torch.Tensor) -> bool:
@@ -198,7 +201,7 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
     br, bc = block
     rows, cols = u.shape
     lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks
-    umax, imax, *minima = _column_extremes(u, br, lanes_fit)
+    umax, imax, *small = _column_extremes(u, br, lanes_fit)
     if _has_nan(umax, imax):
         raise KimiInputError(f"{name}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights")
     flag = _over_240(umax, imax, bc)
@@ -210,11 +213,9 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
         inexact = inexact_halves(u[per_code])
         u.copy_(torch.where(per_code, halve_codes(u), u))
         return flag, inexact
-    # A magnitude below 0x10 is a zero high nibble: uint8 min & 0xF0 == 0 for a positive code, (int8 min ^ 0x80)
-    # & 0xF0 == 0 for a negative one; then a zero byte in an int64 lane of such column minima marks the 8 x 8 tile
-    # ((v - 0x01..) & ~v & 0x80.. is nonzero exactly when v has a zero byte). Byte arithmetic, no comparisons.
-    umin, imin = minima
-    m = torch.minimum(umin & 0xF0, (imin.view(torch.uint8) ^ 0x80) & 0xF0).view(torch.int64)  # [rows/8, cols/8]
+    # A zero byte in an int64 lane of the 8-row column minima marks an 8 x 8 tile holding a magnitude below 0x10
+    # ((v - 0x01..) & ~v & 0x80.. is nonzero exactly when v has a zero byte): byte arithmetic, no comparisons.
+    m = small[0].view(torch.int64)  # [rows/8, cols/8]
     group, lane = ((m - _L01).bitwise_and_(~m).bitwise_and_(_H80) != 0).nonzero(as_tuple=True)
     keep = flag[group // (br // 8), lane // (bc // 8)]  # tiles of halved blocks only
     group, lane = group[keep], lane[keep]
