@@ -115,7 +115,7 @@ def test_bad_input_ids_streamed(tiny_dirs, one_line_error):
     one_line_error(lambda: r.logits([[1, 2, 100_000]]), "token 100000", "outside the vocabulary")
 
 
-# -- non-finite weights and activations: one line, exit 2, nothing written ----------------------------------------------
+# -- non-finite weights and activations: one line, exit 2, nothing written ---------------------------------------------
 
 
 def _cli(argv, capsys) -> tuple[int, str, str]:
