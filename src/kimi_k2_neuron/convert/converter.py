@@ -313,10 +313,8 @@ class _Job:
         w = self.src.weights[name]
         base = self.src.described(name)
         q = self.cfg.quant
-        if self.scheme.block is not None and w.kind in ("fp8", "int4"):  # straight from the codes, exact
+        if self.scheme.block is not None and w.kind == "int4":  # straight from the codes, exact (FP8: _fp8_expert)
             codes, scale = (self.src.ckpt.get(r) for r in w.raw[:2])
-            if w.kind == "fp8":
-                return nxd_fp8.fp8_to_blockwise(codes, scale, q.weight_block_size, self.scheme.block, dst, base)
             return nxd_fp8.int4_to_blockwise(codes, scale, tuple(dst.shape[::-1]), q.group_size, dst, base)
         ref = self.src.get(name, torch.float32)  # the exact value, whatever the storage
         return nxd_fp8.quantize(ref.t().contiguous(), self.scheme.block, dst, base)

@@ -96,15 +96,6 @@ def inexact_halves(b: torch.Tensor) -> int:
     return int(((m < 0x10) & (m & 1).bool()).sum())
 
 
-def _any_per_block(col: torch.Tensor, bc: int) -> torch.Tensor:
-    """[block rows, cols] bool -> [block rows, cols / bc]: any column of the block. Eight bools at a time as one
-    int64 where the row allows (torch's inner any() over 32 bools costs as much as a pass over the codes)."""
-    rows, cols = col.shape
-    if cols % 8 or bc % 8:
-        return col.view(rows, cols // bc, bc).any(-1)
-    return col.view(torch.uint8).view(torch.int64).view(rows, cols // bc, bc // 8).amax(-1) != 0
-
-
 def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
     """[rows/br, cols/bc] bool: the block holds a code beyond +-240; and whether any code is NaN."""
     umax, imax = _column_extremes(b, block[0], False)[:2]
@@ -195,9 +186,9 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
     Halving subtracts 8 from every byte of an int64 lane of 8 codes: exact (and borrow-free) for magnitudes
     >= 0x10, one pass. Lanes holding a smaller code in a halved block are redone byte by byte from their original
     codes: candidates are the 8 x 8 tiles whose 8-row column minima show one (a positive code >= 0x10 has uint8
-    min >= 0x10, a negative one int8 min >= -0x70); in DeepSeek-style FP8 about 1 lane in 60 is a candidate and
-    most candidates hold one. Everything but the reductions and that pass works on per-block or per-tile tensors,
-    once per matrix: torch's per-call cost (~10 us here) would dominate per chunk."""
+    min >= 0x10, a negative one int8 min >= -0x70); in the benchmark's DeepSeek-style FP8 about 1 tile in 70. Besides
+    the reductions and that pass, everything works on per-block or per-tile tensors, once per matrix: torch's
+    per-call cost (~10 us here) would dominate per chunk."""
     br, bc = block
     rows, cols = u.shape
     lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks
