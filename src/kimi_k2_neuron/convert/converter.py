@@ -1,9 +1,10 @@
 """`kimi-k2-neuron convert SRC DST`: a Kimi-K2 checkpoint -> the Neuron-ready layout of kimi_k2_neuron.formats, once.
 
-Streaming: source tensors are read one at a time through the mmap-backed ShardedCheckpoint (a layer's experts
-are gathered by name, wherever the shards cut them), each output file is written front to back one expert slab at
-a time, and the source mmaps are released every ~256 MB per worker, so memory stays at a few experts per worker
-plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers` threads convert
+Streaming: source tensors are read one at a time through ShardedCheckpoint (a layer's experts are gathered by
+name, wherever the shards cut them; their FP8 codes with O_DIRECT into each worker's reused buffer, the rest
+through the shards' mmaps), each output file is written front to back one expert slab at a time from reused
+page-aligned buffers, and the source mmaps are released every ~256 MB per worker, so memory stays at a few
+experts per worker plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers` threads convert
 experts in parallel while each output file's own thread writes and hashes the slabs already done, and fsyncs the
 file while the next one is converted (torch, write(), fsync and BLAKE3 release the GIL).
 
