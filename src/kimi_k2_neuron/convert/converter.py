@@ -4,9 +4,9 @@ Streaming: source tensors are read one at a time through ShardedCheckpoint (a la
 name, wherever the shards cut them; their FP8 codes with O_DIRECT into each worker's reused buffer, the rest
 through the shards' mmaps), each output file is written front to back one expert slab at a time from reused
 page-aligned buffers, and the source mmaps are released every ~256 MB per worker, so memory stays at a few
-experts per worker plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers` threads convert
-experts in parallel while each output file's own thread writes and hashes the slabs already done, and fsyncs the
-file while the next one is converted (torch, write(), fsync and BLAKE3 release the GIL).
+experts per worker plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers`
+threads convert experts in parallel while each output file's own thread writes and hashes the slabs already done,
+and fsyncs the file while the next one is converted (torch, reads, writes, fsync and BLAKE3 release the GIL).
 
 Resumable and deterministic: every finished file is renamed into place and recorded with its BLAKE3 hash in
 `conversion_manifest.json`; a rerun skips recorded files whose size matches (`verify` re-hashes them, with sha256
