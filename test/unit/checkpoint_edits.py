@@ -93,3 +93,26 @@ def load(d: Path, streamed: bool = False):
     """What a user does: open the runner and ask for logits (streamed mode loads layers during logits)."""
     runner = CpuRunner(d, layer_streamed=streamed)
     return runner.logits([[1, 2, 3]])
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def scramble_data(d: Path, shard: str, seed: int = 0) -> None:
+    """Overwrite a shard's whole data region (everything after its header) with random bytes: the header still
+    parses and every size still matches, as after a bad download or a disk error."""
+    path = d / shard
+    raw = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    g = torch.Generator().manual_seed(seed)
+    raw[start:] = torch.randint(0, 256, (len(raw) - start,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    path.write_bytes(bytes(raw))
+
+
+def set_code(index, byte: int):
+    """An edit_tensor function that writes one raw byte (an FP8 code) of a copy."""
+    def edit(t):
+        t = t.clone()
+        t.view(torch.uint8)[index] = byte
+        return t
+    return edit

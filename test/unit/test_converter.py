@@ -18,8 +18,10 @@ from pathlib import Path
 import blake3
 import pytest
 import torch
+from checkpoint_edits import scramble_data
 from safetensors.torch import load_file, save_file
 
+from kimi_k2_neuron import cli
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.convert import writer
@@ -413,10 +415,40 @@ def test_nan_and_inf_scales(src_copy, tmp_path, one_line_error):
         _convert_fails(one_line_error, d4, tmp_path / f"b{i}", EXPERT + ".weight_scale", "inf", experts=t)
 
 
-def test_nan_fp8_code(src_copy, tmp_path, one_line_error):
+NORM = "model.layers.0.input_layernorm.weight"
+EMBED = "model.embed_tokens.weight"
+# (source format, tensor, (flat index, value) written into it, words of the one-line error)
+NON_FINITE = {
+    "NaN in a bf16 norm weight": ("fp8", NORM, (5, float("nan")), ["NaN or inf"]),
+    "inf in an embedding row": ("bf16", EMBED, (7 * 192 + 3, float("inf")), ["NaN or inf"]),
+    "NaN in an expert's bf16 weight": ("bf16", EXPERT + ".weight", (11, float("nan")), ["NaN or inf"]),
+    "FP8 NaN code 0x7f in an expert": ("fp8", EXPERT + ".weight", (7, 0x7F), ["NaN FP8 codes"]),
+    "FP8 NaN code 0xff in an expert": ("fp8", EXPERT + ".weight", (700, 0xFF), ["NaN FP8 codes"]),
+    "FP8 NaN code in attention": ("fp8", "model.layers.0.self_attn.o_proj.weight", (0, 0xFF), ["NaN FP8 codes"]),
+}
+
+
+@pytest.mark.parametrize("case", NON_FINITE)
+def test_non_finite_source_tensor_is_refused(src_copy, tmp_path, one_line_error, case):
+    fmt, name, (i, value), words = NON_FINITE[case]
+    d = src_copy(fmt)
+    fp8 = isinstance(value, int)
+    shard = _rewrite(d, name, lambda ts: _poke(ts[name].view(torch.uint8) if fp8 else ts[name], i, value))
+    for k, scheme in enumerate(SCHEMES):
+        _convert_fails(one_line_error, d, tmp_path / f"o{k}", f"{shard.name}: tensor {name}", *words, experts=scheme)
+
+
+def test_random_bytes_over_a_shard_are_refused(src_copy, tmp_path, capsys, one_line_error):
+    """Random bytes hold NaN/inf values and NaN FP8 codes: `convert` ends with one line naming a tensor of the shard
+    and exit code 2, no progress bar left on screen, and DST does not look like a checkpoint."""
     d = src_copy("fp8")
-    _rewrite(d, EXPERT + ".weight", lambda ts: _poke(ts[EXPERT + ".weight"].view(torch.uint8), 7, 0x7F))
-    _convert_fails(one_line_error, d, tmp_path / "a", EXPERT + ".weight", "NaN")
+    scramble_data(d, "model-00002-of-00003.safetensors")
+    dst = tmp_path / "dst"
+    rc = cli.main(["convert", str(d), str(dst), "--experts", "fp8-blockwise"])
+    err = "\n".join(line.split("\r")[-1] for line in capsys.readouterr().err.split("\n"))  # as a terminal shows it
+    msg = one_line_error.exit(rc, err, "model-00002-of-00003.safetensors: tensor ")
+    assert "NaN" in msg or "positive scales" in msg, msg  # whichever bad value is read first
+    _not_finished(dst)
 
 
 @pytest.mark.parametrize("source, dtype", [("fp8", torch.float8_e5m2), ("fp8", torch.uint8), ("bf16", torch.int16)])
@@ -452,10 +484,10 @@ def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converte
 
     real = writer._write_bytes
 
-    def full_for_shards(f, buf):  # the manifest still saves; the lost shard cannot be written
+    def full_for_shards(f, buf, *offset):  # the manifest still saves; the lost shard cannot be written
         if ".safetensors" in f.name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(f, buf)
+        real(f, buf, *offset)
 
     monkeypatch.setattr(writer, "_write_bytes", full_for_shards)
     _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full")  # and DST no longer looks like a checkpoint
@@ -468,11 +500,11 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_
     calls = {"n": 0}
     real = writer._write_bytes
 
-    def full_after_some(f, buf):
+    def full_after_some(f, buf, *offset):
         calls["n"] += 1
         if calls["n"] > 12:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(f, buf)
+        real(f, buf, *offset)
 
     monkeypatch.setattr(writer, "_write_bytes", full_after_some)
     dst = tmp_path / "full"
@@ -495,3 +527,21 @@ def test_bad_destinations(converted, tiny_dirs, tmp_path, one_line_error):
     _convert_fails(one_line_error, tiny_dirs["fp8"], other, MANIFEST, "experts")
     one_line_error(lambda: convert(converted[("fp8", "fp8-blockwise")][0], tmp_path / "again", "fp8-blockwise",
                                    progress=False), "already a converted checkpoint")
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_nan_code_in_a_converted_checkpoint_is_refused_at_load(converted, tmp_path, one_line_error, code):
+    dst = Path(shutil.copytree(converted[("fp8", "fp8-blockwise")][0], tmp_path / "d"))
+    key = layout.gate_up_key(1)
+    shard = _rewrite(dst, key, lambda ts: _poke(ts[key].view(torch.uint8), 3 * 192 * 128 + 5, code))
+    one_line_error(lambda: CpuRunner(dst).logits(ROWS), f"{shard.name}: tensor {key} (expert 3)", "NaN FP8 codes")
+
+
+def test_same_bytes_without_o_direct(converted, tiny_dirs, tmp_path, monkeypatch):
+    """Where the filesystem refuses O_DIRECT (tmpfs), reads and writes go through the page cache: same files."""
+    from kimi_k2_neuron.checkpoint import shards
+    monkeypatch.setattr(writer, "open_direct_file", lambda *a: None)
+    monkeypatch.setattr(shards, "open_direct", lambda *a: None)
+    dst = tmp_path / "buffered"
+    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])

@@ -108,3 +108,19 @@ def test_fp8_validation_errors(one_line_error):
     bad[1, 1] = -1.0
     one_line_error(lambda: dq(q, bad, name=NAME), f"{NAME}.weight_scale_inv", "<= 0")
     assert issubclass(KimiInputError, ValueError)
+
+
+def test_fp8_values_equal_torch_conversion_on_every_code():
+    """The float16 route of fp8_values against torch's own float8 -> float32 conversion, every non-NaN byte."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn)
+    assert torch.equal(fp8.fp8_values(codes), codes.to(torch.float32))
+    assert torch.equal(fp8.fp8_values(codes.view(2, -1)), codes.view(2, -1).to(torch.float32))  # any shape
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_dequantize_refuses_nan_codes(code, one_line_error):
+    w = torch.full((4, 8), 0x38, dtype=torch.uint8)
+    w[2, 3] = code
+    one_line_error(lambda: fp8.dequantize_blockwise(w.view(torch.float8_e4m3fn), torch.ones(1, 1), name="x.q_proj"),
+                   "x.q_proj.weight", "NaN FP8 codes")

@@ -5,8 +5,9 @@ import re
 
 import pytest
 import torch
-from checkpoint_edits import edit_config, set_field
+from checkpoint_edits import EMBED, NORM, SHARD1, edit_config, edit_tensor, scramble_data, set_element, set_field
 
+from kimi_k2_neuron import cli
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 ROW = [5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31]
@@ -112,3 +113,56 @@ def test_bad_prefill_len(runner, one_line_error):
 def test_bad_input_ids_streamed(tiny_dirs, one_line_error):
     r = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)
     one_line_error(lambda: r.logits([[1, 2, 100_000]]), "token 100000", "outside the vocabulary")
+
+
+# -- non-finite weights and activations: one line, exit 2, nothing written ---------------------------------------------
+
+
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr as a terminal shows them: a progress bar erased before the error (tqdm's
+    leave=False rewrites its line after a carriage return) leaves nothing on screen."""
+    rc = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, "\n".join(line.split("\r")[-1] for line in out.err.split("\n"))
+
+
+@pytest.mark.parametrize("streamed", [[], ["--layer-streamed"]])
+def test_nan_weight_stops_logits_before_any_output(ckpt, tmp_path, capsys, streamed, one_line_error):
+    d = ckpt("fp8")
+    edit_tensor(d, NORM, set_element(5, float("nan")))
+    out = tmp_path / "logits.safetensors"
+    rc, stdout, err = _cli(["logits", "--model", d, "--input-ids", "1,2,3", "--out", out, *streamed], capsys)
+    one_line_error.exit(rc, err, f"{SHARD1}: tensor {NORM}", "NaN or inf")
+    assert stdout == "" and not out.exists()
+
+
+def test_inf_embedding_row_stops_generate_before_printing(ckpt, capsys, one_line_error):
+    # Before the load check this printed 0,0,0,0 (argmax of NaN logits) with exit code 0.
+    d = ckpt("bf16")
+    edit_tensor(d, EMBED, set_element((7,), float("inf")))
+    rc, stdout, err = _cli(["generate", "--model", d, "--input-ids", "7,8", "--max-new-tokens", "4"], capsys)
+    one_line_error.exit(rc, err, f"{SHARD1}: tensor {EMBED}", "NaN or inf")
+    assert stdout == ""
+
+
+def test_random_bytes_over_a_shard_stop_logits(ckpt, tmp_path, capsys, one_line_error):
+    d = ckpt("bf16")
+    scramble_data(d, SHARD1)
+    out = tmp_path / "logits.safetensors"
+    rc, stdout, err = _cli(["logits", "--model", d, "--input-ids", "1,2,3", "--out", out], capsys)
+    one_line_error.exit(rc, err, f"{SHARD1}: tensor ", "NaN or inf")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("streamed", [[], ["--layer-streamed"]])
+def test_forward_pass_that_overflows_names_the_first_layer(ckpt, tmp_path, capsys, streamed, one_line_error):
+    # Every weight finite, but layer 1's norm scales its input past float32's range: the layer's output is inf/NaN.
+    d = ckpt("fp8")
+    edit_tensor(d, NORM.replace("layers.0", "layers.1"), lambda t: torch.full_like(t, 3e38))
+    out = tmp_path / "logits.safetensors"
+    rc, stdout, err = _cli(["logits", "--model", d, "--input-ids", "1,2,3", "--out", out, *streamed], capsys)
+    one_line_error.exit(rc, err, "model.layers.1: output went non-finite")
+    assert stdout == "" and not out.exists()
+    rc, stdout, err = _cli(["generate", "--model", d, "--input-ids", "1,2", "--max-new-tokens", "3"], capsys)
+    one_line_error.exit(rc, err, "model.layers.1: output went non-finite")
+    assert stdout == ""

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from checkpoint_edits import (EXPERT, NORM, O_PROJ, SHARD1, del_field, edit_config, edit_tensor, load, set_element,
-                              set_field)
+from checkpoint_edits import (BIAS1, EMBED, EXPERT, NORM, O_PROJ, SHARD1, del_field, edit_config, edit_tensor, load,
+                              scramble_data, set_code, set_element, set_field, shard_of)
 
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.runtime.runner import CpuRunner
@@ -121,3 +121,39 @@ def test_weight_source_is_the_natural_layer_for_grouping_errors(ckpt, one_line_e
     d2 = ckpt("fp8")
     edit_config(d2, del_field("quantization_config"))
     one_line_error(lambda: WeightSource(d2), "no quantization_config")
+
+
+# -- non-finite weights ------------------------------------------------------------------------------------------------
+
+FP8_EXPERT = "model.layers.1.mlp.experts.0.up_proj.weight"  # FP8 codes [64, 192] in the fp8 checkpoint
+# (format, tensor, edit, words the one-line error must hold besides the tensor and its file)
+NON_FINITE = {
+    "NaN in a bf16 norm weight": ("fp8", NORM, set_element(5, float("nan")), ["NaN or inf"]),
+    "inf in an embedding row": ("bf16", EMBED, set_element((7,), float("inf")), ["NaN or inf"]),
+    "NaN in the router bias": ("int4", BIAS1, set_element(3, float("nan")), ["NaN or inf"]),
+    "FP8 NaN code 0x7f in an expert": ("fp8", FP8_EXPERT, set_code((3, 9), 0x7F), ["NaN FP8 codes"]),
+    "FP8 NaN code 0xff in an expert": ("fp8", FP8_EXPERT, set_code((60, 0), 0xFF), ["NaN FP8 codes"]),
+    "FP8 NaN code in attention": ("fp8", O_PROJ + ".weight", set_code((0, 0), 0xFF), ["NaN FP8 codes"]),
+    # finite codes times a finite scale can overflow float32: caught after dequantization
+    "FP8 scale that overflows": ("fp8", O_PROJ + ".weight_scale_inv", set_element((0, 0), 3e38), ["NaN or inf"]),
+}
+
+
+@pytest.mark.parametrize("case", NON_FINITE)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_non_finite_weight_is_refused_at_load(ckpt, case, streamed, one_line_error):
+    fmt, name, edit, words = NON_FINITE[case]
+    d = ckpt(fmt)
+    edit_tensor(d, name, edit)
+    tensor = name.removesuffix("_scale_inv")  # an overflowing product is the weight's, named by its codes
+    one_line_error(lambda: load(d, streamed), f"{shard_of(d, name)}: tensor {tensor}", *words)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "bf16"])
+def test_random_bytes_over_a_shard_are_refused_at_load(ckpt, fmt, one_line_error):
+    # Random bytes hold NaN/inf bf16 and fp32 values and NaN FP8 codes (2 in 256 bytes): some tensor of the shard is
+    # refused, by name, whichever comes first.
+    d = ckpt(fmt)
+    scramble_data(d, SHARD1)
+    msg = one_line_error(lambda: load(d), SHARD1 + ": tensor ")
+    assert "NaN" in msg or "positive scales" in msg, msg

@@ -14,6 +14,7 @@ from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..formats.layout import down_key, expert_name, gate_up_key, router_keys, scale_key
 from ..formats.record import ConversionRecord
+from ..quant import check_finite
 from ..quant.nxd_fp8 import dequantize_nxd
 from .shards import ShardedCheckpoint, TensorInfo
 
@@ -70,6 +71,7 @@ class ConvertedView:
             return self._ckpt.get(name)
         key, e, proj = self._virtual[name]
         codes, scale = self._slice(key, e), self._slice(scale_key(key), e)  # [in, out]
+        check_finite(codes, f"{self._ckpt.info(key).shard}: tensor {key} (expert {e})")
         if proj != "down_proj":  # only gate's or up's half: no scale block straddles the two (I % b_out == 0)
             half = 0 if proj == "gate_proj" else 1
             codes, scale = codes.chunk(2, dim=1)[half], scale.chunk(2, dim=1)[half]

@@ -10,6 +10,7 @@ instead of as a crash deep inside a load an hour later. Tensor data is read one 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,8 @@ import torch
 from safetensors import safe_open
 
 from kimi_k2_neuron.errors import KimiInputError
+
+from .direct import open_direct, pread_into
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -182,6 +185,7 @@ class ShardedCheckpoint:
             self._load_shard_infos(shard, by_shard[shard], weight_map)
         self.unindexed.sort()
         self._handles: dict[str, object] = {}
+        self._read_fds: dict[str, tuple[int, int | None]] = {}
 
     def _weight_map(self) -> dict[str, str]:
         if not self.model_dir.is_dir():
@@ -244,6 +248,32 @@ class ShardedCheckpoint:
             msg = str(e).replace("\n", " ")
             raise KimiInputError(f"{info.shard}: cannot load tensor {name}: {msg}") from None
 
+    def read_bytes(self, names: list[str], buf: torch.Tensor) -> torch.Tensor:
+        """The stored bytes of tensors `names`, one after another, as an 8-byte-aligned uint8 view into `buf` (the
+        caller's reusable page-aligned buffer, at least their size + 2 pages). Tensors stored back to back in one
+        shard (as safetensors lays out a projection's neighbours: gate then up) are read in one O_DIRECT read that
+        bypasses the page cache (checkpoint.direct); others one by one, through it."""
+        infos = [self.info(n) for n in names]
+        total = sum(i.nbytes for i in infos)
+        try:
+            if all(b.shard == a.shard and b.offset == a.offset + a.nbytes for a, b in zip(infos, infos[1:])):
+                return pread_into(*self._fds(infos[0].shard), infos[0].offset, total, buf)
+            out, pos = buf[:total], 0
+            for i in infos:
+                pread_into(self._fds(i.shard)[0], None, i.offset, i.nbytes, out[pos: pos + i.nbytes])
+                pos += i.nbytes
+            return out
+        except OSError as e:
+            raise KimiInputError(f"{infos[0].shard}: cannot read tensor {names[0]}: {e.strerror or e}") from None
+
+    def _fds(self, shard: str) -> tuple[int, int | None]:
+        """(buffered, O_DIRECT or None) read descriptors of a shard, opened on first use and kept until close()."""
+        fds = self._read_fds.get(shard)
+        if fds is None:
+            path = self.model_dir / shard
+            fds = self._read_fds[shard] = (os.open(path, os.O_RDONLY), open_direct(path, os.O_RDONLY))
+        return fds
+
     def get_slice(self, name: str):
         """safetensors' lazy slice of one tensor from the same mapped shard: indexing it reads only those rows."""
         return self._handle(self.info(name).shard).get_slice(name)
@@ -260,6 +290,9 @@ class ShardedCheckpoint:
         handles, self._handles = self._handles, {}
         for handle in handles.values():
             handle.__exit__(None, None, None)
+        fds, self._read_fds = self._read_fds, {}
+        for fd in (fd for pair in fds.values() for fd in pair if fd is not None):
+            os.close(fd)
 
     def __enter__(self) -> ShardedCheckpoint:
         return self

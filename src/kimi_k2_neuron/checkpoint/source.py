@@ -26,7 +26,7 @@ import torch
 from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..formats.layout import is_ignored
-from ..quant import check_plain
+from ..quant import check_finite, check_plain
 from ..quant.fp8 import dequantize_blockwise
 from ..quant.int4 import dequantize_group
 from .converted import open_checkpoint
@@ -65,18 +65,29 @@ class WeightSource:
         return [n for n in self.weights if n.startswith(prefix)]
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The dense logical weight `name` in `dtype` (dequantized in float32 first when stored quantized)."""
+        """The dense logical weight `name` in `dtype` (dequantized in float32 first when stored quantized), checked
+        finite: a NaN or inf weight, or a NaN FP8 code, is a one-line error naming the tensor and its file."""
         w = self.weights[name]
-        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        what = f"{self._where(w.raw[0])}: tensor {w.raw[0]}"
+        base = self.described(name)
         if w.kind == "fp8":
             q, s = (self.ckpt.get(k) for k in w.raw)
-            return dequantize_blockwise(q, s, self.cfg.quant.weight_block_size, out_dtype=dtype, name=base)
-        if w.kind == "int4":
+            t = dequantize_blockwise(q, s, self.cfg.quant.weight_block_size, out_dtype=dtype, name=base)
+        elif w.kind == "int4":
             packed, scale, shape = (self.ckpt.get(k) for k in w.raw)
-            return dequantize_group(packed, scale, shape, self.cfg.quant.group_size, out_dtype=dtype, name=base)
-        t = self.ckpt.get(w.raw[0])
-        check_plain(t, f"{self._where(w.raw[0])}: tensor {w.raw[0]}")
-        return t.to(dtype)
+            t = dequantize_group(packed, scale, shape, self.cfg.quant.group_size, out_dtype=dtype, name=base)
+        else:
+            t = self.ckpt.get(w.raw[0])
+            check_plain(t, what)
+            t = t.to(dtype)
+        check_finite(t, what)  # after any cast or scaling: a finite code times a finite scale can still overflow
+        return t
+
+    def described(self, name: str) -> str:
+        """How error messages name quantized weight `name`'s parts: '<shard>: tensor <name minus .weight>', to which
+        the quant functions append '.weight_scale_inv' etc."""
+        base = name[: -len(".weight")] if name.endswith(".weight") else name
+        return f"{self._where(self.weights[name].raw[0])}: tensor {base}"
 
     def close(self):
         self.ckpt.close()

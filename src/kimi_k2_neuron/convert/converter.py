@@ -1,11 +1,12 @@
 """`kimi-k2-neuron convert SRC DST`: a Kimi-K2 checkpoint -> the Neuron-ready layout of kimi_k2_neuron.formats, once.
 
-Streaming: source tensors are read one at a time through the mmap-backed ShardedCheckpoint (a layer's experts
-are gathered by name, wherever the shards cut them), each output file is written front to back one expert slab at
-a time, and the source mmaps are released every ~256 MB per worker, so memory stays at a few experts per worker
-plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers` threads convert
-experts in parallel while each output file's own thread writes and hashes the slabs already done, and fsyncs the
-file while the next one is converted (torch, write(), fsync and BLAKE3 release the GIL).
+Streaming: source tensors are read one at a time through ShardedCheckpoint (a layer's experts are gathered by
+name, wherever the shards cut them; their FP8 codes with O_DIRECT into each worker's reused buffer, the rest
+through the shards' mmaps), each output file is written front to back one expert slab at a time from reused
+page-aligned buffers, and the source mmaps are released every ~256 MB per worker, so memory stays at a few
+experts per worker plus the largest non-expert tensor. Reading, converting, writing and hashing overlap: `workers`
+threads convert experts in parallel while each output file's own thread writes and hashes the slabs already done,
+and fsyncs the file while the next one is converted (torch, reads, writes, fsync and BLAKE3 release the GIL).
 
 Resumable and deterministic: every finished file is renamed into place and recorded with its BLAKE3 hash in
 `conversion_manifest.json`; a rerun skips recorded files whose size matches (`verify` re-hashes them, with sha256
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -30,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from .. import __version__
+from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
 from ..config import pop_quantization_config
@@ -37,7 +40,8 @@ from ..errors import KimiInputError
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
 from ..formats.scheme import ExpertScheme, converted_scheme
-from ..quant import nxd_fp8
+from ..quant import check_finite, nxd_fp8
+from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
 from .writer import HASH, HASHES, PARTIAL_SUFFIX, ShardWriter, file_digest, write_small_file
@@ -88,6 +92,8 @@ class _Job:
         self.cfg, self.progress = source.cfg, progress
         self.fingerprint = _fingerprint(source)
         self.result = Result()
+        self._slabs = BufferPool()  # expert slabs, back from the writer once written (page-aligned: O_DIRECT)
+        self._local = threading.local()  # each worker's read buffer
         self._since_release = 0  # source bytes read since the shard mmaps were last released
 
     # -- the run --------------------------------------------------------------------------------------------------
@@ -110,6 +116,9 @@ class _Job:
                     pending.append((u, *self._convert_unit(u)))
                     while len(pending) > 1:  # one file's finishing overlaps the next file's conversion
                         self._record_file(manifest, *pending.popleft())
+            except BaseException:
+                bar.leave = False  # the error's one line replaces the bar on screen
+                raise
             finally:  # also on errors: files already renamed into place are kept for a resume
                 self._settle(manifest, pending)
         self.result.files = len(units)
@@ -188,14 +197,11 @@ class _Job:
         w = ShardWriter(self.dst / u.file, u.entries)
         try:
             stats = Stats()
-            fp32 = [n for n in u.plain if layout.converted_dtype(n) == layout.F32]
-            for n in fp32:
-                self._plain(w, n)
-            if u.moe_layer is not None:
+            if u.moe_layer is not None:  # first: their big slabs start page-aligned (O_DIRECT)
                 stats = self._experts(w, u.moe_layer)
-            for n in u.plain:
-                if n not in fp32:
-                    self._plain(w, n)
+            fp32 = [n for n in u.plain if layout.converted_dtype(n) == layout.F32]
+            for n in fp32 + [n for n in u.plain if n not in fp32]:  # schedule's order: fp32, then bf16
+                self._plain(w, n)
             w.commit()
         except BaseException:
             w.abort()
@@ -225,7 +231,7 @@ class _Job:
             scales[key] = []
             for e, (codes, scale, st) in self._ordered(lambda e, p=projs, s=shape: self._expert(layer, e, p, s),
                                                        range(e_count)):
-                w.add(key, codes)
+                w.add(key, codes, release=lambda c=codes: self._slabs.give(c.view(-1)))
                 scales[key].append(scale)
                 stats.merge(st)
                 self._consumed(*(layout.expert_name(layer, e, p) for p in projs))
@@ -263,7 +269,10 @@ class _Job:
 
     def _expert(self, layer: int, e: int, projs: tuple[str, ...], shape: tuple[int, int]):
         """One expert's [in, out] codes (gate and up side by side for gate_up) and its scale."""
-        codes = torch.empty(shape, dtype=torch.uint8)
+        names = [layout.expert_name(layer, e, p) for p in projs]
+        if self.scheme.block is not None and all(self.src.weights[n].kind == "fp8" for n in names):
+            return self._fp8_expert(names, shape)
+        codes = self._slabs.take(shape[0] * shape[1]).view(shape)
         width = shape[1] // len(projs)
         scales, stats = [], Stats()
         for k, proj in enumerate(projs):
@@ -272,14 +281,41 @@ class _Job:
             stats.merge(st)
         return codes, torch.cat(scales, dim=1), stats
 
+    def _fp8_expert(self, names: list[str], shape: tuple[int, int]):
+        """FP8 source codes kept: the projections' [out, in] codes read one after another along out (gate then up)
+        into this worker's own buffer, rescaled there in place, and laid side by side by one transposed copy."""
+        ckpt, q, block = self.src.ckpt, self.cfg.quant, self.scheme.block
+        raw = [self.src.weights[n].raw for n in names]
+        infos = [ckpt.info(w) for w, _ in raw]
+        for n, i in zip(names, infos):
+            check_fp8_weight(torch.empty(i.shape, dtype=i.dtype, device="meta"), self.src.described(n))
+        nbytes = sum(i.nbytes for i in infos)
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes + 2 * PAGE:
+            buf = self._local.buf = aligned_empty(nbytes + 2 * PAGE)
+        codes = ckpt.read_bytes([w for w, _ in raw], buf)
+        rows = [i.shape[0] for i in infos]
+        try:
+            flag, inexact = nxd_fp8.rescale_blocks(codes.view(sum(rows), infos[0].shape[1]), block[::-1], "")
+        except KimiInputError:  # NaN codes: say in which projection
+            for n, part in zip(names, codes.split([r * infos[0].shape[1] for r in rows])):
+                check_finite(part.view(torch.float8_e4m3fn), f"{self.src.described(n)}.weight")
+            raise
+        codes = codes.view(sum(rows), infos[0].shape[1])
+        scale = torch.cat([nxd_fp8.blockwise_scale(ckpt.get(s), tuple(i.shape), q.weight_block_size, block, f,
+                                                   self.src.described(n))
+                           for n, (_, s), i, f in zip(names, raw, infos, flag.split([r // block[1] for r in rows]))],
+                          dim=1)
+        dst = self._slabs.take(shape[0] * shape[1]).view(shape)
+        nxd_fp8.transpose_into(dst, codes)
+        return dst, scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
+
     def _proj(self, name: str, dst: torch.Tensor) -> tuple[torch.Tensor, Stats]:
         w = self.src.weights[name]
-        base = name[: -len(".weight")]
+        base = self.src.described(name)
         q = self.cfg.quant
-        if self.scheme.block is not None and w.kind in ("fp8", "int4"):  # straight from the codes, exact
+        if self.scheme.block is not None and w.kind == "int4":  # straight from the codes, exact (FP8: _fp8_expert)
             codes, scale = (self.src.ckpt.get(r) for r in w.raw[:2])
-            if w.kind == "fp8":
-                return nxd_fp8.fp8_to_blockwise(codes, scale, q.weight_block_size, self.scheme.block, dst, base)
             return nxd_fp8.int4_to_blockwise(codes, scale, tuple(dst.shape[::-1]), q.group_size, dst, base)
         ref = self.src.get(name, torch.float32)  # the exact value, whatever the storage
         return nxd_fp8.quantize(ref.t().contiguous(), self.scheme.block, dst, base)

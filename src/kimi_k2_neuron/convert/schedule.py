@@ -6,9 +6,10 @@ weights are the format's (formats.layout.logical_shapes), so a leftover or a mis
 them. Shapes are checked here too, so a bad checkpoint fails before the destination is touched.
 
 Output files: one per unit, in order -- the embeddings, each decoder layer, then the final norm + lm_head.
-Inside a file tensors are ordered fp32 first (router), then the FP8 expert weights, then their fp32 scales, then
-bf16; with even dims that keeps every tensor aligned to its element size, and it lets the fused expert weights be
-streamed front to back with only their (small) scales held back.
+Inside a file the FP8 expert weights come first, then the fp32 tensors (their scales, the router), then bf16: the
+expert slabs start on the page boundary the header is padded to (the writer sends them with O_DIRECT), every
+tensor stays aligned to its element size (3 x E x H x I bytes of FP8, H a multiple of 4), and the fused expert
+weights are streamed front to back with only their (small) scales held back.
 """
 
 from __future__ import annotations
@@ -113,4 +114,4 @@ def _entries(u: Unit, cfg: KimiK2Config, scheme: ExpertScheme, expected) -> list
     last = sorted(e for e in plain if e[1] == BF16)
     if u.moe_layer is None:
         return first + last
-    return first + layout.expert_tensors(cfg, u.moe_layer, scheme) + last
+    return layout.expert_tensors(cfg, u.moe_layer, scheme) + first + last

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from ..config import KimiK2Config
+from ..errors import KimiInputError
 from ..parallel import SINGLE, ParallelContext
+from ..quant import all_finite
 from .decoder import DecoderLayer
 from .norm import RMSNorm
 from .rope import RotaryTable
@@ -45,4 +47,16 @@ class KimiK2ForCausalLM(nn.Module):
             else:
                 with layer_hook(i):
                     x = layer(x, positions, rope, latent_cache[i], absorbed)
-        return self.lm_head(self.model.norm(x)).float()
+            _check_finite(x, f"model.layers.{i}")
+        logits = self.lm_head(self.model.norm(x)).float()
+        _check_finite(logits, "lm_head")
+        return logits
+
+
+def _check_finite(x: torch.Tensor, where: str) -> None:
+    """Stop at the first module whose output is NaN or inf instead of carrying it to the logits: the weights were
+    checked finite at load, so finite values overflowed the dtype's range there. One sum of the hidden state."""
+    if not all_finite(x):
+        raise KimiInputError(f"{where}: output went non-finite (NaN or inf) in the forward pass although every "
+                             f"weight is finite; expected activations within the {x.dtype} range (try --dtype "
+                             f"float32, or check the checkpoint's weight magnitudes)")

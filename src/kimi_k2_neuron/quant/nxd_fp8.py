@@ -24,17 +24,15 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..errors import KimiInputError
-from .fp8 import check_fp8_weight, check_scales, scale_grid_shape
+from . import check_finite
+from .fp8 import check_fp8_weight, check_scales, fp8_values, scale_grid_shape
 from .int4 import check_group_scale, unpack_int4
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 240.0  # Neuron e4m3
 FP8_MAX_BYTE = 0x77  # |code| <= 240 <=> (byte & 0x7F) <= 0x77 for e4m3fn (0x7F is NaN)
-# Source rows per transposed copy: 64-row copies of a Kimi expert ran fastest here (torch 2.13, one thread:
-# 1.7 GB/s against 0.9-1.2 for 32, 128 or 256 rows and for one whole-matrix copy).
-_TILE = 64
-# Source bytes per rescale step: few enough torch calls per MB, and small enough that the step's several passes
-# and its transposed copy run in L2 (2 MB per core here).
+# Source bytes per rescale step: few enough torch calls per MB, and small enough that the step's passes (reductions,
+# the halving, sparse fixes) run in L2 (1 MB per core here).
 _CHUNK = 1 << 20
 
 
@@ -67,10 +65,12 @@ class Stats:
 
 
 def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:, :] = src.T for a (possibly row-strided) dst view; tiled because torch's plain transposed copy of a
-    byte matrix runs at a fraction of memory speed."""
-    for r in range(0, src.shape[0], _TILE):
-        dst[:, r: r + _TILE].copy_(src[r: r + _TILE].t())
+    """dst[:, :] = src.T. Into a contiguous dst torch copies a transposed matrix in cache-sized tiles (its fastest
+    byte transpose here: ~1.4 GB/s per core); a column slice of a wider dst goes through a contiguous temporary."""
+    if dst.is_contiguous():
+        dst.copy_(src.t())
+    else:
+        dst.copy_(src.t().contiguous())
 
 
 def _i64(pattern: str) -> int:
@@ -79,73 +79,64 @@ def _i64(pattern: str) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_L08, _L70, _L7F, _H80 = (_i64(b) for b in ("08", "70", "7f", "80"))
+_L01, _L08, _H80 = (_i64(b) for b in ("01", "08", "80"))
 
 
-def _lanes(b: torch.Tensor) -> torch.Tensor:
-    """8 codes per int64 lane (padded with 0x10, a code that halves exactly and is in range)."""
-    flat = b.reshape(-1)
-    if flat.numel() % 8:
-        flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8), value=0x10)
-    return flat.view(torch.int64)
+def halve_codes(b: torch.Tensor) -> torch.Tensor:
+    """e4m3fn bytes (uint8, no NaN) -> bytes of half the value, byte by byte. A magnitude m >= 0x10 only loses one
+    exponent step (m - 8, exact); below it the value is m * 2^-9 (subnormals and exponent 1 alike), so the half is
+    m / 2 rounded to nearest even, stored as that integer."""
+    m = b & 0x7F
+    return torch.where(m < 0x10, (b & 0x80) | ((m >> 1) + (m & (m >> 1) & 1)), b - 8)
+
+
+def inexact_halves(b: torch.Tensor) -> int:
+    """How many of these codes halve_codes rounds: the odd magnitudes below 0x10."""
+    m = b & 0x7F
+    return int(((m < 0x10) & (m & 1).bool()).sum())
 
 
 def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
     """[rows/br, cols/bc] bool: the block holds a code beyond +-240; and whether any code is NaN."""
+    umax, imax = _column_extremes(b, block[0], False)[:2]
+    return _over_240(umax, imax, block[1]), _has_nan(umax, imax)
+
+
+def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tensor, ...]:
+    """Per column and per br rows, the max of the bytes read as uint8 and as int8; and (minima) per column and per
+    8 rows, a byte whose high nibble is zero exactly when those rows hold a magnitude below 0x10 there: uint8 min &
+    0xF0 for positive codes, (int8 min ^ 0x80) & 0xF0 for negative ones, the smaller of the two. Reductions over an
+    outer dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes
+    runs ~30x slower), a row chunk of whole blocks (~1 MB) at a time so that its passes stay in L2."""
     rows, cols = b.shape
-    br, bc = block
-    if not _lanes_fit(b.shape, block):  # plain byte ops
-        mag = (b & 0x7F).view(rows // br, br, cols // bc, bc).amax(dim=(1, 3))
-        return mag > FP8_MAX_BYTE, bool((mag == 0x7F).any())
-    return _lane_flags(_lanes(b) & _L7F, b.shape, block)
+    umax, imax = torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)
+    small = torch.empty(rows // 8, cols, dtype=torch.uint8) if minima else None
+    step = br * max(1, _CHUNK // (br * cols))
+    for r in range(0, rows, step):
+        c = b[r: r + step]
+        n = c.shape[0]
+        i = c.view(torch.int8)
+        torch.amax(c.view(n // br, br, cols), 1, out=umax[r // br: (r + n) // br])
+        torch.amax(i.view(n // br, br, cols), 1, out=imax[r // br: (r + n) // br])
+        if minima:
+            neg = i.view(n // 8, 8, cols).amin(1).view(torch.uint8).bitwise_xor_(0x80)
+            torch.minimum(c.view(n // 8, 8, cols).amin(1), neg, out=small[r // 8: (r + n) // 8])
+    return (umax, imax) if small is None else (umax, imax, small.bitwise_and_(0xF0))
 
 
-def _lanes_fit(shape: tuple[int, int], block: tuple[int, int]) -> bool:
-    """Whether _lane_flags applies: rows and blocks hold whole 8-byte lanes (not so on tiny shapes), and a block's
-    per-byte counts stay below 256 (fewer than 2048 codes a block: 32 x 32 has 1024), so they never carry."""
-    return shape[1] % 8 == 0 and block[1] % 8 == 0 and block[0] * block[1] < 8 * 256
+def _has_nan(umax: torch.Tensor, imax: torch.Tensor) -> bool:
+    """NaN is 0x7F (the largest int8) or 0xFF (the largest uint8). Whole-tensor reductions: torch's comparisons
+    of byte tensors run ~1 ns an element here, its reductions ~20x faster."""
+    return umax.numel() > 0 and (int(imax.max()) == 0x7F or int(umax.max()) == 0xFF)
 
 
-def _lane_flags(mag: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
-    """block_flags from the magnitude lanes (b & 0x7F per byte) of a [rows, cols] byte matrix whose rows and blocks
-    hold whole lanes.
-
-    Per lane, (mag + 0x08) & 0x80 marks the bytes >= 0x78 with no carry between bytes; the marks, shifted down to
-    0/1 per byte, are summed over each block. NaN (0x7F/0xFF) is the only magnitude 0x7F, so one byte max finds it."""
-    rows, cols = shape
-    br, bc = block
-    nan = bool(mag.view(torch.uint8).max() == 0x7F)
-    over = (mag + _L08).bitwise_and_(_H80).bitwise_right_shift_(7)  # 0/1 per byte
-    # Each byte sum stays below 256 (a block has br*bc/8 lanes per byte position; _lanes_fit), so sums never carry.
-    counts = over.view(rows, cols // bc, bc // 8).sum(-1).view(rows // br, br, cols // bc).sum(1)
-    return counts != 0, nan
-
-
-def halve_codes(b: torch.Tensor, mag: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """e4m3fn bytes (uint8, no NaN) -> bytes of half the value; also the flat positions and odd-ness of the
-    small-magnitude codes (the only ones that can round). `mag` may pass in _lanes(b) & 0x7F when it is at hand.
-
-    Subtracting 8 from every byte of an int64 lane lowers each exponent by one, exact (and borrow-free) whenever
-    the magnitude is >= 0x10 (exponent field >= 2). The rare lanes holding a smaller code are found with
-    (mag + 0x70) & 0x80, which keeps bit 7 of a byte exactly when its magnitude is >= 0x10 (no carry between
-    bytes), and redone one byte at a time."""
-    n = b.numel()
-    lanes = _lanes(b)
-    if mag is None:
-        mag = lanes & _L7F
-    out = (lanes - _L08).view(torch.uint8)
-    lane_idx = (mag + _L70).bitwise_and_(_H80).ne_(_H80).nonzero().squeeze(1)
-    if not lane_idx.numel():
-        return out[:n].view(b.shape), lane_idx, lane_idx.bool()
-    idx = (lane_idx[:, None] * 8 + torch.arange(8)).reshape(-1)
-    v = lanes.view(torch.uint8)[idx]
-    m = v & 0x7F
-    # For m < 0x10 the value is m * 2^-9 (subnormals and exponent 1 alike), and so are the codes below it, so
-    # halving is m / 2 rounded to nearest even, stored as that integer.
-    small = m < 0x10
-    out[idx] = torch.where(small, (v & 0x80) | ((m >> 1) + (m & (m >> 1) & 1)), v - 8)
-    keep = small & (idx < n)
-    return out[:n].view(b.shape), idx[keep], (m[keep] & 1).bool()
+def _over_240(umax: torch.Tensor, imax: torch.Tensor, bc: int) -> torch.Tensor:
+    """Blocks holding a code beyond +-240, from the column maxima: the largest positive magnitude is the int8 max,
+    the largest negative one the uint8 max minus 0x80 (compared once per block, after reducing the block's
+    columns)."""
+    rows, cols = umax.shape
+    bu, bi = (t.view(rows, cols // bc, bc).amax(-1) for t in (umax, imax))
+    return (bi > FP8_MAX_BYTE) | (bu > 0x80 + FP8_MAX_BYTE)
 
 
 def _grid(n: int, block: int, what: str) -> int:
@@ -155,66 +146,84 @@ def _grid(n: int, block: int, what: str) -> int:
 
 
 def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int], block: tuple[int, int],
-                     dst: torch.Tensor, name: str) -> tuple[torch.Tensor, Stats]:
-    """HF FP8 [out, in] codes + scale_inv grid -> dst[in, out] codes (written in place), scale [in/bi, out/bo]."""
+                     dst: torch.Tensor, name: str, inplace: bool = False) -> tuple[torch.Tensor, Stats]:
+    """HF FP8 [out, in] codes + scale_inv grid -> dst[in, out] codes (written in place), scale [in/bi, out/bo].
+    With inplace=True the codes of w are rescaled where they lie (the caller's own buffer), saving a copy."""
     check_fp8_weight(w, name)  # the rescale below works on the e4m3 bit pattern
     out_f, in_f = w.shape
     bi, bo = block
-    go, gi = _grid(out_f, bo, name), _grid(in_f, bi, name)
-    grid = list(scale_grid_shape(w.shape, src_block))
+    _grid(out_f, bo, name), _grid(in_f, bi, name)
+    u = w.view(torch.uint8) if inplace else w.view(torch.uint8).clone()
+    flag, inexact = rescale_blocks(u, (bo, bi), name)
+    scale = blockwise_scale(s, (out_f, in_f), src_block, block, flag, name)
+    transpose_into(dst, u)
+    return scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
+
+
+def blockwise_scale(s: torch.Tensor, shape: tuple[int, int], src_block: tuple[int, int], block: tuple[int, int],
+                    flag: torch.Tensor, name: str) -> torch.Tensor:
+    """The NxD scale [in/bi, out/bo] of one [out, in] projection: its scale_inv grid repeated onto the finer block
+    grid, doubled where rescale_blocks halved the codes (flag [out/bo, in/bi])."""
+    grid = list(scale_grid_shape(shape, src_block))
     if list(s.shape) != grid or s.dtype != torch.float32:
-        raise KimiInputError(f"{name}.weight_scale_inv: expected float32 {grid} for weight {[out_f, in_f]}, "
+        raise KimiInputError(f"{name}.weight_scale_inv: expected float32 {grid} for weight {list(shape)}, "
                              f"got {s.dtype} {list(s.shape)}")
     check_scales(s, f"{name}.weight_scale_inv")
-    u = w.view(torch.uint8)
-    # One pass over the source in row chunks of whole blocks (~1 MB, within L2): each chunk is checked, halved
-    # where needed and copied transposed while it is still in cache.
-    step = bo * max(1, _CHUNK // (bo * in_f))
-    flags, inexact = [], 0
-    for r in range(0, out_f, step):
-        f, n = _rescale_transpose(u[r: r + step], (bo, bi), dst[:, r: r + step], name)
-        flags.append(f)
-        inexact += n
-    flag = torch.cat(flags)  # [out/bo, in/bi]
+    (go, gi), (bi, bo) = flag.shape, block
     # Each fine block lies inside one source block (src_block % block == 0 is checked when planning).
     rows, cols = torch.arange(go) * bo // src_block[0], torch.arange(gi) * bi // src_block[1]
     scale = s[rows][:, cols] * torch.where(flag, 2.0, 1.0)
-    st = Stats(blocks=go * gi, rescaled=int(flag.sum()), inexact=inexact)
-    return scale.t().contiguous(), st
+    check_scales(scale, f"{name}.weight_scale_inv doubled")  # twice a huge finite scale is inf
+    return scale.t().contiguous()
 
 
-def _rescale_transpose(u: torch.Tensor, block: tuple[int, int], dst: torch.Tensor,
-                       name: str) -> tuple[torch.Tensor, int]:
-    """dst = u.T with every block of u that holds a code beyond +-240 halved; returns the blocks' flags and how
-    many codes the halving changed (odd subnormal-tail codes of halved blocks)."""
-    lanes_fit = _lanes_fit(u.shape, block)
-    mag = _lanes(u) & _L7F if lanes_fit else None
-    flag, nan = _lane_flags(mag, u.shape, block) if lanes_fit else block_flags(u, block)
-    if nan:
-        raise KimiInputError(f"{name}.weight: holds NaN FP8 codes")
-    inexact = 0
-    if bool(flag.any()):
-        halved, idx, odd = halve_codes(u, mag)
-        if idx.numel():  # an odd small code rounds only if its block is one of those halved
-            cols = u.shape[1]
-            inexact = int((odd & flag[idx // cols // block[0], idx % cols // block[1]]).sum())
-        keep = ~flag
-        n_keep = int(keep.sum())
-        if n_keep * 16 <= keep.numel():  # real DeepSeek-style data: nearly every block is halved
-            _restore_blocks(halved, u, keep, block)
-        else:
-            shape4 = (flag.shape[0], block[0], flag.shape[1], block[1])
-            halved = torch.where(flag[:, None, :, None], halved.view(shape4), u.view(shape4)).view(u.shape)
-        u = halved
-    transpose_into(dst, u)
-    return flag, inexact
+def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
+    """Halve, in place, every [br, bc] block of u (uint8 e4m3fn codes [rows, cols]) that holds a code beyond +-240;
+    returns the blocks' flags [rows/br, cols/bc] and how many codes the halving rounded (odd subnormal-tail codes
+    of halved blocks). Rows of several projections may follow one another (gate then up) as long as no block
+    straddles two.
 
-
-def _restore_blocks(dst: torch.Tensor, src: torch.Tensor, which: torch.Tensor, block: tuple[int, int]) -> None:
-    """dst[block] = src[block] for the (few) blocks marked in `which`."""
+    Halving subtracts 8 from every byte of an int64 lane of 8 codes: exact (and borrow-free) for magnitudes
+    >= 0x10, one pass. Lanes holding a smaller code in a halved block are redone byte by byte from their original
+    codes: candidates are the 8 x 8 tiles whose 8-row column minima show one (a positive code >= 0x10 has uint8
+    min >= 0x10, a negative one int8 min >= -0x70); in the benchmark's DeepSeek-style FP8 about 1 tile in 70. Besides
+    the reductions and that pass, everything works on per-block or per-tile tensors, once per matrix: torch's
+    per-call cost (~10 us here) would dominate per chunk."""
     br, bc = block
-    for r, c in which.nonzero().tolist():
-        dst[r * br:(r + 1) * br, c * bc:(c + 1) * bc] = src[r * br:(r + 1) * br, c * bc:(c + 1) * bc]
+    rows, cols = u.shape
+    lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks
+    umax, imax, *small = _column_extremes(u, br, lanes_fit)
+    if _has_nan(umax, imax):
+        raise KimiInputError(f"{name}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights")
+    flag = _over_240(umax, imax, bc)
+    n_flag = int(flag.sum())
+    if not n_flag:
+        return flag, 0
+    if not lanes_fit:  # (tiny shapes) byte by byte
+        per_code = flag.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+        inexact = inexact_halves(u[per_code])
+        u.copy_(torch.where(per_code, halve_codes(u), u))
+        return flag, inexact
+    # A zero byte in an int64 lane of the 8-row column minima marks an 8 x 8 tile holding a magnitude below 0x10
+    # ((v - 0x01..) & ~v & 0x80.. is nonzero exactly when v has a zero byte): byte arithmetic, no comparisons.
+    m = small[0].view(torch.int64)  # [rows/8, cols/8]
+    group, lane = ((m - _L01).bitwise_and_(~m).bitwise_and_(_H80) != 0).nonzero(as_tuple=True)
+    keep = flag[group // (br // 8), lane // (bc // 8)]  # tiles of halved blocks only
+    group, lane = group[keep], lane[keep]
+    lanes = u.view(torch.int64).view(rows, cols // 8)
+    r, c = (group[:, None] * 8 + torch.arange(8)).reshape(-1), lane.repeat_interleave(8)
+    fixed = lanes[r, c].view(torch.uint8).view(-1, 8)  # original codes, before the subtraction below
+    real = ((fixed & 0x7F) < 0x10).any(1)  # the candidate lanes that hold one themselves
+    r, c, fixed = r[real], c[real], fixed[real]
+    inexact = inexact_halves(fixed)
+    fixed = halve_codes(fixed).view(torch.int64).view(-1)
+    if n_flag == flag.numel():
+        lanes.sub_(_L08)
+    else:  # unflagged blocks subtract 0
+        amount = flag.repeat_interleave(bc // 8, 1).to(torch.int64).mul_(_L08)  # [rows/br, cols/8]
+        lanes.view(rows // br, br, cols // 8).sub_(amount[:, None, :])
+    lanes[r, c] = fixed
+    return flag, inexact
 
 
 _INT4_TO_FP8 = torch.arange(-8, 8, dtype=torch.float32).to(FP8).view(torch.uint8)  # exact
@@ -268,7 +277,8 @@ def dequantize_nxd(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     Blocks are inferred from the shapes, as NxD's blockwise dequantize does."""
     if not torch.isfinite(scale).all():
         raise KimiInputError("converted expert scale contains NaN or inf")
-    x = codes.to(torch.float32)
+    check_finite(codes, "converted expert codes")
+    x = fp8_values(codes)
     (a, b), (sa, sb) = x.shape, scale.shape
     if a % sa or b % sb:
         raise KimiInputError(f"converted expert scale {list(scale.shape)} does not tile weight {list(x.shape)}")
