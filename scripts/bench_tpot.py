@@ -108,10 +108,10 @@ def _compiled(args) -> tuple[dict, dict]:
 
 
 def _cpu(args) -> tuple[dict, dict]:
-    from kimi_k2_neuron.neuron import cpu
+    from kimi_k2_neuron.nxdi_cpu import backend
 
     seq_len, batch = args.seq_len or 128, args.batch or 1
-    raw = cpu.benchmark(cpu_options(args), seq_len, batch, args.num_runs)
+    raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs)
     return raw, {"device": "cpu", "note": "NxD's CPU mode on this host: exercises the runner, not a trn2 latency",
                  "model": str(args.model), "tp": args.tp, "batch": batch, "seq_len": seq_len,
                  "max_context_length": seq_len}

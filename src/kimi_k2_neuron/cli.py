@@ -95,9 +95,9 @@ def _check_backend(a) -> None:
 
 
 def _nxdi_cpu():
-    """kimi_k2_neuron.neuron.cpu, or a one-line error naming what is missing."""
+    """kimi_k2_neuron.nxdi_cpu.backend, or a one-line error naming what is missing."""
     try:
-        from .neuron import cpu
+        from .nxdi_cpu import backend
     except ImportError as e:
         raise KimiInputError(f"--backend {NXDI_CPU}: {e}")
     return cpu
@@ -249,14 +249,14 @@ def cmd_convert(a) -> int:
 
 
 def cmd_trace_cpu(a) -> int:
-    """One NxDI submodel traced with torch_xla on its CPU device (neuron/xla_trace.py); exit 0 clean, 1 not."""
+    """One NxDI submodel traced with torch_xla on its CPU device (nxdi_cpu/xla_trace.py); exit 0 clean, 1 not."""
     try:
         import torch_xla  # noqa: F401
 
-        from .neuron import cpu, xla_trace
+        from .nxdi_cpu import backend, xla_trace
     except ImportError as e:
         raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
-    with cpu.library_output_to_stderr():
+    with backend.library_output_to_stderr():
         report = xla_trace.trace(xla_trace.TraceOptions(cpu_options(a), a.submodel, a.seq_len, a.batch))
     print(report.to_json() if a.json else report.format())
     return 0 if report.clean else 1

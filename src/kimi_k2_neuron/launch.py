@@ -26,7 +26,7 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
-    the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.neuron.cpu)."""
+    the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
     p.add_argument("--compiled", help="folder written by scripts/compile_and_save.py (required unless --cpu)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "
@@ -54,25 +54,26 @@ def check_compiled_args(args: argparse.Namespace) -> None:
 
 def cpu_options(args: argparse.Namespace):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
-    kimi_k2_neuron.neuron.cpu.CpuOptions; a raw checkpoint is converted into the cache. Imports the SDK."""
-    from .neuron import cpu
+    kimi_k2_neuron.nxdi_cpu.backend.CpuOptions; a raw checkpoint is converted into the cache. Imports the SDK."""
+    from .nxdi_cpu import backend
 
-    return cpu.CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
+    return backend.CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
                           dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
 
 
 def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, tokenizer_dir: str | None,
                  stream=None) -> list[list[int]]:
     """The generation flags' request (sampling, --seed, --stop) for token-id `rows` through the NxDI model in NxD's
-    CPU mode (kimi_k2_neuron.neuron.cpu.generate), its MoE path report on stderr; new tokens per row. Imports the
+    CPU mode (kimi_k2_neuron.nxdi_cpu.backend.generate), its MoE path report on stderr; new tokens per row. Imports the
     SDK."""
-    from .neuron import contract, cpu
+    from .neuron import contract
+    from .nxdi_cpu import backend
 
     temperature, top_k, top_p = sampling_values(args)
-    g = cpu.Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
+    g = backend.Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
                        **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
                        tokenizer_dir=tokenizer_dir)
-    tokens, paths = cpu.generate(cpu_options(args), g, stream)
+    tokens, paths = backend.generate(cpu_options(args), g, stream)
     print(paths, file=sys.stderr)
     return tokens
 

@@ -133,14 +133,14 @@ class ShardOnBlockEntry:
 
 def logits_and_calls(rank: int, o, rows: list[list[int]], prefill_len: int):
     """cpu.teacher_forced_logits at o.tp ranks, the MoE path report, and the NxD functions rank 0 ran."""
-    from kimi_k2_neuron.neuron import cpu
+    from kimi_k2_neuron.nxdi_cpu import backend
 
-    app = cpu.build(o, seq_len=max(map(len, rows)), batch=len(rows))
-    paths = cpu.MoEPaths(app)
+    app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
+    paths = backend.MoEPaths(app)
     spy = NxdCalls()
     spy.watch(*(w.model for w in app.models))
     with spy:
-        logits = cpu.teacher_forced_logits(app, rows, prefill_len)
+        logits = backend.teacher_forced_logits(app, rows, prefill_len)
     return logits, paths.report(), spy.calls, spy.returned
 
 
@@ -183,19 +183,20 @@ def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
     _replace_device_only_sampling_ops()
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.formats.record import ConversionRecord
-    from kimi_k2_neuron.neuron import contract, cpu
+    from kimi_k2_neuron.neuron import contract
+    from kimi_k2_neuron.nxdi_cpu import backend
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 
-    path = cpu.converted_checkpoint(o)[0]
+    path = backend.converted_checkpoint(o)[0]
     record = ConversionRecord.read(path)
     opts = contract.ServeOptions(
         tp=o.tp, lnc=None, seq_len=max(map(len, rows)) + steps, batch=len(rows), experts=record.experts,
         checkpoint=str(path), quant_record=record.nxd, output_logits=True,
-        moe_prefill=cpu.prefill_mode(KimiK2Config.from_file(path), o, len(rows) * (max(map(len, rows)) + steps)),
+        moe_prefill=backend.prefill_mode(KimiK2Config.from_file(path), o, len(rows) * (max(map(len, rows)) + steps)),
         extra={"torch_dtype": torch.float32})  # on_cpu left off: NxDI's device sampler branches
     app = NeuronKimiK2ForCausalLM(str(path), KimiK2InferenceConfig.for_serving(path, opts)).to_cpu()
     lm_head = app.context_encoding_model.model.lm_head
-    ids, mask, pos = cpu.padded_prefill(rows, [len(r) for r in rows])
+    ids, mask, pos = backend.padded_prefill(rows, [len(r) for r in rows])
     seq_ids = torch.arange(len(rows))
     out, got = app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids), []
     cur = torch.tensor([len(r) for r in rows])

@@ -2,7 +2,7 @@
 derived fields and our NeuronConfig settings survive the round trip, what this port does not implement is refused
 again on reload), the model's pieces that answer NxD/NxDI's contracts (the router NxD's MoE calls, the masks of a
 decode step), and NeuronKimiK2ForCausalLM.to_cpu, which builds each submodel as the device path builds it and loads
-it strictly (the whole model's logits: test_cpu.py)."""
+it strictly (the whole model's logits: test_backend.py)."""
 
 import json
 import shutil
@@ -17,7 +17,8 @@ from nxdi_support import REPO
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, cpu, modeling, moe_paths
+from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe_paths
+from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.neuron.loader import unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
@@ -227,7 +228,7 @@ def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
 @pytest.fixture(scope="module")
 def bf16_app(converted):
     """bfloat16 at TP=1, the device dtype: NxDI's own to_cpu would cast the float32 router to bf16 here."""
-    return cpu.build(cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), dtype="bfloat16"), 16, 2)
+    return backend.build(backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), dtype="bfloat16"), 16, 2)
 
 
 def _moe_layer(model):
@@ -282,7 +283,7 @@ def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
     expert layers themselves: an identity input through the loaded layer gives its dequantized weight [E, in, out]."""
     from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
 
-    app = cpu.build(cpu.CpuOptions(model=str(converted[("fp8", scheme)])), 8, 1)
+    app = backend.build(backend.CpuOptions(model=str(converted[("fp8", scheme)])), 8, 1)
     op = _moe_layer(app.token_generation_model.model).expert_mlps.mlp_op
     for proj in (op.gate_up_proj, op.down_proj):
         e, n_in = proj.weight.shape[0], proj.weight.shape[1]
@@ -299,7 +300,7 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.runtime.runner import CpuRunner
 
-    app = cpu.application(cpu.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
+    app = backend.application(backend.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
     state = app.checkpoint_loader_fn()
     cfg = app.config.core_config()
     assert set(state) == contract.expected_keys(cfg, scheme) | {"rank_util.rank"}
@@ -310,7 +311,7 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
 
 
 def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
-    app = cpu.application(cpu.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
+    app = backend.application(backend.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
     app.neuron_config.quantized_checkpoints_path = str(converted[("fp8", "fp8-blockwise")])
     with pytest.raises(KimiInputError, match="converted with experts=fp8-blockwise"):
         app.checkpoint_loader_fn()

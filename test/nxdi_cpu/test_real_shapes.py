@@ -30,7 +30,8 @@ from real_shapes import (NxdCalls, ShardOnBlockEntry, device_sampler_greedy, log
                          shard_on_block_problems)
 
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.neuron import cpu, moe_paths, xla_trace
+from kimi_k2_neuron.neuron import moe_paths
+from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
 from kimi_k2_neuron.runtime.runner import CpuRunner
 from kimi_k2_neuron.testing.rank_slice import make_rank_slice
 
@@ -76,7 +77,7 @@ def test_the_rank_slice_is_one_real_rank(rank_slices):
 def test_the_recommended_mode_is_nxds_shard_on_block_kernel_config(rank_slices):
     """The CPU harness builds the trn2 NeuronConfig at these shapes, and NxD parses its blockwise keys into the flags
     that select the shard-on-block kernel (NxD's from_kwargs drops a key it does not know without a word)."""
-    app = cpu.application(cpu.CpuOptions(model=str(rank_slices[("fp8", 1)])), seq_len=PREFILL_TOKENS, batch=1)
+    app = backend.application(backend.CpuOptions(model=str(rank_slices[("fp8", 1)])), seq_len=PREFILL_TOKENS, batch=1)
     bmm = app.neuron_config.blockwise_matmul_config
     assert moe_paths.mode_of(bmm) == "shard-on-block"
     assert bmm.use_shard_on_block_dynamic_while is True and not bmm.use_shard_on_intermediate_dynamic_while
@@ -104,7 +105,7 @@ def _trace(rank_slices, submodel, batch, seq_len):
     from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
     from neuronx_distributed_inference.modules.kvcache import kv_cache_manager
 
-    o = cpu.CpuOptions(model=str(rank_slices[("fp8", 1)]), dtype="bfloat16")
+    o = backend.CpuOptions(model=str(rank_slices[("fp8", 1)]), dtype="bfloat16")
     p = xla_trace.prepare(xla_trace.TraceOptions(o, submodel, seq_len=seq_len, batch=batch))
     kernel = ShardOnBlockEntry(NxdCalls())
     handles = [m.register_forward_pre_hook(kernel.hook) for m in p.model.modules() if isinstance(m, ExpertMLPsV2)]
@@ -184,9 +185,9 @@ def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, 
     cfg = KimiK2Config.from_file(ckpt)
     rows = _rows(batch, length, cfg.vocab_size)
     prefill = length - 3
-    o = cpu.CpuOptions(model=str(ckpt), tp=2)
-    assert cpu.prefill_mode(cfg, o, batch * length) == "shard-on-block"  # the trn2 NeuronConfig, not a CPU one
-    got, report, calls, returned = cpu.run(o, logits_and_calls, rows, prefill)
+    o = backend.CpuOptions(model=str(ckpt), tp=2)
+    assert backend.prefill_mode(cfg, o, batch * length) == "shard-on-block"  # the trn2 NeuronConfig, not a CPU one
+    got, report, calls, returned = backend.run(o, logits_and_calls, rows, prefill)
     want = CpuRunner(ckpt, dtype=torch.float32).logits(rows, prefill)
     assert rel_err(got, want) < 1e-4
     assert "context_encoding_model: blockwise (NxD's torch loop here; on trn2 nkilib's bwmm_shard_on_block" in report
@@ -209,7 +210,7 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
     whose gathers run over gloo here; the sampled token is the argmax of the logits NxDI gathers for output_logits."""
     ckpt = rank_slices[("fp8", 2)]
     rows = _rows(2, 16, KimiK2Config.from_file(ckpt).vocab_size)
-    steps, (got, gathered_in_lm_head, sampler) = 2, cpu.run(cpu.CpuOptions(model=str(ckpt), tp=2),
+    steps, (got, gathered_in_lm_head, sampler) = 2, backend.run(backend.CpuOptions(model=str(ckpt), tp=2),
                                                             device_sampler_greedy, rows, 2)
     assert gathered_in_lm_head is False and sampler == "Sampler"
     assert len(got) == steps + 1

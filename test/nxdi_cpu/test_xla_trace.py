@@ -1,5 +1,5 @@
 """Both NxDI submodels trace to one clean XLA graph on torch_xla's CPU device, in NxD's device mode
-(kimi_k2_neuron.neuron.xla_trace, `kimi-k2-neuron trace-cpu`), and the graph computes what NxDI computes eagerly.
+(kimi_k2_neuron.nxdi_cpu.xla_trace, `kimi-k2-neuron trace-cpu`), and the graph computes what NxDI computes eagerly.
 
 The reference is independent of the trace: the same submodel call run eagerly in NxD's CPU mode (torch ops on CPU
 tensors); the traced graph is executed by XLA's CPU compiler. MoE paths covered: all-experts prefill and
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.neuron import cpu, xla_trace
+from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
 
 # torch_xla reads its debug settings once, at its first graph execution in the process; enable the sync log at
 # collection, before any test here (or elsewhere in the session) can execute a graph.
@@ -47,7 +47,7 @@ def torch_fill_prefix(monkeypatch):
 
 
 def _options(converted, scheme, submodel, batch, dtype="bfloat16"):
-    return xla_trace.TraceOptions(cpu.CpuOptions(model=str(converted[("fp8", scheme)]), dtype=dtype), submodel,
+    return xla_trace.TraceOptions(backend.CpuOptions(model=str(converted[("fp8", scheme)]), dtype=dtype), submodel,
                                   seq_len=16, batch=batch)
 
 
@@ -123,6 +123,6 @@ def test_cli_reports_json_and_exit_code(converted):
 
 
 def test_tp_above_one_is_refused_with_the_reason(converted):
-    o = xla_trace.TraceOptions(cpu.CpuOptions(model=str(converted[("fp8", SCHEMES[0])]), tp=2), "token")
+    o = xla_trace.TraceOptions(backend.CpuOptions(model=str(converted[("fp8", SCHEMES[0])]), tp=2), "token")
     with pytest.raises(KimiInputError, match="mocked torch.distributed"):
         xla_trace.trace(o)

@@ -51,7 +51,7 @@ def per_channel(**opts) -> "contract.ServeOptions":
 
 @pytest.mark.parametrize("sdk_import", ["import kimi_k2_neuron.neuron.modeling",
                                         "from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM",
-                                        "import kimi_k2_neuron.neuron.cpu", "import kimi_k2_neuron.neuron.serving"])
+                                        "import kimi_k2_neuron.nxdi_cpu.backend", "import kimi_k2_neuron.neuron.serving"])
 def test_import_without_sdk_names_the_missing_packages(sdk_import):
     if not contract.missing_neuron_packages() == [p for _, p in contract.NEURON_PACKAGES]:
         pytest.skip("some Neuron packages are importable here")

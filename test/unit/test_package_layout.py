@@ -11,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
-# converter, running it, the test fixtures, the Neuron shell, the fit planner (which applies the shell's rules), the
-# commands.
+# converter, running it, the test fixtures, the Neuron shell (what runs on trn2), its CPU verification harness, the fit
+# planner (which applies the shell's rules), the commands.
 STAGES = (
     ("errors", "config"),
     ("quant",),
@@ -23,6 +23,7 @@ STAGES = (
     ("runtime",),
     ("testing",),
     ("neuron",),
+    ("nxdi_cpu",),
     ("plan",),
     ("arguments", "launch", "cli"),
 )

@@ -1,14 +1,15 @@
-"""Kimi-K2 on AWS Trainium2 through NxDI: the thin shell around the kimi_k2_neuron core.
+"""Kimi-K2 on AWS Trainium2 through NxDI: the thin shell around the kimi_k2_neuron core, what runs on trn2.
 
-    contract.py        what Kimi requires of NxDI: the SDK, NeuronConfig settings and refusals, EP rules, FP8
-                       environment, compiler arguments, the checkpoint's keys in the model's state dict (pure)
+    contract.py        what Kimi requires of NxDI: the SDK, NeuronConfig settings and refusals, EP and compile
+                       rules, FP8 environment, compiler arguments, the checkpoint's keys in the state dict (pure)
+    moe_paths.py       which NxD MoE path a call takes; the prefill modes and what their kernels need (pure)
     loader.py          the converted checkpoint as the model's state dict, memory-mapped (pure)
     modeling.py        KimiK2InferenceConfig, NeuronKimiK2Model, NeuronKimiK2ForCausalLM (needs the SDK)
     serving.py         compile, load, generate: what the trn2 scripts and tests share (needs the SDK)
-    cpu.py             the NxDI model in NxD's CPU mode (needs NxD/NxDI)
-    xla_trace.py       one submodel traced with torch_xla on its CPU device (needs NxD/NxDI and torch_xla)
     vllm_parsers.py    vLLM tool-call and reasoning parsers for Kimi's output, a plugin file (needs vLLM)
     NXDI_CONTRACT.md   the NxDI/NxD code each choice rests on (file:line), by name
+
+Its CPU verification harness (NxD's CPU mode, torch_xla traces) is kimi_k2_neuron.nxdi_cpu.
 
 The pure modules import anywhere; the SDK-backed ones, and the names below taken from this package, raise the
 ImportError that names the missing Neuron packages (SDK 2.29+) when the SDK is not there.

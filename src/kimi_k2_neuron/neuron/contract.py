@@ -1,7 +1,7 @@
 """What Kimi-K2 requires of NxDI, in one table: the SDK, the NeuronConfig it compiles with and what it refuses, the
-expert-parallel rules, the FP8 environment and compiler arguments, the checkpoint's keys in the model's state dict,
-and the rules of generation, NxD's CPU mode and pre-sharding. modeling.py, serving.py, loader.py and cpu.py apply
-it; the fit planner (kimi_k2_neuron.plan) shares its layout checks.
+parallel layout and MoE prefill rules (with moe_paths.py), the FP8 environment and compiler arguments, the
+checkpoint's keys in the model's state dict, and the rules of generation, NxD's CPU mode and pre-sharding. The
+shell's modules and its CPU harness (kimi_k2_neuron.nxdi_cpu) apply it, and so does the fit planner.
 
 Pure: this module needs torch and the core, not the Neuron SDK. The NxDI/NxD code each rule rests on is cited by
 name from NXDI_CONTRACT.md beside this file (file:line at NxDI @4bcdc54, NxD @fbac349).

@@ -1,11 +1,11 @@
-"""cpu.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its model
+"""nxdi_cpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its model
 wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
 core's CPU runner on the same converted checkpoint, and against transformers where the conversion is exact.
 
 - Logits: two rows of different lengths, each prefilling its first PREFILL tokens in one context-encoding call (or
   its whole length, right-padded as NxDI pads), then teacher-forced one token per token-generation call, each row at
   its own position.
-- MoE paths: cpu.MoEPaths names the ExpertMLPsV2 path NxD really takes (checked with spies on NxD's methods, in test
+- MoE paths: backend.MoEPaths names the ExpertMLPsV2 path NxD really takes (checked with spies on NxD's methods, in test
   code only); the blockwise prefill path, which NxD runs in torch on CPU and with the NKI kernel on trn2, is covered.
   FP8 selective loading needs NxD's CPU indexing fix (conftest.py).
 - Generation: NxDI's HuggingFaceGenerationAdapter and on-device sampler (its CPU branches) at TP=2 pick the argmax of
@@ -30,7 +30,7 @@ from nxdi_support import oracle_logits, rel_err
 from safetensors import safe_open
 
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.neuron import cpu
+from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
@@ -50,8 +50,8 @@ def apps(converted):
     def get(q, scheme, dtype="float32"):
         key = (q, scheme, dtype)
         if key not in cache:
-            o = cpu.CpuOptions(model=str(converted[(q, scheme)]), dtype=dtype)
-            cache[key] = cpu.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
+            o = backend.CpuOptions(model=str(converted[(q, scheme)]), dtype=dtype)
+            cache[key] = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
         return cache[key]
     return get
 
@@ -64,7 +64,7 @@ def core_rows(ckpt, prefill, dtype=torch.float32):
 @pytest.mark.parametrize("prefill", [PREFILL, None], ids=["prefill4+decode", "ragged-prefill"])
 @pytest.mark.parametrize("q,scheme", COMBOS)
 def test_nxdi_cpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
-    got = cpu.teacher_forced_logits(apps(q, scheme), ROWS, prefill)
+    got = backend.teacher_forced_logits(apps(q, scheme), ROWS, prefill)
     assert got.shape == (2, 10, 512) and torch.isnan(got[1, 6:]).all() and not torch.isnan(got[0]).any()
     for r, want in enumerate(core_rows(converted[(q, scheme)], prefill)):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-4, f"row {r}"
@@ -74,7 +74,7 @@ def test_nxdi_cpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefi
 def test_exact_conversions_match_transformers(apps, tiny, q, tmp_path):
     """INT4 -> fp8-blockwise is lossless; FP8 -> fp8-blockwise keeps the codes, and the converted checkpoint stores the
     non-expert weights in BF16, so the oracle gets that same rounding (a no-op for the INT4 checkpoint's BF16)."""
-    got = cpu.teacher_forced_logits(apps(q, "fp8-blockwise"), ROWS, PREFILL)
+    got = backend.teacher_forced_logits(apps(q, "fp8-blockwise"), ROWS, PREFILL)
     ref = oracle_logits(tiny[q], ROWS, PREFILL, bf16_non_experts=True, tmp_path=tmp_path)
     for r, want in enumerate(ref):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
@@ -82,7 +82,7 @@ def test_exact_conversions_match_transformers(apps, tiny, q, tmp_path):
 
 def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
     """bf16 is a sanity bound, not parity: a near-tie routing decision can flip in bf16 (as the core's bf16 test)."""
-    got = cpu.teacher_forced_logits(apps("fp8", "fp8-blockwise", "bfloat16"), ROWS, PREFILL)
+    got = backend.teacher_forced_logits(apps("fp8", "fp8-blockwise", "bfloat16"), ROWS, PREFILL)
     for r, want in enumerate(core_rows(converted[("fp8", "fp8-blockwise")], PREFILL)):
         ours = got[r, :len(ROWS[r])]
         assert (ours - want).abs().median() / want.abs().max() < 2e-2
@@ -94,7 +94,7 @@ def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
     (nxdi_contracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
     app = apps("fp8", "fp8-blockwise")
     rows = [r[:PREFILL] for r in ROWS]
-    ids, mask, pos = cpu.padded_prefill(rows, [PREFILL, PREFILL])
+    ids, mask, pos = backend.padded_prefill(rows, [PREFILL, PREFILL])
 
     def decode(width):
         app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.arange(2))
@@ -105,7 +105,7 @@ def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
 
     right, wrong = decode(PREFILL), decode(PREFILL + 1)
     assert rel_err(wrong, right) > 1e-3
-    want = torch.stack([cpu.teacher_forced_logits(app, [r + [t]], PREFILL)[0, PREFILL]
+    want = torch.stack([backend.teacher_forced_logits(app, [r + [t]], PREFILL)[0, PREFILL]
                         for r, t in zip(rows, (11, 12))])
     assert rel_err(right[:, -1], want) < 1e-5
 
@@ -138,8 +138,8 @@ CASES = {
 def test_reported_paths_are_the_paths_nxd_takes(converted, name):
     rows, prefill, want = CASES[name]
     ckpt = converted[("fp8", "fp8-blockwise")]
-    app = cpu.build(cpu.CpuOptions(model=str(ckpt)), seq_len=max(map(len, rows)), batch=len(rows))
-    paths = cpu.MoEPaths(app)
+    app = backend.build(backend.CpuOptions(model=str(ckpt)), seq_len=max(map(len, rows)), batch=len(rows))
+    paths = backend.MoEPaths(app)
     called = {}
     owner = {id(m): w.tag for w in app.models for m in w.model.modules() if isinstance(m, ExpertMLPsV2)}
 
@@ -152,7 +152,7 @@ def test_reported_paths_are_the_paths_nxd_takes(converted, name):
         return mock.patch.object(ExpertMLPsV2, method, record)
 
     with spy("forward_all_experts"), spy("forward_selective_loading"), spy("forward_blockwise"):
-        got = cpu.teacher_forced_logits(app, rows, prefill)
+        got = backend.teacher_forced_logits(app, rows, prefill)
     assert paths.seen == called == want
     runner = CpuRunner(ckpt)
     for r, row in enumerate(rows):
@@ -170,13 +170,13 @@ NEW = 5
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling-top_k-1"])
 def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
-    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
-    g = cpu.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, do_sample=do_sample, top_k=1, seed=3)
-    new, report = cpu.generate(o, g)
+    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
+    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, do_sample=do_sample, top_k=1, seed=3)
+    new, report = backend.generate(o, g)
     assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
     assert [len(r) for r in new] == [NEW, NEW]
     full = [p + n for p, n in zip(PROMPTS, new)]
-    logits, _ = cpu.logits(cpu.CpuOptions(model=o.model), full, prefill_len=None)
+    logits, _ = backend.logits(backend.CpuOptions(model=o.model), full, prefill_len=None)
     for r, (p, n) in enumerate(zip(PROMPTS, new)):
         assert logits[r, len(p) - 1:len(p) - 1 + NEW].argmax(-1).tolist() == n, f"row {r}"
 
@@ -184,7 +184,7 @@ def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted,
 # -- ranks: TP over gloo, NxD's pre-sharding ---------------------------------------------------------------------------
 
 def _tp1(opts):
-    return cpu.logits(dataclasses.replace(opts, tp=1, presharded=None), ROWS, PREFILL)[0]
+    return backend.logits(dataclasses.replace(opts, tp=1, presharded=None), ROWS, PREFILL)[0]
 
 
 def _close(a, b):
@@ -194,8 +194,8 @@ def _close(a, b):
 
 @pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
 def test_tp2_equals_tp1(converted, scheme):
-    o = cpu.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2)
-    got, report = cpu.logits(o, ROWS, PREFILL)
+    o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2)
+    got, report = backend.logits(o, ROWS, PREFILL)
     _close(got, _tp1(o))
     assert "context_encoding_model: all-experts" in report and "token_generation_model: selective" in report
 
@@ -206,8 +206,8 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
-from kimi_k2_neuron.neuron import cpu
-cpu.preshard(cpu.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+from kimi_k2_neuron.nxdi_cpu import backend
+backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
 
 
@@ -237,17 +237,17 @@ def test_presharded_ranks_give_the_tp1_logits(converted, tmp_path, scheme, tp):
     assert sorted(p.name for p in weights.iterdir()) == [f"tp{i}_sharded_checkpoint.safetensors" for i in range(tp)]
     for rank in range(tp):
         assert _scale_shapes(weights, rank) == SCALES[(scheme, tp)]
-    o = cpu.CpuOptions(model=str(ckpt), tp=tp, presharded=str(weights))
-    _close(cpu.logits(o, ROWS, PREFILL)[0], _tp1(o))
+    o = backend.CpuOptions(model=str(ckpt), tp=tp, presharded=str(weights))
+    _close(backend.logits(o, ROWS, PREFILL)[0], _tp1(o))
 
 
 def test_expert_parallelism_is_refused_on_cpu_with_the_reason(converted):
-    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, ep=2)
+    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, ep=2)
     with pytest.raises(KimiInputError, match="XLA process group's _mesh"):
-        cpu.logits(o, ROWS, PREFILL)
+        backend.logits(o, ROWS, PREFILL)
 
 
 def test_bfloat16_over_gloo_is_refused(converted):
-    o = cpu.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, dtype="bfloat16")
+    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, dtype="bfloat16")
     with pytest.raises(KimiInputError, match="gloo has no bfloat16"):
-        cpu.logits(o, ROWS, PREFILL)
+        backend.logits(o, ROWS, PREFILL)

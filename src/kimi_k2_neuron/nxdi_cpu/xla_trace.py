@@ -6,7 +6,7 @@ On trn2, ModelBuilder traces each submodel's forward through torch_xla into one 
 data-dependent shape or an op torch_xla cannot lower shows up there only as a failed or exploding compile. The same
 lazy-tensor trace runs here on torch_xla's CPU device:
 
-1. the submodel is built and loaded by cpu.build (NxD's CPU mode, the device path's build), and one prefill plus
+1. the submodel is built and loaded by backend.build (NxD's CPU mode, the device path's build), and one prefill plus
    one decode step run eagerly; a forward pre-hook records the arguments NxDI's model wrapper passes the submodel
    (padded to the bucket, int32: NXDI_CONTRACT.md: wrapper-inputs), the KV cache before the call, and the
    outputs, the eager reference;
@@ -37,7 +37,7 @@ import torch
 
 from kimi_k2_neuron.errors import KimiInputError
 
-from . import cpu
+from . import backend
 
 SUBMODELS = {"context": "context_encoding_model", "token": "token_generation_model"}  # NxDI's wrapper attributes
 SEED = 0
@@ -46,7 +46,7 @@ FRAMES_KEPT = 8  # innermost Python frames kept per sync
 
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:
-    model: cpu.CpuOptions  # dtype: bfloat16, the device dtype, unless asked otherwise
+    model: backend.CpuOptions  # dtype: bfloat16, the device dtype, unless asked otherwise
     submodel: str  # "context" or "token"
     seq_len: int = 16
     batch: int = 1
@@ -137,7 +137,7 @@ def check(o: TraceOptions) -> None:
         # Tracing as ModelBuilder does at TP > 1 needs its mocked torch.distributed in one process (README).
         raise KimiInputError(f"--tp {o.model.tp}: trace-cpu traces TP=1 only; TP > 1 needs NxD's ModelBuilder "
                              f"world (all ranks in one process under a mocked torch.distributed), not built here")
-    cpu.check(o.model)
+    backend.check(o.model)
 
 
 def trace(o: TraceOptions) -> TraceReport:
@@ -153,7 +153,7 @@ def prepare(o: TraceOptions) -> Prepared:
         raise KimiInputError(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}: trace-cpu traces on torch_xla's CPU device; "
                              f"unset it or set PJRT_DEVICE=CPU")
     sync_log()
-    app = cpu.build(o.model, seq_len=o.seq_len, batch=o.batch)
+    app = backend.build(o.model, seq_len=o.seq_len, batch=o.batch)
     model = getattr(app, SUBMODELS[o.submodel]).model
     rows = prompt_rows(o.batch, o.seq_len, app.config.vocab_size)
     return Prepared(o, app, model, record_call(app, model, rows))
@@ -182,7 +182,7 @@ def record_call(app, model: torch.nn.Module, rows: list[list[int]]) -> SubmodelC
 
     handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
     try:
-        cpu.teacher_forced_logits(app, rows, prefill_len=len(rows[0]) - 1)
+        backend.teacher_forced_logits(app, rows, prefill_len=len(rows[0]) - 1)
     finally:
         for h in handles:
             h.remove()
@@ -205,7 +205,7 @@ def run(p: Prepared) -> TraceReport:
         met.clear_all()
         start = log.tell()
         try:
-            with cpu.nxd_cpu_mode(False):
+            with backend.nxd_cpu_mode(False):
                 outputs = list(p.model(*args))
         except Exception as e:  # a trace that stops is a finding to report, not a crash
             return _stopped(p.options, e)

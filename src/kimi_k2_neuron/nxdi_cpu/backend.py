@@ -24,7 +24,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from .contract import require_neuron_sdk
+from kimi_k2_neuron.neuron.contract import require_neuron_sdk
 
 require_neuron_sdk()
 
@@ -35,9 +35,9 @@ from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
 
-from . import contract, moe_paths  # noqa: E402
-from .loader import converted_dir_for, ensure_converted  # noqa: E402
-from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
+from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
+from kimi_k2_neuron.neuron.loader import converted_dir_for, ensure_converted  # noqa: E402
+from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 
 CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -373,7 +373,7 @@ def _generation_seq_len(g: Generation) -> int:
 def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
     from kimi_k2_neuron.runtime.chat import reply_text
 
-    from .serving import generate_ids, load_tokenizer
+    from kimi_k2_neuron.neuron.serving import generate_ids, load_tokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
     app = build(o, seq_len=_generation_seq_len(g), batch=len(g.rows), sampling=g.sampling)
