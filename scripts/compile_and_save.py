@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         if not args.dry_run:
             check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
-        record = ConversionRecord.read(args.model)
+        record = ConversionRecord.of(cfg)
         experts = experts_for(record, args.experts)
         # The planner applies the shell's compile rules (contract.check_compile_options) before the SDK is imported
         # or a raw checkpoint converted.
@@ -106,16 +106,19 @@ def main(argv=None) -> int:
         return fail(e)
 
     try:
-        from kimi_k2_neuron.neuron.loader import ensure_converted
+        from kimi_k2_neuron.convert import ensure_converted
         from kimi_k2_neuron.neuron.serving import compile_model
     except ImportError as e:
         return sdk_missing(e)
 
     try:
         t0 = time.monotonic()
-        checkpoint = ensure_converted(args.model, experts, workers=args.convert_workers)  # once, if raw
-        options = _options(args, experts, checkpoint, ConversionRecord.read(checkpoint))
-        if not _compile(compile_model, checkpoint, args.out, options, p.summary(), advice):
+        checkpoint = Path(args.model)
+        if record is None:  # once, up front
+            checkpoint, record = ensure_converted(args.model, experts, workers=args.convert_workers)
+            cfg = KimiK2Config.from_file(checkpoint)  # the converted checkpoint's, a new file
+        options = _options(args, experts, checkpoint, record)
+        if not _compile(compile_model, cfg, checkpoint, args.out, options, p.summary(), advice):
             return 1
     except KimiInputError as e:
         return fail(e)
@@ -138,7 +141,7 @@ def _dry_run(args, cfg, record, experts: str, p) -> int:
     submodel and the plan, as JSON on stdout. A raw checkpoint is planned as `convert` would write it."""
     try:
         from kimi_k2_neuron.formats.scheme import converted_scheme
-        from kimi_k2_neuron.neuron.loader import converted_dir_for
+        from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     except ImportError as e:
         return sdk_missing(e)
@@ -147,7 +150,7 @@ def _dry_run(args, cfg, record, experts: str, p) -> int:
     options = _options(args, experts, checkpoint, None)
     options = dataclasses.replace(options, quant_record=None if experts == "bf16" else nxd)
     try:
-        config = KimiK2InferenceConfig.for_serving(args.model, options)
+        config = KimiK2InferenceConfig.for_serving(cfg, options)
     except KimiInputError as e:
         return fail(e)
     tokens = args.batch * options.context_length
@@ -164,10 +167,10 @@ def _dry_run(args, cfg, record, experts: str, p) -> int:
     return 0
 
 
-def _compile(compile_model, checkpoint, out, options, summary: str, advice: str) -> bool:
+def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice: str) -> bool:
     """compile_model; when a kernel prefill mode fails, NxDI's traceback and then the planner's fallback advice."""
     try:
-        compile_model(checkpoint, out, options, plan_summary=summary)
+        compile_model(cfg, checkpoint, out, options, plan_summary=summary)
     except KimiInputError:
         raise
     except Exception:

@@ -60,7 +60,7 @@ def cmd_logits(a) -> int:
         logits, paths = _nxdi_cpu().logits(cpu_options(a), a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
-        runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
+        runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
         from .parallel import check_tp_divides
@@ -124,7 +124,7 @@ def cmd_generate(a) -> int:
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
     if a.backend == NXDI_CPU:
         return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
-    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True)
+    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
     res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
                           seed=a.seed, stop_when=stop_when)
@@ -212,7 +212,7 @@ def cmd_plan(a) -> int:
 
     config = Path(a.model) / "config.json" if a.model else a.config
     cfg = KimiK2Config.from_file(config)
-    record = ConversionRecord.read_config(config)  # a converted checkpoint's, through --model or --config
+    record = ConversionRecord.of(cfg)  # a converted checkpoint's, through --model or --config
     args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, experts=experts_for(record, a.experts),
                 kv_slots=a.kv_slots, router_dtype=a.router_dtype, context_len=a.max_context_length,
                 moe_prefill=a.moe_prefill, record=record)

@@ -8,6 +8,7 @@ first_k_dense_replace, n_group, routed_scaling_factor, heads, YaRN factor and be
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -85,6 +86,9 @@ class KimiK2Config:
     model_type: str
     quant: QuantConfig | None
     source: str = field(default="<dict>", compare=False)
+    # config.json's object as read, for what the typed fields leave out (NxDI's config attributes, the conversion
+    # record), so that nothing reads the file twice.
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     # Derived sizes used throughout the model.
     @property
@@ -121,14 +125,14 @@ class KimiK2Config:
     def from_dict(cls, raw: dict, source: str = "<dict>") -> "KimiK2Config":
         if not isinstance(raw, dict):
             raise KimiInputError(f"{source}: expected a JSON object")
-        raw = language_model_fields(raw, source)
-        return _parse(_Fields(raw, source), raw.get("quantization_config"))
+        fields = language_model_fields(raw, source)
+        return dataclasses.replace(_parse(_Fields(fields, source), fields.get("quantization_config")), raw=raw)
 
     def to_dict(self) -> dict[str, Any]:
         """HF-style dict (what make-tiny writes as config.json)."""
         out: dict[str, Any] = {}
         for f in fields(self):
-            if f.name in ("rope_scaling", "quant", "source", "eos_token_ids"):
+            if f.name in ("rope_scaling", "quant", "source", "eos_token_ids", "raw"):
                 continue
             out[f.name] = getattr(self, f.name)
         out["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)

@@ -80,6 +80,7 @@ def served(tmp_path_factory) -> Served:
 
 
 def _compile_mini(root: Path) -> tuple[Path, Path]:
+    from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.formats.record import ConversionRecord
@@ -96,7 +97,7 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
                                     experts="fp8-per-channel", checkpoint=str(checkpoint), output_logits=True,
                                     moe_prefill="torch",
                                     quant_record=ConversionRecord.read(checkpoint).nxd)
-    compile_model(checkpoint, root / "compiled", options)
+    compile_model(KimiK2Config.from_file(checkpoint), checkpoint, root / "compiled", options)
     return root / "compiled", checkpoint
 
 

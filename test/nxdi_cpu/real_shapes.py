@@ -180,21 +180,11 @@ def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
     Sampler runs NxD's distributed top-k over the TP group), with output_logits to read the gathered logits too.
     NxD's and NxDI's device-only ops in that path are replaced in this process (_replace_device_only_sampling_ops,
     test code). -> ((sampled tokens, logits) per step, lm_head gathers?, the sampler's class)."""
-    _replace_device_only_sampling_ops()
-    from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.formats.record import ConversionRecord
-    from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.nxdi_cpu import backend
-    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 
-    path = backend.converted_checkpoint(o)[0]
-    record = ConversionRecord.read(path)
-    opts = contract.ServeOptions(
-        tp=o.tp, lnc=None, seq_len=max(map(len, rows)) + steps, batch=len(rows), experts=record.experts,
-        checkpoint=str(path), quant_record=record.nxd, output_logits=True,
-        moe_prefill=backend.prefill_mode(KimiK2Config.from_file(path), o, len(rows) * (max(map(len, rows)) + steps)),
-        extra={"torch_dtype": torch.float32})  # on_cpu left off: NxDI's device sampler branches
-    app = NeuronKimiK2ForCausalLM(str(path), KimiK2InferenceConfig.for_serving(path, opts)).to_cpu()
+    _replace_device_only_sampling_ops()
+    greedy = {"do_sample": False, "top_k": 1, "top_p": 1.0, "temperature": 1.0}  # ServeOptions' defaults
+    app = backend.application(o, max(map(len, rows)) + steps, len(rows), greedy, on_cpu=False).to_cpu()
     lm_head = app.context_encoding_model.model.lm_head
     ids, mask, pos = backend.padded_prefill(rows, [len(r) for r in rows])
     seq_ids = torch.arange(len(rows))

@@ -187,7 +187,7 @@ def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, 
     prefill = length - 3
     o = backend.CpuOptions(model=str(ckpt), tp=2)
     assert backend.prefill_mode(cfg, o, batch * length) == "shard-on-block"  # the trn2 NeuronConfig, not a CPU one
-    got, report, calls, returned = backend.run(o, logits_and_calls, rows, prefill)
+    got, report, calls, returned = backend.run(backend.prepare(o, length, batch), logits_and_calls, rows, prefill)
     want = CpuRunner(ckpt, dtype=torch.float32).logits(rows, prefill)
     assert rel_err(got, want) < 1e-4
     assert "context_encoding_model: blockwise (NxD's torch loop here; on trn2 nkilib's bwmm_shard_on_block" in report
@@ -210,8 +210,9 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
     whose gathers run over gloo here; the sampled token is the argmax of the logits NxDI gathers for output_logits."""
     ckpt = rank_slices[("fp8", 2)]
     rows = _rows(2, 16, KimiK2Config.from_file(ckpt).vocab_size)
-    steps, (got, gathered_in_lm_head, sampler) = 2, backend.run(backend.CpuOptions(model=str(ckpt), tp=2),
-                                                            device_sampler_greedy, rows, 2)
+    steps = 2
+    o = backend.prepare(backend.CpuOptions(model=str(ckpt), tp=2), 16 + steps, 2)
+    got, gathered_in_lm_head, sampler = backend.run(o, device_sampler_greedy, rows, steps)
     assert gathered_in_lm_head is False and sampler == "Sampler"
     assert len(got) == steps + 1
     for tokens, logits in got:

@@ -265,7 +265,7 @@ def test_converted_layout_keys_map_onto_the_model():
     inv_freq = {"model.layers.2.self_attn.rotary_emb.inv_freq": torch.zeros(1)}
     assert contract.to_neuron_state_dict({**tensors, **inv_freq}, cfg, nc).keys() == \
         contract.to_neuron_state_dict(tensors, cfg, nc).keys()
-    with pytest.raises(KimiInputError, match="must be converted"):
+    with pytest.raises(KimiInputError, match="a raw checkpoint, to convert first"):
         contract.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
     with pytest.raises(KimiInputError, match="no place"):
         contract.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)},

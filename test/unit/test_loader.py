@@ -1,14 +1,11 @@
-"""The shell's loader without NxD/NxDI: a safetensors checkpoint memory-mapped tensor by tensor, and a raw checkpoint
-converted once into a sibling folder."""
+"""The shell's loader without NxD/NxDI: a safetensors checkpoint memory-mapped tensor by tensor; a raw one refused."""
 
 from __future__ import annotations
 
-import shutil
 
 import torch
 from safetensors.torch import load_file
 
-from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import loader
 
 
@@ -22,21 +19,15 @@ def test_mmap_checkpoint_reads_what_safetensors_reads(tiny_dirs):
         assert got[n].dtype == want[n].dtype and torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))
 
 
-def test_a_raw_checkpoint_is_converted_once_into_a_sibling_folder(tiny_dirs, tmp_path):
-    raw = tmp_path / "kimi"
-    shutil.copytree(tiny_dirs["fp8"], raw)
-    dst = loader.ensure_converted(raw, "fp8-per-channel", workers=1)
-    assert dst == loader.converted_dir_for(raw, "fp8-per-channel") == tmp_path / "kimi-neuron-fp8-per-channel"
-    assert ConversionRecord.read(dst).experts == "fp8-per-channel"
-    stamp = (dst / "config.json").stat().st_mtime_ns
-    assert loader.ensure_converted(raw, "fp8-per-channel") == dst and (dst / "config.json").stat().st_mtime_ns == stamp
-    assert loader.ensure_converted(dst, "fp8-per-channel") == dst  # already converted: used as is
+def test_a_raw_checkpoint_is_refused_with_the_command_that_converts_it(tiny_dirs, one_line_error):
+    """The shell never converts: the entry points do, once, up front (kimi_k2_neuron.convert.once). A raw
+    checkpoint's per-expert tensors have no place in the Neuron model."""
+    from types import SimpleNamespace
 
+    from kimi_k2_neuron.config import KimiK2Config
 
-def test_a_conversion_of_another_checkpoint_at_the_same_path_is_not_reused(tiny_dirs, tmp_path, one_line_error):
-    raw = tmp_path / "kimi"
-    shutil.copytree(tiny_dirs["fp8"], raw)
-    dst = loader.ensure_converted(raw, "fp8-blockwise", workers=1)
-    shutil.rmtree(raw)
-    shutil.copytree(tiny_dirs["int4"], raw)  # another checkpoint, downloaded to the same folder
-    one_line_error(lambda: loader.ensure_converted(raw, "fp8-blockwise"), str(dst), "holds another conversion")
+    nc = SimpleNamespace(quantized=True, quantization_type="blockwise_symmetric", quantization_block_size=[32, 32],
+                         tp_degree=1)
+    config = SimpleNamespace(neuron_config=nc, core_config=lambda: KimiK2Config.from_file(tiny_dirs["fp8"]))
+    one_line_error(lambda: loader.load_neuron_state_dict(tiny_dirs["fp8"], config), str(tiny_dirs["fp8"]),
+                   "per-expert HF tensors", "kimi-k2-neuron convert SRC DST --experts fp8-blockwise")

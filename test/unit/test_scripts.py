@@ -99,14 +99,14 @@ def test_a_failed_kernel_compile_prints_the_planners_fallback_advice(capsys, mon
         raise RuntimeError("neuronx-cc: compilation failed")
 
     advice = "if neuronx-cc fails in the --moe-prefill shard-on-block kernel, these fit by the planner: ..."
-    assert script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s", advice) is False
+    assert script._compile(fails, None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s", advice) is False
     err = capsys.readouterr().err
     assert "RuntimeError: neuronx-cc: compilation failed" in err  # NxDI's traceback first
     assert err.endswith("error: compiling with --moe-prefill shard-on-block failed (traceback above)\n" + advice
                         + "\n")
     with pytest.raises(RuntimeError):  # a mode with no kernel: the error as it is
-        script._compile(fails, "/c", "/out", SimpleNamespace(moe_prefill="torch"), "s", advice)
-    assert script._compile(lambda *a, **k: None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s",
+        script._compile(fails, None, "/c", "/out", SimpleNamespace(moe_prefill="torch"), "s", advice)
+    assert script._compile(lambda *a, **k: None, None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s",
                            advice) is True
 
 

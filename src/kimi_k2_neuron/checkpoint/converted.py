@@ -90,4 +90,4 @@ class ConvertedView:
 def open_checkpoint(model_dir, cfg: KimiK2Config):
     """The checkpoint in model_dir: a ConvertedView when it is a converted one, else its ShardedCheckpoint."""
     ckpt = ShardedCheckpoint(model_dir)
-    return ckpt if ConversionRecord.read(model_dir) is None else ConvertedView(ckpt, cfg)
+    return ckpt if ConversionRecord.of(cfg) is None else ConvertedView(ckpt, cfg)

@@ -46,6 +46,12 @@ class ConversionRecord:
         return cls(scheme, rec["nxd"], rec.get("source_format"), rec)
 
     @classmethod
+    def of(cls, cfg: KimiK2Config) -> ConversionRecord | None:
+        """The record in the config.json `cfg` was read from; None for a raw checkpoint's."""
+        rec = cfg.raw.get(CONVERSION_KEY)
+        return None if rec is None else cls.from_json(rec, cfg.source)
+
+    @classmethod
     def read(cls, model_dir: str | Path) -> ConversionRecord | None:
         """The record of the converted checkpoint in `model_dir`; None for any other folder (KimiK2Config.from_file
         reports a missing or unreadable config.json)."""

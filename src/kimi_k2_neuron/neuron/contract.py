@@ -426,8 +426,8 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
     unexpected, missing = sorted(set(out) - set(want)), sorted(set(want) - set(out))
     if unexpected:
         per_expert = any(layout.is_routed_expert(k) for k in unexpected)
-        hint = ("; per-expert HF tensors must be converted to the fused expert_mlps layout first "
-                "(kimi_k2_neuron.convert)") if per_expert else ""
+        hint = ("; per-expert HF tensors: a raw checkpoint, to convert first (kimi-k2-neuron convert SRC DST "
+                f"--experts {experts})") if per_expert else ""
         raise KimiInputError(f"{where}: {len(unexpected)} tensor(s) the model has no place for (experts={experts}): "
                              f"{listing(unexpected)}{hint}")
     if missing:

@@ -25,61 +25,20 @@ import torch
 
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint, TensorInfo, read_shard_header
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.formats.record import ConversionRecord
 
 from . import contract
 
 logger = logging.getLogger(__name__)
 
-def converted_dir_for(raw: str | Path, experts: str) -> Path:
-    """Where a raw checkpoint is converted to when given where a converted one is expected: a sibling folder."""
-    raw = Path(raw).resolve()
-    return raw.with_name(f"{raw.name}-neuron-{experts}")
-
-
-def ensure_converted(path: str | Path, experts: str, workers: int = 8, dst: str | Path | None = None) -> Path:
-    """`path` if it is a converted checkpoint; otherwise convert it once (kimi_k2_neuron.convert, resumable) into
-    `dst` (default converted_dir_for(path, experts)) and return that. The converter shows progress with an ETA; the
-    total time is logged. For the real ~1 TB checkpoint it reads and writes ~1 TB (an estimated 10-35 min on a
-    trn2.48xlarge, not measured), which is why it happens once, up front, and not in every checkpoint_loader_fn
-    call."""
-    path = Path(path)
-    if ConversionRecord.read(path) is not None:
-        return path
-    from kimi_k2_neuron.convert import convert
-
-    dst = Path(dst) if dst is not None else converted_dir_for(path, experts)
-    if ConversionRecord.read(dst) is not None:
-        # Done before: the converter's resume checks it is this source's conversion (config, index and shard sizes;
-        # a checkpoint since put at the same path is refused) and finds every file there, in about a second.
-        convert(path, dst, experts, workers=workers, progress=False)
-        return dst
-    logger.warning("%s is a raw checkpoint; converting it (experts=%s) into %s. This reads the whole checkpoint "
-                   "once: an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured (the progress "
-                   "bar shows the ETA).", path, experts, dst)
-    res = convert(path, dst, experts, workers=workers)
-    logger.warning("converted %.1f GB in %.1f min (%.0f MB/s): %s", res.bytes_read / 1e9, res.seconds / 60,
-                   res.bytes_read / 1e6 / max(res.seconds, 1e-9), res.summary)
-    return dst
-
-
 def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
-    """`config` is a KimiK2InferenceConfig (core_config(), neuron_config). A raw checkpoint is converted first
-    (ensure_converted) in the expert format the NeuronConfig describes."""
+    """`config` is a KimiK2InferenceConfig (core_config(), neuron_config). The checkpoint must be converted in the
+    expert format the NeuronConfig describes: to_neuron_state_dict checks every tensor's name, shape and dtype
+    against it (a raw checkpoint, or one converted with another scheme or block, is refused there, naming the
+    tensors; the entry points convert a raw one first, once)."""
     nc = config.neuron_config
-    want = contract.experts_format(nc)
-    if want == "bf16":
+    if contract.experts_format(nc) == "bf16":
         raise KimiInputError("unquantized (bf16) experts: the converter writes FP8 experts only; compile with "
                              "--experts fp8-per-channel or fp8-blockwise")
-    path = ensure_converted(path, want)
-    record = ConversionRecord.read(path)
-    if record.experts != want:
-        raise KimiInputError(f"{path}: converted with experts={record.experts}, but the NeuronConfig describes "
-                             f"{want} (quantization_type={nc.quantization_type!r})")
-    for k in contract.QUANT_FIELDS:  # e.g. the blockwise block size the scales were written with
-        if k in record.nxd and getattr(nc, k, None) != record.nxd[k]:
-            raise KimiInputError(f"{path}: converted with {k}={record.nxd[k]!r}, NeuronConfig has "
-                                 f"{getattr(nc, k, None)!r}")
     t0 = time.monotonic()
     tensors = mmap_checkpoint(path)
     state = contract.to_neuron_state_dict(tensors, config.core_config(), nc, where=str(path))

@@ -15,10 +15,9 @@ Importing it without the Neuron SDK raises the ImportError that names the missin
 
 from __future__ import annotations
 
-import json
 import os
+import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .contract import require_neuron_sdk
@@ -60,35 +59,36 @@ from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters
 HF_DEFAULTS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
 # InferenceConfig attributes that are not config.json fields.
 _NOT_HF = ("neuron_config", "fused_spec_config", "metadata", "quantization_config")
+# Each KimiK2InferenceConfig's typed core config, beside it rather than in it: NxDI saves every attribute to
+# neuron_config.json.
+_CORE: "weakref.WeakKeyDictionary[KimiK2InferenceConfig, KimiK2Config]" = weakref.WeakKeyDictionary()
 
 
 class KimiK2InferenceConfig(InferenceConfig):
-    """NxDI's InferenceConfig for Kimi-K2, from the checkpoint's config.json. NxDI builds it, and rebuilds it from a
-    compiled folder's neuron_config.json, through load_config, the keyword arguments, add_derived_config and
-    validate_config (NXDI_CONTRACT.md: config-construction), so everything derived is derived in add_derived_config,
-    from fields it never overwrites: a compiled folder's config reloads to the same model."""
+    """NxDI's InferenceConfig for Kimi-K2, from the core's typed config of the checkpoint's config.json. NxDI builds
+    it, and rebuilds it from a compiled folder's neuron_config.json, through load_config, the keyword arguments,
+    add_derived_config and validate_config (NXDI_CONTRACT.md: config-construction), so everything derived is derived
+    in add_derived_config, from fields it never overwrites: a compiled folder's config reloads to the same model."""
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, neuron_config: MoENeuronConfig,
-                        **kwargs) -> "KimiK2InferenceConfig":
-        """The config of the checkpoint in `model_dir` (raw HF or converted; both carry the HF config.json), read as
-        plain JSON: no checkpoint code runs (NXDI_CONTRACT.md: remote-code-config). The core validates it first;
-        K2.5's text_config is flattened, and torch_dtype dropped (neuron_config carries the dtype)."""
-        path = Path(model_dir) / "config.json"
-        KimiK2Config.from_file(path)  # raises KimiInputError naming the bad field
-        raw = language_model_fields(json.loads(path.read_text()))
-        attrs = {**HF_DEFAULTS, **{k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "auto_map")}}
+    def from_core(cls, cfg: KimiK2Config, neuron_config: MoENeuronConfig, **kwargs) -> "KimiK2InferenceConfig":
+        """The config of a checkpoint whose config.json the core read and checked as `cfg`: its fields as plain JSON
+        (no checkpoint code runs, NXDI_CONTRACT.md: remote-code-config; K2.5's text_config flattened), torch_dtype
+        dropped (neuron_config carries the dtype). The core config is kept, not parsed again."""
+        fields = language_model_fields(cfg.raw)
+        attrs = {**HF_DEFAULTS, **{k: v for k, v in fields.items() if k not in ("torch_dtype", "dtype", "auto_map")}}
 
         def load_config(self):
             self.__dict__.update(attrs)
 
-        return cls(neuron_config, load_config=load_config, **kwargs)
+        config = cls(neuron_config, load_config=load_config, **kwargs)
+        _CORE[config] = cfg
+        return config
 
     @classmethod
-    def for_serving(cls, checkpoint: str | Path, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
+    def for_serving(cls, cfg: KimiK2Config, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
         """The config compile_and_save builds for these options (and NxD's CPU mode for its own)."""
-        kwargs = contract.neuron_config_kwargs(KimiK2Config.from_file(checkpoint), options)
-        return cls.from_checkpoint(checkpoint, MoENeuronConfig(**kwargs))
+        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)))
 
     def add_derived_config(self):
         # The KV cache width: the latent [c_kv | k_pe] is stored as one KV head; the model's num_key_value_heads = 1
@@ -113,10 +113,13 @@ class KimiK2InferenceConfig(InferenceConfig):
         return MoENeuronConfig
 
     def core_config(self) -> KimiK2Config:
-        """The core's typed config, re-parsed (and re-validated) from these attributes. quantization_config is left
-        out: it describes the source checkpoint's storage, which the Neuron model does not read."""
-        raw = {k: v for k, v in vars(self).items() if k not in _NOT_HF}
-        return KimiK2Config.from_dict(raw, source="KimiK2InferenceConfig")
+        """The core's typed config: the one this config was made from, or, for one NxDI rebuilt from
+        neuron_config.json, parsed (and validated) from these attributes once. quantization_config is left out: it
+        describes the source checkpoint's storage, which the Neuron model does not read."""
+        if self not in _CORE:
+            raw = {k: v for k, v in vars(self).items() if k not in _NOT_HF}
+            _CORE[self] = KimiK2Config.from_dict(raw, source="KimiK2InferenceConfig")
+        return _CORE[self]
 
 
 # == the model ===================================================================================================

@@ -27,9 +27,11 @@ logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
 
 
-def compile_model(checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
+def compile_model(cfg: KimiK2Config, checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
                   plan_summary: str | None = None) -> NeuronKimiK2ForCausalLM:
-    config = KimiK2InferenceConfig.for_serving(checkpoint, options)
+    """Trace, compile and pre-shard the converted `checkpoint` (whose config.json the core read as `cfg`) into
+    `out`."""
+    config = KimiK2InferenceConfig.for_serving(cfg, options)
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
     app.compile(str(out))  # traces CTE + TKG, saves model.pt, then pre-shards (NXDI_CONTRACT.md: compile-steps)

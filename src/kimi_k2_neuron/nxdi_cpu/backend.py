@@ -36,7 +36,7 @@ from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
-from kimi_k2_neuron.neuron.loader import converted_dir_for, ensure_converted  # noqa: E402
+from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 
 CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -56,6 +56,9 @@ class CpuOptions:
     # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
     # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
     moe_prefill: str | None = None
+    # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
+    config: KimiK2Config | None = None
+    record: ConversionRecord | None = None
 
 
 def check(o: CpuOptions) -> None:
@@ -65,10 +68,12 @@ def check(o: CpuOptions) -> None:
     contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep)
 
 
-def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
-                  prompts: list[list[int]] | None = None) -> None:
-    """What config.json and the flags alone refuse (the TP split, the sampler's top-k, a batch NxDI's generation
-    adapter would get wrong), before a raw checkpoint is converted or a rank starts."""
+def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
+            prompts: list[list[int]] | None = None) -> CpuOptions:
+    """o for one request, ready: refused with one line where config.json and the flags alone refuse (the TP split, the
+    prefill mode, the sampler's top-k, a batch NxDI's generation adapter would get wrong) before anything is
+    converted or a rank starts; a raw checkpoint converted once here rather than by every rank; and the converted
+    checkpoint's config and record carried in o, so that nothing reads them again."""
     check(o)
     cfg = KimiK2Config.from_file(o.model)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
@@ -77,6 +82,13 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
         contract.check_prompt_lengths([len(r) for r in prompts])
+    record = ConversionRecord.of(cfg)
+    path = Path(o.model)
+    if record is None:
+        path, record = _convert_once(o, experts_for(None, o.experts))
+        cfg = KimiK2Config.from_file(path)  # the converted checkpoint's, a new file
+    experts_for(record, o.experts)  # refuses another scheme than the converted checkpoint holds
+    return dataclasses.replace(o, model=str(path), config=cfg, record=record)
 
 
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
@@ -91,19 +103,14 @@ def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
     return moe_paths.DEFAULT_MODE
 
 
-def converted_checkpoint(o: CpuOptions) -> tuple[Path, ConversionRecord]:
-    """The converted checkpoint for these options, converting a raw one once, and its conversion record."""
-    record = ConversionRecord.read(o.model)
-    experts = experts_for(record, o.experts)
-    if record is not None:
-        return Path(o.model), record
+def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
+    """The raw checkpoint o.model converted once (into o.cache_dir when given), and its record."""
     dst = None
     if o.cache_dir:
         # one folder per source path and scheme: another checkpoint of the same name must not reuse it
         tag = hashlib.sha256(str(Path(o.model).resolve()).encode()).hexdigest()[:10]
         dst = Path(o.cache_dir) / f"{converted_dir_for(o.model, experts).name}-{tag}"
-    path = ensure_converted(o.model, experts, dst=dst)
-    return path, ConversionRecord.read(path)
+    return ensure_converted(o.model, experts, dst=dst)
 
 
 def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
@@ -112,17 +119,18 @@ def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None)
     return application(o, seq_len, batch, sampling).to_cpu(o.presharded)
 
 
-def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
-    """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet."""
-    check(o)
-    path, record = converted_checkpoint(o)
-    mode = prefill_mode(KimiK2Config.from_file(path), o, seq_len * batch)
+def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
+                on_cpu: bool = True) -> NeuronKimiK2ForCausalLM:
+    """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet. on_cpu
+    False gives NxDI's device sampler branches (the nxdi-cpu tier's test of them replaces their device-only ops)."""
+    if o.config is None:
+        o = prepare(o, seq_len, batch, sampling)
     opts = contract.ServeOptions(
-        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=record.experts, checkpoint=str(path),
-        moe_prefill=mode,
-        quant_record=record.nxd, on_device_sampling=sampling is not None, **(sampling or {}),
-        extra={"on_cpu": True, "torch_dtype": CPU_DTYPES[o.dtype]})
-    return NeuronKimiK2ForCausalLM(str(path), KimiK2InferenceConfig.for_serving(path, opts))
+        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=o.record.experts, checkpoint=o.model,
+        moe_prefill=prefill_mode(o.config, o, seq_len * batch), quant_record=o.record.nxd,
+        on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
+        extra={"on_cpu": on_cpu, "torch_dtype": CPU_DTYPES[o.dtype]})
+    return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
 
 
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
@@ -278,8 +286,9 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
 
 def run(o: CpuOptions, job, *args):
     """job(rank, o, *args) at o.tp ranks (one process each, gloo; kimi_k2_neuron.runtime.ranks) and rank 0's result;
-    at TP=1 in this process. `job` must be a module-level function (ranks are spawned)."""
-    o = _prepared(o)
+    at TP=1 in this process. `job` must be a module-level function (ranks are spawned). o is prepare()d."""
+    if o.config is None:
+        raise ValueError("run() takes options prepare() made")
     if o.tp == 1:
         with library_output_to_stderr():
             return job(0, o, *args)
@@ -297,12 +306,6 @@ def _rank_main(rank: int, job, o: CpuOptions, args: tuple, out: str) -> None:
     result = job(rank, o, *args)
     if rank == 0:
         torch.save(result, out)
-
-
-def _prepared(o: CpuOptions) -> CpuOptions:
-    """o, checked, with a raw checkpoint converted once here rather than by every rank at the same time."""
-    check(o)
-    return dataclasses.replace(o, model=str(converted_checkpoint(o)[0]))
 
 
 @contextlib.contextmanager
@@ -325,8 +328,7 @@ def library_output_to_stderr():
 
 def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
     """teacher_forced_logits of the NxDI model at o.tp ranks, and the MoE path report."""
-    check_request(o, max(len(r) for r in rows), len(rows))
-    return run(o, _logits_job, rows, prefill_len)
+    return run(prepare(o, max(len(r) for r in rows), len(rows)), _logits_job, rows, prefill_len)
 
 
 def _logits_job(rank: int, o: CpuOptions, rows, prefill_len):
@@ -362,7 +364,7 @@ def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]]
     """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks, and
     the report of the paths taken (MoEPaths). `stream` (TP=1 only: ranks are other processes) receives row 0's text
     as it comes."""
-    check_request(o, _generation_seq_len(g), len(g.rows), g.sampling, g.rows)
+    o = prepare(o, _generation_seq_len(g), len(g.rows), g.sampling, g.rows)
     return run(o, _generate_job, g, stream if o.tp == 1 else None)
 
 
@@ -394,8 +396,7 @@ _BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
     """NxDI's benchmark_sampling on the NxDI model in NxD's CPU mode: the report scripts/bench_tpot.py makes on trn2,
     here with CPU latencies that say nothing about trn2."""
-    check_request(o, seq_len, batch, _BENCH_SAMPLING)
-    return run(o, _benchmark_job, seq_len, batch, num_runs)
+    return run(prepare(o, seq_len, batch, _BENCH_SAMPLING), _benchmark_job, seq_len, batch, num_runs)
 
 
 def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:

@@ -53,8 +53,9 @@ class GenerationResult:
 
 class CpuRunner:
     def __init__(self, model_dir, dtype: torch.dtype = torch.float32, layer_streamed: bool = False,
-                 progress: bool = False, ctx: ParallelContext = SINGLE):
-        self.source = WeightSource(model_dir)
+                 progress: bool = False, ctx: ParallelContext = SINGLE, cfg: KimiK2Config | None = None):
+        """`cfg`: model_dir's config.json as the caller already read it (else read here)."""
+        self.source = WeightSource(model_dir, cfg)
         self.cfg, self.dtype, self.layer_streamed, self.progress = self.source.cfg, dtype, layer_streamed, progress
         self._bar = tqdm(disable=True)  # the running request's bar (_passes); a no-op outside requests
         if layer_streamed:

@@ -52,7 +52,8 @@ def served(tmp_path_factory):
     # moe_prefill torch: the tiny model's hidden size is below NxD's prefill kernels'
     options = ServeOptions(tp=TP, lnc=LNC, seq_len=128, max_context_length=64, batch=2, checkpoint=str(checkpoint),
                            output_logits=True, quant_record=ConversionRecord.read(checkpoint).nxd, moe_prefill="torch")
-    compile_model(checkpoint, root / "compiled", options)  # traces both submodels, compiles, pre-shards per rank
+    # traces both submodels, compiles, pre-shards per rank
+    compile_model(KimiK2Config.from_file(checkpoint), checkpoint, root / "compiled", options)
     return load_compiled(root / "compiled", checkpoint), checkpoint, KimiK2Config.from_file(checkpoint)
 
 
