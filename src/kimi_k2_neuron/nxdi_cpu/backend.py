@@ -94,13 +94,7 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = Non
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
     """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
     LNC=2), else "torch": tiny configs are below the kernels' shapes."""
-    if o.moe_prefill is not None:
-        return o.moe_prefill
-    try:
-        moe_paths.check_prefill_mode(cfg, moe_paths.DEFAULT_MODE, o.tp, o.ep, 2, tokens)
-    except KimiInputError:
-        return "torch"
-    return moe_paths.DEFAULT_MODE
+    return o.moe_prefill if o.moe_prefill is not None else moe_paths.default_mode(cfg, o.tp, o.ep, 2, tokens)
 
 
 def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
