@@ -10,8 +10,9 @@ vLLM runs in child processes that find their plugins through entry points on PYT
   from NxD's pre-sharded files in a folder that holds them). It keeps everything else of the product class, the
   config vllm-neuron's request turns into included; it logs what vLLM called to $KIMI_K2_VLLM_EVENTS.
 
-`python vllm_support.py llm|refusals ARGS_JSON OUT_JSON` is the child: LLM(...).generate on token ids, or vllm-neuron's
-get_neuron_model (what its model runner calls at start-up) on configs that must be refused.
+`python vllm_support.py llm|refusals|compile ARGS_JSON OUT_JSON` is the child: LLM(...).generate on token ids,
+vllm-neuron's get_neuron_model (what its model runner calls at start-up) on configs that must be refused, or
+scripts/compile_and_save.py with NxDI's compile() minus its trace.
 """
 
 from __future__ import annotations
@@ -124,10 +125,11 @@ def cpu_class():
 
 def write_hf_tokenizer(model: Path, out: Path) -> Path:
     """The tiny checkpoint's tiktoken tokenizer as a transformers fast tokenizer (tokenizer.json), for `vllm serve
-    --tokenizer`: the same byte-level BPE (transformers' own TikTokenConverter), the same pre-tokenizer regex, every
-    special token at its id (marked special as tokenizer_config.json marks it), the same chat template. The real
-    checkpoints carry Moonshot's tokenization_kimi.py, which vLLM runs with --trust-remote-code."""
-    from tokenizers import AddedToken
+    --tokenizer`: the same byte-level BPE ranks and merges (read by transformers' own TikTokenConverter), the same
+    pre-tokenizer regex, every special token at its id (marked special as tokenizer_config.json marks it), the same
+    chat template. The real checkpoints carry Moonshot's tokenization_kimi.py, which vLLM runs with
+    --trust-remote-code."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -135,35 +137,25 @@ def write_hf_tokenizer(model: Path, out: Path) -> Path:
 
     kimi = KimiTokenizer.from_dir(model)
     specials = {name: kimi.token_to_id(name) for name in kimi.encoding.special_tokens_set}
-    conv = TikTokenConverter(vocab_file=str(model / "tiktoken.model"), pattern=KIMI_PAT_STR)
-    tk = conv.converted()
-    vocab = tk.get_vocab()
+    vocab, merges = TikTokenConverter(vocab_file=str(model / "tiktoken.model")).extract_vocab_merges_from_model(
+        str(model / "tiktoken.model"))
     assert max(vocab.values()) < min(specials.values()), "special ids overlap the byte-level vocabulary"
+    tk = Tokenizer(models.BPE({**vocab, **specials}, merges, fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
     config = json.loads((model / "tokenizer_config.json").read_text())
     marked = {int(i): t.get("special", True) for i, t in config.get("added_tokens_decoder", {}).items()}
     for name, i in sorted(specials.items(), key=lambda kv: kv[1]):
-        added = AddedToken(name, special=marked.get(i, True), normalized=False)
-        got = tk.add_special_tokens([added]) if added.special else tk.add_tokens([added])
-        assert got == 1 and tk.token_to_id(name) is not None
-    # tokenizers numbers added tokens from the vocabulary's end; they must land on Kimi's ids
-    ids = {name: tk.token_to_id(name) for name in specials}
-    if ids != specials:
-        tk = _renumbered(tk, specials)
+        token = AddedToken(name, special=marked.get(i, True), normalized=False)
+        tk.add_special_tokens([token]) if token.special else tk.add_tokens([token])
+    assert {name: tk.token_to_id(name) for name in specials} == specials
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=kimi.bos_token, eos_token=kimi.eos_token,
                                    pad_token="[PAD]", unk_token="[UNK]")
     fast.chat_template = kimi.chat_template
     fast.save_pretrained(out)
     return out
-
-
-def _renumbered(tk, specials: dict[str, int]):
-    """The tokenizer with its added tokens moved to the given ids (edited in its JSON form)."""
-    from tokenizers import Tokenizer
-
-    data = json.loads(tk.to_str())
-    for t in data["added_tokens"]:
-        t["id"] = specials[t["content"]]
-    return Tokenizer.from_str(json.dumps(data))
 
 
 # -- the child: vLLM itself ---------------------------------------------------------------------------------------
@@ -199,6 +191,12 @@ def refusals_child(args: dict, out: str) -> None:
                           enable_prefix_caching=False, enforce_eager=True)
             engine.update(case.get("engine", {}))
             vc = EngineArgs(model=case["model"], **engine).create_engine_config()
+            sc = vc.scheduler_config
+            if not hasattr(sc, "chunked_prefill_enabled"):
+                # vLLM 0.11's name, which vllm-neuron 0.2.0 reads; its platform sets it only with its own scheduler
+                # (DISABLE_NEURON_CUSTOM_SCHEDULER unset), so on 0.13 its chunked-prefill branch stops at an
+                # AttributeError before the model is asked. Set from 0.13's field, as ../shared's compat shims do.
+                object.__setattr__(sc, "chunked_prefill_enabled", sc.enable_chunked_prefill)
             get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None, None,
                              vc.additional_config or {})
             result["error"] = None
@@ -209,6 +207,29 @@ def refusals_child(args: dict, out: str) -> None:
     Path(out).write_text(json.dumps(results))
 
 
+def compile_child(args: dict, out: str) -> None:
+    """scripts/compile_and_save.py ARGS, its compile() that of NxDI minus the ModelBuilder trace and model.pt (no
+    neuronx-cc here): the config saved and NxD's pre-sharded weights written, as NxDI's compile() does after the
+    trace (NXDI application_base.compile). Everything else of the script runs as on trn2."""
+    import runpy
+
+    from kimi_k2_neuron.neuron import cpu
+    from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM
+
+    def compile_without_trace(self, compiled_model_path, debug=False, pre_shard_weights_hook=None, **kwargs):
+        self.config.save(compiled_model_path)
+        with cpu.nxd_cpu_mode(False):  # ModelBuilder shards outside NxD's CPU mode, as on a trn2 host
+            self.shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
+
+    NeuronKimiK2ForCausalLM.compile = compile_without_trace
+    sys.argv = ["compile_and_save.py", *args["argv"]]
+    try:
+        runpy.run_path(str(REPO / "scripts/compile_and_save.py"), run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
 if __name__ == "__main__":
     mode, args_json, out_json = sys.argv[1:4]
-    {"llm": llm_child, "refusals": refusals_child}[mode](json.loads(args_json), out_json)
+    {"llm": llm_child, "refusals": refusals_child, "compile": compile_child}[mode](json.loads(args_json), out_json)

@@ -56,6 +56,7 @@ class CpuOptions:
     # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
     # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
     moe_prefill: str | None = None
+    continuous_batching: bool = False  # NxDI's, as vllm-neuron runs it (contract.ServeOptions.continuous_batching)
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -121,7 +122,8 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
         o = prepare(o, seq_len, batch, sampling)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, experts=o.record.experts, checkpoint=o.model,
-        moe_prefill=prefill_mode(o.config, o, seq_len * batch), quant_record=o.record.nxd,
+        moe_prefill=prefill_mode(o.config, o, seq_len * (1 if o.continuous_batching else batch)),
+        continuous_batching=o.continuous_batching, quant_record=o.record.nxd,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": CPU_DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
