@@ -187,11 +187,12 @@ def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     assert needle in str(e.value)
 
 
-# -- a serving framework's request (vllm-neuron) ------------------------------------------------------------------------
+# -- a serving framework's request (vllm-neuron) -----------------------------------------------------------------------
 
 def vllm_request(**over) -> SimpleNamespace:
     """The NeuronConfig fields vllm-neuron 0.2.0 sets from vLLM's flags (emulated; the real one, built by the plugin
-    itself, is test/nxdi_cpu/test_vllm_serving.py's): --tensor-parallel-size 64 --max-num-seqs 4 --max-model-len 2048."""
+    itself, is test/nxdi_cpu/test_vllm_serving.py's), for --tensor-parallel-size 64 --max-num-seqs 4
+    --max-model-len 2048."""
     fields = dict(tp_degree=64, batch_size=4, ctx_batch_size=1, seq_len=2048, max_context_length=2048,
                   torch_dtype=torch.bfloat16, logical_nc_config=2, moe_ep_degree=1, is_continuous_batching=True,
                   on_device_sampling_config=SimpleNamespace(dynamic=True, global_topk=256), is_prefix_caching=False,
