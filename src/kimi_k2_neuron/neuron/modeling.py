@@ -102,15 +102,15 @@ class KimiK2InferenceConfig(InferenceConfig):
         if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
             raise KimiInputError(f"{checkpoint}: not a checkpoint folder with a config.json; serve the converted "
                                  f"checkpoint's folder")
+        compiled = os.environ.get(contract.COMPILED_ARTIFACTS_ENV)
         try:
             opts = contract.request_options(KimiK2Config.from_file(checkpoint), r, ConversionRecord.read(checkpoint),
                                             checkpoint)
             config = cls.for_serving(checkpoint, opts)
+            if compiled and (Path(compiled) / "neuron_config.json").is_file():
+                _check_compiled(compiled, r, config)
         except KimiInputError as e:
             raise KimiInputError(f"serving {checkpoint} with {r.describe()}: {e}") from None
-        compiled = os.environ.get(contract.COMPILED_ARTIFACTS_ENV)
-        if compiled and (Path(compiled) / "neuron_config.json").is_file():
-            _check_compiled(compiled, r, config)
         return config
 
     def add_derived_config(self):
