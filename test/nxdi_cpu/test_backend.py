@@ -118,9 +118,9 @@ def test_continuous_batching_writes_each_sequence_into_its_seq_ids_cache_line(ap
     sorts them); then row 0 alone once row 1 has ended. The latent cache's 1-wide V slot takes NxDI's writes by
     seq_id as they are. Every logit equals the batch run's (teacher_forced_logits, both rows prefilled together).
     Padding rows write into the free lines they stand for, which each position's own write precedes every read of."""
-    want = cpu.teacher_forced_logits(apps("fp8", scheme), ROWS, PREFILL)
-    o = cpu.CpuOptions(model=str(converted[("fp8", scheme)]), continuous_batching=True)
-    app = cpu.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
+    want = backend.teacher_forced_logits(apps("fp8", scheme), ROWS, PREFILL)
+    o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), continuous_batching=True)
+    app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
     assert app.neuron_config.is_continuous_batching and app.context_encoding_model.config.neuron_config.batch_size == 1
     got = {}
 

@@ -6,7 +6,7 @@ entry point (neuron/vllm_plugin.py), on tiny converted checkpoints. Needs `bash 
 vLLM runs in child processes (vllm_support.py): the product's entry point from setup.cfg, and a test plugin that
 registers the product class with compile() skipped and load() building NxD's CPU mode. What vLLM's request becomes
 (the model's own NeuronConfig, or a one-line refusal) is the product's, untouched. References: `generate --backend
-nxdi-cpu`'s code path (cpu.generate) on the same checkpoint, bfloat16 at TP=1.
+nxdi-cpu`'s code path (nxdi_cpu.backend.generate) on the same checkpoint, bfloat16 at TP=1.
 
 Not here: TP > 1 through vLLM (vllm-neuron drives every rank from one worker process, NxD's CPU mode needs a process
 per rank; trn2 runs it), throughput (README: benchmark_serving on trn2), sampled outputs.
@@ -30,7 +30,7 @@ pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (..
 
 import vllm_support as vs  # noqa: E402
 
-from kimi_k2_neuron.neuron import cpu  # noqa: E402
+from kimi_k2_neuron.nxdi_cpu import backend  # noqa: E402
 from kimi_k2_neuron.runtime.chat import prompt_ids  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer  # noqa: E402
@@ -59,13 +59,14 @@ def dists(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(converted):
-    """Greedy tokens of `generate --backend nxdi-cpu` (cpu.generate) for PROMPTS, per expert scheme."""
+    """Greedy tokens of `generate --backend nxdi-cpu` (backend.generate) for PROMPTS, per expert scheme."""
     got = {}
 
     def get(scheme):
         if scheme not in got:
-            o = cpu.CpuOptions(model=str(converted[("fp8", scheme)]), dtype="bfloat16")
-            got[scheme] = cpu.generate(o, cpu.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=MAX_TOKENS))[0]
+            o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), dtype="bfloat16")
+            g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=MAX_TOKENS)
+            got[scheme] = backend.generate(o, g)[0]
         return got[scheme]
     return get
 
@@ -254,8 +255,8 @@ def test_vllm_serve_answers_chat_streamed_chat_and_tools(converted, dists, tmp_p
     tokenizer = vs.write_hf_tokenizer(model, tmp_path / "hf-tokenizer")
     stops = sorted(kimi.stop_ids([257]))  # config.json's [EOS] and <|im_end|>, as generate stops
     prompt = prompt_ids(kimi, ["Hello, Kimi!"])[0]
-    want = cpu.generate(cpu.CpuOptions(model=str(model), dtype="bfloat16"),
-                        cpu.Generation(rows=[prompt], stop_ids=tuple(stops), max_new_tokens=MAX_TOKENS))[0][0]
+    want = backend.generate(backend.CpuOptions(model=str(model), dtype="bfloat16"),
+                            backend.Generation(rows=[prompt], stop_ids=tuple(stops), max_new_tokens=MAX_TOKENS))[0][0]
     events = tmp_path / "events.jsonl"
     server = Server(model, tokenizer, vs.child_env(dists, KIMI_K2_VLLM_EVENTS=events), tmp_path / "serve.log")
     try:

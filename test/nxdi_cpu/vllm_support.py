@@ -213,12 +213,12 @@ def compile_child(args: dict, out: str) -> None:
     trace (NXDI application_base.compile). Everything else of the script runs as on trn2."""
     import runpy
 
-    from kimi_k2_neuron.neuron import cpu
     from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM
+    from kimi_k2_neuron.nxdi_cpu import backend
 
     def compile_without_trace(self, compiled_model_path, debug=False, pre_shard_weights_hook=None, **kwargs):
         self.config.save(compiled_model_path)
-        with cpu.nxd_cpu_mode(False):  # ModelBuilder shards outside NxD's CPU mode, as on a trn2 host
+        with backend.nxd_cpu_mode(False):  # ModelBuilder shards outside NxD's CPU mode, as on a trn2 host
             self.shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
 
     NeuronKimiK2ForCausalLM.compile = compile_without_trace
