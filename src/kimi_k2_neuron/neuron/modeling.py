@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .contract import require_neuron_sdk
@@ -104,9 +105,8 @@ class KimiK2InferenceConfig(InferenceConfig):
                                  f"checkpoint's folder")
         compiled = os.environ.get(contract.COMPILED_ARTIFACTS_ENV)
         try:
-            opts = contract.request_options(KimiK2Config.from_file(checkpoint), r, ConversionRecord.read(checkpoint),
-                                            checkpoint)
-            config = cls.for_serving(checkpoint, opts)
+            cfg = KimiK2Config.from_file(checkpoint)
+            config = cls.for_serving(cfg, contract.request_options(cfg, r, ConversionRecord.of(cfg), checkpoint))
             if compiled and (Path(compiled) / "neuron_config.json").is_file():
                 _check_compiled(compiled, r, config)
         except KimiInputError as e:
@@ -120,6 +120,7 @@ class KimiK2InferenceConfig(InferenceConfig):
             built = self.for_request(self.neuron_config, getattr(self, "_name_or_path", None))
             self.__dict__.clear()
             self.__dict__.update(vars(built))
+            _CORE[self] = built.core_config()
             return
         # The KV cache width: the latent [c_kv | k_pe] is stored as one KV head; the model's num_key_value_heads = 1
         # sizes the cache, and config.num_key_value_heads keeps its HF value (NXDI_CONTRACT.md: latent-kv-head).
