@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "scripts", REPO / "test/integration", REPO / "contrib"]
+OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "src/kimi_k2_neuron/nxdi_cpu", REPO / "scripts", REPO / "test/integration",
+        REPO / "contrib"]
 LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"}}
@@ -277,19 +278,18 @@ class Checker:
 
         from kimi_k2_neuron.config import KimiK2Config
         from kimi_k2_neuron.formats import SCHEMES
-        from kimi_k2_neuron.formats.scheme import scheme_for
+        from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, scheme_for
 
         cfg = KimiK2Config.from_dict(json.loads((REPO / "test/data/configs/kimi-k2-instruct-0905.json").read_text()))
         mod = "neuronx_distributed_inference.models.config"
         names, _, popped = self.accepted(mod, "MoENeuronConfig")
         ods_names, _, ods_popped = self.accepted(mod, "OnDeviceSamplingConfig")
         router_names, _, _ = self.accepted("neuronx_distributed.modules.moe.moe_configs", "RouterConfig")
-        # what a converted checkpoint records for each scheme, and bf16 (no record)
-        records = {"bf16": None, **{s: scheme_for(s, "fp8").nxd(cfg.moe_intermediate_size) for s in SCHEMES}}
-        cases = [(experts, rec, 1) for experts, rec in records.items()] + [("fp8-blockwise",
-                                                                            records["fp8-blockwise"], 16)]
-        for experts, rec, ep in cases:
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48, experts=experts, checkpoint="/ckpt", quant_record=rec)
+        # each expert scheme a converted checkpoint may hold, and bf16 (no record)
+        schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
+        for scheme, ep in [(s, 1) for s in schemes] + [(schemes[1], 16)]:
+            experts = scheme.name
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt")
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
                 if key in names or key in popped:
@@ -308,7 +308,7 @@ class Checker:
         for mode in moe_paths.MODES:
             # shard-on-intermediate needs 128 expert columns per physical core: --ep 16 at --tp 64
             ep = 16 if mode == "shard-on-intermediate" else 1
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48 if ep > 1 else 1, experts="bf16", moe_prefill=mode)
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48 if ep > 1 else 1, scheme=BF16_EXPERTS, moe_prefill=mode)
             for key in contract.neuron_config_kwargs(cfg, o).get("blockwise_matmul_config", {}):
                 (self.ok if key in bmm_keys else self.fail)(f"BlockwiseMatmulConfig.from_kwargs({key}=) [{mode}]")
 

@@ -24,7 +24,6 @@ Arguments are parsed before the Neuron SDK is imported, so --help works without 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -39,7 +38,7 @@ from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_f
 set_fp8_env()
 from kimi_k2_neuron.arguments import check_out_dir, fail, integer  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
-from kimi_k2_neuron.formats.record import experts_for  # noqa: E402
+from kimi_k2_neuron.formats.record import expert_scheme  # noqa: E402
 from kimi_k2_neuron.launch import check_host_resources  # noqa: E402
 from kimi_k2_neuron.neuron import moe_paths  # noqa: E402
 from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks  # noqa: E402
@@ -95,22 +94,22 @@ def main(argv=None) -> int:
             check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.of(cfg)
-        experts = experts_for(record, args.experts)
+        scheme = expert_scheme(cfg, record, args.experts)  # what convert writes, for a raw checkpoint
         # The planner applies the shell's compile rules (contract.check_compile_options) before the SDK is imported
         # or a raw checkpoint converted.
-        p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts, kv_slots=1,
-                 context_len=args.max_context_length, moe_prefill=args.moe_prefill, record=record)
+        p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, scheme, kv_slots=1,
+                 context_len=args.max_context_length, moe_prefill=args.moe_prefill)
         if args.dry_run:
-            return _dry_run(args, cfg, record, experts, p)
+            return _dry_run(args, cfg, record, scheme, p)
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
             raise KimiInputError("this configuration does not fit (see above); pass --force to compile anyway")
         if not args.force:
             check_host_resources(p, args.out)
-        advice = fallback_advice(prefill_fallbacks(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, experts,
-                                                   args.moe_prefill, context_len=args.max_context_length,
-                                                   record=record), args.moe_prefill)
+        advice = fallback_advice(prefill_fallbacks(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, scheme,
+                                                   args.moe_prefill, context_len=args.max_context_length),
+                                 args.moe_prefill)
     except KimiInputError as e:
         return fail(e)
 
@@ -124,9 +123,9 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         checkpoint = Path(args.model)
         if record is None:  # once, up front
-            checkpoint, record = ensure_converted(args.model, experts, workers=args.convert_workers)
+            checkpoint, record = ensure_converted(args.model, scheme.name, workers=args.convert_workers)
             cfg = KimiK2Config.from_file(checkpoint)  # the converted checkpoint's, a new file
-        options = _options(args, experts, checkpoint, record)
+        options = _options(args, record.scheme, checkpoint)
         if not _compile(compile_model, cfg, checkpoint, args.out, options, p.summary(), advice):
             return 1
     except KimiInputError as e:
@@ -152,30 +151,27 @@ def check_for_vllm(args) -> None:
                                  f"one call and samples on the device)")
 
 
-def _options(args, experts: str, checkpoint, record):
+def _options(args, scheme, checkpoint):
     from kimi_k2_neuron.neuron import contract
 
     return contract.ServeOptions(
         tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
-        batch=args.batch, experts=experts, checkpoint=str(Path(checkpoint).resolve()),
+        batch=args.batch, scheme=scheme, checkpoint=str(Path(checkpoint).resolve()),
         on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
-        output_logits=args.output_logits, moe_prefill=args.moe_prefill, quant_record=record.nxd if record else None,
+        output_logits=args.output_logits, moe_prefill=args.moe_prefill,
         continuous_batching=args.for_vllm and args.batch > 1)  # as vllm-neuron asks when --max-num-seqs > 1
 
 
-def _dry_run(args, cfg, record, experts: str, p) -> int:
+def _dry_run(args, cfg, record, scheme, p) -> int:
     """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, the MoE path of each
     submodel and the plan, as JSON on stdout. A raw checkpoint is planned as `convert` would write it."""
     try:
-        from kimi_k2_neuron.formats.scheme import converted_scheme
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     except ImportError as e:
         return sdk_missing(e)
-    checkpoint = args.model if record else converted_dir_for(args.model, experts)
-    nxd = record.nxd if record else converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)
-    options = _options(args, experts, checkpoint, None)
-    options = dataclasses.replace(options, quant_record=None if experts == "bf16" else nxd)
+    checkpoint = args.model if record else converted_dir_for(args.model, scheme.name)
+    options = _options(args, scheme, checkpoint)
     try:
         config = KimiK2InferenceConfig.for_serving(cfg, options)
     except KimiInputError as e:

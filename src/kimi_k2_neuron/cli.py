@@ -100,7 +100,7 @@ def _nxdi_cpu():
         from .nxdi_cpu import backend
     except ImportError as e:
         raise KimiInputError(f"--backend {NXDI_CPU}: {e}")
-    return cpu
+    return backend
 
 
 def _load_tokenizer(model_dir):
@@ -206,16 +206,14 @@ def cmd_demo(a) -> int:
 
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
-    from .formats.record import ConversionRecord
-    from .formats.record import experts_for
+    from .formats.record import ConversionRecord, expert_scheme
     from .plan import format_plan, max_seq_len, plan, plan_json
 
-    config = Path(a.model) / "config.json" if a.model else a.config
-    cfg = KimiK2Config.from_file(config)
-    record = ConversionRecord.of(cfg)  # a converted checkpoint's, through --model or --config
-    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, experts=experts_for(record, a.experts),
-                kv_slots=a.kv_slots, router_dtype=a.router_dtype, context_len=a.max_context_length,
-                moe_prefill=a.moe_prefill, record=record)
+    cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
+    # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
+    scheme = expert_scheme(cfg, ConversionRecord.of(cfg), a.experts)
+    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, scheme=scheme, kv_slots=a.kv_slots,
+                router_dtype=a.router_dtype, context_len=a.max_context_length, moe_prefill=a.moe_prefill)
     if not a.max_seq_len:
         p = plan(cfg, seq_len=a.seq_len, **args)
         print(plan_json(p) if a.json else format_plan(p))

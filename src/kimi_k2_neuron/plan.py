@@ -18,10 +18,8 @@ from dataclasses import asdict, dataclass
 
 from .config import KimiK2Config
 from .errors import KimiInputError
-from .formats import check_expert_format
 from .formats.layout import converted_tensors
-from .formats.record import ConversionRecord, experts_for, valid_moe_tp_degrees
-from .formats.scheme import ExpertScheme, converted_scheme
+from .formats.scheme import BF16_EXPERTS, ExpertScheme
 from .neuron import moe_paths
 from .neuron.contract import check_compile_options, check_counts, check_moe_tp
 from .neuron.moe_paths import decodes_all_experts
@@ -133,9 +131,7 @@ def _div(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, experts, kv_slots, moe_prefill,
-           record) -> None:
-    check_expert_format(experts)
+def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, scheme, kv_slots, moe_prefill) -> None:
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
     if lnc is None:
@@ -144,19 +140,18 @@ def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, experts,
     if tp > _logical_cores(lnc):
         raise KimiInputError(f"--tp {tp}: exceeds the {_logical_cores(lnc)} logical cores of a trn2.48xlarge at "
                              f"--lnc {lnc}")
-    experts_for(record, experts)
-    check_moe_tp(valid_moe_tp_degrees(cfg, experts, record), tp, ep)
+    check_moe_tp(scheme, cfg, tp, ep)
 
 
 def _logical_cores(lnc: int) -> int:
     return TRN2_CHIPS * TRN2_PHYSICAL_CORES_PER_CHIP // lnc
 
 
-def _expert_scale_bytes(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme | None) -> int:
+def _expert_scale_bytes(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme) -> int:
     """Scale bytes of one MoE layer's routed experts on one rank: E/ep experts (expert parallelism inside the tp
     ranks, NxDI moe_ep_degree), each scaling its gate_up [H, 2I/(tp/ep)] and down [I/(tp/ep), H] slices."""
     h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, _div(cfg.moe_intermediate_size, tp // ep)
-    if scheme is None:
+    if not scheme.quantized:
         return 0
     if scheme.block is None:  # scales [E,1,2I] sharded like the weight, [E,1,H] replicated (§3.6)
         return e_local * (2 * i_local + h) * FP32
@@ -188,37 +183,22 @@ def _row_of(key: str) -> str:
     return next((row for row, parts in _ROWS if any(p in key for p in parts)), "dense MLP (TP)")
 
 
-def _weights(cfg: KimiK2Config, tp: int, ep: int, experts: str, scheme: ExpertScheme | None,
-             router_dtype: str = "fp32") -> list[Row]:
+def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32") -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
     dtypes = {row: "bf16" for row, _ in _ROWS} | {"router + bias (replicated)": router_dtype,
-                                                 "routed experts (E/ep, I/(tp/ep))": _expert_dtype(experts)}
+                                                 "routed experts (E/ep, I/(tp/ep))": "fp8" if scheme.quantized else "bf16"}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
     total = dict.fromkeys(dtypes, 0)
-    for key, (_, shape) in converted_tensors(cfg, None).items():
+    for key, (_, shape) in converted_tensors(cfg, BF16_EXPERTS).items():
         row = _row_of(key)
         total[row] += math.prod(shape) // (1 if row in _REPLICATED else tp) * size[dtypes[row]]
     rows = [Row(row, dtypes[row], total[row]) for row, _ in _ROWS]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     scales = _expert_scale_bytes(cfg, tp, ep, scheme)
     if scales:
-        rows.append(Row(f"routed expert scales ({experts[4:]})", "fp32", n_moe * scales))
+        rows.append(Row(f"routed expert scales ({scheme.name[4:]})", "fp32", n_moe * scales))
     return rows
-
-
-def _expert_dtype(experts: str) -> str:
-    return "bf16" if experts == "bf16" else "fp8"
-
-
-def _expert_scheme(cfg: KimiK2Config, experts: str, block, record: ConversionRecord | None) -> ExpertScheme | None:
-    """The routed experts' scheme: fp8-blockwise with `block` when one is given (what-if), else what the converted
-    checkpoint's record holds, else what `convert` writes from this raw checkpoint; None for bf16 experts."""
-    if experts == "bf16":
-        return None
-    if block is not None and experts == "fp8-blockwise":
-        return ExpertScheme(experts, tuple(block))
-    return record.scheme if record is not None else converted_scheme(cfg, experts)
 
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
@@ -238,7 +218,8 @@ def _expert_scheme(cfg: KimiK2Config, experts: str, block, record: ConversionRec
 # unfused fp32 product of its [256 experts, 2048 tokens, 6144] down projection alone would take 12.9 GB.
 # (NXDI_CONTRACT.md: glm5-all-experts.)
 
-def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int, experts: str) -> tuple[int, int]:
+def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int,
+                    scheme: ExpertScheme) -> tuple[int, int]:
     """(counted bf16 bytes, fp32 bytes assumed fused) one MoE layer's routed experts allocate on one rank while a
     call of `tokens` tokens runs down `path` (see the comment above). The kernel's own activations are not here:
     the calibrated prefill scratchpad (CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN) was measured on a kernel path."""
@@ -251,23 +232,23 @@ def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int,
                {"all-experts": (e_local, tokens), "torch": (1, moe_paths.MODES["torch"].block_size),
                 "selective": (cfg.num_experts_per_tok, 1)}[path])
     weights = n * 3 * h * i_local  # gate_up [H, 2I/tp] + down [I/tp, H] elements
-    copied = experts != "bf16" or path in ("torch", "selective")  # dequantized, or gathered by index
+    copied = scheme.quantized or path in ("torch", "selective")  # dequantized, or gathered by index
     counted = ((weights if copied else 0) + n * rows * (3 * i_local + h)) * BF16
     # weight x scale: blockwise weights, and per-channel ones on the kernel paths
-    fp32_weights = weights if experts == "fp8-blockwise" or (kernel and experts != "bf16") else 0
+    fp32_weights = weights if scheme.name == "fp8-blockwise" or (kernel and scheme.quantized) else 0
     # output x scale: per-channel gate_up and down outputs on the torch paths
-    fp32_outputs = n * rows * (2 * i_local + h) if experts == "fp8-per-channel" and not kernel else 0
+    fp32_outputs = n * rows * (2 * i_local + h) if scheme.name == "fp8-per-channel" and not kernel else 0
     return counted, (fp32_weights + fp32_outputs) * FP32
 
 
-def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, experts, moe_prefill) -> dict:
+def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, scheme, moe_prefill) -> dict:
     """How the MoE layers run a prefill of `tokens` tokens and a decode step of `batch`, and what they allocate.
     Selective-loading decode (one token's top-k experts at a time, ~11 MB at TP=64) is in the calibrated runtime
     allowance, whose DeepSeek-V3 decode ran it; all-experts decode (batch x top_k >= E) is counted."""
     path = moe_paths.prefill_path(cfg, tokens, moe_prefill)
     decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
-    prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, experts)
-    decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, experts) if decode == "all-experts"
+    prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
+    decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, scheme) if decode == "all-experts"
                                  else (0, 0))
     return dict(prefill_path=path, decode_path=decode, prefill_bytes=prefill_bytes, decode_bytes=decode_bytes,
                 prefill_blocks=(moe_paths.blockwise_blocks(cfg, tokens, ep, moe_paths.MODES[path].block_size)
@@ -306,34 +287,31 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, seq_len, batch) -> tuple[f
     return active, int(non_expert + embed_rows + experts_read + kv_read)
 
 
-def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
-         kv_slots: int = 1, block: tuple[int, int] | None = None, router_dtype: str = "fp32",
-         context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
-         record: ConversionRecord | None = None) -> Plan:
-    """`block`: the (in, out) blockwise scale block of fp8-blockwise experts; None = what a converted checkpoint's
-    `record` holds, else what the converter writes for this config's source format. The record also fixes
-    `experts` and the expert TP degrees, as compile_and_save's checks do. `context_len`: the
-    prefill bucket (NxDI max_context_length), default seq_len. `kv_slots` 2 and `router_dtype` "bf16" model other
-    ports (NxDI's stock KV cache, a bf16 router)."""
+def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
+         kv_slots: int = 1, router_dtype: str = "fp32", context_len: int | None = None,
+         moe_prefill: str = moe_paths.DEFAULT_MODE) -> Plan:
+    """`scheme`: how the routed experts are stored (a converted checkpoint's record.scheme, what `convert` would
+    write from a raw one: formats.record.expert_scheme, or any block to ask what-if). `context_len`: the prefill
+    bucket (NxDI max_context_length), default seq_len. `kv_slots` 2 and `router_dtype` "bf16" model other ports
+    (NxDI's stock KV cache, a bf16 router)."""
     context = seq_len if context_len is None else context_len
-    _check(cfg, tp, ep, lnc, seq_len, context, batch, experts, kv_slots, moe_prefill, record)
+    _check(cfg, tp, ep, lnc, seq_len, context, batch, scheme, kv_slots, moe_prefill)
     if router_dtype not in ("fp32", "bf16"):
         raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
-    scheme = _expert_scheme(cfg, experts, block, record)
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, experts, scheme, router_dtype)
+    weights = _weights(cfg, tp, ep, scheme, router_dtype)
     # The MLA latent is replicated on every rank; the stock KVCacheManager gives it a K and a same-width V slot.
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * seq_len * cfg.latent_dim * BF16)
-    moe = _moe_runs(cfg, tp, ep, lnc, batch * context, batch, experts, moe_prefill)
+    moe = _moe_runs(cfg, tp, ep, lnc, batch * context, batch, scheme, moe_prefill)
     allowance = _allowance(cfg, batch * context, moe)
     total = sum(r.bytes for r in (*weights, kv, *allowance))
     active, per_token = _bytes_per_token(cfg, weights, tp, ep, seq_len, batch)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
-        experts=experts, context_len=context, moe_prefill=moe_prefill, prefill_path=moe["prefill_path"],
+        experts=scheme.name, context_len=context, moe_prefill=moe_prefill, prefill_path=moe["prefill_path"],
         prefill_blocks=moe["prefill_blocks"], decode_path=moe["decode_path"], kv_slots=kv_slots,
         logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable, router_dtype=router_dtype,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
@@ -342,13 +320,13 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
         assumptions=_assumptions(kv_slots, router_dtype))
 
 
-def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, experts: str,
+def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, scheme: ExpertScheme,
                 context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE, **kw) -> Plan:
     """The plan at the largest seq_len that fits, searched up to the model's max_position_embeddings; when none
     fits, the plan at the smallest seq_len tried (its `fits` is False). The prefill bucket is seq_len (as
     compile_and_save defaults it) unless `context_len` fixes it; `kw` as plan()."""
     def at(seq_len: int) -> Plan:
-        return plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=context_len, moe_prefill=moe_prefill,
+        return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
                     **kw)
 
     fixed_prefill = [("--max-context-length", context_len)] if context_len is not None else []
@@ -416,7 +394,7 @@ def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
     return at(k_lo * step)
 
 
-def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, experts: str,
+def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
                       moe_prefill: str, context_len: int | None = None, **kw) -> list[Plan]:
     """The planner's advice if the `moe_prefill` kernel fails to compile: for each other mode, its plan at this
     configuration if that fits, else (all-experts, whose temporaries grow with the prefill) the plan at the largest
@@ -427,9 +405,9 @@ def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: in
         if name == moe_prefill:
             continue
         try:
-            p = plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=context, moe_prefill=name, **kw)
+            p = plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context, moe_prefill=name, **kw)
             if not p.fits and name == "all-experts":
-                p = _largest_fitting(lambda c: plan(cfg, tp, ep, lnc, seq_len, batch, experts, context_len=c,
+                p = _largest_fitting(lambda c: plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=c,
                                                     moe_prefill=name, **kw), 1, context) or p
         except KimiInputError:
             continue

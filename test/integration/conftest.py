@@ -93,11 +93,11 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
     tp = int(os.environ.get("KIMI_K2_MINI_TP", "2"))
     lnc = int(os.environ["KIMI_K2_MINI_LNC"]) if os.environ.get("KIMI_K2_MINI_LNC") else None  # None: platform's
     # --moe-prefill torch: the tiny model's hidden size is below NxD's prefill kernels' (moe_paths)
+    cfg = KimiK2Config.from_file(checkpoint)
     options = contract.ServeOptions(tp=tp, lnc=lnc, seq_len=128, max_context_length=64, batch=2,
-                                    experts="fp8-per-channel", checkpoint=str(checkpoint), output_logits=True,
-                                    moe_prefill="torch",
-                                    quant_record=ConversionRecord.read(checkpoint).nxd)
-    compile_model(KimiK2Config.from_file(checkpoint), checkpoint, root / "compiled", options)
+                                    scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(checkpoint),
+                                    output_logits=True, moe_prefill="torch")
+    compile_model(cfg, checkpoint, root / "compiled", options)
     return root / "compiled", checkpoint
 
 

@@ -17,10 +17,12 @@ from nxdi_support import REPO
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats.record import ConversionRecord
+from kimi_k2_neuron.formats.scheme import BF16_EXPERTS
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe_paths
-from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.neuron.loader import unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
+from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
 
@@ -35,8 +37,8 @@ def _config(tmp_path, name, **opts):
     src.mkdir(exist_ok=True)
     shutil.copy(REPO / "test/data/configs" / name, src / "config.json")
     cfg = KimiK2Config.from_file(src)
-    kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(experts="bf16", **opts))
-    return cfg, KimiK2InferenceConfig.from_checkpoint(src, MoENeuronConfig(**kw))
+    kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(scheme=BF16_EXPERTS, **opts))
+    return cfg, KimiK2InferenceConfig.from_core(cfg, MoENeuronConfig(**kw))
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -131,16 +133,14 @@ def test_compiler_args_are_nxdis_own_plus_flags_nxdis_own_models_use(converted, 
     from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 
     import neuronx_distributed_inference
-    from kimi_k2_neuron.formats.record import ConversionRecord
     from kimi_k2_neuron.neuron import NeuronKimiK2ForCausalLM
 
     ckpt = converted[("fp8", "fp8-blockwise")]
-    rec = ConversionRecord.read(ckpt)
-    opts = contract.ServeOptions(tp=1, seq_len=16, experts=rec.experts, checkpoint=str(ckpt), moe_prefill="torch",
-                                 quant_record=rec.nxd,
+    cfg = KimiK2Config.from_file(ckpt)
+    opts = contract.ServeOptions(tp=1, seq_len=16, scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(ckpt),
+                                 moe_prefill="torch",
                                  extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
-    kw = contract.neuron_config_kwargs(KimiK2Config.from_file(ckpt), opts)
-    app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.from_checkpoint(ckpt, MoENeuronConfig(**kw)))
+    app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.for_serving(cfg, opts))
     models = Path(neuronx_distributed_inference.__file__).parent / "models"
     nxdi_moe_models = [(models / m).read_text() for m in ("mixtral/modeling_mixtral.py", "dbrx/modeling_dbrx.py",
                                                           "qwen3_moe/modeling_qwen3_moe.py")]
@@ -303,7 +303,7 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     app = backend.application(backend.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
     state = app.checkpoint_loader_fn()
     cfg = app.config.core_config()
-    assert set(state) == contract.expected_keys(cfg, scheme) | {"rank_util.rank"}
+    assert set(state) == contract.expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
     core = CpuRunner(converted[("fp8", scheme)]).model
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     assert state[f"layers.{layer}.mlp.router.weight"].dtype == torch.float32
@@ -311,9 +311,10 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
 
 
 def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
+    """Its scales have another shape than the NeuronConfig's scheme gives them: named, with both shapes."""
     app = backend.application(backend.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
     app.neuron_config.quantized_checkpoints_path = str(converted[("fp8", "fp8-blockwise")])
-    with pytest.raises(KimiInputError, match="converted with experts=fp8-blockwise"):
+    with pytest.raises(KimiInputError, match=r"down_proj.scale has shape \[.*\], expected \["):
         app.checkpoint_loader_fn()
 
 

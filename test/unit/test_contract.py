@@ -19,7 +19,7 @@ import torch
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import layout
-from kimi_k2_neuron.formats.scheme import scheme_for
+from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
 from kimi_k2_neuron.neuron import contract
 from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
@@ -36,15 +36,12 @@ def kimi_cfg() -> KimiK2Config:
     return KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
 
 
-PER_CHANNEL = {"quantized": True, "quantization_dtype": "f8e4m3",
-               "quantization_type": "expert_wise_per_channel_symmetric", "quantization_per_channel_axis": 2,
-               "valid_moe_tp_degrees": [1, 2, 4, 8, 16, 32, 64]}
+PER_CHANNEL = ExpertScheme("fp8-per-channel", None)
 
 
 def per_channel(**opts) -> "contract.ServeOptions":
-    """Serving options for a converted fp8-per-channel checkpoint (fp8-blockwise is ServeOptions' default)."""
-    return contract.ServeOptions(**{"experts": "fp8-per-channel", "checkpoint": "/c", "quant_record": PER_CHANNEL,
-                                    **opts})
+    """Serving options for a converted fp8-per-channel checkpoint."""
+    return contract.ServeOptions(**{"scheme": PER_CHANNEL, "checkpoint": "/c", **opts})
 
 
 # -- the Neuron SDK ----------------------------------------------------------------------------------------------------
@@ -95,18 +92,14 @@ def test_logits_output_and_collective_flags():
     assert kw["output_logits"] is False and kw["disable_numeric_cc_token"] is True
 
 
-def test_serve_options_default_to_the_recommended_expert_format():
-    assert contract.ServeOptions(tp=64).experts == "fp8-blockwise"  # as plan.experts_for (test_plan.py)
-
-
 def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
     cfg = kimi_cfg()
-    rec = scheme_for("fp8-blockwise", "fp8").nxd(cfg.moe_intermediate_size)
-    kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(tp=64, experts="fp8-blockwise", checkpoint="/c",
-                                                                  quant_record=rec))
-    assert kw["quantization_block_axis"] == [1, 2] and kw["quantization_block_size"] == list(rec[
-        "quantization_block_size"])
-    assert kw["quantization_scale_dtype"] == "f32"
+    for source, block in (("fp8", [32, 32]), ("int4", [32, 1])):
+        scheme = scheme_for("fp8-blockwise", source, 32)
+        kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(tp=64, scheme=scheme, checkpoint="/c"))
+        assert kw["quantization_block_axis"] == [1, 2] and kw["quantization_block_size"] == block
+        assert kw["quantization_scale_dtype"] == "f32"
+        assert "valid_moe_tp_degrees" not in kw  # the scheme's, not a NeuronConfig field
 
 
 def test_ep_is_moe_internal_expert_parallelism():
@@ -170,16 +163,14 @@ def test_modules_to_not_convert_covers_every_non_expert_parallel_linear_and_no_e
     (dict(tp=64, lnc=1), "--moe-prefill shard-on-block with --lnc 1: nkilib has its MoE prefill kernels for LNC=2"),
     # 2048 / 64 = 32 expert columns per rank, 16 per physical core: below the kernel's 128-row tiles
     (dict(tp=64, moe_prefill="shard-on-intermediate"), "(16 here)"),
-    (dict(tp=64, ep=4, batch=48, moe_prefill="shard-on-intermediate",
-          quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [16]}), "(64 here)"),  # 2048 / 16 / 2
+    (dict(tp=64, ep=4, batch=48, moe_prefill="shard-on-intermediate"), "(64 here)"),  # 2048 / 16 / 2
     (dict(tp=64, moe_prefill="kernel"), "--moe-prefill 'kernel': expected one of shard-on-block"),
-    (dict(tp=64, quant_record=None), "needs a converted checkpoint"),
-    (dict(tp=64, experts="fp8-blockwise"), "holds expert_wise_per_channel_symmetric"),
-    (dict(tp=64, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2]}), "shard only [1, 2] ways"),
+    (dict(tp=64, checkpoint=None), "needs a converted checkpoint"),
+    # [128, 32] blocks: a rank's 32 down-projection rows at TP 64 hold no whole 128-row block
+    (dict(tp=64, scheme=ExpertScheme("fp8-blockwise", (128, 32))), "shard only [1, 2, 4, 8, 16] ways"),
     (dict(tp=64, seq_len=512, max_context_length=1024), "--max-context-length 1024"),
     (dict(tp=64, ep=3, batch=48), "--ep 3: must divide --tp 64"),
-    (dict(tp=64, ep=4, batch=48, quant_record={**PER_CHANNEL, "valid_moe_tp_degrees": [1, 2, 4, 8]}),
-     "experts split 16 ways (tp / ep)"),
+    (dict(tp=64, ep=4, batch=48, scheme=ExpertScheme("fp8-blockwise", (256, 32))), "experts split 16 ways (tp / ep)"),
 ])
 def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     with pytest.raises(KimiInputError) as e:
@@ -203,8 +194,9 @@ def vllm_request(**over) -> SimpleNamespace:
 def per_channel_record():
     from kimi_k2_neuron.formats.record import LAYOUT_VERSION, ConversionRecord
 
-    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel",
-                                       "nxd": PER_CHANNEL}, "config.json")
+    nxd = PER_CHANNEL.nxd(kimi_cfg().moe_intermediate_size)
+    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": nxd},
+                                      "config.json")
 
 
 def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
@@ -319,8 +311,8 @@ def test_expected_keys_are_the_core_parameters_in_the_neuron_layout():
             mapped |= {f"{layer}.mlp.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down")}
         else:
             mapped.add(name.replace(".mlp.gate.", ".mlp.router."))
-    assert contract.expected_keys(cfg, "bf16") == mapped
-    fp8 = contract.expected_keys(cfg, "fp8-per-channel")
+    assert contract.expected_keys(cfg, BF16_EXPERTS) == mapped
+    fp8 = contract.expected_keys(cfg, PER_CHANNEL)
     assert fp8 - mapped == {k[: -len("weight")] + "scale" for k in mapped if ".expert_mlps." in k}
 
 
@@ -384,7 +376,7 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
     tensors = _converted_tensors(cfg)
     state = contract.to_neuron_state_dict(tensors, cfg, nc)
-    assert set(state) == contract.expected_keys(cfg, "fp8-per-channel") | {"rank_util.rank"}
+    assert set(state) == contract.expected_keys(cfg, PER_CHANNEL) | {"rank_util.rank"}
     assert state["rank_util.rank"].tolist() == [0, 1]
     router = next(k for k in state if k.endswith("mlp.router.weight"))
     assert state[router].dtype == torch.float32

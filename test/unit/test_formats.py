@@ -14,7 +14,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert import convert
 from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, ConversionRecord
-from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
+from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 from kimi_k2_neuron.weights import full_shape, owned_params
@@ -66,7 +66,7 @@ def test_converted_tensors_are_what_the_converter_writes(converted, source, sche
                                     scheme_for("fp8-blockwise", "int4", 32), ExpertScheme("fp8-blockwise", (128, 32))])
 def test_a_scheme_is_what_its_nxd_settings_describe(scheme):
     assert ExpertScheme.from_nxd(scheme.nxd(2048)) == scheme
-    assert ExpertScheme.from_nxd({"quantized": False}) is None
+    assert ExpertScheme.from_nxd({"quantized": False}) == BF16_EXPERTS and not BF16_EXPERTS.quantized
 
 
 @pytest.mark.parametrize("block", [[32, 0], [True, 32], [-32, 32], [32], "32x32", None])

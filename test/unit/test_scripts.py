@@ -17,7 +17,7 @@ from kimi_k2_neuron import cli
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
-from kimi_k2_neuron.formats.scheme import scheme_for
+from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
 from kimi_k2_neuron.neuron import contract
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
     (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
     r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64")
-    want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, "fp8-blockwise", kv_slots=1, block=(32, 1))
+    want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, ExpertScheme("fp8-blockwise", (32, 1)), kv_slots=1)
     assert want.summary() in r.stdout, r.stdout + r.stderr
 
 

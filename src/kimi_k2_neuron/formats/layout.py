@@ -140,21 +140,20 @@ def converted_dtype(name: str) -> torch.dtype:
 
 
 def expert_tensors(cfg: KimiK2Config, layer: int,
-                   scheme: ExpertScheme | None) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+                   scheme: ExpertScheme) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """A MoE layer's fused expert tensors (key, dtype, full shape): gate_up [E, H, 2I], down [E, I, H], then their
-    scales; `scheme` None: unquantized bf16 experts, without scales (what the Neuron model takes for bf16)."""
+    scales; bf16 experts without scales (what the Neuron model takes for them)."""
     e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     gu, dn = gate_up_key(layer), down_key(layer)
-    if scheme is None:
+    if not scheme.quantized:
         return [(gu, BF16, (e, h, 2 * i)), (dn, BF16, (e, i, h))]
     return [(gu, FP8, (e, h, 2 * i)), (dn, FP8, (e, i, h)),
             (scale_key(gu), F32, scheme.scale_shape(e, h, 2 * i)), (scale_key(dn), F32, scheme.scale_shape(e, i, h))]
 
 
-def converted_tensors(cfg: KimiK2Config,
-                      scheme: ExpertScheme | None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Converted key -> (dtype, full shape) of every tensor of the converted checkpoint (`scheme` None: with bf16
-    experts)."""
+def converted_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Converted key -> (dtype, full shape) of every tensor of the converted checkpoint (or of the Neuron model's
+    with bf16 experts)."""
     out = {converted_name(n): (converted_dtype(n), shape) for n, shape in logical_shapes(cfg, False).items()}
     for layer in filter(cfg.is_moe_layer, range(cfg.num_hidden_layers)):
         out.update({key: (dtype, shape) for key, dtype, shape in expert_tensors(cfg, layer, scheme)})
@@ -174,8 +173,7 @@ def module_key(key: str) -> str:
     return key
 
 
-def neuron_tensors(cfg: KimiK2Config,
-                   scheme: ExpertScheme | None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def neuron_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """The Neuron model's state-dict key -> (dtype, full shape) of every tensor its loader must deliver (NxD shards
     the full tensors per rank)."""
     return {module_key(k): v for k, v in converted_tensors(cfg, scheme).items()}

@@ -30,10 +30,6 @@ class ConversionRecord:
     def experts(self) -> str:
         return self.scheme.name
 
-    @property
-    def valid_moe_tp_degrees(self) -> list[int] | None:
-        return self.nxd.get("valid_moe_tp_degrees")
-
     @classmethod
     def from_json(cls, rec, where: str) -> ConversionRecord:
         if (not isinstance(rec, dict) or rec.get("layout_version") != LAYOUT_VERSION
@@ -41,7 +37,7 @@ class ConversionRecord:
             raise KimiInputError(f"{where}: field {CONVERSION_KEY} is not a layout-version {LAYOUT_VERSION} record "
                                  f"with experts in {list(SCHEMES)}")
         scheme = ExpertScheme.from_nxd(rec["nxd"])
-        if scheme is None or scheme.name != rec["experts"]:
+        if not scheme.quantized or scheme.name != rec["experts"]:
             raise KimiInputError(f"{where}: field {CONVERSION_KEY}.nxd does not describe experts={rec['experts']}")
         return cls(scheme, rec["nxd"], rec.get("source_format"), rec)
 
@@ -95,12 +91,9 @@ def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
     return experts
 
 
-def valid_moe_tp_degrees(cfg: KimiK2Config, experts: str, record: ConversionRecord | None) -> list[int] | None:
-    """The expert TP degrees a converted checkpoint's record lists, or, without one, those of the layout `convert`
-    would write for this source (compile_and_save converts a raw checkpoint first). None for bf16 experts, which
-    have no scales."""
-    if experts == "bf16":
-        return None
-    if record is not None:
-        return record.valid_moe_tp_degrees
-    return converted_scheme(cfg, experts).nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
+def expert_scheme(cfg: KimiK2Config, record: ConversionRecord | None, experts: str | None) -> ExpertScheme:
+    """How a checkpoint's routed experts are stored on device: what a converted one holds (another --experts is
+    refused: experts_for), else what `kimi-k2-neuron convert --experts EXPERTS` would write from this raw one
+    (DEFAULT_SCHEME when not given; "bf16" for unquantized experts, planned but never written)."""
+    name = experts_for(record, experts)
+    return record.scheme if record is not None else converted_scheme(cfg, name)

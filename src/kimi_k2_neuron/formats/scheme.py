@@ -12,6 +12,8 @@ expert-per-channel-axis).
   blockwise [32, 1] is lossless (at 4 B of scale per 32 weights, +12.5 % memory against +0.4 % for [32, 32]).
 * `fp8-per-channel`: NxD's `expert_wise_per_channel_symmetric` on axis 2 (the only one expert layers accept), scale
   [E, 1, out]; TP-independent by construction.
+* `bf16` (BF16_EXPERTS): unquantized experts, which the planner and the NeuronConfig know but the converter never
+  writes (they do not fit at TP=64).
 """
 
 from __future__ import annotations
@@ -31,18 +33,28 @@ FINE_BLOCK = 32  # the largest block that divides Kimi's expert width at TP 64 (
 
 @dataclass(frozen=True)
 class ExpertScheme:
-    """One NxD expert quantization: the scale layout of [E, in, out] FP8 weights."""
+    """How the routed experts are stored on device: one NxD expert quantization (the scale layout of [E, in, out]
+    FP8 weights), or unquantized bf16."""
 
-    name: str
-    block: tuple[int, int] | None  # (in, out) block for blockwise; None = expert-wise per output channel
+    name: str  # one of formats.EXPERT_FORMATS
+    block: tuple[int, int] | None  # (in, out) block for blockwise; None otherwise
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "bf16"
 
     def scale_shape(self, n_experts: int, in_f: int, out_f: int) -> tuple[int, int, int]:
+        if not self.quantized:
+            raise ValueError("bf16 experts have no scales")
         if self.block is None:
             return (n_experts, 1, out_f)
         return (n_experts, in_f // self.block[0], out_f // self.block[1])
 
     def nxd(self, moe_intermediate: int) -> dict:
-        """The NeuronConfig quantization fields this layout loads under, and the MoE TP degrees it is valid for."""
+        """The NeuronConfig quantization fields this layout loads under, and the MoE TP degrees it is valid for (every
+        one, for bf16 experts: no scales to shard)."""
+        if not self.quantized:
+            return {"quantized": False, "valid_moe_tp_degrees": _divisors(moe_intermediate)}
         out = {"quantized": True, "quantization_dtype": NXD_DTYPE, "quantization_type": NXD_TYPE[self.name]}
         if self.block is None:
             out["quantization_per_channel_axis"] = 2
@@ -58,11 +70,11 @@ class ExpertScheme:
         return out
 
     @classmethod
-    def from_nxd(cls, fields: Mapping) -> ExpertScheme | None:
-        """The scheme NxD settings describe (a record's `nxd`, or a NeuronConfig's attributes); None when they are
-        not quantized (bf16 experts)."""
+    def from_nxd(cls, fields: Mapping) -> ExpertScheme:
+        """The scheme NxD settings describe (a record's `nxd`, or a NeuronConfig's attributes); BF16_EXPERTS when
+        they are not quantized."""
         if not fields.get("quantized"):
-            return None
+            return BF16_EXPERTS
         qtype = fields.get("quantization_type")
         name = next((n for n, t in NXD_TYPE.items() if t == qtype), None)
         if name is None:
@@ -78,12 +90,18 @@ class ExpertScheme:
         return cls(name, tuple(block))
 
 
+BF16_EXPERTS = ExpertScheme("bf16", None)
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def scheme_for(name: str, source_format: str, group_size: int | None = None) -> ExpertScheme:
-    """The scheme `kimi-k2-neuron convert --experts NAME` writes from a source of `source_format` (fp8, int4, bf16)."""
+    """The scheme `kimi-k2-neuron convert --experts NAME` writes from a source of `source_format` (fp8, int4, bf16),
+    or BF16_EXPERTS for "bf16" (planned, never written)."""
+    if name == "bf16":
+        return BF16_EXPERTS
     if name not in SCHEMES:
         raise KimiInputError(f"--experts {name!r}: expected one of {', '.join(SCHEMES)}")
     if name == "fp8-per-channel":

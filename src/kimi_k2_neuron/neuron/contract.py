@@ -17,8 +17,8 @@ import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
-from kimi_k2_neuron.formats import DEFAULT_SCHEME, check_expert_format, layout
-from kimi_k2_neuron.formats.scheme import NXD_DTYPE, NXD_TYPE, ExpertScheme, scheme_for
+from kimi_k2_neuron.formats import DEFAULT_SCHEME, layout
+from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
 from kimi_k2_neuron.parallel import check_tp_divides
 
 from . import moe_paths
@@ -72,11 +72,13 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
                 "quantization_block_size", "quantization_scale_dtype")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
 
     tp: int  # ranks (logical cores); attention, embedding, lm_head and the shared expert split tp ways
+    # How the routed experts are stored: the converted checkpoint's (ConversionRecord.scheme), or BF16_EXPERTS.
+    scheme: ExpertScheme
     # Expert parallelism inside those ranks (NxDI moe_ep_degree / moe_tp_degree): routed experts split ep ways, each
     # expert's intermediate tp / ep ways. Not NxD's global ep_degree (see UNSUPPORTED).
     ep: int = 1
@@ -84,7 +86,6 @@ class ServeOptions:
     seq_len: int = 1024
     max_context_length: int | None = None  # CTE bucket; NxDI defaults it to seq_len
     batch: int = 1
-    experts: str = DEFAULT_SCHEME  # the recommended expert format (kimi_k2_neuron.formats)
     checkpoint: str | None = None  # converted checkpoint folder (NxDI requires a path when quantized)
     on_device_sampling: bool = True
     do_sample: bool = False
@@ -94,9 +95,6 @@ class ServeOptions:
     global_topk: int = 256
     output_logits: bool = False
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
-    # The converted checkpoint's record of its expert quantization (ConversionRecord.nxd): quantization type, block
-    # axis and size, the expert TP degrees its scales shard for.
-    quant_record: dict | None = None
     # NxDI's continuous batching, as vllm-neuron runs it: prefill one sequence per call (ctx_batch_size 1) into the
     # cache line its seq_id names, decode all `batch` lines together (NXDI_CONTRACT.md: continuous-batching).
     continuous_batching: bool = False
@@ -155,8 +153,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     if o.on_device_sampling:
         kw["on_device_sampling_config"] = dict(do_sample=o.do_sample, top_k=o.top_k, top_p=o.top_p,
                                                temperature=o.temperature, dynamic=True, global_topk=o.global_topk)
-    if o.experts in NXD_TYPE:  # FP8 experts
-        kw.update({k: v for k, v in o.quant_record.items() if k in QUANT_FIELDS})
+    if o.scheme.quantized:
+        kw.update({k: v for k, v in o.scheme.nxd(cfg.moe_intermediate_size).items() if k in QUANT_FIELDS})
         kw.update(quantized_checkpoints_path=o.checkpoint, modules_to_not_convert=modules_to_not_convert(cfg))
     kw.update(o.extra)
     return kw
@@ -225,22 +223,24 @@ def check_counts(*named) -> None:
             raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
 
 
-def check_moe_tp(valid: list[int] | None, tp: int, ep: int) -> None:
-    """The experts' scales shard only for the expert TP degrees (tp / ep) their layout records."""
-    if valid is not None and tp // ep not in valid:
-        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but this checkpoint's "
-                             f"expert scales shard only {valid} ways")
+def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> None:
+    """The experts' scales shard only for the expert TP degrees (tp / ep) whose slices hold whole scale blocks."""
+    valid = scheme.nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
+    if tp // ep not in valid:
+        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but {scheme.name} "
+                             f"expert scales of block {scheme.block} shard only {valid} ways")
 
 
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
-    check_expert_format(o.experts)
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
                           o.prefill_batch)
-    if o.experts != "bf16":
-        _check_quant_record(o)
+    check_moe_tp(o.scheme, cfg, o.tp, o.ep)
+    if o.scheme.quantized and not o.checkpoint:
+        raise KimiInputError(f"--experts {o.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "
+                             f"whose config.json records the expert quantization")
     if o.on_device_sampling:
         check_top_k(o.top_k, o.global_topk)
 
@@ -249,17 +249,6 @@ def check_top_k(top_k: int, global_topk: int = ServeOptions.global_topk) -> None
     """NxDI's on-device sampler draws from at most the compiled global top-k."""
     if not 1 <= top_k <= global_topk:
         raise KimiInputError(f"--top-k {top_k}: on-device sampling needs 1 <= top_k <= {global_topk}")
-
-
-def _check_quant_record(o: ServeOptions) -> None:
-    rec = o.quant_record
-    if not o.checkpoint or not rec:
-        raise KimiInputError(f"--experts {o.experts}: needs a converted checkpoint (see kimi_k2_neuron.convert), "
-                             f"whose config.json records the expert quantization")
-    if rec.get("quantization_type") != NXD_TYPE[o.experts] or rec.get("quantization_dtype") != NXD_DTYPE:
-        raise KimiInputError(f"--experts {o.experts}: the checkpoint holds {rec.get('quantization_type')} "
-                             f"{rec.get('quantization_dtype')} experts, expected {NXD_TYPE[o.experts]} {NXD_DTYPE}")
-    check_moe_tp(rec.get("valid_moe_tp_degrees"), o.tp, o.ep)
 
 
 # NxDI features this port does not implement, as (attribute, allowed values, why).
@@ -449,9 +438,9 @@ def request_options(cfg: KimiK2Config, r: ServingRequest, record, checkpoint) ->
                              f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
     mode = moe_paths.default_mode(cfg, r.tp, r.ep, r.lnc, r.context_length * r.prefill_batch)
     return ServeOptions(tp=r.tp, ep=r.ep, lnc=r.lnc, seq_len=r.seq_len, max_context_length=r.context_length,
-                        batch=r.batch, experts=record.experts, checkpoint=str(checkpoint),
+                        batch=r.batch, scheme=record.scheme, checkpoint=str(checkpoint),
                         on_device_sampling=r.on_device_sampling, global_topk=r.global_topk, moe_prefill=mode,
-                        quant_record=record.nxd, continuous_batching=r.continuous_batching,
+                        continuous_batching=r.continuous_batching,
                         extra={"on_cpu": True} if r.on_cpu else {})
 
 
@@ -510,16 +499,9 @@ def compiler_args(nxdi_args: str) -> str:
 
 # -- the checkpoint in the model's state dict -------------------------------------------------------------------------
 
-def experts_format(nc) -> str:
-    """The expert storage format a NeuronConfig describes (formats.EXPERT_FORMATS)."""
-    scheme = ExpertScheme.from_nxd(vars(nc))
-    return "bf16" if scheme is None else scheme.name
-
-
-def expected_keys(cfg: KimiK2Config, experts: str) -> set[str]:
+def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme) -> set[str]:
     """Every tensor the loader must deliver for the Neuron model: the format's (formats.layout.neuron_tensors) and
     no spmd_rank tensor, which NxD generates itself (NXDI_CONTRACT.md: spmd-rank); the loader adds rank_util.rank."""
-    scheme = None if experts == "bf16" else scheme_for(experts, "fp8")  # any block: the keys are the same
     return set(layout.neuron_tensors(cfg, scheme))
 
 
@@ -531,7 +513,7 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
     their scales float32, which NxD would silently cast (NXDI_CONTRACT.md: checkpoint-dtype-cast). Adds
     rank_util.rank, the per-rank index NeuronBaseModel's SPMDRank reads."""
     scheme = ExpertScheme.from_nxd(vars(nc))
-    experts = "bf16" if scheme is None else scheme.name
+    experts = scheme.name
     want = layout.neuron_tensors(cfg, scheme)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in state_dict.items():
@@ -551,7 +533,7 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
     if missing:
         raise KimiInputError(f"{where}: {len(missing)} tensor(s) missing for experts={experts}: {listing(missing)}")
     for name, (dtype, shape) in want.items():
-        _check_tensor(out[name], name, dtype, shape, scheme is not None, where, experts)
+        _check_tensor(out[name], name, dtype, shape, scheme.quantized, where, experts)
     out["rank_util.rank"] = torch.arange(nc.tp_degree, dtype=torch.int32)
     return out
 

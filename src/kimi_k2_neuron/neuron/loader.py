@@ -25,6 +25,7 @@ import torch
 
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint, TensorInfo, read_shard_header
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats.scheme import ExpertScheme
 
 from . import contract
 
@@ -36,7 +37,7 @@ def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
     against it (a raw checkpoint, or one converted with another scheme or block, is refused there, naming the
     tensors; the entry points convert a raw one first, once)."""
     nc = config.neuron_config
-    if contract.experts_format(nc) == "bf16":
+    if not ExpertScheme.from_nxd(vars(nc)).quantized:
         raise KimiInputError("unquantized (bf16) experts: the converter writes FP8 experts only; compile with "
                              "--experts fp8-per-channel or fp8-blockwise")
     t0 = time.monotonic()

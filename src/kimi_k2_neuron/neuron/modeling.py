@@ -45,6 +45,7 @@ from torch import nn  # noqa: E402
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError, listing  # noqa: E402
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
+from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
 from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
@@ -433,10 +434,10 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         loads (kimi_k2_neuron.convert): nothing is written, and the checkpoint is checked to hold the experts the
         config compiles."""
         path = config.neuron_config.quantized_checkpoints_path or model_path
-        record, want = ConversionRecord.read(path), contract.experts_format(config.neuron_config)
-        if record is None or record.experts != want:
-            raise KimiInputError(f"{path}: holds {record.experts if record else 'no converted'} experts, the config "
-                                 f"compiles {want}; serve a checkpoint kimi_k2_neuron.convert wrote")
+        record, want = ConversionRecord.read(path), ExpertScheme.from_nxd(vars(config.neuron_config))
+        if record is None or record.scheme != want:
+            raise KimiInputError(f"{path}: holds {record.scheme.name if record else 'no converted'} experts, the "
+                                 f"config compiles {want.name}; serve a checkpoint kimi-k2-neuron convert wrote")
 
     @staticmethod
     def load_hf_model(model_path, **kwargs):

@@ -8,7 +8,7 @@ import pytest
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats import DEFAULT_SCHEME
-from kimi_k2_neuron.formats.scheme import scheme_for
+from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, scheme_for
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.rope import softmax_scale
 from kimi_k2_neuron.plan import plan
@@ -32,8 +32,8 @@ def test_each_checkpoint_is_read_from_its_config_json(configs, name, factor, con
 
 def _recommended(shell, cfg, **over):
     """TP=64 at LNC=2, batch 1, seq_len 1024, fp8-blockwise experts, as converted from an FP8 checkpoint."""
-    record = scheme_for(DEFAULT_SCHEME, "fp8").nxd(cfg.moe_intermediate_size)
-    return shell.contract.ServeOptions(**{"tp": 64, "checkpoint": "/converted", "quant_record": record, **over})
+    scheme = scheme_for(DEFAULT_SCHEME, "fp8")
+    return shell.contract.ServeOptions(**{"tp": 64, "checkpoint": "/converted", "scheme": scheme, **over})
 
 
 def test_the_recommended_configuration_compiles_with_this_neuron_config(kimi, shell):
@@ -54,8 +54,8 @@ def test_the_recommended_configuration_compiles_with_this_neuron_config(kimi, sh
 @pytest.mark.parametrize("over,needle", [
     ({"tp": 48}, "num_attention_heads=64 is not divisible by 48"),
     ({"ep": 4}, "needs batch >= 48"),
-    ({"quant_record": None}, "needs a converted checkpoint"),
-    ({"experts": "fp8-per-channel"}, "holds blockwise_symmetric"),
+    ({"checkpoint": None}, "needs a converted checkpoint"),
+    ({"seq_len": 1000}, "must be a multiple of 128"),  # the shard-on-block kernel's output tiles
 ])
 def test_what_cannot_compile_is_refused_in_one_line(kimi, shell, over, needle):
     with pytest.raises(KimiInputError) as e:
@@ -65,5 +65,5 @@ def test_what_cannot_compile_is_refused_in_one_line(kimi, shell, over, needle):
 
 def test_the_recommended_configuration_fits_and_bf16_experts_do_not(kimi):
     """Per logical core of a trn2.48xlarge (24 GiB HBM), by the planner's estimate."""
-    assert plan(kimi, 64, 1, 2, 1024, 1, DEFAULT_SCHEME).fits
-    assert not plan(kimi, 64, 1, 2, 1024, 1, "bf16").fits
+    assert plan(kimi, 64, 1, 2, 1024, 1, scheme_for(DEFAULT_SCHEME, "fp8")).fits
+    assert not plan(kimi, 64, 1, 2, 1024, 1, BF16_EXPERTS).fits

@@ -11,7 +11,6 @@ import torch
 
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.formats import DEFAULT_SCHEME
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
 from kimi_k2_neuron.plan import format_plan, plan
@@ -27,7 +26,8 @@ def _state(shell, dst, tp=2):
 def test_the_converted_checkpoint_is_what_the_neuron_model_loads(converted, shell, quant):
     _, dst, _ = converted[quant]
     state = _state(shell, dst)  # strict: raises on a missing or unexpected tensor, shape or dtype
-    assert set(state) == shell.contract.expected_keys(KimiK2Config.from_file(dst), DEFAULT_SCHEME) | {"rank_util.rank"}
+    cfg = KimiK2Config.from_file(dst)
+    assert set(state) == shell.contract.expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
 
 
 def _nxd_experts(state, layer, e, i):
@@ -55,11 +55,12 @@ def test_nxd_dequantizes_the_source_experts(converted, shell, quant):
 def test_the_usage_steps_before_compiling(converted, shell):
     """The README's Usage up to compile_model, which needs the Neuron SDK: convert (the fixture), plan, options."""
     _, dst, _ = converted["fp8"]
-    cfg, record = KimiK2Config.from_file(dst), ConversionRecord.read(dst)
+    cfg = KimiK2Config.from_file(dst)
+    scheme = ConversionRecord.of(cfg).scheme
     # torch: the tiny model's hidden size is below NxD's prefill kernels'
-    p = plan(cfg, 2, 1, 2, 128, 2, DEFAULT_SCHEME, record=record, moe_prefill="torch")
+    p = plan(cfg, 2, 1, 2, 128, 2, scheme, moe_prefill="torch")
     assert p.fits and "fits: yes" in format_plan(p)
-    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), quant_record=record.nxd,
+    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), scheme=scheme,
                                           moe_prefill="torch")
     assert shell.contract.neuron_config_kwargs(cfg, options)["quantization_block_size"] == [32, 32]
 
