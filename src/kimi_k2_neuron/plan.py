@@ -173,7 +173,7 @@ _ROWS = (
     ("lm_head (TP)", ("lm_head.",)),
     ("dense MLP (TP)", ()),  # what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj
     ("shared experts (TP)", ("shared_experts.",)),
-    ("router + bias (replicated)", ("mlp.router.",)),
+    ("router + bias (replicated)", ("mlp.gate.",)),
     ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
 )
 _REPLICATED = ("attention q_a+kv_a (replicated)", "norms (replicated)", "router + bias (replicated)")
