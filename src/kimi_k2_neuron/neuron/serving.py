@@ -63,14 +63,6 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
     return app
 
 
-def load_tokenizer(checkpoint: str | Path):
-    """Kimi's tokenizer (tiktoken.model, tokenizer_config.json, chat template) as the CPU runner reads it: the same
-    tokenizer, chat template and stop ids on CPU and trn2, and no checkpoint code to trust."""
-    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-
-    return KimiTokenizer.from_dir(checkpoint)
-
-
 class _Stream(StoppingCriteria):
     """Prints row 0's new text as it is generated. NxDI's generation adapter calls the stopping criteria once per
     step and has no `streamer` support (NXDI_CONTRACT.md: adapter-stopping-criteria), so streaming rides on this
