@@ -10,7 +10,7 @@ A raw HF checkpoint is first converted, once, into a sibling folder <model>-neur
 an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
 taken is printed at the end).
 
---for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (README: "Serving with vLLM"): NxDI's
+--for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
 continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
 pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
 
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 
-        print("serve it with vLLM (README: 'Serving with vLLM'):\n" + vllm_serve_command(checkpoint, args.out, options))
+        print("serve it with vLLM (docs/vllm.md):\n" + vllm_serve_command(checkpoint, args.out, options))
     return 0
 
 

@@ -25,7 +25,8 @@ from functools import partial
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_generate, script_parser
+from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, begin, check_compiled_args, cpu_generate,
+                                   script_parser)
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
@@ -47,7 +48,8 @@ def main(argv=None) -> int:
     import torch
 
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.neuron.serving import load_tokenizer, read_compiled_record
+    from kimi_k2_neuron.neuron.serving import read_compiled_record
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
     from kimi_k2_neuron.runtime.chat import print_rows, prompt_ids, reply_texts
 
     torch.manual_seed(args.seed)
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     try:
         checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
         cfg = KimiK2Config.from_file(checkpoint)
-        tok = load_tokenizer(checkpoint)
+        tok = KimiTokenizer.from_dir(checkpoint)
         rows = _generate(args, prompt_ids(tok, args.prompt, args.chat, args.system), tok, cfg, checkpoint, stream)
     except KimiInputError as e:
         return fail(e)

@@ -13,7 +13,6 @@ import time
 from functools import partial
 from pathlib import Path
 
-import torch
 
 from . import __version__
 from .arguments import (Parser, add_generation_args, cache_dir, check_generation_args, check_out_dir, check_out_file,
@@ -24,8 +23,9 @@ from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .neuron import moe_paths
 from .plan import GiB
 from .runtime.ranks import RanksError
+from .runtime.runner import DTYPES
+from .runtime.tokenizer import KimiTokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -103,12 +103,6 @@ def _nxdi_cpu():
     return backend
 
 
-def _load_tokenizer(model_dir):
-    from .runtime.tokenizer import KimiTokenizer
-
-    return KimiTokenizer.from_dir(model_dir)
-
-
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
     from .runtime.chat import StopStrings, prompt_ids, reply_text, reply_texts
@@ -118,7 +112,7 @@ def cmd_generate(a) -> int:
     _check_generate_args(a)
     _check_backend(a)
     cfg = KimiK2Config.from_file(a.model)
-    tok = _load_tokenizer(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
+    tok = KimiTokenizer.from_dir(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
     prompts = prompt_ids(tok, a.prompt, a.chat, a.system) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
@@ -181,7 +175,7 @@ def cmd_demo(a) -> int:
         make_tiny(model_dir, quant="fp8")
         print(f"made a tiny FP8 Kimi-K2-format checkpoint in {model_dir}")
     runner = CpuRunner(model_dir)
-    tok = _load_tokenizer(model_dir)
+    tok = KimiTokenizer.from_dir(model_dir)
     ids = prompt_ids(tok, ["Hello, Kimi!"])[0]
     res = runner.generate([ids], a.max_new_tokens, SamplingParams(), stop_ids=tok.stop_ids(runner.cfg.eos_token_ids))
     print(f"prompt: {len(ids)} tokens; generated {len(res.tokens[0])} tokens (random weights, so no sense): "
@@ -264,16 +258,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kimi-k2-neuron", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    for add in (_make_tiny_parser, _logits_parser, _generate_parser, _convert_parser, _demo_parser, _plan_parser,
+                _trace_cpu_parser):
+        add(sub)
+    return p
 
-    s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format")
+
+def _command(sub, name: str, what: str, fn) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with the same line the command list shows."""
+    s = sub.add_parser(name, help=what, description=what)
+    s.set_defaults(fn=fn)
+    return s
+
+
+def _make_tiny_parser(sub) -> None:
+    s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format", cmd_make_tiny)
     s.add_argument("out", metavar="OUT", help="the new folder to write")
     s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8",
                    help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
     s.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds the random weights")
-    s.set_defaults(fn=cmd_make_tiny)
 
-    s = _command(sub, "logits", "logits at every position (prefill, then teacher-forced decode)")
+
+def _logits_parser(sub) -> None:
+    s = _command(sub, "logits", "logits at every position (prefill, then teacher-forced decode)", cmd_logits)
     s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
     s.add_argument("--input-ids", type=_rows, required=True, metavar="IDS",
                    help='e.g. "1,2,3;4,5,6" (rows separated by ;)')
@@ -283,9 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
-    s.set_defaults(fn=cmd_logits)
 
-    s = _command(sub, "generate", "generate on CPU; several --prompt decode as one batch")
+
+def _generate_parser(sub) -> None:
+    s = _command(sub, "generate", "generate on CPU; several --prompt decode as one batch", cmd_generate)
     s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", type=_rows, metavar="IDS",
@@ -293,9 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
     s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
     _model_opts(s)
-    s.set_defaults(fn=cmd_generate)
 
-    s = _command(sub, "convert", "convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout")
+
+def _convert_parser(sub) -> None:
+    s = _command(sub, "convert", "convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout",
+                 cmd_convert)
     s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
@@ -303,45 +314,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "INT4 sources)")
     s.add_argument("--workers", type=integer(1), default=1, metavar="N", help="threads converting experts in parallel")
     s.add_argument("--verify", action="store_true", help="re-hash finished files (and redo any that differ)")
-    s.set_defaults(fn=cmd_convert)
 
-    s = _command(sub, "demo", "make a tiny FP8 checkpoint, generate from it, compare with transformers")
+
+def _demo_parser(sub) -> None:
+    s = _command(sub, "demo", "make a tiny FP8 checkpoint, generate from it, compare with transformers", cmd_demo)
     s.add_argument("--max-new-tokens", type=integer(1), default=16, metavar="N", help="tokens to generate")
-    s.set_defaults(fn=cmd_demo)
 
-    s = _command(sub, "plan", "will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound "
-                              "(exit 0 fits, 1 does not)")
+
+def _plan_parser(sub) -> None:
+    s = _command(sub, "plan", "will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound (exit 0 fits, "
+                              "1 does not)", cmd_plan)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
-    s.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (ranks = logical cores used)")
-    s.add_argument("--ep", type=int, default=1, help="expert parallelism inside the tp ranks: experts split ep "
-                                                     "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
-    s.add_argument("--lnc", type=int, default=2, help="physical cores per logical core (trn2 default 2)")
+    s.add_argument("--tp", type=integer(1), required=True, help="tensor-parallel degree (ranks = logical cores used)")
+    s.add_argument("--ep", type=integer(1), default=1, help="expert parallelism inside the tp ranks: experts split ep "
+                                                            "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
+    s.add_argument("--lnc", type=integer(1), default=2, help="physical cores per logical core (trn2 default 2)")
     seq = s.add_mutually_exclusive_group(required=True)
-    seq.add_argument("--seq-len", type=int, help="KV cache length (prompt + generated tokens)")
+    seq.add_argument("--seq-len", type=integer(1), help="KV cache length (prompt + generated tokens)")
     seq.add_argument("--max-seq-len", action="store_true",
                      help="search the largest seq_len that fits (up to max_position_embeddings) and plan it; "
                           "--json adds max_seq_len (null if none fits)")
-    s.add_argument("--max-context-length", type=int, default=None,
+    s.add_argument("--max-context-length", type=integer(1), default=None,
                    help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
-    s.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    s.add_argument("--batch", type=integer(1), default=1, help="sequences decoded together")
     s.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
                    help="routed-expert storage on device (default: what a converted --model holds, which is the only "
                         f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
     s.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                    help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill: "
                         + moe_paths.modes_help())
-    s.add_argument("--kv-slots", type=int, default=1,
+    s.add_argument("--kv-slots", type=integer(1), default=1,
                    help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
                         "same-width dead V slot")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
-    s.set_defaults(fn=cmd_plan)
 
+
+def _trace_cpu_parser(sub) -> None:
     s = _command(sub, "trace-cpu", "trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces it "
-                                    "for neuronx-cc (exit 0: one clean graph, 1: not)")
+                                   "for neuronx-cc (exit 0: one clean graph, 1: not)", cmd_trace_cpu)
     s.add_argument("--model", required=True, metavar="DIR",
                    help="checkpoint folder (a raw one is converted once into $KIMI_K2_NEURON_CACHE/converted)")
     s.add_argument("--experts", choices=SCHEMES, default=None,
@@ -352,19 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (bfloat16: the device's)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
-    s.set_defaults(fn=cmd_trace_cpu)
-    return p
-
-
-def _command(sub, name: str, what: str) -> argparse.ArgumentParser:
-    """A subcommand whose --help opens with the same line the command list shows."""
-    return sub.add_parser(name, help=what, description=what)
 
 
 def _model_opts(s):
     s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
                    help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
-                        "real NxD/NxDI in NxD's CPU mode, needs them importable (README: 'The NxDI model on CPU')")
+                        "real NxD/NxDI in NxD's CPU mode, needs them importable (docs/nxdi_on_cpu.md)")
     s.add_argument("--experts", choices=SCHEMES, default=None,
                    help="nxdi-cpu: the expert scheme a raw --model is converted to first, into $KIMI_K2_NEURON_CACHE/"
                         f"converted (default: {DEFAULT_SCHEME}; a converted --model keeps its own)")

@@ -33,7 +33,7 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
                         "or converted)")
     p.add_argument("--cpu", action="store_true",
                    help="run the NxDI model in NxD's CPU mode instead of a compiled one (needs NxD/NxDI importable; "
-                        "README: 'The NxDI model on CPU'); no trn2 number comes out of it")
+                        "docs/nxdi_on_cpu.md); no trn2 number comes out of it")
     p.add_argument("--tp", type=integer(1), default=1, metavar="N", help="with --cpu: tensor-parallel CPU ranks")
     p.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"with --cpu: the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")

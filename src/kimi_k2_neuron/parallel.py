@@ -19,7 +19,6 @@ from torch import nn
 
 from .config import KimiK2Config
 from .errors import KimiInputError
-from .model.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,10 @@ class ParallelContext:
     def lm_head(self, dim: int, vocab: int, dtype: torch.dtype) -> nn.Module:
         return ParallelLMHead(dim, vocab, dtype, self)
 
-    def moe(self, cfg: KimiK2Config, dtype: torch.dtype) -> nn.Module:
-        """A MoE layer's routed + shared experts: the core's (kimi_k2_neuron.model.moe) here."""
-        return MoE(cfg, dtype, self)
+    def moe(self, cfg: KimiK2Config, dtype: torch.dtype) -> nn.Module | None:
+        """A MoE layer's routed + shared experts from the backend, or None for the core's own (model.moe.MoE, which
+        the decoder layer builds: the seam does not import the model)."""
+        return None
 
     # -- sharding and collectives -------------------------------------------------------------------------
 

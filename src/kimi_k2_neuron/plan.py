@@ -173,7 +173,7 @@ _ROWS = (
     ("lm_head (TP)", ("lm_head.",)),
     ("dense MLP (TP)", ()),  # what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj
     ("shared experts (TP)", ("shared_experts.",)),
-    ("router + bias (replicated)", ("mlp.router.",)),
+    ("router + bias (replicated)", ("mlp.gate.",)),
     ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
 )
 _REPLICATED = ("attention q_a+kv_a (replicated)", "norms (replicated)", "router + bias (replicated)")
@@ -186,8 +186,9 @@ def _row_of(key: str) -> str:
 def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32") -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
+    experts_dtype = "fp8" if scheme.quantized else "bf16"
     dtypes = {row: "bf16" for row, _ in _ROWS} | {"router + bias (replicated)": router_dtype,
-                                                 "routed experts (E/ep, I/(tp/ep))": "fp8" if scheme.quantized else "bf16"}
+                                                 "routed experts (E/ep, I/(tp/ep))": experts_dtype}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
     total = dict.fromkeys(dtypes, 0)
     for key, (_, shape) in converted_tensors(cfg, BF16_EXPERTS).items():

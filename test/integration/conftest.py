@@ -66,7 +66,8 @@ def served(tmp_path_factory) -> Served:
 
     set_fp8_env()  # before the SDK import below
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.neuron.serving import load_compiled, load_tokenizer, read_compiled_record
+    from kimi_k2_neuron.neuron.serving import load_compiled, read_compiled_record
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     if os.environ.get("KIMI_K2_MINI") == "1":
         compiled, checkpoint = _compile_mini(tmp_path_factory.mktemp("mini"))
@@ -74,7 +75,7 @@ def served(tmp_path_factory) -> Served:
     else:
         compiled = Path(os.environ["KIMI_K2_COMPILED"])
         checkpoint = Path(os.environ.get("KIMI_K2_CHECKPOINT") or read_compiled_record(compiled)["checkpoint"])
-        tokenizer = load_tokenizer(checkpoint)
+        tokenizer = KimiTokenizer.from_dir(checkpoint)
     app = load_compiled(compiled, checkpoint)
     return Served(app, KimiK2Config.from_file(checkpoint), checkpoint, compiled, tokenizer is None, tokenizer)
 

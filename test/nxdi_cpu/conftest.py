@@ -26,7 +26,7 @@ def _why_not_runnable() -> str | None:
     try:
         import kimi_k2_neuron.neuron.modeling  # noqa: F401  (its ImportError names the missing packages)
     except ImportError as e:
-        return (f"NxD/NxDI not importable here ({e}); build the nxdi-cpu venv (README: 'The NxDI model on CPU') or "
+        return (f"NxD/NxDI not importable here ({e}); build the nxdi-cpu venv (docs/nxdi_on_cpu.md) or "
                 f"use a Neuron SDK venv")
     return None
 

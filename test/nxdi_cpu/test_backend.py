@@ -1,5 +1,5 @@
-"""nxdi_cpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its model
-wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
+"""nxdi_cpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its
+model wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
 core's CPU runner on the same converted checkpoint, and against transformers where the conversion is exact.
 
 - Logits: two rows of different lengths, each prefilling its first PREFILL tokens in one context-encoding call (or
@@ -242,7 +242,8 @@ import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
 from kimi_k2_neuron.nxdi_cpu import backend
-backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]),
+                 int(sys.argv[5]))
 """
 
 

@@ -103,7 +103,7 @@ def test_compile_and_save_for_vllm_writes_what_the_plugins_precompiled_branch_lo
     assert nc["on_device_sampling_config"]["dynamic"] is True and nc["save_sharded_checkpoint"] is True
     assert nc["quantized"] is True and nc["quantization_type"] == "blockwise_symmetric"
     assert (out / "weights/tp0_sharded_checkpoint.safetensors").is_file() and (out / "kimi_k2_neuron.json").is_file()
-    command = stdout.split("serve it with vLLM (README: 'Serving with vLLM'):\n", 1)[1]
+    command = stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1]
     model = converted[("fp8", "fp8-blockwise")].resolve()
     assert command.startswith(f"NEURON_COMPILED_ARTIFACTS={out.resolve()} vllm serve {model} \\\n")
     flags = command.replace("\\\n", " ").split()

@@ -97,7 +97,8 @@ BAD_ARGS = [
     # demo
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens: expected an integer >= 1"),
     # plan
-    (["plan", "--config", "{model}/config.json", "--tp", "0", "--seq-len", "8", "--experts", "bf16"], "--tp 0"),
+    (["plan", "--config", "{model}/config.json", "--tp", "0", "--seq-len", "8", "--experts", "bf16"],
+     "--tp: expected an integer >= 1, got '0'"),
     (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
      "one of the arguments --seq-len --max-seq-len is required"),
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"], "not found"),
@@ -307,4 +308,4 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     r = subprocess.run(cmd, capture_output=True, text=True)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
-    assert "neuronx-distributed-inference" in err[0] and "README section 'The NxDI model on CPU'" in err[0]
+    assert "neuronx-distributed-inference" in err[0] and "docs/nxdi_on_cpu.md" in err[0]

@@ -1,6 +1,6 @@
 """The package's layout: its import graph follows the data flow (no module imports from a later stage, anywhere in its
-body, lazy imports included; a stage may import from itself and from any earlier one), and the README's "How the code
-is laid out" names exactly the modules of the tree."""
+body, lazy imports included; a stage may import from itself and from any earlier one), docs/code_layout.md names
+exactly the modules of the tree, and every page of docs/ is linked from the README, and every link resolves."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def test_no_module_imports_from_a_later_stage():
 
 
 def _substantial(path: Path) -> bool:
-    """A module the README must name: any but a package __init__ that only documents or re-exports (it may)."""
+    """A module docs/code_layout.md must name: any but a package __init__ that only documents or re-exports (it
+    may)."""
     if path.name != "__init__.py":
         return True
     body = ast.parse(path.read_text()).body
@@ -79,15 +80,14 @@ def _substantial(path: Path) -> bool:
         isinstance(t, ast.Name) and t.id != "__all__" for t in n.targets)) for n in body)
 
 
-def test_the_readme_layout_names_every_module_of_the_tree():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("## How the code is laid out", 1)[1].split("```")[1]
+def test_the_code_layout_page_names_every_module_of_the_tree():
+    block = (REPO / "docs/code_layout.md").read_text().split("```")[1]
     listed = re.findall(r"^  (\S+\.(?:py|md)) ", block, re.MULTILINE)
     files = [p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".md") and "__pycache__" not in p.parts]
     every = {str(p.relative_to(PACKAGE)) for p in files}
     must = {str(p.relative_to(PACKAGE)) for p in files if p.suffix == ".md" or _substantial(p)}
-    assert must - set(listed) == set(), "modules the README does not name"
-    assert set(listed) - every == set(), "named in the README, not in the tree"
+    assert must - set(listed) == set(), "modules docs/code_layout.md does not name"
+    assert set(listed) - every == set(), "named in docs/code_layout.md, not in the tree"
     assert len(listed) == len(set(listed))
 
 
@@ -98,3 +98,14 @@ def test_no_two_modules_share_a_name():
     tests = [p.name for p in (REPO / "test").rglob("*.py") if p.name != "conftest.py"]
     for found in (names, tests):
         assert sorted({n for n in found if found.count(n) > 1}) == []
+
+
+def test_the_readme_links_every_docs_page_and_every_link_resolves():
+    """The README is the guide: each page of docs/ is one link away, and no link of the README or docs/ is dead."""
+    readme = (REPO / "README.md").read_text()
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
+    assert [p for p in pages if f"](docs/{p})" not in readme] == []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name}: {target}"

@@ -108,7 +108,8 @@ def test_a_failed_kernel_compile_prints_the_planners_fallback_advice(capsys, mon
         raise RuntimeError("neuronx-cc: compilation failed")
 
     advice = "if neuronx-cc fails in the --moe-prefill shard-on-block kernel, these fit by the planner: ..."
-    assert script._compile(fails, None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s", advice) is False
+    kernel_mode = SimpleNamespace(moe_prefill="shard-on-block")
+    assert script._compile(fails, None, "/c", "/out", kernel_mode, "s", advice) is False
     err = capsys.readouterr().err
     assert "RuntimeError: neuronx-cc: compilation failed" in err  # NxDI's traceback first
     assert err.endswith("error: compiling with --moe-prefill shard-on-block failed (traceback above)\n" + advice

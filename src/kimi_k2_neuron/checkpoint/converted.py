@@ -3,7 +3,7 @@ it loads an HF one.
 
 ConvertedView looks like a ShardedCheckpoint: per-expert `...experts.E.{gate,up,down}_proj.weight` are virtual
 float32 tensors, dequantized on demand from one expert's slice of the fused tensors (read with safetensors' slicing,
-not the whole [E, ...] tensor), and the router keys are shown under their HF names. Everything else passes through.
+not the whole [E, ...] tensor). Everything else, the router included, is stored under its HF name and passes through.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from ..config import KimiK2Config
 from ..errors import KimiInputError
-from ..formats.layout import down_key, expert_name, gate_up_key, router_keys, scale_key
+from ..formats.layout import down_key, expert_name, gate_up_key, scale_key
 from ..formats.record import ConversionRecord
 from ..quant import check_finite
 from ..quant.nxd_fp8 import dequantize_nxd
@@ -23,12 +23,11 @@ class ConvertedView:
     def __init__(self, ckpt: ShardedCheckpoint, cfg: KimiK2Config):
         self._ckpt = ckpt
         self._virtual: dict[str, tuple] = {}  # logical name -> (real weight key, expert, proj)
-        self._renamed: dict[str, str] = {}  # logical router name -> real key
         hidden = set()
         for layer in range(cfg.num_hidden_layers):
             if gate_up_key(layer) in ckpt:
                 hidden |= self._add_layer(layer)
-        self._keyset = (set(ckpt.keys()) - hidden) | set(self._virtual) | set(self._renamed)
+        self._keyset = (set(ckpt.keys()) - hidden) | set(self._virtual)
 
     def _add_layer(self, layer: int) -> set[str]:
         gu, dn = gate_up_key(layer), down_key(layer)
@@ -39,12 +38,7 @@ class ConvertedView:
         for e in range(n_experts):
             for proj, key in (("gate_proj", gu), ("up_proj", gu), ("down_proj", dn)):
                 self._virtual[expert_name(layer, e, proj)] = (key, e, proj)
-        hidden = {gu, dn, scale_key(gu), scale_key(dn)}
-        for logical, real in router_keys(layer).items():
-            if real in self._ckpt:
-                self._renamed[logical] = real
-                hidden.add(real)
-        return hidden
+        return {gu, dn, scale_key(gu), scale_key(dn)}
 
     # -- the ShardedCheckpoint surface WeightSource and load_weights use ---------------------------------------
     def keys(self) -> list[str]:
@@ -54,9 +48,6 @@ class ConvertedView:
         return name in self._keyset
 
     def info(self, name: str) -> TensorInfo:
-        if name in self._renamed:
-            real = self._ckpt.info(self._renamed[name])
-            return TensorInfo(name, real.shard, real.dtype, real.shape, real.nbytes)
         if name not in self._virtual:
             return self._ckpt.info(name)
         key, _, proj = self._virtual[name]
@@ -65,8 +56,6 @@ class ConvertedView:
         return TensorInfo(name, self._ckpt.info(key).shard, torch.float32, shape, 4 * shape[0] * shape[1])
 
     def get(self, name: str) -> torch.Tensor:
-        if name in self._renamed:
-            return self._ckpt.get(self._renamed[name])
         if name not in self._virtual:
             return self._ckpt.get(name)
         key, e, proj = self._virtual[name]

@@ -212,7 +212,7 @@ class _Job:
 
     def _plain(self, w: ShardWriter, name: str) -> None:
         t = self.src.get(name, layout.converted_dtype(name))
-        w.add(layout.converted_name(name), t)
+        w.add(name, t)
         self._consumed(name)
 
     def _consumed(self, *names: str) -> None:

@@ -22,7 +22,7 @@ from ..checkpoint.source import WeightSource
 from ..config import KimiK2Config
 from ..errors import KimiInputError, listing
 from ..formats import layout
-from ..formats.layout import BF16, F32, converted_dtype, converted_name, is_routed_expert
+from ..formats.layout import BF16, F32, converted_dtype, is_routed_expert
 from ..formats.scheme import ExpertScheme
 
 _TOP_FIRST, _TOP_LAST = ("model.embed_tokens.",), ("model.norm.", "lm_head.")
@@ -109,7 +109,7 @@ def build(src: WeightSource, scheme: ExpertScheme) -> list[Unit]:
 
 
 def _entries(u: Unit, cfg: KimiK2Config, scheme: ExpertScheme, expected) -> list:
-    plain = [(converted_name(n), converted_dtype(n), expected[n]) for n in u.plain]
+    plain = [(n, converted_dtype(n), expected[n]) for n in u.plain]
     first = sorted(e for e in plain if e[1] == F32)
     last = sorted(e for e in plain if e[1] == BF16)
     if u.moe_layer is None:

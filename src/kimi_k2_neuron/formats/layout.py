@@ -8,17 +8,16 @@ shapes (test/unit/test_formats.py builds it and compares), whatever the storage 
 
 The converted checkpoint (converted_tensors): every key keeps the HF `model.` prefix, which NxDI strips before loading
 (neuron/NXDI_CONTRACT.md: state-dict-prefix).
-- unchanged HF names, bf16: embeddings, all norms, all of `self_attn.*`, the dense layers' `mlp.{gate,up,down}_proj`,
-  `mlp.shared_experts.*`, `lm_head`;
-- the router, fp32: `mlp.gate.weight` -> `mlp.router.linear_router.weight` [E, H] (NxD's router names its linear
-  `linear_router`), `mlp.gate.e_score_correction_bias` -> `mlp.router.e_score_correction_bias` [E];
+- unchanged HF names (the core's), bf16: embeddings, all norms, all of `self_attn.*`, the dense layers'
+  `mlp.{gate,up,down}_proj`, `mlp.shared_experts.*`, `lm_head`;
+- the router under its HF names too, fp32: `mlp.gate.weight` [E, H] and `mlp.gate.e_score_correction_bias` [E];
 - the routed experts of a layer fused, as NxD's ExpertMLPsV2 holds them (neuron/NXDI_CONTRACT.md: expert-names):
   `mlp.expert_mlps.mlp_op.gate_up_proj.weight` float8_e4m3fn [E, H, 2I] (gate columns, then up) and
   `mlp.expert_mlps.mlp_op.down_proj.weight` [E, I, H], each with a float32 `.scale` beside it (same prefix, `scale`
   instead of `weight`) shaped by the expert scheme (scheme.py).
 
-The Neuron model (module_key): the converted key without `model.`, and the router's weight under the core router's
-name, `mlp.router.weight` (the Neuron model's router is the core's, float32, bias applied after the sigmoid).
+The Neuron model (module_key): the converted key without `model.`, and the router's tensors under `mlp.router.`,
+because NxD's MoE holds its router as `router` (the Neuron model's router is the core's, float32).
 """
 
 from __future__ import annotations
@@ -33,10 +32,7 @@ BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 # Raw keys that are no weight: the non-persistent rotary buffer real dumps carry.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _EXPERTS = "mlp.expert_mlps.mlp_op."
-# HF (logical) router names -> converted names, after the layer prefix.
-_ROUTER = {"mlp.gate.weight": "mlp.router.linear_router.weight",
-           "mlp.gate.e_score_correction_bias": "mlp.router.e_score_correction_bias"}
-
+_ROUTER = "mlp.gate."  # the router's tensors (weight, e_score_correction_bias), after the layer prefix
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
@@ -58,20 +54,13 @@ def scale_key(weight_key: str) -> str:
     return weight_key[: -len("weight")] + "scale"
 
 
-def router_keys(layer: int) -> dict[str, str]:
-    """HF (logical) router name -> converted name."""
-    p = layer_prefix(layer)
-    return {p + hf: p + converted for hf, converted in _ROUTER.items()}
-
-
 def key_templates() -> dict[str, str]:
-    """The converted key of each fused or renamed tensor, with `{L}` for the layer (recorded in config.json)."""
+    """The converted key of each fused tensor, with `{L}` for the layer (recorded in config.json)."""
     def template(key: str) -> str:
         return key.replace(".0.", ".{L}.", 1)
 
     return {"gate_up": template(gate_up_key(0)), "down": template(down_key(0)),
-            "scale": "<weight key minus 'weight'>scale",
-            **{hf.split("mlp.")[1]: template(converted) for hf, converted in router_keys(0).items()}}
+            "scale": "<weight key minus 'weight'>scale"}
 
 
 def is_ignored(key: str) -> bool:
@@ -126,17 +115,10 @@ def is_routed_expert(name: str) -> bool:
 
 # -- the converted checkpoint ----------------------------------------------------------------------------------------
 
-def converted_name(name: str) -> str:
-    """Converted key of a non-expert logical weight (only the router is renamed)."""
-    if ".mlp.gate." in name:
-        return router_keys(int(name.split(".")[2]))[name]
-    return name
-
-
 def converted_dtype(name: str) -> torch.dtype:
     """What a non-expert logical weight is stored as: the router float32 (routing is sensitive to rounding), the
     rest bfloat16."""
-    return F32 if ".mlp.gate." in name else BF16
+    return F32 if "." + _ROUTER in name else BF16
 
 
 def expert_tensors(cfg: KimiK2Config, layer: int,
@@ -154,7 +136,7 @@ def expert_tensors(cfg: KimiK2Config, layer: int,
 def converted_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Converted key -> (dtype, full shape) of every tensor of the converted checkpoint (or of the Neuron model's
     with bf16 experts)."""
-    out = {converted_name(n): (converted_dtype(n), shape) for n, shape in logical_shapes(cfg, False).items()}
+    out = {n: (converted_dtype(n), shape) for n, shape in logical_shapes(cfg, False).items()}
     for layer in filter(cfg.is_moe_layer, range(cfg.num_hidden_layers)):
         out.update({key: (dtype, shape) for key, dtype, shape in expert_tensors(cfg, layer, scheme)})
     return out
@@ -164,13 +146,8 @@ def converted_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tupl
 
 def module_key(key: str) -> str:
     """The Neuron model's state-dict key for a converted (or logical non-expert) checkpoint key: no `model.` prefix,
-    and the router's tensors under NxD's MoE attribute `router` with the core router's own names."""
-    key = key.removeprefix("model.")
-    for hf, converted in _ROUTER.items():
-        for name in (hf, converted):
-            if key.endswith("." + name):
-                return key[: -len(name)] + "mlp.router." + hf.removeprefix("mlp.gate.")
-    return key
+    and the router's tensors under NxD's MoE attribute `router`."""
+    return key.removeprefix("model.").replace("." + _ROUTER, ".mlp.router.")
 
 
 def neuron_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

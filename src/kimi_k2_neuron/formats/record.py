@@ -16,7 +16,8 @@ from .layout import key_templates
 from .scheme import ExpertScheme, converted_scheme
 
 CONVERSION_KEY = "kimi_k2_neuron_conversion"
-LAYOUT_VERSION = 1
+# 2: the router under its HF names (1 wrote NxD's older `mlp.router.linear_router.` ones); convert again.
+LAYOUT_VERSION = 2
 
 
 @dataclass(frozen=True)

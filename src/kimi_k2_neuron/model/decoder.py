@@ -12,7 +12,7 @@ from torch import nn
 from ..config import KimiK2Config
 from ..parallel import ParallelContext
 from .mla import MLAttention
-from .moe import MLP
+from .moe import MLP, MoE
 from .norm import RMSNorm
 
 
@@ -24,7 +24,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.mlp = ctx.moe(cfg, dtype)
+            backend_moe = ctx.moe(cfg, dtype)
+            self.mlp = MoE(cfg, dtype, ctx) if backend_moe is None else backend_moe
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ctx)
 

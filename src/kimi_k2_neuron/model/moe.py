@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import KimiK2Config
+from ..parallel import ParallelContext
 from .router import NoAuxTcRouter
-
-if TYPE_CHECKING:  # the seam builds these blocks (ParallelContext.moe), so it imports this module, not the reverse
-    from ..parallel import ParallelContext
 
 
 class MLP(nn.Module):

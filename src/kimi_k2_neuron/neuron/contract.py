@@ -55,8 +55,8 @@ def require_neuron_sdk() -> None:
             "kimi_k2_neuron.neuron needs the AWS Neuron SDK; missing: " + ", ".join(missing) + ". Use a Neuron DLAMI "
             "virtualenv (SDK 2.29+) or `pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
             + " ".join(missing) + "` (the PyPI packages of these names are placeholders); to run this NxDI model "
-            "on CPU without them, see the README section 'The NxDI model on CPU'. The CPU core (kimi_k2_neuron) "
-            "works without them.")
+            "on CPU without them, see docs/nxdi_on_cpu.md in the kimi-k2-neuron repository. The CPU core "
+            "(kimi_k2_neuron) works without them.")
 
 
 # -- serving options -> MoENeuronConfig ---------------------------------------------------------------------------

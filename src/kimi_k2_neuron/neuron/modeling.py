@@ -16,6 +16,7 @@ Importing it without the Neuron SDK raises the ImportError that names the missin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -86,7 +87,7 @@ class KimiK2InferenceConfig(InferenceConfig):
             self.__dict__.update(attrs)
 
         config = cls(neuron_config, load_config=load_config, **kwargs)
-        _CORE[config] = cfg
+        _CORE[config] = dataclasses.replace(cfg, quant=None)  # as core_config() reads it (the source's storage)
         return config
 
     @classmethod

@@ -68,34 +68,17 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, options: co
     """The `vllm serve` command line that has vllm-neuron load `compiled` (compile_and_save.py --for-vllm): flags that
     make its request the one compiled (contract.compiled_mismatches), Kimi's tool calls through this package's parser
     plugin, and its reasoning parser when the chat template opens <think> (Kimi-K2-Thinking)."""
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
+
     parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
     flags = [f"--tensor-parallel-size {options.tp} --max-num-seqs {options.batch} --max-model-len {options.seq_len}",
              f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {options.batch}",
              "--trust-remote-code --enable-auto-tool-choice",
              f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron"]
-    if "<think>" in _chat_template(checkpoint):
+    if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
     env = f"{contract.COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
     return " \\\n    ".join([f"{env} vllm serve {shlex.quote(str(Path(checkpoint).resolve()))}", *flags])
-
-
-def _chat_template(checkpoint: str | Path) -> str:
-    """The checkpoint's chat template text (chat_template.jinja, else tokenizer_config.json's), "" if none."""
-    path = Path(checkpoint)
-    if (path / "chat_template.jinja").is_file():
-        return (path / "chat_template.jinja").read_text()
-    try:
-        return str(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template") or "")
-    except (OSError, ValueError):
-        return ""
-
-
-def load_tokenizer(checkpoint: str | Path):
-    """Kimi's tokenizer (tiktoken.model, tokenizer_config.json, chat template) as the CPU runner reads it: the same
-    tokenizer, chat template and stop ids on CPU and trn2, and no checkpoint code to trust."""
-    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-
-    return KimiTokenizer.from_dir(checkpoint)
 
 
 class _Stream(StoppingCriteria):

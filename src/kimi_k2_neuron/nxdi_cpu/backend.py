@@ -34,12 +34,12 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa:
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
+from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 
-CPU_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +64,9 @@ class CpuOptions:
 
 def check(o: CpuOptions) -> None:
     """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
-    if o.dtype not in CPU_DTYPES:
-        raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(CPU_DTYPES)}")
-    contract.check_cpu_run(CPU_DTYPES[o.dtype], o.tp, o.ep)
+    if o.dtype not in DTYPES:
+        raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(DTYPES)}")
+    contract.check_cpu_run(DTYPES[o.dtype], o.tp, o.ep)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -125,7 +125,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
         moe_prefill=prefill_mode(o.config, o, seq_len * (1 if o.continuous_batching else batch)),
         continuous_batching=o.continuous_batching,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
-        extra={"on_cpu": on_cpu, "torch_dtype": CPU_DTYPES[o.dtype]})
+        extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
 
 
@@ -371,11 +371,12 @@ def _generation_seq_len(g: Generation) -> int:
 def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
     from kimi_k2_neuron.runtime.chat import reply_text
 
-    from kimi_k2_neuron.neuron.serving import generate_ids, load_tokenizer
+    from kimi_k2_neuron.neuron.serving import generate_ids
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
     app = build(o, seq_len=_generation_seq_len(g), batch=len(g.rows), sampling=g.sampling)
-    tok = load_tokenizer(g.tokenizer_dir) if g.tokenizer_dir else None
+    tok = KimiTokenizer.from_dir(g.tokenizer_dir) if g.tokenizer_dir else None
     decode = partial(reply_text, tok) if tok else None
     paths = MoEPaths(app)
     rows = generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,

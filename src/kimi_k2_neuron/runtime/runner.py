@@ -36,6 +36,9 @@ from .sampling import SamplingParams, sample
 _TOP_LEVEL = ("model.embed_tokens.", "model.norm.", "lm_head.")
 
 
+# The compute dtypes the CPU paths take, by their --dtype names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
 @dataclass
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per row, stop token included when one was hit

@@ -20,7 +20,8 @@ from kimi_k2_neuron.neuron import (
     NxDParallelContext,
 )
 from kimi_k2_neuron.neuron.contract import ServeOptions, neuron_config_kwargs
-from kimi_k2_neuron.neuron.serving import compile_model, generate, load_compiled, load_tokenizer
+from kimi_k2_neuron.neuron.serving import compile_model, generate, load_compiled
+from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 from kimi_k2_neuron.plan import format_plan, plan
 
 __all__ = [
@@ -39,6 +40,6 @@ __all__ = [
     "neuron_config_kwargs",
     "compile_model",
     "load_compiled",
-    "load_tokenizer",
+    "KimiTokenizer",
     "generate",
 ]
