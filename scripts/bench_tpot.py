@@ -1,6 +1,6 @@
 """Decode latency (TPOT) and prefill latency (TTFT) of a compiled Kimi-K2, measured the way NxDI does.
 
-Runs NxDI's benchmark_sampling (utils/benchmark.py:21-207): end-to-end generations with latency hooks on the
+Runs NxDI's benchmark_sampling (NXDI_CONTRACT.md: benchmark-sampling): end-to-end generations with latency hooks on the
 context-encoding and token-generation submodels. TPOT is the per-call latency of the token-generation model (one
 decode step for the whole batch) and TTFT the per-call latency of the context-encoding model, each as p50/p90/p99.
 Nothing here divides a total time by a token count. Writes a JSON report.
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
-    """Our report from benchmark_sampling's: {submodel: {latency_ms_p50, ...}} (benchmark.py:496-513)."""
+    """Our report from benchmark_sampling's: {submodel: {latency_ms_p50, ...}} (NXDI_CONTRACT.md: benchmark-sampling)."""
     def pct(entry):
         if not entry:
             return None
@@ -97,7 +97,7 @@ def _compiled(args) -> tuple[dict, dict]:
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
     # Greedy, no EOS: every run decodes to max_length (benchmark_sampling drops EOS itself only with on-device
-    # sampling, benchmark.py:56-61).
+    # sampling, NXDI_CONTRACT.md: benchmark-sampling).
     gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
     with tempfile.TemporaryDirectory() as d:
         raw = benchmark_sampling(app, None, gen, target="all", num_runs=args.num_runs,

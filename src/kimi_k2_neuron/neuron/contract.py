@@ -264,7 +264,7 @@ UNSUPPORTED = (
     ("enable_fused_speculation", (False,), "speculative decoding is not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
     # NXDI_CONTRACT.md: layer-boundary-markers
-    ("layer_boundary_markers", (False,), "per-layer KV update is not implemented (model_base.py:1299-1305)"),
+    ("layer_boundary_markers", (False,), "per-layer KV update is not implemented"),
     ("attn_block_tkg_nki_kernel_enabled", (False,), "the GQA attention kernels do not compute MLA"),
     ("k_cache_transposed", (False,), "the latent cache is read untransposed"),
     ("kv_cache_tiling", (False,), "the V slot is 1 wide; a tiled layout is not handled"),
@@ -355,11 +355,10 @@ def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
         out.append(f"moe_ep_degree={ep} at tp_degree={tp} (not an expert layout NxD's replica groups support)")
     bmm = getattr(nc, "blockwise_matmul_config", None)
     if bmm is not None and not getattr(bmm, "parallelize_token_to_block_mapping", True):  # NXDI_CONTRACT.md: spmd-rank
-        out.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts, "
-                   "expert_mlps_v2.py:121-138)")
+        out.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts)")
     if bmm is not None and getattr(bmm, "block_size", 0) >= ALL_EXPERTS_BLOCK_SIZE:
         # NXDI_CONTRACT.md: all-experts-no-ep
-        out.append("all-experts prefill with EP (no EP variant, expert_mlps_v2.py:1492-1494)")
+        out.append("all-experts prefill with EP (NxD has no EP variant of it)")
     return out
 
 
@@ -581,8 +580,8 @@ def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
                              f"--tp 1 (gloo has no bfloat16 collectives)")
     if (moe_ep or 1) > 1:
         raise KimiInputError(f"--ep {moe_ep}: NxD's MoE expert parallelism does not run in its CPU mode (its "
-                             f"expert-rank lookup reads the XLA process group's _mesh, parallel_state.py:991, which "
-                             f"gloo groups lack); use --ep 1 on CPU")
+                             f"expert-rank lookup reads the XLA process group's _mesh, which gloo groups lack: "
+                             f"NXDI_CONTRACT.md: cpu-mode-limits); use --ep 1 on CPU")
 
 
 # NxD's shard_checkpoint keeps every rank's sharded dict until the last rank is written, and the stride-2 split of

@@ -273,7 +273,7 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
         if "Float8" in str(e) and "index" in str(e):
             raise KimiInputError(
                 "NxD's QuantizedExpertFusedColumnParallel.forward re-indexes its float8 weight on CPU without its "
-                "int8-view workaround (quantization_layers.py:1147-1148, NxD 2.29), so FP8 selective loading fails "
+                "int8-view workaround (NXDI_CONTRACT.md: cpu-fp8-index), so FP8 selective loading fails "
                 "in CPU mode; NxD needs that two-line fix (the nxdi-cpu test venv carries it)") from e
         raise
 
