@@ -383,7 +383,8 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         return load_neuron_state_dict(path, self.config)
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
-        """A few ranks per pass, as contract.rank_passes says why (NXDI_CONTRACT.md: builder-rank-window)."""
+        """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why; NXDI_CONTRACT.md:
+        builder-rank-window)."""
         nc = self.neuron_config
         if nc.skip_sharding or not nc.save_sharded_checkpoint:  # NxDI only logs that it skips
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
@@ -412,8 +413,9 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     def to_cpu(self, presharded: str | None = None):
         """This model in NxD's CPU mode, built per submodel as ModelBuilder builds it on device. NxDI's to_cpu
         differs (NXDI_CONTRACT.md: nxdi-to-cpu): it casts float32 router parameters to bf16, skips quantize.convert
-        so strict=False drops the FP8 scales silently, and builds one model for both submodels. Here loading is
-        strict both ways. `presharded`: a folder of NxD's per-rank files to load instead of sharding here."""
+        so strict=False drops the FP8 scales silently, and builds one model for both submodels (whose MoE
+        is_prefill_stage differs). Here loading is strict both ways. `presharded`: a folder of NxD's per-rank files
+        to load instead of sharding here."""
         nc = self.neuron_config
         contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
@@ -421,7 +423,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)
-            state = dict(loaded)  # get_sharded_checkpoint replaces entries in place
+            state = dict(loaded)  # per submodel: get_sharded_checkpoint replaces entries by this rank's slices
             _check_no_unexpected(model, state, presharded or self.model_path)
             if presharded is None:
                 get_sharded_checkpoint(state, model, rank, nc.tp_degree)
