@@ -1,8 +1,4 @@
-"""One error type for bad user input: checkpoints, configs, CLI arguments.
-
-Messages are one line and name the file, tensor or field and what was expected, so the CLI can print them
-without a traceback.
-"""
+"""Bad user input, in one line naming what and what was expected, so the CLI prints it without a traceback."""
 
 
 class KimiInputError(ValueError):
@@ -10,7 +6,6 @@ class KimiInputError(ValueError):
 
 
 def listing(names, limit: int = 4) -> str:
-    """The first `limit` names, comma-separated, and how many more there are: error messages stay one line."""
     names = list(names)
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more

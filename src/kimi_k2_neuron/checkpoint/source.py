@@ -1,19 +1,8 @@
-"""Logical weights of a Kimi-K2 checkpoint, whatever format it stores them in.
-
-A checkpoint stores one logical weight `X.weight` as:
-- bf16/fp32 `X.weight` (BF16 checkpoints; norms, embeddings, router everywhere),
-- float8_e4m3fn `X.weight` + float32 `X.weight_scale_inv` (blockwise FP8: Kimi-K2-Instruct, -0905),
-- int32 `X.weight_packed` + bf16 `X.weight_scale` + int32 `X.weight_shape` (compressed-tensors INT4 pack-quantized,
-  routed experts of Kimi-K2-Thinking).
-WeightSource groups the raw tensors into logical names, checks the grouping against config.json, and hands out
-dense tensors one at a time, so a caller never holds more than the weight it is loading. Raw keys that are not
-weights (`*.rotary_emb.inv_freq` buffers that real dumps carry, DeepSeek MTP layers, Kimi-K2.5's vision tower
-and projector) are set aside by name in `ignored`; anything else that does not form a complete logical weight is
-an error.
-
-A checkpoint written by `kimi-k2-neuron convert` (fused NxD expert tensors) is read through converted.py's
-ConvertedView, which shows its tensors under these same logical names.
-"""
+"""Logical weights of a Kimi-K2 checkpoint, whatever format it stores them in (plain `X.weight`, blockwise FP8 with
+`X.weight_scale_inv`, INT4 `X.weight_packed/_scale/_shape`), handed out dense one at a time so a caller holds no more
+than the weight it loads. Raw keys that are no weights (rotary buffers, MTP layers, K2.5's vision tower) are set aside
+by name in `ignored`; anything else that forms no complete weight is an error. Converted checkpoints are read through
+converted.py's ConvertedView under the same names."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""Every tensor of a Kimi-K2 checkpoint by name, dtype and shape: the HF checkpoint's logical weights, the converted
-checkpoint `kimi-k2-neuron convert` writes, and the key map from that onto the Neuron model's state dict.
-
-Logical weights (logical_shapes): the HF names, one `X.weight` per linear, norm and embedding, per expert
-(`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`) and the router's `mlp.gate.weight` and
-`mlp.gate.e_score_correction_bias`, in checkpoint order. The core model's parameters have exactly these names and
-shapes (test/unit/test_formats.py builds it and compares), whatever the storage (FP8, INT4, BF16).
-
-The converted checkpoint (converted_tensors): every key keeps the HF `model.` prefix, which NxDI strips before loading
-(neuron/NXDI_CONTRACT.md: state-dict-prefix).
-- unchanged HF names (the core's), bf16: embeddings, all norms, all of `self_attn.*`, the dense layers'
-  `mlp.{gate,up,down}_proj`, `mlp.shared_experts.*`, `lm_head`;
-- the router under its HF names too, fp32: `mlp.gate.weight` [E, H] and `mlp.gate.e_score_correction_bias` [E];
-- the routed experts of a layer fused, as NxD's ExpertMLPsV2 holds them (neuron/NXDI_CONTRACT.md: expert-names):
-  `mlp.expert_mlps.mlp_op.gate_up_proj.weight` float8_e4m3fn [E, H, 2I] (gate columns, then up) and
-  `mlp.expert_mlps.mlp_op.down_proj.weight` [E, I, H], each with a float32 `.scale` beside it (same prefix, `scale`
-  instead of `weight`) shaped by the expert scheme (scheme.py).
-
-The Neuron model (module_key): the converted key without `model.`, and the router's tensors under `mlp.router.`,
-because NxD's MoE holds its router as `router` (the Neuron model's router is the core's, float32).
-"""
+"""Every tensor of a Kimi-K2 checkpoint by name, dtype and shape: the HF checkpoint's logical weights (the core
+model's parameter names), the converted one (docs/converter.md) and its keys in the Neuron model's state dict. Converted
+keys keep the HF `model.` prefix (neuron/NXDI_CONTRACT.md: state-dict-prefix); the routed experts are fused as NxD's
+ExpertMLPsV2 holds them (neuron/NXDI_CONTRACT.md: expert-names)."""
 
 from __future__ import annotations
 
@@ -32,7 +15,7 @@ BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 # Raw keys that are no weight: the non-persistent rotary buffer real dumps carry.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _EXPERTS = "mlp.expert_mlps.mlp_op."
-_ROUTER = "mlp.gate."  # the router's tensors (weight, e_score_correction_bias), after the layer prefix
+_ROUTER = "mlp.gate."
 
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
@@ -70,9 +53,8 @@ def is_ignored(key: str) -> bool:
 # -- the HF checkpoint ---------------------------------------------------------------------------------------------
 
 def logical_shapes(cfg: KimiK2Config, routed_experts: bool = True) -> dict[str, tuple[int, ...]]:
-    """Logical weight name -> full shape ([out, in] for linears), in checkpoint order: the embedding, each layer
-    (attention, then its dense MLP or router, routed and shared experts), the final norm and lm_head.
-    routed_experts=False leaves the per-expert weights out (Kimi-K2 has 70K of them)."""
+    """Logical weight name -> full shape ([out, in] for linears), in checkpoint order; routed_experts=False leaves
+    out the per-expert weights (Kimi-K2 has 70K of them)."""
     if cfg.q_lora_rank is None:
         raise KimiInputError(f"{cfg.source}: field q_lora_rank is null: MLA without a query LoRA is not implemented "
                              f"(Kimi-K2 has one)")
@@ -116,8 +98,7 @@ def is_routed_expert(name: str) -> bool:
 # -- the converted checkpoint ----------------------------------------------------------------------------------------
 
 def converted_dtype(name: str) -> torch.dtype:
-    """What a non-expert logical weight is stored as: the router float32 (routing is sensitive to rounding), the
-    rest bfloat16."""
+    """The router float32 (routing is sensitive to rounding), other non-expert weights bfloat16."""
     return F32 if "." + _ROUTER in name else BF16
 
 
@@ -134,8 +115,7 @@ def expert_tensors(cfg: KimiK2Config, layer: int,
 
 
 def converted_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Converted key -> (dtype, full shape) of every tensor of the converted checkpoint (or of the Neuron model's
-    with bf16 experts)."""
+    """Converted key -> (dtype, full shape) of every tensor (the Neuron model's, with bf16 experts)."""
     out = {n: (converted_dtype(n), shape) for n, shape in logical_shapes(cfg, False).items()}
     for layer in filter(cfg.is_moe_layer, range(cfg.num_hidden_layers)):
         out.update({key: (dtype, shape) for key, dtype, shape in expert_tensors(cfg, layer, scheme)})
@@ -145,12 +125,10 @@ def converted_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tupl
 # -- the Neuron model ----------------------------------------------------------------------------------------------
 
 def module_key(key: str) -> str:
-    """The Neuron model's state-dict key for a converted (or logical non-expert) checkpoint key: no `model.` prefix,
-    and the router's tensors under NxD's MoE attribute `router`."""
+    """No `model.` prefix, and the router's tensors under NxD's MoE attribute `router`."""
     return key.removeprefix("model.").replace("." + _ROUTER, ".mlp.router.")
 
 
 def neuron_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The Neuron model's state-dict key -> (dtype, full shape) of every tensor its loader must deliver (NxD shards
-    the full tensors per rank)."""
+    """What the Neuron model's loader must deliver: full tensors, which NxD shards per rank."""
     return {module_key(k): v for k, v in converted_tensors(cfg, scheme).items()}

@@ -1,20 +1,8 @@
 """One FP8 expert quantization of the converted checkpoint: the scale layout of the fused [E, in, out] expert
-weights, and the NxD NeuronConfig settings it loads under (neuron/NXDI_CONTRACT.md: scale-grid,
-expert-per-channel-axis).
-
-* `fp8-blockwise`: NxD's `blockwise_symmetric` with block axes [1, 2] (in, out), float32 scales of shape
-  [E, in/b_in, out/b_out]. The block is [32, 32] from FP8 and BF16 sources and [group, 1] = [32, 1] from INT4
-  sources. NxD sizes a rank's scale from its *local* weight and collapses a local dimension smaller than the block
-  to 1, so the block must divide every rank's slice: 32 divides Kimi's per-rank expert width 2048/64 = 32 at TP 64,
-  so one converted checkpoint serves every TP that divides 64 (a [128, 128] grid, the source's own, would collapse
-  to one scale per rank at TP 64 and mix gate and up blocks). Blocks never straddle the gate/up boundary because
-  I % b_out == 0. INT4 codes -8..7 are exact in e4m3 and the INT4 group scale becomes the block scale, so INT4 ->
-  blockwise [32, 1] is lossless (at 4 B of scale per 32 weights, +12.5 % memory against +0.4 % for [32, 32]).
-* `fp8-per-channel`: NxD's `expert_wise_per_channel_symmetric` on axis 2 (the only one expert layers accept), scale
-  [E, 1, out]; TP-independent by construction.
-* `bf16` (BF16_EXPERTS): unquantized experts, which the planner and the NeuronConfig know but the converter never
-  writes (they do not fit at TP=64).
-"""
+weights and the NeuronConfig settings it loads under (neuron/NXDI_CONTRACT.md: scale-grid, expert-per-channel-axis).
+Blockwise uses [32, 32] blocks ([32, 1] from INT4: lossless) because NxD sizes scales from each rank's local slice and
+32 divides Kimi's per-rank expert width at TP 64 (docs/converter.md). Per-channel uses axis 2, the only one expert
+layers accept. bf16 experts are planned and configured, never written (they do not fit at TP=64)."""
 
 from __future__ import annotations
 
@@ -25,7 +13,6 @@ from ..config import KimiK2Config
 from ..errors import KimiInputError
 from . import SCHEMES
 
-# Each scheme's NxD quantization_type.
 NXD_TYPE = {"fp8-blockwise": "blockwise_symmetric", "fp8-per-channel": "expert_wise_per_channel_symmetric"}
 NXD_DTYPE = "f8e4m3"
 FINE_BLOCK = 32  # the largest block that divides Kimi's expert width at TP 64 (module docstring)
@@ -33,8 +20,7 @@ FINE_BLOCK = 32  # the largest block that divides Kimi's expert width at TP 64 (
 
 @dataclass(frozen=True)
 class ExpertScheme:
-    """How the routed experts are stored on device: one NxD expert quantization (the scale layout of [E, in, out]
-    FP8 weights), or unquantized bf16."""
+    """How the routed experts are stored on device: an NxD FP8 scale layout, or unquantized bf16."""
 
     name: str  # one of formats.EXPERT_FORMATS
     block: tuple[int, int] | None  # (in, out) block for blockwise; None otherwise
@@ -51,8 +37,7 @@ class ExpertScheme:
         return (n_experts, in_f // self.block[0], out_f // self.block[1])
 
     def nxd(self, moe_intermediate: int) -> dict:
-        """The NeuronConfig quantization fields this layout loads under, and the MoE TP degrees it is valid for (every
-        one, for bf16 experts: no scales to shard)."""
+        """The NeuronConfig quantization fields, and the MoE TP degrees whose slices hold whole blocks."""
         if not self.quantized:
             return {"quantized": False, "valid_moe_tp_degrees": _divisors(moe_intermediate)}
         out = {"quantized": True, "quantization_dtype": NXD_DTYPE, "quantization_type": NXD_TYPE[self.name]}
@@ -71,8 +56,7 @@ class ExpertScheme:
 
     @classmethod
     def from_nxd(cls, fields: Mapping) -> ExpertScheme:
-        """The scheme NxD settings describe (a record's `nxd`, or a NeuronConfig's attributes); BF16_EXPERTS when
-        they are not quantized."""
+        """From a record's `nxd` or a NeuronConfig's attributes."""
         if not fields.get("quantized"):
             return BF16_EXPERTS
         qtype = fields.get("quantization_type")
@@ -98,8 +82,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def scheme_for(name: str, source_format: str, group_size: int | None = None) -> ExpertScheme:
-    """The scheme `kimi-k2-neuron convert --experts NAME` writes from a source of `source_format` (fp8, int4, bf16),
-    or BF16_EXPERTS for "bf16" (planned, never written)."""
+    """The scheme `kimi-k2-neuron convert --experts NAME` writes from a source of `source_format`."""
     if name == "bf16":
         return BF16_EXPERTS
     if name not in SCHEMES:

@@ -1,10 +1,6 @@
-"""YaRN rotary embedding as DeepSeek-V3 / Kimi-K2 define it, applied to interleaved pairs of the rope slice.
-
-Source: the `modeling_deepseek.py` Kimi ships (DeepseekV3YarnRotaryEmbedding, yarn_* helpers). Two details
-are easy to get wrong and both are tested against transformers:
-- the correction range is floor/ceil'd, so beta_fast == beta_slow == 1 (Kimi-K2) turns the ramp into a step;
-- the attention logits are scaled by mscale(factor, mscale_all_dim)**2 on top of qk_head_dim**-0.5.
-"""
+"""YaRN rotary embedding as Kimi's modeling_deepseek.py defines it, on interleaved pairs. Easy to get wrong (tested
+against transformers): the floor/ceil'd correction range makes the ramp a step at beta_fast == beta_slow == 1, and the
+logits scale by mscale(factor, mscale_all_dim)**2."""
 
 from __future__ import annotations
 
@@ -31,7 +27,6 @@ def yarn_ramp_bounds(dim: int, base: float, ys: YarnScaling) -> tuple[int, int]:
 
 
 def inv_freq(cfg: KimiK2Config) -> torch.Tensor:
-    """Per-pair inverse frequencies [rope_dim/2], float32."""
     dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
     # device="cpu": the layer-streamed mode builds the model under a meta-device context.
     extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
@@ -72,19 +67,14 @@ class RotaryTable:
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, S] -> cos, sin [B, S, rope_dim/2] in float32 (one angle per rotary pair)."""
-        # inv_freq lives on the CPU; in a traced Neuron graph positions are on the XLA device, where the table
-        # becomes a constant.
+        # In a traced graph the CPU table becomes a constant on the XLA device.
         angles = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
         return angles.cos() * self.mscale, angles.sin() * self.mscale
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (x0,x1),(x2,x3),... of the last dim; x [B, heads, S, d], cos/sin [B, S, d/2].
-
-    The checkpoint's q_b_proj / kv_a_proj produce interleaved pairs (GPT-J style). The output is written in
-    half-split order ([all first elements | all second elements]), as modeling_deepseek.py does after its de-interleave;
-    q and k get the same permutation, so their dot products are unchanged and the cache holds k in this order.
-    """
+    """Rotate the checkpoint's adjacent (GPT-J style) pairs, written half-split as modeling_deepseek.py does: q and k
+    get the same permutation, so dot products are unchanged and the cache holds k in this order."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,18 +1,6 @@
-"""Kimi-K2 as an NxDI model, in NxDI's order: the config, the model, the application.
-
-    KimiK2InferenceConfig (InferenceConfig)          config.json as plain JSON, its derived fields
-    KimiK2ServingRequest (MoENeuronConfig)           what a serving framework (vllm-neuron) asks for: rebuilt
-    NeuronKimiK2Model (NeuronBaseModel)              the traced graph: embed -> layers -> norm -> lm_head (+ sampler)
-      KimiK2DecoderLayer (the core's DecoderLayer)   built by the core through NxDParallelContext: NxD's parallel
-                                                     layers, and NxD's MoE around the core router (NxDRouter)
-      LatentKVCacheManager (NxDI's KVCacheManager)   the MLA latent as one KV head, without a V copy
-    NeuronKimiK2ForCausalLM (NeuronBaseForCausalLM)  the application: checkpoint, compiler arguments, pre-sharding,
-                                                     NxD's CPU mode
-
-The math is the core's (kimi_k2_neuron.model); this file wires it to NxDI's contracts. What Kimi requires of NxDI's
-settings is contract.py; the NxDI/NxD code each choice here rests on is cited by name from NXDI_CONTRACT.md.
-Importing it without the Neuron SDK raises the ImportError that names the missing packages.
-"""
+"""Kimi-K2 as an NxDI model, in NxDI's order: the config, the traced model, the application. The math is the core's;
+what Kimi requires of NxDI's settings is contract.py, and the NxDI/NxD code each choice rests on is cited from
+NXDI_CONTRACT.md. Importing it without the Neuron SDK raises an ImportError naming the missing packages."""
 
 from __future__ import annotations
 
@@ -59,27 +47,21 @@ from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters
 
 # == the config ==================================================================================================
 
-# HF fields NxDI reads from the config that a plain config.json lacks; not use_return_dict, a read-only property of
-# the transformers config NxDI's generation adapter builds from these attributes (NXDI_CONTRACT.md: hf-defaults).
+# HF fields NxDI reads that a plain config.json lacks; not use_return_dict, a read-only property in transformers
+# (NXDI_CONTRACT.md: hf-defaults).
 HF_DEFAULTS = {"output_attentions": False, "output_hidden_states": False, "return_dict": True}
-# InferenceConfig attributes that are not config.json fields.
 _NOT_HF = ("neuron_config", "fused_spec_config", "metadata", "quantization_config")
-# Each KimiK2InferenceConfig's typed core config, beside it rather than in it: NxDI saves every attribute to
-# neuron_config.json.
+# Beside each config rather than in it: NxDI saves every attribute to neuron_config.json.
 _CORE: "weakref.WeakKeyDictionary[KimiK2InferenceConfig, KimiK2Config]" = weakref.WeakKeyDictionary()
 
 
 class KimiK2InferenceConfig(InferenceConfig):
-    """NxDI's InferenceConfig for Kimi-K2, from the core's typed config of the checkpoint's config.json. NxDI builds
-    it, and rebuilds it from a compiled folder's neuron_config.json, through load_config, the keyword arguments,
-    add_derived_config and validate_config (NXDI_CONTRACT.md: config-construction), so everything derived is derived
-    in add_derived_config, from fields it never overwrites: a compiled folder's config reloads to the same model."""
+    """NxDI rebuilds it from neuron_config.json through add_derived_config (NXDI_CONTRACT.md: config-construction),
+    so everything derived is derived there, from fields it never overwrites: a reload gives the same model."""
 
     @classmethod
     def from_core(cls, cfg: KimiK2Config, neuron_config: MoENeuronConfig, **kwargs) -> "KimiK2InferenceConfig":
-        """The config of a checkpoint whose config.json the core read and checked as `cfg`: its fields as plain JSON
-        (no checkpoint code runs, NXDI_CONTRACT.md: remote-code-config; K2.5's text_config flattened), torch_dtype
-        dropped (neuron_config carries the dtype). The core config is kept, not parsed again."""
+        """config.json's fields as plain JSON: no checkpoint code runs (NXDI_CONTRACT.md: remote-code-config)."""
         fields = language_model_fields(cfg.raw)
         attrs = {**HF_DEFAULTS, **{k: v for k, v in fields.items() if k not in ("torch_dtype", "dtype", "auto_map")}}
 
@@ -87,20 +69,17 @@ class KimiK2InferenceConfig(InferenceConfig):
             self.__dict__.update(attrs)
 
         config = cls(neuron_config, load_config=load_config, **kwargs)
-        _CORE[config] = dataclasses.replace(cfg, quant=None)  # as core_config() reads it (the source's storage)
+        _CORE[config] = dataclasses.replace(cfg, quant=None)  # quant describes the source's storage
         return config
 
     @classmethod
     def for_serving(cls, cfg: KimiK2Config, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
-        """The config compile_and_save builds for these options (and NxD's CPU mode for its own)."""
         return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)))
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
-        """The config compile_and_save builds for what a serving framework requests (its generic NeuronConfig, a
-        KimiK2ServingRequest) on `checkpoint`: the request's TP, batch, lengths, LNC and sampling, the contract's
-        everything else; or a one-line refusal of what differs. With vllm-neuron's NEURON_COMPILED_ARTIFACTS, the
-        artifacts there are checked to serve the request before vllm-neuron loads them (_check_compiled)."""
+        """The config compile_and_save builds for a serving framework's request, or a one-line refusal of what
+        differs; precompiled artifacts are checked to serve it before vllm-neuron loads them."""
         r = contract.ServingRequest.of(request)
         if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
             raise KimiInputError(f"{checkpoint}: not a checkpoint folder with a config.json; serve the converted "
@@ -117,20 +96,16 @@ class KimiK2InferenceConfig(InferenceConfig):
 
     def add_derived_config(self):
         if isinstance(self.neuron_config, KimiK2ServingRequest):
-            # Built by a serving framework from its flags (vllm-neuron passes NxDI's load_pretrained_config, which
-            # records the checkpoint folder as _name_or_path): becomes the config compile_and_save would build.
+            # vllm-neuron's load_pretrained_config records the checkpoint folder as _name_or_path.
             built = self.for_request(self.neuron_config, getattr(self, "_name_or_path", None))
             self.__dict__.clear()
             self.__dict__.update(vars(built))
             _CORE[self] = built.core_config()
             return
-        # The KV cache width: the latent [c_kv | k_pe] is stored as one KV head; the model's num_key_value_heads = 1
-        # sizes the cache, and config.num_key_value_heads keeps its HF value (NXDI_CONTRACT.md: latent-kv-head).
+        # The latent [c_kv | k_pe] as one KV head (NXDI_CONTRACT.md: latent-kv-head).
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
-        self.num_local_experts = self.n_routed_experts  # NxD's name
+        self.num_local_experts = self.n_routed_experts
         self.num_cores_per_group = 1  # no flash decoding (NXDI_CONTRACT.md: cores-per-group)
-        # intermediate_size keeps its HF meaning (the dense MLP): unlike NxDI's DSV3/GLM models this one builds the
-        # experts with moe_intermediate_size itself, so nothing is overwritten.
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
@@ -146,9 +121,8 @@ class KimiK2InferenceConfig(InferenceConfig):
         return MoENeuronConfig
 
     def core_config(self) -> KimiK2Config:
-        """The core's typed config: the one this config was made from, or, for one NxDI rebuilt from
-        neuron_config.json, parsed (and validated) from these attributes once. quantization_config is left out: it
-        describes the source checkpoint's storage, which the Neuron model does not read."""
+        """Parsed once from these attributes when NxDI rebuilt this config; quantization_config describes the
+        source's storage, which the Neuron model does not read."""
         if self not in _CORE:
             raw = {k: v for k, v in vars(self).items() if k not in _NOT_HF}
             _CORE[self] = KimiK2Config.from_dict(raw, source="KimiK2InferenceConfig")
@@ -156,16 +130,13 @@ class KimiK2InferenceConfig(InferenceConfig):
 
 
 class KimiK2ServingRequest(MoENeuronConfig):
-    """The NeuronConfig a serving framework builds from its own flags through the application's
-    get_neuron_config_cls(): vllm-neuron's generic one (NXDI_CONTRACT.md: vllm-generic-config), which knows nothing of
-    the FP8 experts, the router or the MoE. NxDI itself builds NeuronConfigs through the config class, never through
-    this, so the type alone marks a request; KimiK2InferenceConfig replaces it (for_request)."""
+    """vllm-neuron's generic NeuronConfig (NXDI_CONTRACT.md: vllm-generic-config). NxDI never builds this class, so the
+    type alone marks a request, which KimiK2InferenceConfig replaces (for_request)."""
 
 
 def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2InferenceConfig) -> None:
-    """Refuse precompiled artifacts that do not serve request `r` or were compiled from another conversion than the
-    checkpoint being served, in one line, before vllm-neuron loads them (a ValueError there would make it recompile:
-    NXDI_CONTRACT.md: vllm-precompiled)."""
+    """Refuse artifacts that do not serve `r` or come from another conversion, before vllm-neuron loads them: a
+    ValueError there would make it recompile (NXDI_CONTRACT.md: vllm-precompiled)."""
     where = f"{contract.COMPILED_ARTIFACTS_ENV}={folder}"
     try:
         compiled = KimiK2InferenceConfig.load(folder)
@@ -186,17 +157,15 @@ def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2Infer
 
 @dataclass(frozen=True)
 class NxDParallelContext(ParallelContext):
-    """The core's layer factory returning NxD's layers. `rank` stays 0: in SPMD tracing every rank runs the same
-    graph and NxD layers find their shard through the process group and the sharded checkpoint."""
+    """`rank` stays 0: in SPMD tracing every rank runs one graph and NxD's layers find their shard themselves."""
 
     gather_logits: bool = True  # False with on-device sampling: the sampler reads vocab-sharded logits
-    # All-reduce dtype of the row-parallel layers: NeuronConfig.rpl_reduce_dtype, as NxDI's Llama passes it; None
-    # lets NxD reduce in the layer dtype instead of its float32 default (NXDI_CONTRACT.md: reduce-dtype).
+    # None reduces in the layer dtype, not NxD's float32 default (NXDI_CONTRACT.md: reduce-dtype).
     reduce_dtype: torch.dtype | None = None
-    config: Any = field(default=None, compare=False)  # the KimiK2InferenceConfig NxD's MoE is built from
+    config: Any = field(default=None, compare=False)
 
     def replicated(self, in_features, out_features, dtype):
-        # q_a_proj / kv_a_proj_with_mqa: small and shared by all heads, so every rank holds them whole (as DSV3).
+        # q_a_proj / kv_a_proj_with_mqa: small and shared by all heads, so every rank holds them whole.
         return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
     def column(self, in_features, out_features, dtype):
@@ -210,8 +179,7 @@ class NxDParallelContext(ParallelContext):
         return ParallelEmbedding(vocab, dim, dtype=dtype, shard_across_embedding=True)
 
     def lm_head(self, dim, vocab, dtype):
-        # vocab % tp == 0 is checked (contract.check_serve_options), so no pad_size and no logit masking
-        # (NXDI_CONTRACT.md: lm-head-padding).
+        # vocab % tp == 0 is checked, so no padding or logit masking (NXDI_CONTRACT.md: lm-head-padding).
         return ColumnParallelLinear(dim, vocab, bias=False, gather_output=self.gather_logits, dtype=dtype)
 
     def moe(self, cfg, dtype):
@@ -219,14 +187,9 @@ class NxDParallelContext(ParallelContext):
 
 
 class NxDRouter(NoAuxTcRouter):
-    """The core noaux_tc router (float32, bias after the sigmoid and for selection only, weights normalized and
-    times routed_scaling_factor) answering NxD's router contract (NXDI_CONTRACT.md: router-contract):
-    router(hidden [B, S, H]) -> (router_logits [T, E], expert_affinities [T, E], expert_index [T, k]).
-
-    The affinities hold the final combine weights at the chosen experts, so ExpertMLPsV2 must not renormalize
-    (contract.MOE_SETTINGS). They are cast to the hidden dtype, as NxD's own routers do, so the expert outputs stay
-    bf16. MoE reads num_experts, top_k, hidden_size and sequence_parallel_enabled from its router. Parameters keep
-    the core's names (router.weight, router.e_score_correction_bias), float32 under cast_type "as-declared"."""
+    """The core router under NxD's router contract (NXDI_CONTRACT.md: router-contract): hidden [B, S, H] ->
+    (logits [T, E], affinities [T, E], expert_index [T, k]). The affinities are the final combine weights, so
+    ExpertMLPsV2 must not renormalize; they are cast to the hidden dtype so the expert outputs stay bf16."""
 
     def __init__(self, cfg: KimiK2Config):
         super().__init__(cfg)
@@ -236,22 +199,16 @@ class NxDRouter(NoAuxTcRouter):
     def forward(self, hidden_states: torch.Tensor):
         flat = hidden_states.reshape(-1, self.hidden_size)
         weights, ids = super().forward(flat)
-        # Same expression as the core's first step, so XLA's CSE keeps one matmul; MoE only returns these when
-        # return_router_logits is set.
+        # The core's first step again, so XLA's CSE keeps one matmul.
         logits = flat.float() @ self.weight.T
         affinities = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device)
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 
 
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig) -> NxDMoE:
-    """NxD's MoE with the core's router: what NxDI's initialize_moe_module builds minus its RouterTopK
-    (NXDI_CONTRACT.md: moe-module), with the NeuronConfig's contract.MOE_SETTINGS (dropless, GLU, no
-    renormalization).
-    - The shared expert sits inside the MoE: its output is added before the MoE's single all-reduce, one collective
-      per layer instead of two, and HF's `mlp.shared_experts.*` names load unchanged (NXDI_CONTRACT.md:
-      moe-shared-expert). The routed scaling factor is in the router weights, so it never touches the shared expert.
-    - No fused TKG module: the stock kernel applies a router bias before the sigmoid and cannot express noaux_tc's
-      selection-only bias (NXDI_CONTRACT.md: fused-tkg-bias)."""
+    """NxDI's initialize_moe_module minus its RouterTopK (NXDI_CONTRACT.md: moe-module). The shared expert is inside
+    the MoE: one all-reduce per layer, not two (NXDI_CONTRACT.md: moe-shared-expert). No fused TKG module: its kernel
+    adds the router bias before the sigmoid (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
     tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
     experts = ExpertMLPsV2(
@@ -292,12 +249,8 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
 
 
 def decode_masks(prior_mask: torch.Tensor, s: int):
-    """The two masks of one decode (TKG) step, for MLAttention.attend_split.
-
-    prior_mask: NxDI's TKG mask [B, 1, 1, T], True exactly on the cached positions [0, pos) of each row. The current
-    token is not in the cache yet (the manager writes it after the layers), so it is attended as the active segment,
-    visible to itself (NXDI_CONTRACT.md: decode-mask).
-    -> prior [B, 1, S, T], active [B, 1, S, S] (causal among the step's S tokens)."""
+    """NxDI's TKG mask [B, 1, 1, T] -> prior [B, 1, S, T], active [B, 1, S, S] causal. The current token is not
+    cached yet (the manager writes it after the layers), so it is the active segment (NXDI_CONTRACT.md: decode-mask)."""
     b = prior_mask.shape[0]
     prior = prior_mask.to(torch.bool).expand(b, 1, s, prior_mask.shape[-1])
     active = torch.ones(s, s, dtype=torch.bool, device=prior.device).tril()[None, None].expand(b, 1, s, s)
@@ -305,24 +258,17 @@ def decode_masks(prior_mask: torch.Tensor, s: int):
 
 
 class KimiK2DecoderLayer(DecoderLayer):
-    """The core's decoder layer answering NxDI's call: NeuronBaseModel calls it with keyword arguments (those it
-    does not use arrive in **kwargs) and takes (hidden, (K, V), cos, sin, None) back (NXDI_CONTRACT.md:
-    decoder-layer-call). cos/sin are computed once, by layer 0, and handed on.
-
-    K is the latent as one KV head [B, 1, S, latent]; V is [B, 1, S, 1] zeros for LatentKVCacheManager's 1-wide V
-    slot. Prefill (past_key_value None): the bucket attends to itself under NxDI's causal [B, 1, S, S] mask and K
-    holds the whole bucket. Decode: the cached [0, pos) plus the current token (decode_masks), attended in place by
-    attend_split (no copy of the cache per layer and step); K holds the step's entries, which the manager scatters
-    at position_ids (NXDI_CONTRACT.md: kv-writes)."""
+    """NxDI's decoder-layer call (NXDI_CONTRACT.md: decoder-layer-call), returning K as the latent [B, 1, S, latent]
+    and V as 1-wide zeros. Decode attends the cache in place (attend_split), not a copy per layer and step; the
+    manager scatters the step's K at position_ids (NXDI_CONTRACT.md: kv-writes)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
-        # Per-row positions, so batched decode at different positions is right; one table shared by all layers.
         self.rotary = rotary
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, cos_cache=None,
                 sin_cache=None, padding_mask=None, **kwargs):
-        if cos_cache is None:  # first layer; later layers get them back from the previous one
+        if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
         attn = self.self_attn
         q_nope, q_pe, entries = attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
@@ -334,21 +280,15 @@ class KimiK2DecoderLayer(DecoderLayer):
             hidden_states = hidden_states + attn.attend_split(q_nope, q_pe, past, prior, entries.to(past.dtype),
                                                               active)
         x = self.post_attention_layernorm(hidden_states)
-        # NxD's MoE output is already all-reduced (NXDI_CONTRACT.md: moe-shared-expert); the core MLP reduces in
-        # its RowParallel.
+        # NxD's MoE output is already all-reduced (NXDI_CONTRACT.md: moe-shared-expert).
         hidden_states = hidden_states + (self.mlp(x, padding_mask)[0] if self.is_moe else self.mlp(x))
         k_new = entries.unsqueeze(1)
         return hidden_states, (k_new, k_new.new_zeros(*k_new.shape[:-1], 1)), cos_cache, sin_cache, None
 
 
 class LatentKVCacheManager(KVCacheManager):
-    """NxDI's KVCacheManager holding the MLA latent without the dead V copy. Per layer the stock manager allocates K
-    and V of one shape, [batch, kv_heads_per_rank, max_len, head_dim]; the latent [c_kv | k_pe] is one KV head of
-    width head_dim (576 for Kimi-K2) in the K slot, and NxDI's DSV3 and community Kimi ports write it into V too,
-    doubling the cache. Here V keeps every dimension but the last, which is 1: the manager's reads and writes index
-    V along dims 0 and 2 only, and NxDI reads the cached length from V's dim 2 (NXDI_CONTRACT.md: latent-v-slot).
-    Cost per rank: B * max_len * 2 bytes per layer (vs 1152 for a 576-wide bf16 V). _init_kv_shape is the
-    extension point NxDI's own BlockKVCacheManager overrides."""
+    """The latent in the K slot and a 1-wide V instead of the stock same-shape V copy, which doubles the cache: the
+    manager indexes V along dims 0 and 2 only (NXDI_CONTRACT.md: latent-v-slot)."""
 
     def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
         super()._init_kv_shape(config, layer_to_cache_size_mapping)
@@ -357,16 +297,14 @@ class LatentKVCacheManager(KVCacheManager):
         if self.is_kv_cache_tiled or self.k_cache_transposed:
             raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
         self.v_shape = (*self.v_shape[:-1], 1)
-        # NxD's StateInitializer can allocate each layer's K and V as one buffer, which needs K and V of one numel
-        # (NXDI_CONTRACT.md: combined-kv-allocation): refuse it here, at build time, with the reason.
+        # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
         if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):
             raise ValueError("NEURON_COMBINE_KV_ALLOCATIONS=1 needs K and V of one shape; the latent cache's V slot "
                              "is 1 wide. Unset it.")
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
-    """The traced model. NeuronBaseModel.__init__ calls setup_attr_for_model, init_model, then
-    init_inference_optimization (NXDI_CONTRACT.md: model-init)."""
+    """The traced model, built through NeuronBaseModel's three hooks (NXDI_CONTRACT.md: model-init)."""
 
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
         nc = config.neuron_config
@@ -374,17 +312,15 @@ class NeuronKimiK2Model(NeuronBaseModel):
         self.tp_degree = nc.tp_degree
         self.hidden_size = config.hidden_size
         self.num_attention_heads = config.num_attention_heads
-        # The latent is one KV head; this attribute, not the config, sizes the cache (NXDI_CONTRACT.md:
-        # latent-kv-head).
+        # This, not the config, sizes the cache (NXDI_CONTRACT.md: latent-kv-head).
         self.num_key_value_heads = 1
         self.max_batch_size = nc.max_batch_size
         self.buckets = nc.buckets
 
     def init_model(self, config: KimiK2InferenceConfig):
         cfg, dtype = config.core_config(), config.neuron_config.torch_dtype
-        # On device the sampler reads vocab-sharded logits (its top-k/argmax gather across ranks); NxDI's sampler in
-        # CPU mode has no distributed path, so a CPU run gathers the vocabulary in lm_head, where NxDI's own models
-        # would sample from one rank's shard (NXDI_CONTRACT.md: cpu-sampler).
+        # NxDI's CPU-mode sampler has no distributed path, so CPU gathers the vocabulary (NXDI_CONTRACT.md:
+        # cpu-sampler).
         gather = not self.on_device_sampling or config.neuron_config.on_cpu
         ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=gather,
                                  reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config)
@@ -396,9 +332,7 @@ class NeuronKimiK2Model(NeuronBaseModel):
         self.lm_head = ctx.lm_head(cfg.hidden_size, cfg.vocab_size, dtype)
 
     def init_inference_optimization(self, config: KimiK2InferenceConfig):
-        # As the base, but with the latent cache manager; the base's data-parallel and block layouts are refused in
-        # contract.enforce_neuron_config. The same override point as NxDI's GLM-5.2 contrib (NXDI_CONTRACT.md:
-        # model-init).
+        # As the base but with the latent cache manager (NXDI_CONTRACT.md: model-init).
         if self.on_device_sampling:
             self.sampler = create_sampler(config.neuron_config, self.lm_head.tensor_parallel_group.size())
         self.kv_mgr = LatentKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
@@ -407,16 +341,13 @@ class NeuronKimiK2Model(NeuronBaseModel):
 # == the application ==============================================================================================
 
 class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
-    """Kimi-K2 for NxDI: `NeuronKimiK2ForCausalLM(converted_dir, config)`, then compile(out) / load(out).
-
-    The checkpoint is the converted one (kimi_k2_neuron.formats): fused expert tensors, FP8 experts with `.scale`,
-    float32 router. checkpoint_loader_fn memory-maps it instead of reading it whole (loader.py)."""
+    """`NeuronKimiK2ForCausalLM(converted_dir, config)`, then compile(out) / load(out)."""
 
     _model_cls = NeuronKimiK2Model
 
     def __init__(self, model_path, config: KimiK2InferenceConfig | None = None, neuron_config=None):
         super().__init__(model_path, config=config, neuron_config=neuron_config)
-        # Before compile() or load() traces or runs anything; the scripts also set it before importing the SDK.
+        # Before compile() or load() traces or runs anything.
         os.environ.update(contract.fp8_env(self.neuron_config.quantized, self.neuron_config.quantization_dtype))
 
     @classmethod
@@ -425,15 +356,12 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     @classmethod
     def get_neuron_config_cls(cls):
-        # What vllm-neuron builds its generic NeuronConfig with (NXDI_CONTRACT.md: vllm-generic-config).
         return KimiK2ServingRequest
 
     @classmethod
     def save_quantized_state_dict(cls, model_path, config):
-        """NxDI's quantize-from-HF step, which vllm-neuron runs before compiling a quantized config
-        (NXDI_CONTRACT.md: vllm-compile-branch). The converted checkpoint already is the quantized state dict NxD
-        loads (kimi_k2_neuron.convert): nothing is written, and the checkpoint is checked to hold the experts the
-        config compiles."""
+        """vllm-neuron's quantize step (NXDI_CONTRACT.md: vllm-compile-branch): the converted checkpoint already is
+        quantized, so this only checks it holds the experts the config compiles."""
         path = config.neuron_config.quantized_checkpoints_path or model_path
         record, want = ConversionRecord.read(path), ExpertScheme.from_nxd(vars(config.neuron_config))
         if record is None or record.scheme != want:
@@ -442,7 +370,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     @staticmethod
     def load_hf_model(model_path, **kwargs):
-        # Only NxDI's HF-quantize path calls this; it would load 1T parameters into one process.
+        # Only NxDI's HF-quantize path calls this: 1T parameters in one process.
         raise NotImplementedError("Kimi-K2 is loaded from the converted checkpoint; see kimi_k2_neuron.convert")
 
     @staticmethod
@@ -455,8 +383,8 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         return load_neuron_state_dict(path, self.config)
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
-        """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why): the builder's rank window is
-        narrowed for each pass and restored after (NXDI_CONTRACT.md: builder-rank-window)."""
+        """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why; NXDI_CONTRACT.md:
+        builder-rank-window)."""
         nc = self.neuron_config
         if nc.skip_sharding or not nc.save_sharded_checkpoint:  # NxDI only logs that it skips
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
@@ -471,8 +399,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         finally:
             builder.start_rank_id, builder.local_ranks_size = window
 
-    # NxDI computes each submodel's compiler arguments in its ModelWrapper when get_compiler_args returns None (the
-    # base's default); Kimi's are added to those, so NxDI's per-submodel choices all stay (contract.compiler_args).
+    # Kimi's compiler arguments are added to each ModelWrapper's own, so NxDI's per-submodel choices stay.
     def enable_context_encoding(self, **model_init_kwargs):
         super().enable_context_encoding(**model_init_kwargs)
         _add_compiler_args(self.context_encoding_model)
@@ -484,23 +411,11 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
 
     def to_cpu(self, presharded: str | None = None):
-        """This model in NxD's CPU mode (NXD_CPU_MODE=1, gloo), built as the device path builds it.
-
-        NxDI's own to_cpu differs from the device path in three ways that matter here (NXDI_CONTRACT.md:
-        nxdi-to-cpu), so this override builds each submodel the way ModelBuilder does before tracing:
-        - it casts the whole model to bfloat16, also the parameters declared float32 (router weight and
-          e_score_correction_bias under cast_type "as-declared"); here each submodel comes from NxDI's own
-          load_module, the device path's build: dtypes as declared and NxD's quantize.convert with the q_config
-          NxDI derives from this NeuronConfig, so the FP8 experts are NxD's quantized layers with their scales
-          (NxDI's to_cpu skips the convert, and strict=False then drops the scales silently);
-        - it builds one model for both submodels with the application's config, so MoE's is_prefill_stage is not
-          the submodel's; here each submodel gets its own build with its own config, as on device, and NxDI shares
-          the KV cache between them after every call;
-        - it loads with strict=False; here every checkpoint tensor must land in a parameter and every parameter
-          must get one (loader.unloaded_parameters names the only exceptions), else a one-line error.
-        `presharded`: a folder of NxD's per-rank files (`tp{rank}_sharded_checkpoint.safetensors`, what
-        shard_weights writes and NxDI's load() reads on device) to load instead of sharding the checkpoint here.
-        float32 at any TP, or bfloat16 at TP=1 (gloo has no bfloat16 collectives, as NxDI's to_cpu says)."""
+        """This model in NxD's CPU mode, built per submodel as ModelBuilder builds it on device. NxDI's to_cpu
+        differs (NXDI_CONTRACT.md: nxdi-to-cpu): it casts float32 router parameters to bf16, skips quantize.convert
+        so strict=False drops the FP8 scales silently, and builds one model for both submodels (whose MoE
+        is_prefill_stage differs). Here loading is strict both ways. `presharded`: a folder of NxD's per-rank files
+        to load instead of sharding here."""
         nc = self.neuron_config
         contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
@@ -508,10 +423,10 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)
-            state = dict(loaded)  # once per submodel: get_sharded_checkpoint replaces entries by this rank's slices
+            state = dict(loaded)  # per submodel: get_sharded_checkpoint replaces entries by this rank's slices
             _check_no_unexpected(model, state, presharded or self.model_path)
             if presharded is None:
-                get_sharded_checkpoint(state, model, rank, nc.tp_degree)  # NxD's per-rank slicing, as pre-sharding
+                get_sharded_checkpoint(state, model, rank, nc.tp_degree)
             missing = unloaded_parameters(model, model.load_state_dict(state, strict=False).missing_keys, state)
             if missing:
                 raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
@@ -522,16 +437,13 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
 
 def _add_compiler_args(wrapper) -> None:
-    """ModelWrapper keeps the string it computed until get_builder hands it to ModelBuilder, and nothing reads it in
-    between (NXDI_CONTRACT.md: compiler-args)."""
+    """Nothing reads the string between ModelWrapper and ModelBuilder (NXDI_CONTRACT.md: compiler-args)."""
     wrapper.compiler_args = contract.compiler_args(wrapper.compiler_args)
 
 
 def _build_as_on_device(wrapper) -> nn.Module:
-    """A submodel as ModelBuilder builds it before tracing: NxDI's load_module under NxD's AOT mode, which allocates
-    parameters without initializing them. Besides saving the random init, that avoids NxD's CPU master-weight init of
-    quantized expert layers, which loses the TP factor of a last-dim partition and fails at TP >= 3 with stride-2
-    gate_up (NXDI_CONTRACT.md: aot-build)."""
+    """As ModelBuilder builds it, under AOT mode (no init): NxD's CPU master-weight init of quantized experts fails
+    at TP >= 3 with stride-2 gate_up (NXDI_CONTRACT.md: aot-build)."""
     instance = wrapper.get_model_instance()
     parallel_state.set_aot_mode(True)
     try:
@@ -542,8 +454,7 @@ def _build_as_on_device(wrapper) -> nn.Module:
 
 
 def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
-    """NxD drops checkpoint tensors the model has no parameter for with only a warning (NXDI_CONTRACT.md:
-    sharding-not-strict); refuse them instead."""
+    """NxD only warns of tensors without a parameter (NXDI_CONTRACT.md: sharding-not-strict)."""
     names = model.state_dict().keys()
     extra = sorted(k for k in state if k not in names)
     if extra:
@@ -551,9 +462,7 @@ def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
 
 
 def _init_cpu_process_groups(nc) -> int:
-    """gloo for NxD's CPU mode, as NxDI's to_cpu sets it up: a launcher's torch.distributed environment (WORLD_SIZE,
-    RANK, MASTER_ADDR/PORT) for several ranks, else one process (NXDI_CONTRACT.md: nxdi-to-cpu). Returns this
-    process's rank."""
+    """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process; returns this rank."""
     if not torch.distributed.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != nc.world_size:

@@ -1,13 +1,11 @@
-"""Kimi-K2's tool calls and reasoning for vLLM's OpenAI server, as a parser plugin (needs vLLM; written against
-the ToolParser and ReasoningParser of vLLM 0.13 and 0.16, the Neuron SDK 2.28's and 2.29's,
-vllm/tool_parsers/abstract_tool_parser.py and vllm/reasoning/abs_reasoning_parsers.py):
+"""Kimi-K2's tool calls and reasoning as a vLLM parser plugin (ToolParser and ReasoningParser of vLLM 0.13 and 0.16,
+the Neuron SDK 2.28's and 2.29's):
 
     P=$(python -c 'import kimi_k2_neuron, os; print(os.path.dirname(kimi_k2_neuron.__file__))')/neuron/vllm_parsers.py
     vllm serve MODEL --enable-auto-tool-choice --tool-parser-plugin $P --tool-call-parser kimi_k2_neuron \\
         --reasoning-parser-plugin $P --reasoning-parser kimi_k2_neuron      # the last two for Kimi-K2-Thinking
 
-Importing this file registers both parsers under NAME. They only translate: the grammar, the streaming and every
-decision about malformed output are kimi_k2_neuron.runtime.tool_calls'.
+Importing it registers both under NAME. They only translate: the grammar and streaming are runtime.tool_calls'.
 """
 
 from __future__ import annotations
@@ -110,12 +108,9 @@ def _prompt_opens_thinking(tokenizer, chat_template_kwargs: dict | None) -> bool
 
 
 class KimiK2NeuronReasoningParser(ReasoningParser):
-    """Kimi-K2-Thinking's reasoning: <think>...</think> when the output (or the prompt) opens it, else none at all.
-
-    vLLM asks is_reasoning_end() of the prompt's ids before the output (true when the prompt closed the reasoning,
-    `<think></think>`) and of each delta's ids after extract_reasoning_streaming() read that delta (true once the
-    reasoning is over, which an output that never opens it is at once); then it hands the rest to the tool parser.
-    """
+    """<think>...</think> when the output (or the prompt) opens it, else none. vLLM asks is_reasoning_end() of the
+    prompt's ids, then of each delta's after extract_reasoning_streaming() read it: true once the reasoning is over,
+    at once for an output that never opens it; then the rest goes to the tool parser."""
 
     def __init__(self, tokenizer, *args, **kwargs):
         super().__init__(tokenizer, *args, **kwargs)

@@ -1,21 +1,6 @@
-"""vLLM's entry point into this package (`vllm.general_plugins`: `kimi_k2_neuron`, setup.cfg), which vLLM runs in
-each of its processes: the API server, the engine core and its workers.
-
-vllm-neuron finds the NxDI application for a checkpoint in NxDI's MODEL_TYPES, by the name it derives from the
-checkpoint's architecture (NXDI_CONTRACT.md: vllm-model-types): Kimi-K2, -Instruct, -0905 and -Thinking declare
-DeepseekV3ForCausalLM, which it looks up as MODEL_TYPES["deepseekv3"]["causal-lm"], absent from NxDI. register() puts
-NeuronKimiK2ForCausalLM there, in place (vllm-neuron imported the dict by name), and keeps a subclass of it already
-registered (a user's or a test's own). What the application then makes of vllm-neuron's generic NeuronConfig is
-modeling.py's (KimiK2ServingRequest).
-
-It also registers `model_type: kimi_k2` with transformers' AutoConfig, as a plain config holding config.json's
-fields: vllm-neuron reads the checkpoint's config through NxDI's load_pretrained_config, which calls AutoConfig
-without trust_remote_code, and transformers knows no kimi_k2 (NXDI_CONTRACT.md: remote-code-config). The model
-itself reads config.json as plain JSON; with --trust-remote-code vLLM's own process still reads it with Moonshot's
-configuration_deepseek.py.
-
-Without NxDI (or the Neuron shell's SDK packages) importable it does nothing and logs why at debug level.
-"""
+"""vLLM's plugin entry point (setup.cfg), run in every vLLM process. Kimi checkpoints declare DeepseekV3ForCausalLM,
+absent from NxDI's MODEL_TYPES where vllm-neuron looks (NXDI_CONTRACT.md: vllm-model-types), and model_type kimi_k2,
+which AutoConfig does not know without remote code (NXDI_CONTRACT.md: remote-code-config): register() adds both."""
 
 from __future__ import annotations
 
@@ -25,7 +10,7 @@ from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
-# vllm-neuron's MODEL_TYPES keys for the architectures Kimi checkpoints declare: DeepseekV3ForCausalLM.
+# Updated in place: vllm-neuron imported MODEL_TYPES by name.
 MODEL_TYPE_KEYS = (("deepseekv3", "causal-lm"),)
 HF_MODEL_TYPE = "kimi_k2"
 

@@ -1,26 +1,10 @@
-"""One NxDI submodel traced with torch_xla on the XLA CPU device, as NxD traces it for neuronx-cc:
-`kimi-k2-neuron trace-cpu`.
-
-On trn2, ModelBuilder traces each submodel's forward through torch_xla into one HLO graph per bucket
-(NXDI_CONTRACT.md: aot-build) and hands it to neuronx-cc. A host sync (a tensor read back mid-forward), a
-data-dependent shape or an op torch_xla cannot lower shows up there only as a failed or exploding compile. The same
-lazy-tensor trace runs here on torch_xla's CPU device:
-
-1. the submodel is built and loaded by backend.build (NxD's CPU mode, the device path's build), and one prefill plus
-   one decode step run eagerly; a forward pre-hook records the arguments NxDI's model wrapper passes the submodel
-   (padded to the bucket, int32: NXDI_CONTRACT.md: wrapper-inputs), the KV cache before the call, and the
-   outputs, the eager reference;
-2. the submodel moves to the XLA device and the recorded call is replayed in NxD's device mode (NXD_CPU_MODE=0),
-   so NxD/NxDI take the branches they take when ModelBuilder traces (not their CPU-mode ones);
-3. torch_xla's metrics say what happened before the step was marked (a graph executed mid-forward is a host sync)
-   and which ops fell back to aten; its debug output names the Python frame of each sync; the step then compiles
-   and executes the graph, whose outputs are compared with the eager ones.
-
-What it cannot show: ModelBuilder's input/output aliasing of the KV cache and its weight layout optimization, NKI
-custom calls (the kernels NxD uses only on device are not traced here), whether neuronx-cc accepts the graph, and
-HBM. At TP > 1 the graph has collectives; ModelBuilder traces all ranks in one process under a mocked
-torch.distributed (NXDI_CONTRACT.md: mock-distributed), which this does not do (see check).
-"""
+"""One NxDI submodel traced with torch_xla on the XLA CPU device as NxD traces it for neuronx-cc (NXDI_CONTRACT.md:
+aot-build), `kimi-k2-neuron trace-cpu`: on trn2 a host sync, a data-dependent shape or an op torch_xla cannot lower
+shows up only as a failed or exploding compile. An eager prefill and decode step record the call NxDI's wrapper makes
+(NXDI_CONTRACT.md: wrapper-inputs); it is replayed on the XLA device in NxD's device mode, so NxD takes its tracing
+branches, and torch_xla's metrics and debug log name each sync and aten fallback. Not shown: KV-cache aliasing, NKI
+kernels, neuronx-cc's verdict, HBM, and TP > 1, which ModelBuilder traces under a mocked torch.distributed
+(NXDI_CONTRACT.md: mock-distributed)."""
 
 from __future__ import annotations
 
@@ -63,8 +47,6 @@ class SubmodelCall:
 
 @dataclasses.dataclass
 class Prepared:
-    """A built application and the submodel to trace, with its recorded eager call."""
-
     options: TraceOptions
     app: object
     model: torch.nn.Module  # the submodel's NeuronKimiK2Model
@@ -134,7 +116,6 @@ def check(o: TraceOptions) -> None:
     if o.seq_len < 2:
         raise KimiInputError(f"--seq-len {o.seq_len}: expected at least 2 (a prefill and one decode position)")
     if o.model.tp != 1:
-        # Tracing as ModelBuilder does at TP > 1 needs its mocked torch.distributed in one process (README).
         raise KimiInputError(f"--tp {o.model.tp}: trace-cpu traces TP=1 only; TP > 1 needs NxD's ModelBuilder "
                              f"world (all ranks in one process under a mocked torch.distributed), not built here")
     backend.check(o.model)
@@ -147,8 +128,7 @@ def trace(o: TraceOptions) -> TraceReport:
 def prepare(o: TraceOptions) -> Prepared:
     """Build the application in NxD's CPU mode and record one eager call of the submodel."""
     check(o)
-    # torch_xla's CPU device (on a trn2 host it would pick the Neuron one) and its debug output, both set before its
-    # runtime starts and first executes, which latch them
+    # Set before torch_xla's runtime first executes, which latches them (on trn2 it would pick the Neuron device).
     if os.environ.setdefault("PJRT_DEVICE", "CPU") != "CPU":
         raise KimiInputError(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}: trace-cpu traces on torch_xla's CPU device; "
                              f"unset it or set PJRT_DEVICE=CPU")
@@ -160,15 +140,13 @@ def prepare(o: TraceOptions) -> Prepared:
 
 
 def prompt_rows(batch: int, seq_len: int, vocab: int) -> list[list[int]]:
-    """Seeded token rows of seq_len // 2 + 1 tokens: a prefill of seq_len // 2 (padded to the bucket, as NxDI pads
-    a short prompt) and one decode step."""
+    """Seeded rows: a prefill of seq_len // 2 (padded to the bucket, as NxDI pads a short prompt) and one decode."""
     g = torch.Generator().manual_seed(SEED)
     return torch.randint(0, vocab, (batch, seq_len // 2 + 1), generator=g).tolist()
 
 
 def record_call(app, model: torch.nn.Module, rows: list[list[int]]) -> SubmodelCall:
-    """The first call NxDI's model wrapper makes of `model` while teacher_forced_logits runs the rows (one
-    context-encoding call, then one token-generation call), recorded by hooks on the submodel."""
+    """The first call NxDI's model wrapper makes of `model` while teacher_forced_logits runs the rows."""
     seen = {}
 
     def before(_module, args):
@@ -284,9 +262,7 @@ def hlo_instructions(hlo_text: str) -> int:
 # -- naming the Python frame of each sync ---------------------------------------------------------------------------
 
 class SyncLog:
-    """torch_xla's debug analysis: at PT_XLA_DEBUG_LEVEL >= 2 it writes, for every graph execution, an "Execution
-    Analysis" with its cause and the Python frames that triggered it, to PT_XLA_DEBUG_FILE. torch_xla reads both
-    variables once, at its first execution in the process, so they are set before that (prepare)."""
+    """torch_xla's "Execution Analysis" of every graph execution (PT_XLA_DEBUG_LEVEL >= 2, to PT_XLA_DEBUG_FILE)."""
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
@@ -295,7 +271,6 @@ class SyncLog:
         return self.path.stat().st_size if self.path and self.path.exists() else 0
 
     def executions(self, start: int) -> list[Sync]:
-        """The executions written since offset `start`."""
         if not self.path or not self.path.exists():
             return []
         with open(self.path, errors="replace") as f:
@@ -307,9 +282,8 @@ _SYNC_LOG: SyncLog | None = None
 
 
 def sync_log() -> SyncLog:
-    """This process's SyncLog, enabling torch_xla's execution analysis (level 2; level 1 writes only compilations)
-    into a temporary file unless the caller chose a level or file. If torch_xla had already executed a graph without
-    them, it writes nothing and syncs are counted but not named."""
+    """Enables level 2 (level 1 writes only compilations) unless the caller chose; torch_xla reads it at its first
+    execution, so after one without it syncs are counted but not named."""
     global _SYNC_LOG
     if _SYNC_LOG is None:
         if "PT_XLA_DEBUG_FILE" not in os.environ and int(os.environ.get("PT_XLA_DEBUG_LEVEL", "0") or 0) < 1:

@@ -1,8 +1,5 @@
-"""DeepSeek-V3 / Kimi-K2 blockwise FP8 (float8_e4m3fn weight + float32 ``weight_scale_inv`` per 128x128 block).
-
-``weight_scale_inv`` is a multiplier despite its name: ``w[i, j] = float(w_fp8[i, j]) * scale_inv[i // bo, j // bi]``.
-The grid is ``ceil``-sized, so the last row/column block may be partial (e.g. kv_a_proj_with_mqa: 576 rows -> 5 blocks).
-"""
+"""DeepSeek-V3 / Kimi-K2 blockwise FP8: ``weight_scale_inv`` is a multiplier despite its name, on a ceil-sized grid
+of 128x128 blocks (kv_a_proj_with_mqa's 576 rows -> 5 blocks, the last partial)."""
 
 from __future__ import annotations
 
@@ -27,7 +24,6 @@ def _check_block(block) -> tuple[int, int]:
 
 
 def scale_grid_shape(weight_shape, block=DEFAULT_BLOCK) -> tuple[int, int]:
-    """Shape of the per-block scale grid for a [O, I] weight: (ceil(O/bo), ceil(I/bi))."""
     bo, bi = _check_block(block)
     out_f, in_f = weight_shape
     return math.ceil(out_f / bo), math.ceil(in_f / bi)
@@ -42,11 +38,7 @@ def check_scales(scale_inv: torch.Tensor, what: str) -> None:
 
 
 def _scale_rows_inplace(x: torch.Tensor, col_scale: torch.Tensor, bo: int) -> None:
-    """x[i, :] *= col_scale[i // bo, :] in place; col_scale is the grid already expanded along columns.
-
-    Full row blocks go through one broadcast view and the partial tail separately, so no weight-sized scale
-    tensor is ever built.
-    """
+    """x[i, :] *= col_scale[i // bo, :] in place, building no weight-sized scale tensor."""
     full = (x.shape[0] // bo) * bo
     if full:
         x[:full].unflatten(0, (full // bo, bo)).mul_(col_scale[: full // bo, None, :])
@@ -55,19 +47,14 @@ def _scale_rows_inplace(x: torch.Tensor, col_scale: torch.Tensor, bo: int) -> No
 
 
 def fp8_values(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of float8_e4m3fn codes, exactly; NaN codes must have been refused (they come out finite).
-
-    torch converts float8 to float32 one element at a time (~4.8 ns each here); this goes through float16, whose
-    conversions are vectorized (~2 ns in all): an e4m3fn byte shifted left by 7 is the float16 bit pattern of its
-    value / 256, subnormals included (each format's subnormals are integer multiples of its smallest step), and
-    the product by 256 is exact."""
+    """Exact float32 values of e4m3fn codes; NaN codes come out finite, so refuse them first. Through float16, whose
+    conversions are vectorized (torch's float8 ones are not): a byte shifted left by 7 is the float16 of value / 256."""
     h = codes.view(torch.int8).to(torch.int16)  # sign-extended: bit 14 comes out set on negative codes ...
     h.bitwise_left_shift_(7).bitwise_and_(~0x4000)  # ... and is cleared here
     return h.view(torch.float16).to(torch.float32).mul_(256.0)
 
 
 def check_fp8_weight(weight, name: str) -> None:
-    """HF's FP8 checkpoints store 2-D float8_e4m3fn codes; other bytes beside a weight_scale_inv are refused."""
     if not isinstance(weight, torch.Tensor) or weight.dtype != FP8_DTYPE or weight.dim() != 2:
         got = f"{weight.dtype} {list(weight.shape)}" if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise KimiInputError(f"{name}.weight: expected a 2-D float8_e4m3fn tensor, got {got}")

@@ -1,9 +1,6 @@
-"""compressed-tensors "pack-quantized" INT4 (Kimi-K2-Thinking / K2.5 routed experts).
-
-Layout per Linear: ``weight_packed`` int32 [O, ceil(I/8)] holding 8 input-dim nibbles per word, element i of each
-run of 8 at bits [4i, 4i+4) (low nibble first), each stored as q + 8 with q in [-8, 7]; ``weight_scale`` bf16
-[O, ceil(I/group)]; ``weight_shape`` int32 [2] = [O, I]. Symmetric (no zero point): ``w = q * scale[:, k // group]``.
-"""
+"""compressed-tensors "pack-quantized" INT4 (Kimi-K2-Thinking / K2.5 routed experts): ``weight_packed`` int32
+[O, ceil(I/8)], 8 nibbles q + 8 per word, low nibble first; ``weight_scale`` bf16 [O, ceil(I/group)]; ``weight_shape``
+[O, I]. Symmetric: ``w = q * scale[:, k // group]``."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import torch
 from kimi_k2_neuron.errors import KimiInputError
 
 NUM_BITS = 4
-PACK_FACTOR = 32 // NUM_BITS  # nibbles per int32
+PACK_FACTOR = 32 // NUM_BITS
 OFFSET = 1 << (NUM_BITS - 1)  # stored nibble = q + 8, so [-8, 7] maps onto [0, 15]
 Q_MIN, Q_MAX = -OFFSET, OFFSET - 1
 DEFAULT_GROUP = 32
@@ -27,9 +24,8 @@ def unpack_int4(packed: torch.Tensor, in_features: int, *, name: str = "weight")
     """int32 [O, ceil(I/8)] -> int8 [O, in_features] with values in [-8, 7]."""
     out_f = packed.shape[0] if isinstance(packed, torch.Tensor) and packed.dim() == 2 else -1
     _check_packed(packed, out_f, in_features, name)
-    # `>>` sign-extends negative words (bit 31 set when nibble 7 >= 8); the `& 0xF` mask discards that.
-    # In-place mask/offset keep it to one int32 temporary of the unpacked size.
-    nibbles = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)).bitwise_and_(0xF).sub_(OFFSET)  # low nibble first
+    # `& 0xF` discards `>>`'s sign extension; in place, so one int32 temporary of the unpacked size.
+    nibbles = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)).bitwise_and_(0xF).sub_(OFFSET)
     return nibbles.flatten(1)[:, :in_features].to(torch.int8)
 
 
@@ -66,7 +62,6 @@ def _weight_shape(weight_shape, name: str) -> tuple[int, int]:
 
 
 def check_group_scale(scale, out_f: int, n_groups: int, group_size: int, name: str) -> None:
-    """weight_scale must be a finite floating [out, n_groups] tensor."""
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point() or list(scale.shape) != [out_f, n_groups]:
         got = f"{scale.dtype} {list(scale.shape)}" if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise KimiInputError(
@@ -84,11 +79,7 @@ def dequantize_group(
     out_dtype: torch.dtype = torch.float32,
     name: str = "weight",
 ) -> torch.Tensor:
-    """Packed INT4 + per-group scales -> dense [O, I] = q * scale[:, k // group_size], computed in float32.
-
-    I need not be a multiple of group_size: like compressed-tensors the scale grid is ceil-sized and the last
-    group is partial.
-    """
+    """Packed INT4 + per-group scales -> dense [O, I]; the last group may be partial, as in compressed-tensors."""
     if group_size <= 0:
         raise KimiInputError(f"{name}: group_size must be positive, got {group_size}")
     out_f, in_f = _weight_shape(weight_shape, name)

@@ -1,21 +1,8 @@
-"""NxD's FP8 expert layout: [in, out] e4m3 codes within +-240 and a float32 scale grid, written from one expert
-projection of any source (the converter) and read back (dequantize_nxd: the CPU runner's view of a converted
-checkpoint, and the tests).
-
-Every stored value lies within +-240, Neuron's e4m3 maximum: the compiler reinterprets OCP e4m3fn bytes with
-exponent 15 as inf/NaN, and NxD maps float8_e4m3fn to +-240.
-
-Three ways in:
-- `fp8_to_blockwise`: source FP8 codes are kept. A block holding a code beyond +-240 gets all its codes halved and
-  its scale doubled. Halving an e4m3 code only lowers its exponent, so it is exact except where the result falls
-  into the subnormal range with an odd mantissa (round-to-nearest-even there); those are counted as `inexact`.
-- `int4_to_blockwise`: INT4 codes -8..7 are exact e4m3 values and the group scale becomes the block scale: lossless.
-- `quantize`: anything else (per-channel targets, BF16 sources) is dequantized exactly to float32 and re-rounded
-  with scale = amax / 240; a block or channel whose rounded codes still exceed 240 gets its scale doubled.
-
-All byte tricks rely on e4m3fn's layout: sign bit 7, exponent bits 3-6, mantissa bits 0-2, so for a magnitude
-byte m = b & 0x7F, |value| <= 240 <=> m <= 0x77 and m == 0x7F is NaN.
-"""
+"""NxD's FP8 expert layout: [in, out] e4m3 codes within +-240 (Neuron's compiler reads e4m3fn exponent 15 as
+inf/NaN) and a float32 scale grid, written from any source and read back (dequantize_nxd). fp8_to_blockwise keeps the
+source codes, halving a block's codes and doubling its scale where one exceeds 240: exact but for odd subnormal-tail
+codes, counted as `inexact`. int4_to_blockwise is lossless; quantize re-rounds anything else with scale = amax / 240.
+The byte tricks rely on e4m3fn's layout: for m = b & 0x7F, |value| <= 240 <=> m <= 0x77, and 0x7F is NaN."""
 
 from __future__ import annotations
 
@@ -29,10 +16,9 @@ from .fp8 import check_fp8_weight, check_scales, fp8_values, scale_grid_shape
 from .int4 import check_group_scale, unpack_int4
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 240.0  # Neuron e4m3
-FP8_MAX_BYTE = 0x77  # |code| <= 240 <=> (byte & 0x7F) <= 0x77 for e4m3fn (0x7F is NaN)
-# Source bytes per rescale step: few enough torch calls per MB, and small enough that the step's passes (reductions,
-# the halving, sparse fixes) run in L2 (1 MB per core here).
+FP8_MAX = 240.0
+FP8_MAX_BYTE = 0x77
+# Source bytes per rescale step: few torch calls per MB, and the step's passes stay in L2 (1 MB per core here).
 _CHUNK = 1 << 20
 
 
@@ -65,8 +51,7 @@ class Stats:
 
 
 def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:, :] = src.T. Into a contiguous dst torch copies a transposed matrix in cache-sized tiles (its fastest
-    byte transpose here: ~1.4 GB/s per core); a column slice of a wider dst goes through a contiguous temporary."""
+    """dst[:, :] = src.T; torch's tiled copy into a contiguous dst is its fastest byte transpose (~1.4 GB/s/core)."""
     if dst.is_contiguous():
         dst.copy_(src.t())
     else:
@@ -83,9 +68,8 @@ _L01, _L08, _H80 = (_i64(b) for b in ("01", "08", "80"))
 
 
 def halve_codes(b: torch.Tensor) -> torch.Tensor:
-    """e4m3fn bytes (uint8, no NaN) -> bytes of half the value, byte by byte. A magnitude m >= 0x10 only loses one
-    exponent step (m - 8, exact); below it the value is m * 2^-9 (subnormals and exponent 1 alike), so the half is
-    m / 2 rounded to nearest even, stored as that integer."""
+    """e4m3fn bytes (no NaN) -> bytes of half the value. m >= 0x10 loses one exponent step (m - 8, exact); below, the
+    value is m * 2^-9, so the half is m / 2 rounded to nearest even."""
     m = b & 0x7F
     return torch.where(m < 0x10, (b & 0x80) | ((m >> 1) + (m & (m >> 1) & 1)), b - 8)
 
@@ -103,11 +87,9 @@ def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
 
 
 def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tensor, ...]:
-    """Per column and per br rows, the max of the bytes read as uint8 and as int8; and (minima) per column and per
-    8 rows, a byte whose high nibble is zero exactly when those rows hold a magnitude below 0x10 there: uint8 min &
-    0xF0 for positive codes, (int8 min ^ 0x80) & 0xF0 for negative ones, the smaller of the two. Reductions over an
-    outer dimension, which torch vectorizes along the contiguous rows (an inner reduction over a block's 32 bytes
-    runs ~30x slower), a row chunk of whole blocks (~1 MB) at a time so that its passes stay in L2."""
+    """Per column and br rows, the byte max as uint8 and int8; with minima, per 8 rows a byte whose high nibble is
+    zero exactly when they hold a magnitude below 0x10. Outer-dimension reductions, in ~1 MB row chunks that stay in
+    L2: torch vectorizes those (an inner one over a block's 32 bytes runs ~30x slower)."""
     rows, cols = b.shape
     umax, imax = torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)
     small = torch.empty(rows // 8, cols, dtype=torch.uint8) if minima else None
@@ -125,15 +107,12 @@ def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tens
 
 
 def _has_nan(umax: torch.Tensor, imax: torch.Tensor) -> bool:
-    """NaN is 0x7F (the largest int8) or 0xFF (the largest uint8). Whole-tensor reductions: torch's comparisons
-    of byte tensors run ~1 ns an element here, its reductions ~20x faster."""
+    """NaN is 0x7F (int8 max) or 0xFF (uint8 max); reductions run ~20x faster than torch's byte comparisons."""
     return umax.numel() > 0 and (int(imax.max()) == 0x7F or int(umax.max()) == 0xFF)
 
 
 def _over_240(umax: torch.Tensor, imax: torch.Tensor, bc: int) -> torch.Tensor:
-    """Blocks holding a code beyond +-240, from the column maxima: the largest positive magnitude is the int8 max,
-    the largest negative one the uint8 max minus 0x80 (compared once per block, after reducing the block's
-    columns)."""
+    """From the column maxima: the largest positive magnitude is the int8 max, the largest negative uint8 max - 0x80."""
     rows, cols = umax.shape
     bu, bi = (t.view(rows, cols // bc, bc).amax(-1) for t in (umax, imax))
     return (bi > FP8_MAX_BYTE) | (bu > 0x80 + FP8_MAX_BYTE)
@@ -178,17 +157,11 @@ def blockwise_scale(s: torch.Tensor, shape: tuple[int, int], src_block: tuple[in
 
 
 def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
-    """Halve, in place, every [br, bc] block of u (uint8 e4m3fn codes [rows, cols]) that holds a code beyond +-240;
-    returns the blocks' flags [rows/br, cols/bc] and how many codes the halving rounded (odd subnormal-tail codes
-    of halved blocks). Rows of several projections may follow one another (gate then up) as long as no block
-    straddles two.
-
-    Halving subtracts 8 from every byte of an int64 lane of 8 codes: exact (and borrow-free) for magnitudes
-    >= 0x10, one pass. Lanes holding a smaller code in a halved block are redone byte by byte from their original
-    codes: candidates are the 8 x 8 tiles whose 8-row column minima show one (a positive code >= 0x10 has uint8
-    min >= 0x10, a negative one int8 min >= -0x70); in the benchmark's DeepSeek-style FP8 about 1 tile in 70. Besides
-    the reductions and that pass, everything works on per-block or per-tile tensors, once per matrix: torch's
-    per-call cost (~10 us here) would dominate per chunk."""
+    """Halve, in place, every [br, bc] block of uint8 e4m3fn codes that holds a code beyond +-240 (no block may
+    straddle two projections); returns the flags [rows/br, cols/bc] and how many codes the halving rounded.
+    Halving subtracts 8 from each byte of an int64 lane, exact for magnitudes >= 0x10; lanes holding a smaller one
+    are redone byte by byte (~1 tile in 70 in DeepSeek-style FP8). All else works per block or tile, once per
+    matrix: torch's ~10 us per call would dominate per chunk."""
     br, bc = block
     rows, cols = u.shape
     lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks
@@ -206,7 +179,7 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
         return flag, inexact
     # A zero byte in an int64 lane of the 8-row column minima marks an 8 x 8 tile holding a magnitude below 0x10
     # ((v - 0x01..) & ~v & 0x80.. is nonzero exactly when v has a zero byte): byte arithmetic, no comparisons.
-    m = small[0].view(torch.int64)  # [rows/8, cols/8]
+    m = small[0].view(torch.int64)
     group, lane = ((m - _L01).bitwise_and_(~m).bitwise_and_(_H80) != 0).nonzero(as_tuple=True)
     keep = flag[group // (br // 8), lane // (bc // 8)]  # tiles of halved blocks only
     group, lane = group[keep], lane[keep]
@@ -220,7 +193,7 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
     if n_flag == flag.numel():
         lanes.sub_(_L08)
     else:  # unflagged blocks subtract 0
-        amount = flag.repeat_interleave(bc // 8, 1).to(torch.int64).mul_(_L08)  # [rows/br, cols/8]
+        amount = flag.repeat_interleave(bc // 8, 1).to(torch.int64).mul_(_L08)
         lanes.view(rows // br, br, cols // 8).sub_(amount[:, None, :])
     lanes[r, c] = fixed
     return flag, inexact
@@ -272,9 +245,7 @@ def quantize(ref: torch.Tensor, block: tuple[int, int] | None, dst: torch.Tensor
 
 
 def dequantize_nxd(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """One expert's FP8 [in, out] codes and its scale ([in/b_in, out/b_out], or [1, out]) -> float32 [in, out].
-
-    Blocks are inferred from the shapes, as NxD's blockwise dequantize does."""
+    """FP8 [in, out] codes and scale -> float32; blocks inferred from the shapes, as NxD's dequantize does."""
     if not torch.isfinite(scale).all():
         raise KimiInputError("converted expert scale contains NaN or inf")
     check_finite(codes, "converted expert codes")

@@ -1,9 +1,5 @@
-"""What generation shares on CPU (`kimi-k2-neuron generate`) and trn2 (scripts/run_inference.py): the chat that
---prompt and --system make, --stop strings, and how rows are printed.
-
-Stop strings work on decoded text, so the same rule serves the CPU runner (per row, after each token) and
-transformers' generation loop (as a stopping criterion over the whole batch).
-"""
+"""What generation shares on CPU and trn2: the chat --prompt and --system make, --stop strings (on decoded text, so
+one rule serves the CPU runner and transformers' loop), how rows print."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import torch
 
 
 def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
-    """The messages --prompt and --system make: an optional system message, then the user's prompt."""
     head = [{"role": "system", "content": system}] if system is not None else []
     return head + [{"role": "user", "content": prompt}]
 
@@ -25,8 +20,7 @@ def prompt_ids(tokenizer, prompts: Sequence[str], chat: bool = True, system: str
 
 
 def reply_text(tokenizer, ids: Sequence[int]) -> str:
-    """Generated ids as the user reads them, and as --stop strings see them, on every backend: special tokens (the
-    <|im_end|> that ended the turn) dropped, the ones marked special=false (<think>, tool-call markers) kept."""
+    """As users and --stop strings see it: special tokens dropped, those marked special=false (<think>) kept."""
     return tokenizer.decode(ids, skip_special=True)
 
 
@@ -37,16 +31,13 @@ def reply_texts(tokenizer, rows: Sequence[Sequence[int]], stops: Iterable[str]) 
 
 
 def cut_at_stop(text: str, stops: Iterable[str]) -> str:
-    """`text` up to (not including) the earliest stop string in it; all of it when none occurs."""
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[:min(hits)] if hits else text
 
 
 class StopStrings:
-    """Ends a row once its decoded new tokens contain one of `stops`.
-
-    `done(tokens)` serves the CPU runner; calling the object with input_ids [B, T] serves transformers (and NxDI's
-    adapter) as a StoppingCriteria: one bool per row, new tokens starting at column `start`."""
+    """`done(tokens)` serves the CPU runner; called with input_ids [B, T] it is transformers' (and NxDI's adapter's)
+    StoppingCriteria, new tokens starting at column `start`."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str], start: int = 0):
         self.decode, self.stops, self.start = decode, [s for s in stops if s], start

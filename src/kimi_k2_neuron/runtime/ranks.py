@@ -1,23 +1,8 @@
-"""Run one process per rank and never leave one behind.
-
-    run_ranks(target, nprocs, args=())
-
-starts `nprocs` processes with the spawn start method; process `rank` calls `target(rank, *args)` with the
-torch.distributed environment already set (MASTER_ADDR=127.0.0.1, a free MASTER_PORT, WORLD_SIZE, RANK,
-LOCAL_RANK), so `torch.distributed.init_process_group(backend)` needs no other argument. `target` and `args` must be
-picklable: a module-level function and plain data. Nothing is returned; ranks hand results back through files.
-
-No rank outlives the run:
-* a rank that fails makes run_ranks terminate the others and raise: KimiInputError with the rank's own message when
-  that was the rank's error (so the CLI still prints one `error:` line, exit 2), else RankFailed naming the rank and
-  its exception (a rank's unexpected exception also prints its traceback, for debugging);
-* SIGTERM or SIGINT to the parent terminates every rank and raises RanksInterrupted (exit code 128 + signal);
-* if the parent dies anyhow (SIGKILL included), Linux sends each rank SIGTERM (prctl PR_SET_PDEATHSIG); elsewhere
-  that safety net is skipped.
-RanksError (the base of RankFailed and RanksInterrupted) carries a one-line message and `exit_code`.
-
-This module imports no torch: a rank pays only for what its target imports.
-"""
+"""run_ranks(target, nprocs, args): `target(rank, *args)` in `nprocs` spawned processes with the torch.distributed
+environment set, and no rank left behind. A failing rank stops the others and raises KimiInputError with its message
+(so the CLI prints one `error:` line) or RankFailed; SIGTERM/SIGINT stop every rank and raise RanksInterrupted; if the
+parent dies anyhow, Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
+import: a rank pays only for what its target imports."""
 
 from __future__ import annotations
 
@@ -108,8 +93,7 @@ def _raise_interrupted(signum, frame):
 
 @contextmanager
 def _signals(handler):
-    """SIGTERM and SIGINT go to `handler` inside the block; the previous handlers come back after. Handlers can only
-    be set from the main thread; elsewhere the caller's own signal handling stays."""
+    """SIGTERM and SIGINT go to `handler` inside the block, from the main thread only, where handlers can be set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -122,7 +106,6 @@ def _signals(handler):
 
 
 def _supervise(procs, reports) -> None:
-    """Wait until every rank has exited; raise as soon as one fails."""
     running = dict(zip((p.sentinel for p in procs), range(len(procs))))
     while running:
         for sentinel in wait(list(running)):
@@ -133,7 +116,6 @@ def _supervise(procs, reports) -> None:
 
 
 def _failure(rank: int, exitcode: int, report) -> Exception:
-    """The error for a rank that exited with `exitcode`: its own report when it sent one."""
     try:
         kind, message = report.recv() if report.poll() else ("died", None)
     except EOFError:  # poll() is also true at end of file: the rank closed its end without a word
@@ -147,7 +129,6 @@ def _failure(rank: int, exitcode: int, report) -> Exception:
 
 
 def _stop(procs) -> None:
-    """Terminate every rank still running, then kill what has not gone after a grace period."""
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -1,28 +1,21 @@
-"""Kimi-K2's assistant output read as text: reasoning, content and tool calls, streamed or at once (no serving
-framework needed; kimi_k2_neuron.neuron.vllm_parsers puts vLLM's parser interfaces on top).
-
-What Kimi writes (its chat template writes the same back for earlier turns):
+"""Kimi-K2's assistant output read as text: reasoning, content and tool calls, streamed or at once (vllm_parsers
+puts vLLM's parser interfaces on top). What Kimi writes (its chat template writes the same back for earlier turns):
 
     [<think>REASONING</think>]CONTENT<|tool_calls_section_begin|>
         <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>  (once per call)
     <|tool_calls_section_end|>
 
-The markers are single special tokens (marked special=false, so detokenizing with skip_special_tokens keeps them),
-but these parsers work on text, so a marker split across two text deltas is still one marker: a delta's tail that
-could begin a marker is held back until the next delta decides it (at most 27 characters). `finish()` releases
-whatever is held when the output ends.
+The markers are single special tokens, but these parsers work on text: a delta's tail that could begin a marker is
+held back until the next delta decides it (at most 27 characters); `finish()` releases it when the output ends.
 
-Where each character of the output goes: markers are never content, reasoning, id or arguments. A call's id is the
-text between its begin and argument markers (stripped) and is kept verbatim, since the chat template writes it back
-into the next prompt; its name is the id without the `functions.` prefix and the `:IDX` suffix (dots stay: an MCP
-tool `functions.mcp.server.tool:3` is `mcp.server.tool`). Arguments are the text up to the call's end marker,
-verbatim and streamed as they come, of any length. Text before, between and after tool sections is content;
-inside a section, whitespace between calls is dropped and any other text between calls is content (never dropped).
+Markers are never content, reasoning, id or arguments. A call's id (between its begin and argument markers, stripped)
+is kept verbatim, since the chat template writes it back; its name is the id without `functions.` and `:IDX` (dots
+stay). Arguments are the text up to the call's end marker, streamed as they come. Text outside tool sections is
+content; inside one, whitespace between calls is dropped and other text is content.
 
-Malformed output: a call begin marker outside a section opens one; a call whose end marker is missing ends at the
-next call, at the section end, or with the output (its arguments are what was written); a call whose id never
-reaches its argument marker is content (its id text), since its name is unknown; a marker where it means nothing
-(a section end outside a section, say) is dropped.
+Malformed output: a call begin marker outside a section opens one; a call without its end marker ends at the next
+call, the section end or the output; a call whose id never reaches its argument marker is content, since its name is
+unknown; a marker where it means nothing (a section end outside a section, say) is dropped.
 """
 
 from __future__ import annotations
@@ -123,12 +116,8 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
 
 class ReasoningSplitter:
     """Splits an output into its reasoning and the rest (as Content events, markers of the rest untouched).
-
-    Reasoning is there only when the output opens with <think> (leading whitespace aside), as Kimi-K2-Thinking
-    writes it, or when `opened`: the prompt ended with <think> already (a template that opens thinking for the
-    model). It ends at </think> (dropped), or at a tool section or call begin marker (kept, for the tool parser).
-    An output that never opens thinking is all content.
-    """
+    Reasoning is there only when the output opens with <think> or `opened` (the prompt ended with it); it ends at
+    </think> (dropped) or at a tool section or call begin marker (kept, for the tool parser)."""
 
     def __init__(self, opened: bool = False):
         self._state = "reasoning" if opened else "start"
