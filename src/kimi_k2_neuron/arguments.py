@@ -169,6 +169,18 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
+# -- weights the NxDI design replicates, split across the ranks (issue 17) --------------------------------------
+
+def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
+    """--shard-attn-a and --shard-router: split across the ranks what the NxDI design replicates on every one."""
+    p.add_argument("--shard-attn-a", action="store_true",
+                   help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows and all-gather their "
+                        "output (one collective per layer) instead of holding them whole on every rank")
+    p.add_argument("--shard-router", action="store_true",
+                   help="split the float32 router across the ranks by experts and all-gather its logits (one "
+                        "collective per MoE layer); every rank still selects from the same float32 logits")
+
+
 def cache_dir() -> Path:
     """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
     return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")

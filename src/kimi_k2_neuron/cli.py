@@ -15,8 +15,8 @@ from pathlib import Path
 
 
 from . import __version__
-from .arguments import (Parser, add_generation_args, cache_dir, check_generation_args, check_out_dir, check_out_file,
-                        fail, integer, sampling_values)
+from .arguments import (Parser, add_generation_args, add_weight_sharding_args, cache_dir,
+                        check_generation_args, check_out_dir, check_out_file, fail, integer, sampling_values)
 from .errors import KimiInputError
 from .launch import cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
@@ -63,11 +63,13 @@ def cmd_logits(a) -> int:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
-        from .parallel import check_tp_divides
+        from .parallel import check_tp_divides, check_weight_sharding
         from .runtime.tp import tp_logits
 
         check_tp_divides(cfg, a.tp)
-        logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed)
+        check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
+        logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
+                           shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
@@ -291,6 +293,7 @@ def _logits_parser(sub) -> None:
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
+    add_weight_sharding_args(s)
 
 
 def _generate_parser(sub) -> None:
