@@ -169,6 +169,35 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
+# -- the long-context layout (issue 17) ------------------------------------------------------------------------------
+
+KV_SHARDS = ("none", "sequence")
+
+
+def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
+    """--kv-shard, --kv-group and --prefill-chunk: how the latent cache and the prefill are laid over the ranks
+    (neuron.contract.LayoutOptions)."""
+    p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
+                   help="none: every rank holds the whole latent KV cache; sequence: the ranks of a KV group split "
+                        "every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and decode merges "
+                        "their partial attention")
+    p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
+                   help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp, one group)")
+    p.add_argument("--prefill-chunk", type=integer(1), default=None, metavar="N",
+                   help="prefill in calls of N tokens of one row, each attending to the cache written so far "
+                        "(dividing --seq-len; default: one prefill call of the whole bucket)")
+
+
+def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
+    """--shard-attn-a and --shard-router: split across the ranks what the NxDI design replicates on every one."""
+    p.add_argument("--shard-attn-a", action="store_true",
+                   help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows and all-gather their "
+                        "output (one collective per layer) instead of holding them whole on every rank")
+    p.add_argument("--shard-router", action="store_true",
+                   help="split the float32 router across the ranks by experts and all-gather its logits (one "
+                        "collective per MoE layer); every rank still selects from the same float32 logits")
+
+
 def cache_dir() -> Path:
     """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
     return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")

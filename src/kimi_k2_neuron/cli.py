@@ -15,8 +15,8 @@ from pathlib import Path
 
 
 from . import __version__
-from .arguments import (Parser, add_generation_args, cache_dir, check_generation_args, check_out_dir, check_out_file,
-                        fail, integer, sampling_values)
+from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
+                        check_generation_args, check_out_dir, check_out_file, fail, integer, sampling_values)
 from .errors import KimiInputError
 from .launch import cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
@@ -63,11 +63,13 @@ def cmd_logits(a) -> int:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
-        from .parallel import check_tp_divides
+        from .parallel import check_tp_divides, check_weight_sharding
         from .runtime.tp import tp_logits
 
         check_tp_divides(cfg, a.tp)
-        logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed)
+        check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
+        logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
+                           shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
@@ -201,13 +203,23 @@ def cmd_demo(a) -> int:
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
     from .formats.record import ConversionRecord, expert_scheme
-    from .plan import format_plan, max_seq_len, plan, plan_json
+    from .plan import format_plan, max_batch, max_seq_len, plan, plan_json
 
+    if a.max_batch and (a.seq_len is None or a.batch is not None):
+        raise KimiInputError("--max-batch: searches the batch at --seq-len; give --seq-len and leave out --batch and "
+                             "--max-seq-len")
+    layout = _layout(a)
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
     # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
     scheme = expert_scheme(cfg, ConversionRecord.of(cfg), a.experts)
-    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, batch=a.batch, scheme=scheme, kv_slots=a.kv_slots,
-                router_dtype=a.router_dtype, context_len=a.max_context_length, moe_prefill=a.moe_prefill)
+    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, scheme=scheme, kv_slots=a.kv_slots, router_dtype=a.router_dtype,
+                context_len=a.max_context_length, moe_prefill=a.moe_prefill, layout=layout)
+    if a.max_batch:
+        p = max_batch(cfg, seq_len=a.seq_len, **args)
+        found = p.batch if p.fits else None
+        print(plan_json(p, max_batch=found) if a.json else f"{_max_batch_line(p, found)}\n{format_plan(p)}")
+        return 0 if p.fits else 1
+    args["batch"] = 1 if a.batch is None else a.batch
     if not a.max_seq_len:
         p = plan(cfg, seq_len=a.seq_len, **args)
         print(plan_json(p) if a.json else format_plan(p))
@@ -218,16 +230,37 @@ def cmd_plan(a) -> int:
     return 0 if p.fits else 1
 
 
+def _layout(a):
+    """plan's layout flags (arguments.add_kv_layout_args, add_weight_sharding_args) as contract.LayoutOptions."""
+    from .neuron.contract import LayoutOptions
+
+    if a.kv_group is not None and a.kv_shard != "sequence":
+        raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (the ranks that split a "
+                             f"sequence)")
+    group = (a.kv_group or a.tp) if a.kv_shard == "sequence" else None
+    return LayoutOptions(kv_group=group, prefill_chunk=a.prefill_chunk, shard_attn_a=a.shard_attn_a,
+                         shard_router=a.shard_router)
+
+
+def _max_batch_line(p, found: int | None) -> str:
+    if found is None:
+        return (f"max batch: none fits at seq_len {p.seq_len} (batch {p.batch} needs {p.total_bytes / GiB:.2f} GiB); "
+                f"the plan at it:")
+    return f"max batch at seq_len {p.seq_len}: {found}; the plan at it:"
+
+
 def _max_seq_len_line(cfg, p, found: int | None) -> str:
     top = cfg.max_position_embeddings
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
+    from .neuron.contract import LayoutOptions
     from .plan import seq_len_step
 
     step = seq_len_step(p)
+    taken_by = "the shard-on-block kernel takes" if p.layout == LayoutOptions() else "these options take"
     beyond = ("= max_position_embeddings" if found == top else f"{found + 1} does not fit" if step == 1 else
-              f"the next the shard-on-block kernel takes, {found + step}, does not fit")
+              f"the next {taken_by}, {found + step}, does not fit")
     return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"
 
 
@@ -291,6 +324,7 @@ def _logits_parser(sub) -> None:
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
+    add_weight_sharding_args(s)
 
 
 def _generate_parser(sub) -> None:
@@ -338,7 +372,10 @@ def _plan_parser(sub) -> None:
                           "--json adds max_seq_len (null if none fits)")
     s.add_argument("--max-context-length", type=integer(1), default=None,
                    help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
-    s.add_argument("--batch", type=integer(1), default=1, help="sequences decoded together")
+    s.add_argument("--batch", type=integer(1), default=None, help="sequences decoded together (default 1)")
+    s.add_argument("--max-batch", action="store_true",
+                   help="search the largest batch that fits at --seq-len and plan it; --json adds max_batch (null if "
+                        "none fits)")
     s.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
                    help="routed-expert storage on device (default: what a converted --model holds, which is the only "
                         f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
@@ -350,6 +387,8 @@ def _plan_parser(sub) -> None:
                         "same-width dead V slot")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
+    add_kv_layout_args(s)
+    add_weight_sharding_args(s)
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

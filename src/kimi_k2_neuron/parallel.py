@@ -4,7 +4,9 @@ The decoder code only ever builds these layers. Here they are plain torch: one r
 talk over torch.distributed (gloo). The Neuron shell builds the same decoder with NxD's parallel layers instead.
 
 Sharding follows the Neuron build: attention heads, MLP/expert intermediate columns and the vocabulary are split
-across ranks; q_a_proj / kv_a_proj_with_mqa (low-rank, shared by all heads) are replicated.
+across ranks; q_a_proj / kv_a_proj_with_mqa (low-rank, shared by all heads) and the router are replicated, or, with
+shard_attn_a / shard_router, split by output rows and all-gathered (each output element is still one whole dot
+product, computed on one rank, so the gathered output is the replicated layer's).
 Each layer knows which dim of the full checkpoint tensor it owns a slice of (`shard_dim`), so the weight loader
 hands it the full tensor and the layer keeps its part.
 """
@@ -32,10 +34,25 @@ class ParallelContext:
 
     tp_size: int = 1
     rank: int = 0
+    # Split what the NxDI design replicates (check_weight_sharding): q_a_proj + kv_a_proj_with_mqa, and the router's
+    # experts; each then costs one all-gather per layer instead of the whole weight on every rank.
+    shard_attn_a: bool = False
+    shard_router: bool = False
 
     # -- layer factory: plain torch here ------------------------------------------------------------------
     def replicated(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
         return ReplicatedLinear(in_features, out_features, dtype, self)
+
+    def gathered(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
+        """Output features split across ranks, then all-gathered: every rank gets the whole output."""
+        return GatheredLinear(in_features, out_features, dtype, self)
+
+    def attention_a(self, hidden: int, q_lora_rank: int, latent_dim: int, dtype: torch.dtype) -> dict[str, nn.Module]:
+        """MLA's two down-projections of the hidden state, by attribute name, in output order: q_a_proj [q_lora_rank]
+        and kv_a_proj_with_mqa [latent_dim], replicated or (shard_attn_a) gathered. Here they keep the checkpoint's
+        names; the Neuron shell fuses them into one layer and one all-gather (NXDI_CONTRACT.md: gathered-linear)."""
+        make = self.gathered if self.shard_attn_a else self.replicated
+        return {"q_a_proj": make(hidden, q_lora_rank, dtype), "kv_a_proj_with_mqa": make(hidden, latent_dim, dtype)}
 
     def column(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
         return ColumnParallelLinear(in_features, out_features, dtype, self)
@@ -47,7 +64,7 @@ class ParallelContext:
         return ParallelEmbedding(vocab, dim, dtype, self)
 
     def lm_head(self, dim: int, vocab: int, dtype: torch.dtype) -> nn.Module:
-        return ParallelLMHead(dim, vocab, dtype, self)
+        return GatheredLinear(dim, vocab, dtype, self)
 
     def moe(self, cfg: KimiK2Config, dtype: torch.dtype) -> nn.Module | None:
         """A MoE layer's routed + shared experts from the backend, or None for the core's own (model.moe.MoE, which
@@ -96,6 +113,20 @@ def check_tp_divides(cfg: KimiK2Config, tp: int, split_embedding_dim: bool = Fal
     for name, n in dims.items():
         if n % tp:
             raise KimiInputError(f"--tp {tp}: config.json field {name}={n} is not divisible by {tp}")
+
+
+def check_weight_sharding(cfg: KimiK2Config, tp: int, attn_a: bool, router: bool) -> None:
+    """--shard-attn-a splits q_a_proj and kv_a_proj_with_mqa by output rows, --shard-router the router's experts:
+    each split must be even (NxD would pad a remainder, which neither the planner nor the fused split models)."""
+    dims = {}
+    if attn_a:
+        dims["--shard-attn-a"] = {"q_lora_rank": cfg.q_lora_rank, "kv_lora_rank + qk_rope_head_dim": cfg.latent_dim}
+    if router:
+        dims["--shard-router"] = {"n_routed_experts": cfg.n_routed_experts}
+    for flag, fields in dims.items():
+        for name, n in fields.items():
+            if n % tp:
+                raise KimiInputError(f"{flag} --tp {tp}: config.json field {name}={n} is not divisible by {tp}")
 
 
 class _ShardedLinear(nn.Module):
@@ -156,8 +187,9 @@ class ParallelEmbedding(nn.Module):
         return self.ctx.all_reduce(out)
 
 
-class ParallelLMHead(ColumnParallelLinear):
-    """Vocabulary columns split across ranks, gathered so every rank sees full logits."""
+class GatheredLinear(ColumnParallelLinear):
+    """Output features split across ranks and all-gathered, so every rank sees the whole output: lm_head's
+    vocabulary, and the sharded q_a/kv_a projections."""
 
     def forward(self, x):
         return self.ctx.all_gather_last(F.linear(x, self.weight))

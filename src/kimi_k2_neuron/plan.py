@@ -4,8 +4,10 @@ Per logical core (one NxD rank) it adds up the weights by kind and dtype, the ML
 allocate while they run (NxD's dequantized expert copies and matmul outputs, by prefill path and expert format) and
 a stated allowance for what the Neuron runtime needs on top, and compares the total with the HBM the runtime leaves
 to the model. It also gives a roofline lower bound on decode time per token (bytes read per token / HBM
-bandwidth), and can search for the largest seq_len that fits (max_seq_len). Every model dimension comes from the
-config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4, §3.4, §3.6, §5.1). The
+bandwidth), and can search for the largest seq_len (max_seq_len) or batch (max_batch) that fits. Every model
+dimension comes from the config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4, §3.4,
+§3.6, §5.1), or the long-context layout of issue 17 (contract.LayoutOptions: the latent cache split across a KV group
+of ranks, chunked prefill, q_a/kv_a and the router split across the ranks), whose decode collectives it lists. The
 configurations it refuses are the ones scripts/compile_and_save.py refuses: both call check_compile_options (and
 the Neuron shell's contract.check_serve_options does too). These are estimates.
 """
@@ -21,7 +23,8 @@ from .errors import KimiInputError
 from .formats.layout import converted_tensors
 from .formats.scheme import BF16_EXPERTS, ExpertScheme
 from .neuron import moe_paths
-from .neuron.contract import check_compile_options, check_counts, check_moe_tp
+from .neuron.contract import (FD_RESERVED_SLOTS, LayoutOptions, cache_slots, check_compile_options, check_counts,
+                               check_moe_tp, prefill_batch)
 from .neuron.moe_paths import decodes_all_experts
 
 GiB = 2**30
@@ -60,6 +63,19 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Collective:
+    """A collective the layout adds to every decode step: how many run (one per layer or MoE layer) and the bytes of
+    its tensor per token on one rank (an all-gather's output, an all-reduce's tensor, a reduce-scatter's input)."""
+
+    what: str
+    count: int
+    bytes_per_token: int
+
+    def bytes_per_step(self, batch: int) -> int:
+        return self.count * self.bytes_per_token * batch
+
+
+@dataclass(frozen=True)
 class Plan:
     model: str
     tp: int
@@ -74,6 +90,8 @@ class Plan:
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
     decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
     kv_slots: int
+    layout: LayoutOptions
+    cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (contract.cache_slots)
     logical_cores: int
     capacity_bytes: int  # the logical core's HBM
     usable_bytes: int  # what the runtime leaves to the model (RUNTIME_RESERVED_BYTES less)
@@ -81,6 +99,7 @@ class Plan:
     weights: tuple[Row, ...]
     kv_cache: Row
     allowance: tuple[Row, ...]
+    collectives: tuple[Collective, ...]  # what the layout adds to each decode step
     total_bytes: int
     fits: bool
     unfused_fp32_bytes: int  # fp32 dequantization products not in total_bytes (assumed fused; moe_temporaries)
@@ -117,6 +136,8 @@ class Plan:
         for key in ("weights", "allowance"):
             d[key] = [{**r, "gib": r["bytes"] / GiB} for r in d[key]]
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
+        d["collectives"] = [{**c, "bytes_per_step": c_.bytes_per_step(self.batch)}
+                            for c, c_ in zip(d["collectives"], self.collectives)]
         d.update(weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
@@ -131,12 +152,15 @@ def _div(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, scheme, kv_slots, moe_prefill) -> None:
+def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, scheme, kv_slots, moe_prefill,
+           layout: LayoutOptions) -> None:
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
     if lnc is None:
         raise KimiInputError("--lnc None: the planner needs 1 or 2")
-    check_compile_options(cfg, tp, ep, lnc, seq_len, context_len, batch, moe_prefill)
+    if layout.sequence_sharded and kv_slots != 1:
+        raise KimiInputError(f"--kv-slots {kv_slots}: the sequence-sharded cache is our latent-only manager's (1)")
+    check_compile_options(cfg, tp, ep, lnc, seq_len, context_len, batch, moe_prefill, layout)
     if tp > _logical_cores(lnc):
         raise KimiInputError(f"--tp {tp}: exceeds the {_logical_cores(lnc)} logical cores of a trn2.48xlarge at "
                              f"--lnc {lnc}")
@@ -166,35 +190,61 @@ def _expert_scale_bytes(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertSchem
 # holds (formats.layout.converted_tensors). q_a_proj and kv_a_proj_with_mqa are plain nn.Linear on every rank in the
 # NxDI design (§5.1); q_b/kv_b/o split by heads; the embedding along its embedding dim, lm_head along the vocab.
 _ROWS = (
-    ("attention q_a+kv_a (replicated)", ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.")),
+    ("attention q_a+kv_a", ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.")),
     ("attention q_b+kv_b+o (TP)", ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj.")),
     ("norms (replicated)", ("layernorm.", "model.norm.")),
     ("embedding (TP)", ("embed_tokens.",)),
     ("lm_head (TP)", ("lm_head.",)),
     ("dense MLP (TP)", ()),  # what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj
     ("shared experts (TP)", ("shared_experts.",)),
-    ("router + bias (replicated)", ("mlp.gate.",)),
+    ("router + bias", ("mlp.gate.",)),
     ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
 )
-_REPLICATED = ("attention q_a+kv_a (replicated)", "norms (replicated)", "router + bias (replicated)")
+# Whole on every rank, unless the layout splits them (LayoutOptions.shard_attn_a / shard_router): then each rank holds
+# 1/tp of the output rows and gathers the output; the router's bias [E] stays whole (selection reads all of it).
+_ATTN_A, _ROUTER = "attention q_a+kv_a", "router + bias"
+_ROUTER_BIAS = "e_score_correction_bias"
+
+
+def _row_names(layout: LayoutOptions) -> dict[str, str]:
+    """Row -> its printed name under this layout: what is whole on every rank says replicated."""
+    split = {_ATTN_A: layout.shard_attn_a, _ROUTER: layout.shard_router}
+    out = {row: row for row, _ in _ROWS}
+    for row, sharded in split.items():
+        out[row] = f"{row} ({'TP, gathered' if sharded else 'replicated'})"
+    out[_ROUTER] = "router (TP, gathered) + bias (replicated)" if layout.shard_router else "router + bias (replicated)"
+    return out
+
+
+def _split(row: str, key: str, layout: LayoutOptions) -> bool:
+    """Whether a tensor of this row is split across the tp ranks."""
+    if row == "norms (replicated)":
+        return False
+    if row == _ATTN_A:
+        return layout.shard_attn_a
+    if row == _ROUTER:
+        return layout.shard_router and not key.endswith(_ROUTER_BIAS)
+    return True
 
 
 def _row_of(key: str) -> str:
     return next((row for row, parts in _ROWS if any(p in key for p in parts)), "dense MLP (TP)")
 
 
-def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32") -> list[Row]:
+def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32",
+             layout: LayoutOptions = LayoutOptions()) -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
     experts_dtype = "fp8" if scheme.quantized else "bf16"
-    dtypes = {row: "bf16" for row, _ in _ROWS} | {"router + bias (replicated)": router_dtype,
+    dtypes = {row: "bf16" for row, _ in _ROWS} | {_ROUTER: router_dtype,
                                                  "routed experts (E/ep, I/(tp/ep))": experts_dtype}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
     total = dict.fromkeys(dtypes, 0)
     for key, (_, shape) in converted_tensors(cfg, BF16_EXPERTS).items():
         row = _row_of(key)
-        total[row] += math.prod(shape) // (1 if row in _REPLICATED else tp) * size[dtypes[row]]
-    rows = [Row(row, dtypes[row], total[row]) for row, _ in _ROWS]
+        total[row] += math.prod(shape) // (tp if _split(row, key, layout) else 1) * size[dtypes[row]]
+    names = _row_names(layout)
+    rows = [Row(names[row], dtypes[row], total[row]) for row, _ in _ROWS]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     scales = _expert_scale_bytes(cfg, tp, ep, scheme)
     if scales:
@@ -257,13 +307,14 @@ def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, scheme, moe_prefill
                 unfused_fp32_bytes=prefill_fp32 + decode_fp32)
 
 
-def _allowance(cfg: KimiK2Config, tokens: int, moe: dict) -> list[Row]:
+def _allowance(cfg: KimiK2Config, tokens: int, moe: dict, chunked: bool = False) -> list[Row]:
     """The runtime's fixed part, then the prefill scratchpad -- calibrated activations plus the MoE temporaries,
     in whole pages -- and the all-experts decode's MoE temporaries if it has any."""
     act, temp = int(tokens * cfg.hidden_size * CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN), moe["prefill_bytes"]
     pages = max(1, math.ceil((act + temp) / SCRATCHPAD_PAGE_BYTES))
     rows = [Row("runtime: NEFF code, DMA rings, I/O, CC, decode scratch", "-", RUNTIME_FIXED_BYTES),
-            Row("prefill activations (calibrated, batch x context)", "bf16", act),
+            Row(f"prefill activations (calibrated, {'1 row x chunk' if chunked else 'batch x context'})", "bf16",
+                act),
             Row(f"prefill MoE temporaries ({moe['prefill_path']} path, 1 layer)", "bf16", temp),
             Row(f"prefill scratchpad: rest of {pages} x 512 MiB page{'s' * (pages > 1)}", "-",
                 pages * SCRATCHPAD_PAGE_BYTES - act - temp)]
@@ -272,9 +323,65 @@ def _allowance(cfg: KimiK2Config, tokens: int, moe: dict) -> list[Row]:
     return rows
 
 
-def _bytes_per_token(cfg, weights: list[Row], tp, ep, seq_len, batch) -> tuple[float, int]:
+# -- the long-context layout (issue 17): the chunk's attention temporaries and the decode collectives ----------------
+#
+# A prefill chunk of N tokens on a sequence-sharded cache runs the absorbed attention of every head the KV group
+# gathers (hG = heads/tp x G) against the rank's slots plus its N/G positions of the chunk, one tile of QUERY_TILE
+# queries at a time, and merges the [context | sum] partials over the group (model/mla.py attend_sharded). On a
+# replicated cache a rank attends its own heads over the whole cache plus the chunk, untiled.
+QUERY_TILE = 128
+# The merge carries the latent context (kv_lora_rank) and the softmax sum, float32.
+MERGE_DTYPE_BYTES = FP32
+
+
+def _gathered_heads(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> int:
+    return cfg.num_attention_heads // tp * (layout.kv_group or 1)
+
+
+def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: LayoutOptions) -> Row | None:
+    """The chunk attention's temporaries on one rank, one layer at a time: gathered absorbed queries [hG, N,
+    latent] bf16, one query tile's scores and exponentials [hG, tile, slots + N/G] float32, and the merge's partials
+    [hG, N, kv_lora_rank + 1] float32; replicated: [h, N, slots + N] scores and exponentials. None unchunked (the
+    calibrated prefill scratchpad holds the one-shot prefill's attention)."""
+    n = layout.prefill_chunk
+    if n is None:
+        return None
+    if not layout.sequence_sharded:
+        h = cfg.num_attention_heads // tp
+        return Row(f"prefill chunk attention ({h} head{'s' * (h > 1)}, untiled)", "fp32",
+                   h * n * (slots + n) * 2 * FP32)
+    hg, g = _gathered_heads(cfg, tp, layout), layout.kv_group
+    tile = min(QUERY_TILE, n)
+    q = hg * n * cfg.latent_dim * BF16
+    scores = hg * tile * (slots + n // g) * 2 * FP32
+    partials = hg * n * (cfg.kv_lora_rank + 1) * MERGE_DTYPE_BYTES
+    return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles)", "mixed",
+               q + scores + partials)
+
+
+def _collectives(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> list[Collective]:
+    """The collectives the layout adds to a decode step (today's o_proj/MoE all-reduces and the sampler's gathers
+    are not listed): the sharded cache's three per layer over the KV group, one all-gather per layer of the fused
+    q_a|kv_a output (the Neuron shell fuses the two layers), one per MoE layer of the router's logits."""
+    layers, out = cfg.num_hidden_layers, []
+    if layout.sequence_sharded:
+        hg = _gathered_heads(cfg, tp, layout)
+        out += [Collective("absorbed Q all-gather (KV group), bf16", layers, hg * cfg.latent_dim * BF16),
+                Collective("softmax max all-reduce (KV group), fp32", layers, hg * FP32),
+                Collective("[context | sum] reduce-scatter (KV group), fp32", layers,
+                           hg * (cfg.kv_lora_rank + 1) * MERGE_DTYPE_BYTES)]
+    if layout.shard_attn_a:
+        out.append(Collective("q_a|kv_a output all-gather (TP), bf16", layers,
+                              (cfg.q_lora_rank + cfg.latent_dim) * BF16))
+    if layout.shard_router:
+        n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
+        out.append(Collective("router logits all-gather (TP), fp32", n_moe, cfg.n_routed_experts * FP32))
+    return out
+
+
+def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[float, int]:
     """Bytes one decode step reads per rank: every non-expert weight (the embedding only for its B rows), the
-    routed experts the step runs, and the latent KV cache once (the duplicate V slot is not read)."""
+    routed experts the step runs, and the rank's latent KV slots once (the duplicate V slot is not read)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if ep > 1 or decodes_all_experts(e, k, batch):  # with EP it must (check_ep)
         active = float(e // ep)
@@ -284,56 +391,74 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, seq_len, batch) -> tuple[f
     non_expert = sum(r.bytes for r in weights if not r.kind.startswith(("routed", "embedding")))
     embed_rows = batch * _div(cfg.hidden_size, tp) * BF16
     experts_read = experts * active / (e // ep)
-    kv_read = cfg.num_hidden_layers * batch * seq_len * cfg.latent_dim * BF16
+    kv_read = cfg.num_hidden_layers * batch * slots * cfg.latent_dim * BF16
     return active, int(non_expert + embed_rows + experts_read + kv_read)
 
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
          kv_slots: int = 1, router_dtype: str = "fp32", context_len: int | None = None,
-         moe_prefill: str = moe_paths.DEFAULT_MODE) -> Plan:
+         moe_prefill: str = moe_paths.DEFAULT_MODE, layout: LayoutOptions = LayoutOptions()) -> Plan:
     """`scheme`: how the routed experts are stored (a converted checkpoint's record.scheme, what `convert` would
     write from a raw one: formats.record.expert_scheme, or any block to ask what-if). `context_len`: the prefill
-    bucket (NxDI max_context_length), default seq_len. `kv_slots` 2 and `router_dtype` "bf16" model other ports
-    (NxDI's stock KV cache, a bf16 router)."""
-    context = seq_len if context_len is None else context_len
-    _check(cfg, tp, ep, lnc, seq_len, context, batch, scheme, kv_slots, moe_prefill)
+    bucket (NxDI max_context_length), default the prefill chunk, else seq_len. `kv_slots` 2 and `router_dtype`
+    "bf16" model other ports (NxDI's stock KV cache, a bf16 router). `layout`: issue 17's options."""
+    context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
+    _check(cfg, tp, ep, lnc, seq_len, context, batch, scheme, kv_slots, moe_prefill, layout)
     if router_dtype not in ("fp32", "bf16"):
         raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, scheme, router_dtype)
-    # The MLA latent is replicated on every rank; the stock KVCacheManager gives it a K and a same-width V slot.
-    kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)})", "bf16",
-             cfg.num_hidden_layers * kv_slots * batch * seq_len * cfg.latent_dim * BF16)
-    moe = _moe_runs(cfg, tp, ep, lnc, batch * context, batch, scheme, moe_prefill)
-    allowance = _allowance(cfg, batch * context, moe)
+    weights = _weights(cfg, tp, ep, scheme, router_dtype, layout)
+    # The MLA latent is replicated on every rank, or split over a KV group (cache_slots per rank); the stock
+    # KVCacheManager gives it a K and a same-width V slot.
+    slots = cache_slots(seq_len, layout)
+    where = f", {slots} slots/rank of G={layout.kv_group}" if layout.sequence_sharded else ""
+    kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)}{where})", "bf16",
+             cfg.num_hidden_layers * kv_slots * batch * slots * cfg.latent_dim * BF16)
+    tokens = prefill_batch(batch, layout) * context
+    moe = _moe_runs(cfg, tp, ep, lnc, tokens, batch, scheme, moe_prefill)
+    chunk = _chunk_attention(cfg, tp, slots, layout)
+    allowance = _allowance(cfg, tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
     total = sum(r.bytes for r in (*weights, kv, *allowance))
-    active, per_token = _bytes_per_token(cfg, weights, tp, ep, seq_len, batch)
+    active, per_token = _bytes_per_token(cfg, weights, tp, ep, slots, batch)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
         experts=scheme.name, context_len=context, moe_prefill=moe_prefill, prefill_path=moe["prefill_path"],
-        prefill_blocks=moe["prefill_blocks"], decode_path=moe["decode_path"], kv_slots=kv_slots,
-        logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable, router_dtype=router_dtype,
-        weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
+        prefill_blocks=moe["prefill_blocks"], decode_path=moe["decode_path"], kv_slots=kv_slots, layout=layout,
+        cache_slots_per_rank=slots, logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
+        router_dtype=router_dtype,
+        weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance),
+        collectives=tuple(_collectives(cfg, tp, layout)), total_bytes=total,
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], active_experts_per_layer=active,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
-        assumptions=_assumptions(kv_slots, router_dtype))
+        assumptions=_assumptions(kv_slots, router_dtype, layout))
 
 
 def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, scheme: ExpertScheme,
-                context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE, **kw) -> Plan:
+                context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
+                layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
     """The plan at the largest seq_len that fits, searched up to the model's max_position_embeddings; when none
     fits, the plan at the smallest seq_len tried (its `fits` is False). The prefill bucket is seq_len (as
-    compile_and_save defaults it) unless `context_len` fixes it; `kw` as plan()."""
+    compile_and_save defaults it) unless `context_len` or the layout's chunk fixes it; a sequence-sharded cache
+    takes multiples of its group, a chunked prefill multiples of its chunk; `kw` as plan()."""
     def at(seq_len: int) -> Plan:
         return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
-                    **kw)
+                    layout=layout, **kw)
 
     fixed_prefill = [("--max-context-length", context_len)] if context_len is not None else []
-    check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill)  # the search ranges are computed from these
+    check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill,
+                 *((flag, v) for flag, v in (("--kv-group", layout.kv_group), ("--prefill-chunk", layout.prefill_chunk))
+                   if v is not None))  # the search ranges are computed from these
     moe_paths.mode(moe_prefill)
-    ranges = _constant_path_ranges(cfg, batch, ep, context_len, moe_prefill)
+    fixed = layout.prefill_chunk if context_len is None else context_len
+    multiple = math.lcm(layout.kv_group or 1, layout.prefill_chunk or 1)
+    ranges = [(-(-lo // s) * s, hi // s * s, s) for lo, hi, step in
+              _constant_path_ranges(cfg, batch, ep, fixed, moe_prefill) for s in [math.lcm(step, multiple)]]
+    ranges = [r for r in ranges if r[0] <= r[1]]
+    if not ranges:
+        raise KimiInputError(f"--max-seq-len: no seq_len up to max_position_embeddings {cfg.max_position_embeddings} "
+                             f"is a multiple of {multiple} (--kv-group, --prefill-chunk)")
     lowest = at(ranges[0][0])  # refuses the other bad arguments before the search
     for lo, hi, step in reversed(ranges):
         best = _largest_fitting(at, lo, hi, step)
@@ -370,9 +495,30 @@ def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill
 
 def seq_len_step(p: Plan) -> int:
     """The step between the seq_lens around p's that compile: whole 128-token tiles of a prefill that runs the
-    shard-on-block kernel, when the prefill bucket is seq_len (batch x seq_len a multiple of 128); else 1."""
+    shard-on-block kernel, when the prefill bucket is seq_len (batch x seq_len a multiple of 128), and multiples of
+    the layout's KV group and prefill chunk."""
     tiled = p.prefill_path == "shard-on-block" and p.context_len == p.seq_len
-    return _tile_step(p.batch) if tiled else 1
+    return math.lcm(_tile_step(p.batch) if tiled else 1, p.layout.kv_group or 1, p.layout.prefill_chunk or 1)
+
+
+def max_batch(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, scheme: ExpertScheme,
+              context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
+              layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
+    """The plan at the largest batch that fits at seq_len; when batch 1 does not fit, the plan at batch 1 (its
+    `fits` is False). The batches searched are those a one-shot shard-on-block prefill takes (batch x seq_len in
+    whole 128-token tiles); the total is non-decreasing in batch (the KV cache and the prefill grow with it, and
+    all-experts decode only adds temporaries). `kw` as plan()."""
+    def at(batch: int) -> Plan:
+        return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
+                    layout=layout, **kw)
+
+    context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
+    one_shot_tiles = moe_prefill == "shard-on-block" and layout.prefill_chunk is None
+    step = 128 // math.gcd(context, 128) if one_shot_tiles else 1
+    first = at(step)  # refuses bad arguments before the search
+    # every row adds at least its KV cache, so past this many rows nothing fits
+    hi = max(step, first.usable_bytes // max(1, first.kv_cache.bytes // step) // step * step)
+    return _largest_fitting(at, step, hi, step) or first
 
 
 def _tile_step(batch: int) -> int:
@@ -381,8 +527,8 @@ def _tile_step(batch: int) -> int:
 
 
 def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
-    """Bisection for the largest seq_len in [lo, hi], a multiple of `step`, that fits, the total being
-    non-decreasing there."""
+    """Bisection for the largest value (seq_len or batch) in [lo, hi], a multiple of `step`, that fits, the total
+    being non-decreasing there."""
     if not at(lo).fits:
         return None
     k_lo, k_hi = lo // step, hi // step
@@ -432,14 +578,26 @@ def fallback_advice(plans: list[Plan], failed: str) -> str:
     return "\n".join(lines)
 
 
-def _assumptions(kv_slots: int, router_dtype: str) -> tuple[str, ...]:
+def _assumptions(kv_slots: int, router_dtype: str, layout: LayoutOptions) -> tuple[str, ...]:
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
           "models the stock manager's duplicate V slot)")
+    router = "split by experts, logits all-gathered" if layout.shard_router else "replicated"
+    attn_a = "split by output rows, output all-gathered" if layout.shard_attn_a else "replicated"
+    lc = []
+    if layout.sequence_sharded:
+        lc.append(f"sequence-sharded cache: NxDI's flash-decoding layout, position p on rank p % {layout.kv_group}, "
+                  f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its decode collectives "
+                  f"below are counted, not timed")
+    if layout.prefill_chunk:
+        lc.append(f"chunked prefill: one row of {layout.prefill_chunk} tokens per call through one graph (batch 1); "
+                  "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries; the chunk "
+                  "graph's own NEFF code is not counted")
     return (
-        f"non-expert weights bf16; router + e_score_correction_bias {router_dtype}, replicated; q_a/kv_a replicated",
-        kv,
+        f"non-expert weights bf16; router {router_dtype} ({router}) + e_score_correction_bias {router_dtype}, "
+        f"replicated; q_a/kv_a {attn_a}",
+        kv, *lc,
         "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
         "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "
         "bracketed by its seq 512 loading and seq 1024 running out of HBM); estimates",
@@ -460,6 +618,7 @@ def format_plan(p: Plan) -> str:
              f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s each; TP={p.tp} ranks, experts EP={p.ep} x {p.tp // p.ep}",
              f"seq_len {p.seq_len}, batch {p.batch}, routed experts {p.experts}",
              _moe_line(p),
+             _layout_line(p),
              "",
              f"{'per logical core':<{w}}{'dtype':>6}{'GiB':>10}"]
 
@@ -485,15 +644,39 @@ def format_plan(p: Plan) -> str:
               f"decode roofline, a lower bound and not a prediction: {p.bytes_per_token / 1e9:.3f} GB read per "
               f"token per core ({p.active_experts_per_layer:.2f} routed experts per MoE layer) / "
               f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s = TPOT >= {p.tpot_lower_bound_s * 1e3:.2f} ms",
+              *_collective_lines(p),
               "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
 
 
+def _collective_lines(p: Plan) -> list[str]:
+    """The decode collectives the layout adds: per step count and bytes at this batch."""
+    if not p.collectives:
+        return []
+    w = 52
+    lines = ["", f"{'collectives the layout adds per decode step':<{w}}{'count':>6}{'B/token':>10}{'MB/step':>10}"]
+    lines += [f"  {c.what:<{w - 2}}{c.count:>6}{c.bytes_per_token:>10}{c.bytes_per_step(p.batch) / 1e6:>10.3f}"
+              for c in p.collectives]
+    lines.append(f"  {'added':<{w - 2}}{sum(c.count for c in p.collectives):>6}{'':>10}"
+                 f"{sum(c.bytes_per_step(p.batch) for c in p.collectives) / 1e6:>10.3f}")
+    return lines
+
+
+def _layout_line(p: Plan) -> str:
+    o = p.layout
+    cache = f"sequence-sharded over G={o.kv_group} ranks" if o.sequence_sharded else "replicated on every rank"
+    prefill = f"chunks of {o.prefill_chunk} tokens, one row per call" if o.prefill_chunk else "one call per bucket"
+    split = [name for name, on in (("q_a/kv_a", o.shard_attn_a), ("router", o.shard_router)) if on]
+    return (f"layout: KV cache {cache} ({p.cache_slots_per_rank} slots per sequence per rank); prefill {prefill}; "
+            f"split across ranks: {', '.join(split) or 'none beyond NxDI'}")
+
+
 def _moe_line(p: Plan) -> str:
     unrolled = " unrolled into the graph" if p.prefill_path == "torch" else ""
     blocks = f", {p.prefill_blocks} blocks per MoE layer{unrolled}" if p.prefill_blocks else ""
-    return (f"prefill {p.batch} x {p.context_len} tokens: MoE {p.prefill_path} path (--moe-prefill {p.moe_prefill}"
+    rows = prefill_batch(p.batch, p.layout)
+    return (f"prefill {rows} x {p.context_len} tokens: MoE {p.prefill_path} path (--moe-prefill {p.moe_prefill}"
             f"{blocks}); decode: {p.decode_path}")
 
 

@@ -223,6 +223,18 @@ def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
         assert torch.equal(prior[b, 0, 0], core_visible)
 
 
+def test_the_planners_sharded_cache_slots_are_nxdis_get_cache_size():
+    """contract.cache_slots (the planner's KV row) against NxDI's flash-decoding cache size per rank (NXDI_CONTRACT.md:
+    fd-cache-size), the cache manager's call; NxDI refuses what check_layout refuses, a length G does not divide."""
+    from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
+
+    for seq_len, group in ((262144, 64), (131072, 64), (1024, 64), (262144, 16), (4096, 8), (16, 2)):
+        assert contract.cache_slots(seq_len, contract.LayoutOptions(kv_group=group)) == get_cache_size(seq_len, group)
+    assert contract.cache_slots(1000, contract.LayoutOptions()) == 1000  # replicated: every position on every rank
+    with pytest.raises(Exception):
+        get_cache_size(1000, 64)
+
+
 # -- the application: to_cpu builds as the device path does, and loads strictly ----------------------------------------
 
 @pytest.fixture(scope="module")

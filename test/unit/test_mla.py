@@ -48,3 +48,29 @@ def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs)
     want = attn.attend(q_nope, q_pe, torch.cat([prior, active], 1), torch.cat([prior_mask, active_mask], -1), True)
     got = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_q_a_kv_a_layer_gives_the_two_projections(tiny_dirs):
+    """The Neuron shell builds q_a_proj and kv_a_proj_with_mqa as one layer (ParallelContext.attention_a returning a
+    single module, rows [q_a | kv_a]); MLAttention splits its output back. Same queries and latent entries as the two
+    layers of the checkpoint's names."""
+    from dataclasses import dataclass
+
+    from kimi_k2_neuron.model.mla import MLAttention
+    from kimi_k2_neuron.parallel import ParallelContext
+
+    @dataclass(frozen=True)
+    class Fused(ParallelContext):
+        def attention_a(self, hidden, q_lora_rank, latent_dim, dtype):
+            return {"fused_qkv_a_proj": self.replicated(hidden, q_lora_rank + latent_dim, dtype)}
+
+    runner = CpuRunner(tiny_dirs["bf16"])
+    two = runner.model.model.layers[1].self_attn
+    fused = MLAttention(runner.cfg, torch.float32, Fused())
+    state = {k: v for k, v in two.state_dict().items() if not k.startswith(("q_a_proj.", "kv_a_proj_with_mqa."))}
+    state["fused_qkv_a_proj.weight"] = torch.cat([two.q_a_proj.weight, two.kv_a_proj_with_mqa.weight])
+    fused.load_state_dict(state, strict=True)
+    x = torch.randn(2, 5, runner.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    rope = runner.model.rotary(torch.arange(5).expand(2, 5))
+    for got, want in zip(fused.project(x, rope), two.project(x, rope)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

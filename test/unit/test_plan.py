@@ -11,7 +11,8 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import expert_scheme
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_scheme
-from kimi_k2_neuron.plan import GiB, format_plan, max_seq_len, plan
+from kimi_k2_neuron.neuron.contract import LayoutOptions
+from kimi_k2_neuron.plan import GiB, MiB, format_plan, max_batch, max_seq_len, plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 KIMI = CONFIGS / "kimi-k2-instruct-0905.json"
@@ -495,4 +496,187 @@ def test_cli_max_seq_len(capsys):
 def test_cli_refuses_bad_counts_before_planning(flags, words, capsys, one_line_error):
     search = [] if "--seq-len" in flags else ["--max-seq-len"]
     rc = main(["plan", "--config", str(KIMI), "--tp", "64", *flags, *search])
+    one_line_error.exit(rc, capsys.readouterr().err, words)
+
+
+# --- the long-context layout (issue 17): sequence-sharded cache, chunked prefill, sharded q_a/kv_a and router -----
+# Kimi-K2: 61 layers (60 MoE), 64 heads, latent 512 + 64 = 576, q_lora_rank 1536, 384 experts, hidden 7168.
+# NxDI's flash-decoding cache holds get_cache_size(S, G) = S / G + 128 slots per rank (NXDI_CONTRACT.md:
+# fd-cache-size).
+
+SEQ = LayoutOptions(kv_group=64, prefill_chunk=1024)
+SHARDED = dataclasses.replace(SEQ, shard_attn_a=True, shard_router=True)
+LATENT_TOKEN = 61 * 576 * 2  # 70,272 bytes of latent per token, all layers (68.6 KiB)
+
+
+def _at(kimi, seq_len, batch, layout=LayoutOptions(), **kw):
+    return plan(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, batch=batch, scheme=BLOCKWISE, layout=layout, **kw)
+
+
+def test_the_replicated_cache_row_is_todays(kimi):
+    """The default layout is the README's: 7,168 tokens fit at batch 1 and 1,792 at batch 4 (whole 128-token tiles
+    of the one-shot prefill), each the KV bound of 68.6 KiB per token on every rank."""
+    for batch, want in ((1, 7168), (4, 1792)):
+        p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE)
+        assert p.seq_len == want and p.fits and p.kv_cache.bytes == batch * want * LATENT_TOKEN
+        assert p.cache_slots_per_rank == want and p.collectives == ()
+
+
+def test_the_sequence_sharded_cache_is_a_64th_plus_nxdis_reserve(kimi):
+    """At 262,144 x 8: 4,096 positions per rank plus the 128-slot reserve = 4,224 slots (2.212 GiB), the replicated
+    cache's 1/64 plus 61 x 8 x 128 reserve slots; G=16 holds 16,512."""
+    rep, seq = _at(kimi, 262144, 8, LayoutOptions(prefill_chunk=1024)), _at(kimi, 262144, 8, SEQ)
+    assert rep.kv_cache.bytes == 8 * 262144 * LATENT_TOKEN
+    assert seq.cache_slots_per_rank == 4224
+    assert seq.kv_cache.bytes == rep.kv_cache.bytes // 64 + 8 * 128 * LATENT_TOKEN == 2_374_631_424
+    g16 = _at(kimi, 262144, 8, dataclasses.replace(SEQ, kv_group=16))
+    assert g16.cache_slots_per_rank == 16512 and g16.kv_cache.bytes == 8 * 16512 * LATENT_TOKEN
+    assert "4224 slots/rank of G=64" in seq.kv_cache.kind
+
+
+def test_sharding_q_a_kv_a_and_the_router_leaves_a_64th_of_them(kimi):
+    """q_a [1536, 7168] + kv_a [576, 7168] bf16 in 61 layers and the router [384, 7168] fp32 in 60 split 64 ways;
+    the router's bias [384] stays whole. Per rank 2.30 GiB less, and each decode step reads that much less."""
+    whole, split = _at(kimi, 1024, 1, SEQ), _at(kimi, 1024, 1, SHARDED)
+    attn_a, router = 61 * (1536 + 576) * 7168 * 2, 60 * 384 * 7168 * 4
+    assert _row(whole, "attention q_a+kv_a (replicated)") == attn_a
+    assert _row(split, "attention q_a+kv_a (TP, gathered)") == attn_a // 64
+    assert _row(whole, "router + bias (replicated)") == router + 60 * 384 * 4
+    assert _row(split, "router (TP, gathered) + bias (replicated)") == router // 64 + 60 * 384 * 4
+    saved = attn_a + router - attn_a // 64 - router // 64
+    assert whole.weight_bytes - split.weight_bytes == saved and saved / GiB == pytest.approx(2.30, abs=0.005)
+    assert whole.bytes_per_token - split.bytes_per_token == saved
+
+
+def test_the_sharded_cache_reads_its_slots_per_decode_step(kimi):
+    """The roofline reads the rank's slots: at 1,024 x 1, 144 slots (16 + 128) instead of 1,024; 3.209 GB -> 3.147
+    GB, and 0.679 GB with q_a/kv_a and the router split as well."""
+    rep, seq, split = _at(kimi, 1024, 1), _at(kimi, 1024, 1, SEQ), _at(kimi, 1024, 1, SHARDED)
+    assert rep.bytes_per_token - seq.bytes_per_token == (1024 - 144) * 576 * 2 * 61
+    assert round(seq.bytes_per_token / 1e9, 3) == 3.147 and round(split.bytes_per_token / 1e9, 3) == 0.679
+
+
+def test_decode_collectives_added_per_step(kimi):
+    """The sharded cache adds three collectives per layer over the KV group (64 heads' absorbed queries of 576 bf16
+    gathered; 64 fp32 maxima all-reduced; 64 x (512 + 1) fp32 partials reduce-scattered); the fused q_a|kv_a output
+    (2,112 bf16) one all-gather per layer; the router's 384 fp32 logits one per MoE layer."""
+    assert _at(kimi, 1024, 1).collectives == ()
+    split = _at(kimi, 262144, 8, SHARDED)
+    got = {c.what.split(" (")[0]: (c.count, c.bytes_per_token) for c in split.collectives}
+    assert got == {"absorbed Q all-gather": (61, 64 * 576 * 2), "softmax max all-reduce": (61, 64 * 4),
+                   "[context | sum] reduce-scatter": (61, 64 * 513 * 4), "q_a|kv_a output all-gather": (61, 2112 * 2),
+                   "router logits all-gather": (60, 384 * 4)}
+    assert sum(c.count for c in split.collectives) == 183 + 61 + 60
+    q = split.collectives[0]
+    assert q.bytes_per_step(8) == 61 * 73_728 * 8
+    g16 = _at(kimi, 262144, 8, dataclasses.replace(SEQ, kv_group=16))  # 1 head per rank, 16 gathered
+    assert g16.collectives[0].bytes_per_token == 16 * 576 * 2
+
+
+def test_a_chunked_prefill_costs_one_chunk_whatever_the_batch(kimi):
+    """The chunk graph runs one row of N tokens: its calibrated activations (512 MiB per 1,024 tokens) and MoE
+    temporaries are the same at batch 1 and 16; its attention temporaries on the sharded cache are the gathered
+    queries [64, 1024, 576] bf16, one 128-query tile of fp32 scores and exponentials over 4,224 + 16 keys, and the
+    fp32 partials [64, 1024, 513]."""
+    one, many = _at(kimi, 262144, 1, SEQ), _at(kimi, 262144, 16, SEQ)
+    assert [r for r in one.allowance] == [r for r in many.allowance]
+    assert _row(one, "prefill activations") == 512 * MiB
+    attention = 64 * 1024 * 576 * 2 + 64 * 128 * (4224 + 16) * 8 + 64 * 1024 * 513 * 4
+    assert _row(one, "prefill chunk attention") == attention
+    rep = _at(kimi, 49152, 1, LayoutOptions(prefill_chunk=1024))  # 1 head per rank over the cache and the chunk
+    assert _row(rep, "prefill chunk attention") == 1024 * (49152 + 1024) * 8
+    assert _row(_at(kimi, 1024, 4), "prefill activations") == 4 * 512 * MiB  # one-shot: batch x context
+
+
+def test_the_goals_fit_with_the_sequence_sharded_cache(kimi):
+    """Issue 17's goals at fp8-blockwise, TP=64, LNC=2: 262,144 tokens at batch 8 and 131,072 at batch 16 fit
+    with --kv-shard sequence --prefill-chunk 1024 (under 1 GiB of headroom), with over 3 GiB when q_a/kv_a and the
+    router are split too; the replicated cache fits neither."""
+    for seq_len, batch in ((262144, 8), (131072, 16)):
+        assert not _at(kimi, seq_len, batch, LayoutOptions(prefill_chunk=1024)).fits
+        p, s = _at(kimi, seq_len, batch, SEQ), _at(kimi, seq_len, batch, SHARDED)
+        assert p.fits and 0.8 < p.headroom_bytes / GiB < 1.0
+        assert s.fits and s.headroom_bytes - p.headroom_bytes == p.weight_bytes - s.weight_bytes
+        assert s.headroom_bytes / GiB > 3.1
+
+
+@pytest.mark.parametrize("layout, seq_len, want", [
+    (SEQ, 262144, 11), (SEQ, 131072, 22), (SHARDED, 262144, 19), (SHARDED, 131072, 38),
+    (LayoutOptions(), 1024, None),
+], ids=["seq 256K", "seq 128K", "sharded 256K", "sharded 128K", "replicated 1K"])
+def test_max_batch_is_the_last_that_fits(kimi, layout, seq_len, want):
+    p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, scheme=BLOCKWISE, layout=layout)
+    assert p.fits and (want is None or p.batch == want)
+    assert not _at(kimi, seq_len, p.batch + 1, layout).fits
+    if want is None and layout == LayoutOptions():  # one-shot prefill of batch x 1024 tokens: any batch tiles
+        assert p.batch > 1
+
+
+def test_max_batch_when_none_fits(kimi):
+    p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=262144, scheme=BLOCKWISE,
+                  layout=LayoutOptions(prefill_chunk=1024))
+    assert p.batch == 1 and not p.fits
+
+
+def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
+    """The sharded cache at batch 16 holds 185,344 tokens (181 chunks of 1,024); the replicated cache with chunked
+    prefill 48,128 at batch 1. Each is the last multiple of the chunk that fits."""
+    for layout, batch, want in ((SEQ, 16, 185344), (LayoutOptions(prefill_chunk=1024), 1, 48128), (SEQ, 8, 262144)):
+        p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout)
+        assert p.seq_len == want and p.fits and p.seq_len % 1024 == 0
+        if want < kimi.max_position_embeddings:
+            assert not _at(kimi, want + 1024, batch, layout).fits
+
+
+@pytest.mark.parametrize("layout, kw, needle", [
+    (LayoutOptions(kv_group=48), {}, "--kv-group 48: must divide --tp 64"),
+    (LayoutOptions(kv_group=64), dict(seq_len=1000), "--seq-len 1000: with --kv-shard sequence must be a multiple"),
+    (LayoutOptions(prefill_chunk=768), {}, "--prefill-chunk 768: must divide --seq-len 1024"),
+    (LayoutOptions(kv_group=64, prefill_chunk=32), {}, "--prefill-chunk 32: must be a multiple of --kv-group"),
+    (LayoutOptions(prefill_chunk=512), dict(context_len=1024), "--max-context-length 1024: with --prefill-chunk 512"),
+    (LayoutOptions(prefill_chunk=1000), dict(seq_len=2000), "a prefill of 1000 tokens"),
+    (LayoutOptions(kv_group=64), dict(kv_slots=2), "--kv-slots 2: the sequence-sharded cache"),
+    (LayoutOptions(kv_group=0), {}, "--kv-group"),
+    (LayoutOptions(shard_router=True), dict(tp=256, lnc=1), "--tp 256"),
+], ids=["group not dividing tp", "seq not a multiple of G", "chunk not dividing seq", "chunk not a multiple of G",
+        "bucket not the chunk", "chunk not in kernel tiles", "stock cache", "group 0", "tp past the cores"])
+def test_layouts_nxdi_cannot_run_are_refused(kimi, one_line_error, layout, kw, needle):
+    args = dict(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, layout=layout) | kw
+    one_line_error(lambda: plan(kimi, **args), needle)
+
+
+def test_cli_plans_the_long_context_layout(capsys):
+    args = ["plan", "--config", str(KIMI), "--tp", "64", "--experts", "fp8-blockwise", "--kv-shard", "sequence",
+            "--prefill-chunk", "1024", "--shard-attn-a", "--shard-router"]
+    assert main([*args, "--seq-len", "262144", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("layout: KV cache sequence-sharded over G=64 ranks (4224 slots per sequence per rank); prefill "
+                   "chunks of 1024 tokens, one row per call; split across ranks: q_a/kv_a, router",
+                   "attention q_a+kv_a (TP, gathered)", "router (TP, gathered) + bias (replicated)",
+                   "prefill chunk attention (64 heads, 128-query tiles)", "prefill 1 x 1024 tokens",
+                   "collectives the layout adds per decode step", "router logits all-gather (TP), fp32"):
+        assert needle in out, needle
+    added = next(line for line in out.splitlines() if line.strip().startswith("added"))
+    assert added.split()[1] == "304"
+    assert main([*args, "--seq-len", "131072", "--max-batch", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["max_batch"] == d["batch"] == 38 and d["layout"]["kv_group"] == 64 and d["cache_slots_per_rank"] == 2176
+    assert [c["count"] for c in d["collectives"]] == [61, 61, 61, 61, 60]
+    assert d["collectives"][0]["bytes_per_step"] == 61 * 73_728 * 38
+    assert main([*args, "--seq-len", "131072", "--max-batch"]) == 0
+    assert capsys.readouterr().out.startswith("max batch at seq_len 131072: 38; the plan at it:")
+    assert main([*args, "--max-seq-len", "--batch", "16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_seq_len"] == 262144
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--seq-len", "1024", "--kv-group", "8"], "--kv-group 8: only with --kv-shard sequence"),
+    (["--seq-len", "1024", "--batch", "2", "--max-batch"], "--max-batch: searches the batch at --seq-len"),
+    (["--max-seq-len", "--max-batch"], "--max-batch: searches the batch at --seq-len"),
+    (["--seq-len", "1000", "--kv-shard", "sequence"], "--seq-len 1000: with --kv-shard sequence must be a multiple "
+                                                      "of --kv-group 64"),
+    (["--seq-len", "1024", "--prefill-chunk", "0"], "--prefill-chunk: expected an integer >= 1, got '0'"),
+])
+def test_cli_refuses_bad_layouts_in_one_line(flags, words, capsys, one_line_error):
+    rc = main(["plan", "--config", str(KIMI), "--tp", "64", *flags])
     one_line_error.exit(rc, capsys.readouterr().err, words)

@@ -40,10 +40,16 @@ class MLAttention(nn.Module):
         self.rank = cfg.kv_lora_rank
         self.scale = softmax_scale(cfg)
         heads = cfg.num_attention_heads
-        self.q_a_proj = ctx.replicated(h, cfg.q_lora_rank, dtype)
+        # q_a_proj and kv_a_proj_with_mqa, or one layer computing both (the Neuron shell's fused, gathered pair),
+        # registered where the checkpoint has them (formats.layout's order is the parameters')
+        attention_a = ctx.attention_a(h, cfg.q_lora_rank, cfg.latent_dim, dtype)
+        self._attention_a_names = tuple(attention_a)
+        self.q_lora_rank, self.latent_dim = cfg.q_lora_rank, cfg.latent_dim
+        self.add_module(self._attention_a_names[0], attention_a[self._attention_a_names[0]])
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LORA_NORM_EPS, dtype)
         self.q_b_proj = ctx.column(cfg.q_lora_rank, heads * d, dtype)
-        self.kv_a_proj_with_mqa = ctx.replicated(h, cfg.latent_dim, dtype)
+        for name in self._attention_a_names[1:]:
+            self.add_module(name, attention_a[name])
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LORA_NORM_EPS, dtype)
         self.kv_b_proj = ctx.column(cfg.kv_lora_rank, heads * (self.nope + self.v_dim), dtype)
         self.o_proj = ctx.row(heads * self.v_dim, h, dtype)
@@ -63,12 +69,18 @@ class MLAttention(nn.Module):
         [B, S, kv_lora_rank + rope] = [normalized c_kv | roped k_pe]."""
         b, s, _ = x.shape
         cos, sin = rope
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(b, s, self.n_heads, -1).transpose(1, 2)
+        q_a, kv_a = self._attention_a(x)
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(b, s, self.n_heads, -1).transpose(1, 2)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
         q_pe = apply_interleaved_rope(q_pe, cos, sin)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        c_kv, k_pe = kv_a.split([self.rank, self.rope], dim=-1)
         k_pe = apply_interleaved_rope(k_pe[:, None], cos, sin)[:, 0]
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
+
+    def _attention_a(self, x):
+        """(q_a_proj(x) [.., q_lora_rank], kv_a_proj_with_mqa(x) [.., latent]), from the two layers or the fused one."""
+        outs = [getattr(self, name)(x) for name in self._attention_a_names]
+        return outs[0].split([self.q_lora_rank, self.latent_dim], dim=-1) if len(outs) == 1 else outs
 
     def attend(self, q_nope, q_pe, cache, mask, absorbed: bool | None = None):
         """Attention of the queries over latent entries cache [B, T, latent] under mask [B, 1, S, T] (True =

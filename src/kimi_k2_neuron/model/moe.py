@@ -30,7 +30,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: KimiK2Config, dtype: torch.dtype, ctx: ParallelContext):
         super().__init__()
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = NoAuxTcRouter(cfg)
+        self.gate = NoAuxTcRouter(cfg, ctx)
         self.experts = nn.ModuleList(MLP(h, i, dtype, ctx) for _ in range(cfg.n_routed_experts))
         self.shared_experts = MLP(h, i * cfg.n_shared_experts, dtype, ctx) if cfg.n_shared_experts else None
 

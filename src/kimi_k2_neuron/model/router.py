@@ -8,6 +8,10 @@
    then multiplied by routed_scaling_factor.
 Folding the bias into the linear layer (pre-sigmoid), as the community NxDI port does, changes both the choice
 and the weights; we never do that.
+
+With ParallelContext.shard_router each rank holds E / tp experts' rows of the weight and the float32 logits are
+all-gathered, so every rank selects from the same [T, E] logits, bit for bit, and picks the same experts (NxD's MoE
+gives each rank a slice of every expert, so the ranks must agree).
 """
 
 from __future__ import annotations
@@ -16,21 +20,39 @@ import torch
 from torch import nn
 
 from ..config import KimiK2Config
+from ..parallel import SINGLE, ParallelContext
 
 
 class NoAuxTcRouter(nn.Module):
-    def __init__(self, cfg: KimiK2Config):
+    def __init__(self, cfg: KimiK2Config, ctx: ParallelContext = SINGLE):
         super().__init__()
         e = cfg.n_routed_experts
-        # Both stay float32 whatever the model's compute dtype: routing decisions are sensitive to rounding.
-        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+        self._init_logits(cfg, ctx)
+        # float32 whatever the model's compute dtype, as the weight: routing decisions are sensitive to rounding.
         self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32), requires_grad=False)
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.normalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
+    def _init_logits(self, cfg: KimiK2Config, ctx: ParallelContext) -> None:
+        """The float32 weight [E, hidden] (this rank's E / tp rows with ctx.shard_router), named and sliced as the
+        weight loader expects (ctx, shard_dim, full_shape)."""
+        self.ctx, self.shard_dim = ctx, 0 if ctx.shard_router else None
+        self.full_shape = (cfg.n_routed_experts, cfg.hidden_size)
+        rows = ctx.local(cfg.n_routed_experts, "n_routed_experts") if ctx.shard_router else cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> float32 router logits [N, E], the same on every rank."""
+        out = x.float() @ self.weight.T
+        return out if self.shard_dim is None else self.ctx.all_gather_last(out)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
-        scores = torch.sigmoid(x.float() @ self.weight.T)
+        return self.select(self.logits(x))
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [N, E] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
+        scores = torch.sigmoid(logits)
         choice = scores + self.e_score_correction_bias
         choice = self._mask_to_top_groups(choice)
         ids = choice.topk(self.top_k, dim=-1).indices

@@ -19,7 +19,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, layout
 from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
-from kimi_k2_neuron.parallel import check_tp_divides
+from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
 
 from . import moe_paths
 from .moe_paths import ALL_EXPERTS_BLOCK_SIZE, decodes_all_experts
@@ -70,6 +70,67 @@ MOE_SETTINGS = {"capacity_factor": None, "glu_mlp": True, "glu_type": "glu", "no
 # layers default it to 2 and accept only 2 (NXDI_CONTRACT.md: quant-fields, expert-per-channel-axis).
 QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantization_block_axis",
                 "quantization_block_size", "quantization_scale_dtype")
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How the latent cache, the prefill and the weights the NxDI design replicates are laid over the ranks
+    (issue 17): the flags --kv-shard/--kv-group, --prefill-chunk, --shard-attn-a and --shard-router. The default is
+    today's layout: a replicated cache, one prefill call of the whole bucket, q_a/kv_a and the router on every rank."""
+
+    # None: every rank holds the whole cache. G: sequence-sharded, NxDI's flash-decoding layout over groups of G
+    # adjacent ranks (position p on rank p % G, slot p // G; NXDI_CONTRACT.md: fd-cache-size).
+    kv_group: int | None = None
+    prefill_chunk: int | None = None  # tokens per prefill graph call (batch 1); None: one call of the whole bucket
+    shard_attn_a: bool = False  # q_a_proj + kv_a_proj_with_mqa split by output rows, all-gathered (parallel.py)
+    shard_router: bool = False  # the router's experts split across the ranks, its float32 logits all-gathered
+
+    @property
+    def sequence_sharded(self) -> bool:
+        return self.kv_group is not None
+
+
+# NxDI's flash-decoding cache keeps this many slots per rank beyond seq_len / G: non-owners of a decoded token write
+# it into the last one, which no mask exposes (NXDI_CONTRACT.md: fd-cache-size).
+FD_RESERVED_SLOTS = 128
+
+
+def cache_slots(seq_len: int, layout: LayoutOptions) -> int:
+    """Latent cache slots per rank for seq_len positions: seq_len when replicated; NxDI's get_cache_size when
+    sequence-sharded, seq_len / G + FD_RESERVED_SLOTS (check_layout refuses a seq_len G does not divide, which NxDI
+    would pad with only a warning)."""
+    if not layout.sequence_sharded:
+        return seq_len
+    return seq_len // layout.kv_group + FD_RESERVED_SLOTS
+
+
+def prefill_batch(batch: int, layout: LayoutOptions) -> int:
+    """Rows per prefill call: the compiled batch, or one row per chunk (a batch-B chunk graph would hold B x chunk
+    tokens of activations and MoE temporaries)."""
+    return 1 if layout.prefill_chunk else batch
+
+
+def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, layout: LayoutOptions) -> None:
+    """The layouts the shell and the planner accept, naming the flag they refuse (check_compile_options calls it)."""
+    g, n = layout.kv_group, layout.prefill_chunk
+    check_counts(*((flag, v) for flag, v in (("--kv-group", g), ("--prefill-chunk", n)) if v is not None))
+    if g is not None:
+        if tp % g:  # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
+            raise KimiInputError(f"--kv-group {g}: must divide --tp {tp} (a KV group is G adjacent ranks)")
+        if seq_len % g:
+            raise KimiInputError(f"--seq-len {seq_len}: with --kv-shard sequence must be a multiple of --kv-group {g} "
+                                 f"(NxDI's get_cache_size divides it; its cache manager would pad it silently)")
+    if n is not None:
+        if seq_len % n:
+            raise KimiInputError(f"--prefill-chunk {n}: must divide --seq-len {seq_len} (the last chunk would write "
+                                 f"past the cache)")
+        if g is not None and n % g:
+            raise KimiInputError(f"--prefill-chunk {n}: must be a multiple of --kv-group {g} (a chunk writes whole "
+                                 f"stripes of positions, N / G slots on every rank)")
+        if context_len != n:
+            raise KimiInputError(f"--max-context-length {context_len}: with --prefill-chunk {n} the prefill bucket "
+                                 f"is the chunk; leave it out or give {n}")
+    check_weight_sharding(cfg, tp, layout.shard_attn_a, layout.shard_router)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,11 +260,11 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
 
 
 def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill,
-                          prefill_batch: int | None = None) -> None:
+                          layout: LayoutOptions = LayoutOptions(), prefill_rows: int | None = None) -> None:
     """The parallel layout and MoE prefill settings NxD can compile for this model, naming the argument it refuses
     (check_serve_options, the fit planner and NxD's CPU mode all call this). lnc None (NxDI resolves it later) skips
-    the LNC rules; enforce_neuron_config re-checks the resolved config. prefill_batch: rows of one prefill call
-    (default `batch`; 1 under continuous batching)."""
+    the LNC rules; enforce_neuron_config re-checks the resolved config. A prefill call holds context_len tokens of
+    prefill_rows rows (default prefill_batch(batch, layout); 1 under continuous batching)."""
     check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
     if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
         raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
@@ -213,8 +274,10 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
     if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
         raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
     check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
+    check_layout(cfg, tp, seq_len, context_len, layout)
     check_ep(cfg, tp, ep, lnc, batch)
-    moe_paths.check_prefill_mode(cfg, moe_prefill, tp, ep, lnc, context_len * (prefill_batch or batch))
+    rows = prefill_rows or prefill_batch(batch, layout)
+    moe_paths.check_prefill_mode(cfg, moe_prefill, tp, ep, lnc, context_len * rows)
 
 
 def check_counts(*named) -> None:
@@ -236,7 +299,7 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
-                          o.prefill_batch)
+                          prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
     if o.scheme.quantized and not o.checkpoint:
         raise KimiInputError(f"--experts {o.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "

@@ -198,9 +198,8 @@ class NxDRouter(NoAuxTcRouter):
 
     def forward(self, hidden_states: torch.Tensor):
         flat = hidden_states.reshape(-1, self.hidden_size)
-        weights, ids = super().forward(flat)
-        # The core's first step again, so XLA's CSE keeps one matmul.
-        logits = flat.float() @ self.weight.T
+        logits = self.logits(flat)  # float32 [T, E]; MoE only returns them when return_router_logits is set
+        weights, ids = self.select(logits)
         affinities = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device)
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 

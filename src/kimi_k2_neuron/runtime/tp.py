@@ -22,7 +22,7 @@ from ..parallel import ParallelContext
 from .ranks import run_ranks
 
 
-def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path):
+def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path, sharding):
     from .runner import CpuRunner
 
     # Only rank 0 shows progress, so tqdm needs no multiprocessing lock: a rank killed while holding one leaves it
@@ -32,7 +32,7 @@ def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, ou
     dist.init_process_group("gloo", rank=rank, world_size=tp)  # address and port from run_ranks' environment
     try:
         runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, progress=rank == 0,
-                           ctx=ParallelContext(tp, rank))
+                           ctx=ParallelContext(tp, rank, **sharding))
         logits = runner.logits(rows, prefill_len)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, out_path)
@@ -40,9 +40,12 @@ def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, ou
         dist.destroy_process_group()
 
 
-def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False) -> torch.Tensor:
-    """CpuRunner.logits computed by `tp` ranks; returns rank 0's [B, S, V] float32 logits."""
+def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
+              shard_attn_a=False, shard_router=False) -> torch.Tensor:
+    """CpuRunner.logits computed by `tp` ranks; returns rank 0's [B, S, V] float32 logits. shard_attn_a /
+    shard_router: ParallelContext's, q_a/kv_a and the router split across the ranks."""
+    sharding = dict(shard_attn_a=shard_attn_a, shard_router=shard_router)
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.safetensors")
-        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out))
+        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out, sharding))
         return load_file(out)["logits"]
