@@ -169,6 +169,34 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
+# -- the long-context flags, the same on every command that builds a model (and `plan`) ------------------------------
+
+KV_SHARDS = ("none", "sequence")
+
+
+def add_long_context_args(p: argparse.ArgumentParser) -> None:
+    """--kv-shard, --kv-group and --prefill-chunk (issue 17: a long context on one trn2 instance)."""
+    p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
+                   help="none: every rank holds the whole latent KV cache; sequence: each rank of a KV group holds "
+                        "the positions p with p %% G == its index in the group, and attention merges over the group")
+    p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
+                   help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp)")
+    p.add_argument("--prefill-chunk", type=integer(1), default=None, metavar="N",
+                   help="tokens per prefill call: a longer prompt runs as successive chunks, each attending to the "
+                        "cache written so far (default: a prompt in one call)")
+
+
+def kv_group_of(a: argparse.Namespace) -> int:
+    """The KV group size the long-context flags ask for: 1 with --kv-shard none (every rank holds the whole cache),
+    else --kv-group, or every rank (--tp). Whether it divides --tp is parallel.check_kv_group's rule."""
+    if a.kv_shard != "sequence":
+        if a.kv_group is not None:
+            raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (a replicated cache has no "
+                                 f"KV group)")
+        return 1
+    return a.tp if a.kv_group is None else a.kv_group
+
+
 def cache_dir() -> Path:
     """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
     return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")
