@@ -184,8 +184,8 @@ def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
                    help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp, one group)")
     p.add_argument("--prefill-chunk", type=integer(1), default=None, metavar="N",
-                   help="prefill in calls of N tokens of one row, each attending to the cache written so far "
-                        "(dividing --seq-len; default: one prefill call of the whole bucket)")
+                   help="tokens per prefill call: a longer prompt runs as successive chunks, each attending to the "
+                        "cache written so far (default: the prompt in one call)")
 
 
 def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
@@ -196,6 +196,17 @@ def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-router", action="store_true",
                    help="split the float32 router across the ranks by experts and all-gather its logits (one "
                         "collective per MoE layer); every rank still selects from the same float32 logits")
+
+
+def kv_group_of(a: argparse.Namespace) -> int:
+    """The KV group size the long-context flags ask for: 1 with --kv-shard none (every rank holds the whole cache),
+    else --kv-group, or every rank (--tp). Whether it divides --tp is parallel.check_kv_group's rule."""
+    if a.kv_shard != "sequence":
+        if a.kv_group is not None:
+            raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (a replicated cache has no "
+                                 f"KV group)")
+        return 1
+    return a.tp if a.kv_group is None else a.kv_group
 
 
 def cache_dir() -> Path:

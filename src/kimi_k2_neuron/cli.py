@@ -16,7 +16,8 @@ from pathlib import Path
 
 from . import __version__
 from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
-                        check_generation_args, check_out_dir, check_out_file, fail, integer, sampling_values)
+                        check_generation_args, check_out_dir, check_out_file, fail, integer, kv_group_of,
+                        sampling_values)
 from .errors import KimiInputError
 from .launch import cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
@@ -60,7 +61,8 @@ def cmd_logits(a) -> int:
         logits, paths = _nxdi_cpu().logits(cpu_options(a), a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
-        runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
+        runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
+                           prefill_chunk=a.prefill_chunk)
         logits = runner.logits(a.input_ids, a.prefill_len)
     else:
         from .parallel import check_tp_divides, check_weight_sharding
@@ -69,7 +71,7 @@ def cmd_logits(a) -> int:
         check_tp_divides(cfg, a.tp)
         check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
-                           shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
+                           kv_group_of(a), a.prefill_chunk, shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
     save_file({"logits": logits.contiguous()}, a.out)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
@@ -79,13 +81,21 @@ NXDI_CPU = "nxdi-cpu"
 
 
 def _check_backend(a) -> None:
-    """Flags that belong to one backend only, refused before any work."""
+    """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
+    from .parallel import check_kv_group
+
+    check_kv_group(a.tp, kv_group_of(a))
     if a.backend == NXDI_CPU:
         if a.layer_streamed:
             raise KimiInputError("--layer-streamed: only with --backend core (NxDI builds the whole model)")
         if getattr(a, "prefill_len", None) == 0:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
+        for flag, given in (("--kv-shard sequence", a.kv_shard == "sequence"),
+                            (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None)):
+            if given:
+                raise KimiInputError(f"{flag}: only with --backend core for now (the NxDI shell does not build it "
+                                     f"yet)")
         return
     if a.fn is cmd_generate and a.tp > 1:
         raise KimiInputError(f"--tp {a.tp}: the core runner generates in one process (--backend {NXDI_CPU} runs "
@@ -120,7 +130,8 @@ def cmd_generate(a) -> int:
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
     if a.backend == NXDI_CPU:
         return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
-    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg)
+    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
+                       prefill_chunk=a.prefill_chunk)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
     res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
                           seed=a.seed, stop_when=stop_when)
@@ -234,10 +245,8 @@ def _layout(a):
     """plan's layout flags (arguments.add_kv_layout_args, add_weight_sharding_args) as contract.LayoutOptions."""
     from .neuron.contract import LayoutOptions
 
-    if a.kv_group is not None and a.kv_shard != "sequence":
-        raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (the ranks that split a "
-                             f"sequence)")
-    group = (a.kv_group or a.tp) if a.kv_shard == "sequence" else None
+    group = kv_group_of(a)  # refuses --kv-group without --kv-shard sequence
+    group = group if a.kv_shard == "sequence" else None
     return LayoutOptions(kv_group=group, prefill_chunk=a.prefill_chunk, shard_attn_a=a.shard_attn_a,
                          shard_router=a.shard_router)
 
@@ -423,6 +432,7 @@ def _model_opts(s):
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
+    add_kv_layout_args(s)
 
 
 def main(argv=None) -> int:

@@ -6,14 +6,18 @@ talk over torch.distributed (gloo). The Neuron shell builds the same decoder wit
 Sharding follows the Neuron build: attention heads, MLP/expert intermediate columns and the vocabulary are split
 across ranks; q_a_proj / kv_a_proj_with_mqa (low-rank, shared by all heads) and the router are replicated, or, with
 shard_attn_a / shard_router, split by output rows and all-gathered (each output element is still one whole dot
-product, computed on one rank, so the gathered output is the replicated layer's).
+product, computed on one rank, so the gathered output is the replicated layer's). With the sequence-sharded latent
+cache (`--kv-shard sequence`) the ranks of a KV group of `kv_group` adjacent ranks each keep the positions p with
+p % kv_group == their index in the group, and attention merges over the group (the three collectives below;
+MLAttention.attend_sharded).
 Each layer knows which dim of the full checkpoint tensor it owns a slice of (`shard_dim`), so the weight loader
 hands it the full tensor and the layer keeps its part.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +38,10 @@ class ParallelContext:
 
     tp_size: int = 1
     rank: int = 0
+    # Ranks per KV group of the sequence-sharded latent cache: 1 = every rank holds the whole sequence. The group is
+    # `kv_group` adjacent ranks (NxD's arrangement); its torch.distributed handle is made by the runner.
+    kv_group: int = 1
+    kv_process_group: Any = field(default=None, compare=False)
     # Split what the NxDI design replicates (check_weight_sharding): q_a_proj + kv_a_proj_with_mqa, and the router's
     # experts; each then costs one all-gather per layer instead of the whole weight on every rank.
     shard_attn_a: bool = False
@@ -97,8 +105,45 @@ class ParallelContext:
         torch.distributed.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 
+    # -- the KV group of the sequence-sharded cache: identities at kv_group 1 -------------------------------------
+
+    def kv_rank(self):
+        """This rank's index in its KV group: it holds the positions p with p % kv_group == kv_rank()."""
+        return self.rank % self.kv_group
+
+    def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, h, ...] per rank -> [B, h x kv_group, ...]: the group's heads, in rank order."""
+        if self.kv_group == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.kv_group)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.kv_process_group)
+        return torch.cat(parts, dim=1)
+
+    def max_over_kv_group(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kv_group == 1:
+            return x
+        x = x.clone()
+        torch.distributed.all_reduce(x, torch.distributed.ReduceOp.MAX, group=self.kv_process_group)
+        return x
+
+    def reduce_scatter_kv_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, h x kv_group, ...] partial sums per rank -> the group's sum of this rank's h heads [B, h, ...]
+        (gloo has no reduce-scatter: an all-reduce, then this rank's slice)."""
+        if self.kv_group == 1:
+            return x
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=self.kv_process_group)
+        h = x.shape[1] // self.kv_group
+        return x.narrow(1, self.kv_rank() * h, h)
+
 
 SINGLE = ParallelContext()
+
+
+def check_kv_group(tp: int, kv_group: int) -> None:
+    """A KV group is kv_group adjacent ranks of the tp ranks (NxD's initialize_kv_group asserts the same)."""
+    if kv_group < 1 or tp % kv_group:
+        raise KimiInputError(f"--kv-group {kv_group}: must divide --tp {tp} (a KV group is that many of the ranks)")
 
 
 def check_tp_divides(cfg: KimiK2Config, tp: int, split_embedding_dim: bool = False) -> None:

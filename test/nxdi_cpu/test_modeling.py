@@ -339,3 +339,68 @@ def test_nxd_converts_exactly_the_routed_experts(bf16_app):
         moe = [i for i, layer in enumerate(wrapper.model.layers) if layer.is_moe]
         projections = ("gate_up_proj", "down_proj")
         assert quantized == {f"layers.{i}.mlp.expert_mlps.mlp_op.{p}" for i in moe for p in projections}
+
+
+# -- the KV group's collectives (the sequence-sharded cache's seam) through NxD's CPU-mode collectives ----------------
+
+def _kv_seam_rank(rank: int, tp: int, g: int, out_dir: str) -> None:
+    """One of `tp` NxD CPU-mode ranks with NxD's KV groups of `g` adjacent ranks: the seam's collectives and
+    MLAttention.attend_sharded through NxDParallelContext, and through the core's ParallelContext (plain gloo
+    groups) on the same inputs."""
+    import os
+
+    import torch.distributed as dist
+    from neuronx_distributed.parallel_layers import parallel_state
+    from safetensors.torch import save_file
+
+    from kimi_k2_neuron.model.mla import MLAttention
+    from kimi_k2_neuron.parallel import ParallelContext
+
+    os.environ["NXD_CPU_MODE"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, skip_collective_init=True)
+    parallel_state.initialize_kv_group(g, sequential_ranks_in_group=True)
+    groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
+    core = ParallelContext(tp, rank, g, groups[rank // g])
+    nxd = modeling.NxDParallelContext(tp_size=tp, kv_group=g)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(2, 3, 5, 7, generator=gen), torch.randn(2, 3 * g, 5, 9, generator=gen)
+    out = {"kv_rank": torch.tensor([nxd.kv_rank(), core.kv_rank()])}
+    for name, ctx in (("nxd", nxd), ("core", core)):
+        out |= {f"{name}.gather": ctx.gather_kv_heads(x), f"{name}.max": ctx.max_over_kv_group(x),
+                f"{name}.reduce_scatter": ctx.reduce_scatter_kv_heads(y)}
+    cfg = KimiK2Config.from_dict(tiny_config_dict("bf16"))
+    attn = MLAttention(cfg, torch.float32, core)  # this rank's heads (and their slice of o_proj), uninitialized
+    weights = torch.Generator().manual_seed(0)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.1, generator=weights)
+    q_nope = torch.randn(2, attn.n_heads, 3, attn.nope, generator=gen)
+    q_pe = torch.randn(2, attn.n_heads, 3, attn.rope, generator=gen)
+    keys = torch.randn(2, 6, attn.rank + attn.rope, generator=gen)
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool) if rank == 0 else torch.rand(2, 1, 3, 6, generator=gen) > 0.4
+    for name, ctx in (("nxd", nxd), ("core", core)):
+        attn.ctx = ctx
+        out[f"{name}.attend"] = attn.attend_sharded(q_nope, q_pe, [keys], [mask])
+    save_file({k: v.contiguous() for k, v in out.items()}, f"{out_dir}/rank{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("g", [4, 2])
+def test_the_kv_group_seam_through_nxds_collectives_is_the_cores(tmp_path, g):
+    """NxDParallelContext's KV-group collectives (NxD's _gather_along_dim, _reduce with max and
+    _reduce_scatter_along_dim over the group initialize_kv_group makes; NXDI_CONTRACT.md: cpu-collectives) at TP=4,
+    one group of 4 and two groups of 2, give the core seam's results (its sharded attention is checked against
+    transformers in test/unit/test_tp.py), and attend_sharded through either seam gives the same output. The model
+    does not use this yet: the shell refuses --kv-shard sequence until its cache manager and masks are built."""
+    from safetensors.torch import load_file
+
+    from kimi_k2_neuron.runtime.ranks import run_ranks
+
+    run_ranks(_kv_seam_rank, 4, args=(4, g, str(tmp_path)))
+    for r in range(4):
+        got = load_file(tmp_path / f"rank{r}.safetensors")
+        assert got["kv_rank"].tolist() == [r % g, r % g]
+        for op in ("gather", "max", "reduce_scatter", "attend"):
+            torch.testing.assert_close(got[f"nxd.{op}"], got[f"core.{op}"], rtol=1e-6, atol=1e-6)
+        assert got["nxd.gather"].shape == (2, 3 * g, 5, 7) and got["nxd.reduce_scatter"].shape == (2, 3, 5, 9)

@@ -44,6 +44,21 @@ BAD_ARGS = [
     (["make-tiny", "{model}/config.json/t"], "is a file"),
     # logits
     (["logits", "--model", "{model}", "--input-ids", "1,2"], "required: --out"),
+    # the long-context flags (logits and generate share them)
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "4", "--kv-shard",
+      "sequence", "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "2", "--kv-group", "2"],
+     "--kv-group 2: only with --kv-shard sequence"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence", "--kv-group", "2"],
+     "--kv-group 2: must divide --tp 1"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "rows"],
+     "--kv-shard: invalid choice: 'rows'"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--prefill-chunk", "0"],
+     "--prefill-chunk: expected an integer >= 1, got '0'"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--backend", "nxdi-cpu", "--tp", "2",
+      "--kv-shard", "sequence"], "--kv-shard sequence: only with --backend core"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2", "--backend", "nxdi-cpu", "--prefill-chunk", "4"],
+     "--prefill-chunk 4: only with --backend core"),
     (["logits", "--model", "{model}", "--input-ids", "1,x", "--out", "{tmp}/l"], "--input-ids: expected comma"),
     (["logits", "--model", "{model}", "--input-ids", "1,600", "--out", "{tmp}/l"], "token 600 is outside"),
     (["logits", "--model", "{model}", "--input-ids", TOO_LONG, "--out", "{tmp}/l"],
@@ -234,6 +249,15 @@ def test_generate_cli_json(tiny_dirs, capsys):
                      "4", "--temperature", "0.7", "--top-k", "50", "--top-p", "0.9", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 1 <= len(out["tokens"][0]) <= 4 and isinstance(out["text"][0], str)
+
+
+def test_generate_with_the_long_context_flags_gives_the_same_tokens(tiny_dirs, capsys):
+    """`generate --kv-shard sequence --prefill-chunk 2` on one rank (a KV group of 1: the cache is whole) prefills
+    the 5-token prompt in 3 calls: the tokens of the one-shot prefill."""
+    want = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256")["tokens"]
+    got = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256", "--kv-shard", "sequence",
+                        "--prefill-chunk", "2")["tokens"]
+    assert got == want and len(got[0]) == 6
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """MLA: the absorbed path equals the naive one in decode and prefill, over the latent cache (one entry per token
-per layer, nothing per head), and over two cache segments at once (attend_split, the Neuron decode path)."""
+per layer, nothing per head), and over two cache segments at once (attend_split, the Neuron decode path); the
+sequence-sharded merge (attend_sharded) on one rank equals them (its collectives over ranks: test_tp.py)."""
 
 import torch
 
@@ -74,3 +75,36 @@ def test_a_fused_q_a_kv_a_layer_gives_the_two_projections(tiny_dirs):
     rope = runner.model.rotary(torch.arange(5).expand(2, 5))
     for got, want in zip(fused.project(x, rope), two.project(x, rope)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_sharded_attention_at_one_rank_is_the_absorbed_attention(tiny_dirs):
+    """attend_sharded (the merge of the sequence-sharded cache: max, exp, sum, then one division) with a KV group of
+    one rank, whose collectives are identities, equals the absorbed softmax attention over the same segments, for k
+    queries with a causal mask among themselves, split into query tiles or not."""
+    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(1)
+    b, t, s = 2, 9, 5
+    q_nope = torch.randn(b, attn.n_heads, s, attn.nope, generator=g)
+    q_pe = torch.randn(b, attn.n_heads, s, attn.rope, generator=g)
+    prior, active = (torch.randn(b, n, attn.rank + attn.rope, generator=g) for n in (t, s))
+    prior_mask = torch.rand(b, 1, s, t, generator=g) > 0.3
+    active_mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    want = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
+    for tile in (None, 2):
+        got = attn.attend_sharded(q_nope, q_pe, [prior, active], [prior_mask, active_mask], query_tile=tile)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    naive = attn.attend(q_nope, q_pe, torch.cat([prior, active], 1), torch.cat([prior_mask, active_mask], -1), False)
+    torch.testing.assert_close(got, naive, rtol=1e-4, atol=1e-5)
+
+
+def test_a_key_masked_on_every_row_of_a_segment_adds_nothing(tiny_dirs):
+    """A segment this rank holds nothing visible in (early positions of a sharded cache) contributes exactly 0, not
+    NaN: its scores sit at float32's lowest value and the mask zeroes their exponentials."""
+    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(2)
+    q_nope, q_pe = torch.randn(1, attn.n_heads, 1, attn.nope, generator=g), torch.randn(1, attn.n_heads, 1, attn.rope)
+    seen, hidden = (torch.randn(1, 4, attn.rank + attn.rope, generator=g) for _ in range(2))
+    ones, none = torch.ones(1, 1, 1, 4, dtype=torch.bool), torch.zeros(1, 1, 1, 4, dtype=torch.bool)
+    got = attn.attend_sharded(q_nope, q_pe, [seen, hidden], [ones, none])
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, attn.attend_sharded(q_nope, q_pe, [seen], [ones]), rtol=0, atol=0)

@@ -51,3 +51,13 @@ def test_rows_of_different_lengths_match_transformers_row_by_row(tiny_dirs, hf_m
     assert ours.shape == (2, 10, 512) and torch.isnan(ours[1, 6:]).all() and not torch.isnan(ours[1, :6]).any()
     for r, row in enumerate(rows):
         assert rel_err(ours[r, :len(row)], hf_logits(hf_models["fp8"], [row], 4)[0]) < TOL
+
+
+@pytest.mark.parametrize("quant", ["fp8", "int4"])
+@pytest.mark.parametrize("prefill_len", [10, 8])
+def test_chunked_prefill_matches_transformers(tiny_dirs, hf_models, quant, prefill_len):
+    """A prefill of 10 or 8 tokens in calls of 3 (3.3 or 2.7 chunks, the last one short: each call attends to the
+    cache written so far and causally within itself), then the rest one token at a time: transformers' one-shot
+    prefill's logits."""
+    ours = CpuRunner(tiny_dirs[quant], prefill_chunk=3).logits(ROWS, prefill_len)
+    assert rel_err(ours, hf_logits(hf_models[quant], ROWS, prefill_len)) < TOL

@@ -35,6 +35,22 @@ def test_batch_rows_at_different_positions(tiny_dirs):
         assert (both[i] - solo[i]).abs().max() / solo[i].abs().max() < 1e-5
 
 
+def test_chunked_prefill_equals_one_shot_prefill(tiny_dirs):
+    """A 14-token prompt in calls of 4 (3.5 chunks: each attends to the cache so far and causally within itself) gives
+    the one-shot prefill's logits at every position and the same cache; generation from it the same tokens."""
+    one_shot, chunked = CpuRunner(tiny_dirs["int4"]), CpuRunner(tiny_dirs["int4"], prefill_chunk=4)
+    ids, pos = torch.tensor([ROW + [2, 3]]), torch.arange(14)[None]
+    caches = [r.new_cache(1, 14) for r in (one_shot, chunked)]
+    want = one_shot.prefill(ids, pos, caches[0].layers)
+    got = chunked.prefill(ids, pos, caches[1].layers)
+    assert [t.shape[1] for t in got] == [4, 4, 4, 2]
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=1e-5, atol=1e-5)
+    for a, b in zip(*(c.layers for c in caches)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    prompts = [ROW, ROW[:5]]
+    assert chunked.generate(prompts, 4).tokens == one_shot.generate(prompts, 4).tokens
+
+
 def test_generation_stops_on_stop_ids(tiny_dirs):
     r = CpuRunner(tiny_dirs["fp8"])
     free = r.generate([ROW[:4]], max_new_tokens=8).tokens[0]
@@ -103,6 +119,10 @@ def test_more_positions_than_the_model_has(ckpt, call, needles, one_line_error):
     d = ckpt("bf16")
     edit_config(d, set_field("max_position_embeddings", 8))
     one_line_error(lambda: call(CpuRunner(d)), *needles)
+
+
+def test_bad_prefill_chunk(tiny_dirs, one_line_error):
+    one_line_error(lambda: CpuRunner(tiny_dirs["int4"], prefill_chunk=0), "--prefill-chunk 0", "expected an integer")
 
 
 def test_bad_prefill_len(runner, one_line_error):

@@ -1,13 +1,17 @@
 """CPU tensor parallelism (runtime/tp.py): the same decoder code sharded over 2 or 4 CPU ranks (gloo) gives the
-single-rank logits, also with q_a/kv_a and the router split across the ranks; a TP that does not divide the model is
-refused."""
+single-rank logits, with the latent cache replicated or sequence-sharded over KV groups (each rank of a group holds the
+positions p % G == its index; attention merges over the group), also with q_a/kv_a and the router split across the
+ranks; a TP that does not divide is refused (the KV group's refusals: test_cli.py).
+
+Rows are ragged, prefilled in chunks, then fed at least 3 x TP tokens one at a time, so every rank of a group has
+written decode tokens of its own."""
 
 import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 from kimi_k2_neuron.cli import main
@@ -18,16 +22,103 @@ from kimi_k2_neuron.runtime.runner import CpuRunner
 from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
 
 ROWS = [[5, 17, 300, 42, 256, 9], [400, 3, 3, 260, 100, 2]]
+LONG = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31, 2, 3, 99, 98, 97, 11, 12, 60],
+        [400, 3, 3, 260, 100, 2, 90, 91, 92, 7, 8, 200, 201, 202, 13, 14, 15, 16, 17]]
+CHUNK, STEPS = 2, 12  # prefills of 8 and 7 tokens (4 and 3.5 chunks), then 12 decode steps (>= 3 x TP at TP=4)
+
+
+def rel_err(ours, ref):
+    real = ~torch.isnan(ref)
+    assert torch.equal(real, ~torch.isnan(ours))
+    return ((ours - ref).abs()[real].max() / ref[real].abs().max()).item()
 
 
 def test_cli_logits_tp2_equals_tp1(tiny_dirs, tmp_path):
     out = tmp_path / "tp2.safetensors"
-    assert main(["logits", "--model", str(tiny_dirs["int4"]), "--input-ids", "5,17,300,42,256,9;400,3,3,260,100,2",
-                 "--prefill-len", "3", "--tp", "2", "--out", str(out)]) == 0
+    ids = ";".join(",".join(map(str, r)) for r in ROWS)
+    assert main(["logits", "--model", str(tiny_dirs["int4"]), "--input-ids", ids, "--prefill-len", "3",
+                 "--tp", "2", "--out", str(out)]) == 0
     tp2 = load_file(out)["logits"]
     tp1 = CpuRunner(tiny_dirs["int4"]).logits(ROWS, 3)
-    assert tp2.shape == tp1.shape
     assert (tp2 - tp1).abs().max() / tp1.abs().max() < 1e-5
+
+
+def test_cli_logits_with_the_sequence_sharded_cache_at_tp2_equal_tp1_and_transformers(tiny_dirs, tmp_path):
+    """`logits --tp 2 --kv-shard sequence --prefill-chunk 2` on ragged rows (each run on its own, prefilled in 3.5
+    chunks, then 13 and 12 tokens through the decode path): the TP=1 replicated one-shot logits, and transformers'."""
+    from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+
+    out = tmp_path / "tp2.safetensors"
+    ids = ";".join(",".join(map(str, r)) for r in LONG)
+    assert main(["logits", "--model", str(tiny_dirs["int4"]), "--input-ids", ids, "--prefill-len", "7",
+                 "--tp", "2", "--kv-shard", "sequence", "--prefill-chunk", str(CHUNK), "--out", str(out)]) == 0
+    tp2 = load_file(out)["logits"]
+    assert rel_err(tp2, CpuRunner(tiny_dirs["int4"]).logits(LONG, 7)) < 1e-4
+    hf = hf_model(tiny_dirs["int4"])
+    for r, row in enumerate(LONG):
+        assert rel_err(tp2[r, :len(row)], hf_logits(hf, [row], 7)[0]) < 1e-3
+
+
+def ragged_batch(runner, rows):
+    """Each row prefilled on its own (all but its last STEPS tokens, in the runner's chunks), then the rows fed their
+    last STEPS tokens together, one at a time, each at its own position: the decode logits [B, STEPS, V] and the
+    cache (this rank's part of it)."""
+    cache = runner.new_cache(len(rows), max(map(len, rows)))
+    starts = [len(r) - STEPS for r in rows]
+    for i, (row, k) in enumerate(zip(rows, starts)):
+        runner.prefill(torch.tensor([row[:k]]), torch.arange(k)[None], cache.rows(i, i + 1))
+    steps = [runner.forward(torch.tensor([[r[k + t]] for r, k in zip(rows, starts)]),
+                            torch.tensor([[k + t] for k in starts]), cache.layers) for t in range(STEPS)]
+    return torch.cat(steps, 1), cache
+
+
+def sharded_rank(rank, tp, model_dir, rows, out_dir):
+    """One rank of a TP=`tp` run with the sequence-sharded cache, for KV groups of tp and of 2 ranks: the ragged
+    batch's logits and this rank's cache."""
+    import torch.distributed as dist
+
+    from kimi_k2_neuron.parallel import ParallelContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
+    out = {}
+    for g in sorted({tp, 2}):
+        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
+        runner = CpuRunner(model_dir, ctx=ParallelContext(tp, rank, g, groups[rank // g]), prefill_chunk=CHUNK)
+        logits, cache = ragged_batch(runner, rows)
+        out |= {f"g{g}.logits": logits} | {f"g{g}.layer{n}": t for n, t in enumerate(cache.layers)}
+    save_file(out, f"{out_dir}/rank{rank}.safetensors")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
+    """TP=2 and 4 with one KV group of all ranks (at TP=4 one head per rank, as Kimi at TP=64), and at TP=4 also two
+    groups of 2 (each holding a whole copy of the sequence); prefill in chunks of 2, then two rows at different
+    positions decode together for 12 steps. Logits: the TP=1 replicated one-shot run's (1e-4) and transformers' row
+    by row (1e-3). Cache: rank r holds exactly the positions p with p % G == r % G at slot p // G, equal to the TP=1
+    cache there; slots past a row's end are never written."""
+    from kimi_k2_neuron.runtime.ranks import run_ranks
+    from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+
+    ckpt = tiny_dirs["int4"]
+    run_ranks(sharded_rank, tp, args=(tp, str(ckpt), LONG, str(tmp_path)))
+    ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(tp)]
+    want, ref = ragged_batch(CpuRunner(ckpt), LONG)
+    hf = hf_model(ckpt)
+    for i, row in enumerate(LONG):
+        assert rel_err(want[i], hf_logits(hf, [row], len(row) - STEPS)[0, -STEPS:]) < 1e-3
+    for g in sorted({tp, 2}):
+        assert rel_err(ranks[0][f"g{g}.logits"], want) < 1e-4
+        for r, got in enumerate(ranks):
+            for n, full in enumerate(ref.layers):
+                held = got[f"g{g}.layer{n}"]
+                assert held.shape == (len(LONG), -(-full.shape[1] // g), full.shape[2])
+                positions = torch.arange(held.shape[1]) * g + r % g
+                for i, row in enumerate(LONG):
+                    written = positions < len(row)
+                    torch.testing.assert_close(held[i, written], full[i, positions[written]], rtol=1e-4, atol=1e-5)
+                    assert not held[i, ~written].any()
 
 
 def test_tp_that_does_not_divide_is_refused(tiny_dirs, tmp_path, capsys):

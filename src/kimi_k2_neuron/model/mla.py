@@ -11,6 +11,14 @@ Two ways to attend over it, giving the same result:
   the latent cache directly, and fold the V half into the output (latent context @ W_UV) before o_proj. Used for
   decode: nothing per-head is ever materialized for the T cached tokens, which is what makes long-context
   decode cheap (see scripts/bench_mla_decode.py).
+
+With the cache sequence-sharded over a KV group of G ranks (ParallelContext.kv_group; each rank holds the positions
+p % G == its index), attend_sharded is the one multi-token path: k new queries against the keys this rank holds
+(any number of segments, e.g. the cache and the step's own entries) under masks that make every key visible on
+exactly one rank. The group gathers its absorbed queries, each rank scores its keys, and a log-sum-exp merge (the
+max over the group, then a reduce-scatter of the unnormalized context and its sum) hands each rank its own heads'
+latent context. Decode (k = 1), prefill chunks (k = N) and speculative verification (k drafted) differ only in the
+segments and masks they pass.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is None:
             raise ValueError("q_lora_rank is null: MLA without a query LoRA is not implemented (Kimi-K2 has one)")
         h, d = cfg.hidden_size, cfg.qk_head_dim
+        self.ctx = ctx
         self.n_heads = ctx.local(cfg.num_attention_heads, "num_attention_heads")
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
@@ -57,12 +66,25 @@ class MLAttention(nn.Module):
     def forward(self, x, positions, rope, latent_cache, absorbed: bool | None = None):
         """x [B, S, hidden]; positions [B, S] (rows may differ); rope = (cos, sin) for those positions;
         latent_cache [B, T_max, latent] for these rows, written in place at `positions`.
-        Each query attends to cache slots 0..its own position. absorbed=None picks absorbed for S == 1."""
+        Each query attends to cache slots 0..its own position. absorbed=None picks absorbed for S == 1.
+        With a sequence-sharded cache (ctx.kv_group > 1) latent_cache holds this rank's slots (slot j = position
+        j * G + rank % G): the owned entries are written, then attend_sharded runs, whatever `absorbed` says."""
         q_nope, q_pe, entries = self.project(x, rope)
+        if self.ctx.kv_group > 1:
+            return self._forward_sharded(q_nope, q_pe, entries, positions, latent_cache)
         _write_cache(latent_cache, positions, entries)
         t = int(positions.max()) + 1
         mask = torch.arange(t)[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, T]
         return self.attend(q_nope, q_pe, latent_cache[:, :t], mask, absorbed)
+
+    def _forward_sharded(self, q_nope, q_pe, entries, positions, latent_cache):
+        g, r = self.ctx.kv_group, self.ctx.kv_rank()
+        owned = positions % g == r
+        _write_cache(latent_cache, positions // g, entries, owned)
+        t = int(positions.max()) // g + 1  # slots that can hold a position <= the latest query's
+        keys = torch.arange(t) * g + r  # the position each slot holds
+        mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, t]; all written by now
+        return self.attend_sharded(q_nope, q_pe, [latent_cache[:, :t]], [mask])
 
     def project(self, x, rope):
         """The per-token half: queries (nope part, roped part) per local head and the new latent cache entries
@@ -100,6 +122,40 @@ class MLAttention(nn.Module):
         b, _, s, _ = q_nope.shape
         out = self._absorbed(q_nope, q_pe, [prior, active], [prior_mask, active_mask])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def attend_sharded(self, q_nope, q_pe, segments, masks, query_tile: int | None = None):
+        """k queries [B, heads, k, .] of this rank's heads against the latent entries this rank holds, segments
+        [B, T_i, latent] under masks [B, 1, k, T_i] (True = visible here; every key visible on exactly one rank of
+        the KV group), merged over the group, then o_proj -> [B, k, hidden]. Three collectives per query tile: the
+        absorbed queries all-gathered (once), the score max all-reduced, [context | sum] reduce-scattered by head;
+        scores, exponentials and the merge in float32. At kv_group 1 they are identities and this is _absorbed
+        with its softmax split into max, exp and sum. query_tile bounds the [heads x G, tile, T] score block."""
+        b, _, s, _ = q_nope.shape
+        w_uk, w_uv = self._kv_b_halves()
+        q = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_pe.to(q_nope.dtype)], dim=-1)
+        q = self.ctx.gather_kv_heads(q)  # [B, heads x G, k, latent]
+        masks = [m.to(torch.bool) for m in masks]
+        tile = s if query_tile is None else query_tile
+        parts = [self._merge(q[:, :, i:i + tile], segments, [m[:, :, i:i + tile] for m in masks])
+                 for i in range(0, s, tile)]
+        ctx_lat = _cat_queries(parts)  # [B, heads, k, rank] float32
+        out = torch.einsum("bhsr,hvr->bhsv", ctx_lat.to(q_nope.dtype), w_uv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _merge(self, q, segments, masks):
+        """One query tile's local scores, their log-sum-exp merge over the KV group -> this rank's heads' latent
+        context [B, heads, tile, rank], float32."""
+        low = torch.finfo(torch.float32).min
+        scores = [(_shared_kv_matmul(q, seg.to(q.dtype).transpose(-1, -2)).float() * self.scale).masked_fill(~m, low)
+                  for seg, m in zip(segments, masks)]
+        top = self.ctx.max_over_kv_group(torch.stack([sc.amax(-1) for sc in scores]).amax(0))[..., None]
+        total, context = 0.0, 0.0
+        for sc, m, seg in zip(scores, masks, segments):
+            p = torch.exp(sc - top) * m  # keys masked here add exactly 0, even where a rank sees none
+            total = total + p.sum(-1, keepdim=True)
+            context = context + _shared_kv_matmul(p.to(q.dtype), seg[..., :self.rank].to(q.dtype)).float()
+        merged = self.ctx.reduce_scatter_kv_heads(torch.cat([context, total], dim=-1))
+        return merged[..., :self.rank] / merged[..., self.rank:]
 
     def _kv_b_halves(self):
         """kv_b_proj as per-head W_UK [heads, nope, rank] and W_UV [heads, v_dim, rank]."""
@@ -141,6 +197,10 @@ def _shared_kv_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.reshape(bsz, heads * s, k) @ b).view(bsz, heads, s, b.shape[-1])
 
 
+def _cat_queries(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """Along the key axis; a single part as is (torch.cat would copy it)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -152,9 +212,14 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return probs.to(scores.dtype)
 
 
-def _write_cache(cache: torch.Tensor, positions: torch.Tensor, entries: torch.Tensor) -> None:
-    """cache [B, T_max, D]; positions [B, S]; entries [B, S, D] -> cache[b, positions[b, s]] = entries[b, s]."""
-    if int(positions.max()) >= cache.shape[1]:
-        raise ValueError(f"position {int(positions.max())} is beyond the KV cache length {cache.shape[1]}")
-    rows = torch.arange(cache.shape[0])[:, None].expand_as(positions)
-    cache[rows, positions] = entries.to(cache.dtype)
+def _write_cache(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
+                 owned: torch.Tensor | None = None) -> None:
+    """cache [B, T_max, D]; slots [B, S]; entries [B, S, D] -> cache[b, slots[b, s]] = entries[b, s], where `owned`
+    [B, S] (default all) is true."""
+    if int(slots.max()) >= cache.shape[1]:
+        raise ValueError(f"slot {int(slots.max())} is beyond the KV cache length {cache.shape[1]}")
+    rows = torch.arange(cache.shape[0])[:, None].expand_as(slots)
+    if owned is None:
+        cache[rows, slots] = entries.to(cache.dtype)
+    else:
+        cache[rows[owned], slots[owned]] = entries[owned].to(cache.dtype)

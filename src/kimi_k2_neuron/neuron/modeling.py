@@ -20,7 +20,7 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa:
 from neuronx_distributed.modules.moe.model import MoE as NxDMoE  # noqa: E402
 from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfig  # noqa: E402
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts  # noqa: E402
-from neuronx_distributed.parallel_layers import parallel_state  # noqa: E402
+from neuronx_distributed.parallel_layers import mappings, parallel_state  # noqa: E402
 from neuronx_distributed.parallel_layers.layers import (ColumnParallelLinear, ParallelEmbedding,  # noqa: E402
                                                         RowParallelLinear)
 from neuronx_distributed.trace.trace import get_sharded_checkpoint  # noqa: E402
@@ -184,6 +184,33 @@ class NxDParallelContext(ParallelContext):
 
     def moe(self, cfg, dtype):
         return build_moe(cfg, dtype, self.config)
+
+    # -- the KV group of the sequence-sharded cache: NxD's CPU-aware collectives over its KV-shared group ---------
+    # (NXDI_CONTRACT.md: cpu-collectives). The group is fetched at each call: under ModelBuilder it exists only
+    # after initialize_kv_group, inside its mock_distributed block. At kv_group 1 there is no group to fetch.
+
+    def kv_rank(self):
+        # The process's rank: right in NxD's CPU mode, where every rank runs its own eager model. A traced graph is
+        # one for all ranks and needs the model's SPMDRank tensor here instead (not built yet: the shell refuses
+        # --kv-shard sequence).
+        return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
+
+    def gather_kv_heads(self, x):
+        if self.kv_group == 1:
+            return x
+        return mappings._gather_along_dim(x, 1, process_group=parallel_state.get_kv_shared_group())
+
+    def max_over_kv_group(self, x):
+        if self.kv_group == 1:
+            return x
+        # a copy: NxD's CPU branch all-reduces in place
+        return mappings._reduce(x.clone(), computation="max", process_group=parallel_state.get_kv_shared_group())
+
+    def reduce_scatter_kv_heads(self, x):
+        if self.kv_group == 1:
+            return x
+        return mappings._reduce_scatter_along_dim(x.clone(), 1, computation="sum",
+                                                  process_group=parallel_state.get_kv_shared_group())
 
 
 class NxDRouter(NoAuxTcRouter):

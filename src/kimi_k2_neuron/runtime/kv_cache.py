@@ -1,4 +1,9 @@
-"""The MLA latent KV cache: per layer one [batch, max_len, kv_lora_rank + rope_dim] tensor, nothing per head."""
+"""The MLA latent KV cache: per layer one [batch, slots, kv_lora_rank + rope_dim] tensor, nothing per head.
+
+Replicated (group 1): slot p holds position p. Sequence-sharded over a KV group of G ranks (`--kv-shard sequence`):
+the rank at index r of its group holds the positions p with p % G == r, slot p // G, as NxDI's flash decoding lays
+them out (round-robin, so every rank holds ~1/G of every row at every length).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,22 @@ from ..config import KimiK2Config
 
 
 class LatentCache:
-    def __init__(self, cfg: KimiK2Config, batch: int, max_len: int, dtype: torch.dtype):
-        self.max_len = max_len
-        self.layers = [torch.zeros(batch, max_len, cfg.latent_dim, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, cfg: KimiK2Config, batch: int, max_len: int, dtype: torch.dtype, group: int = 1,
+                 rank: int = 0):
+        if not 0 <= rank < group:
+            raise ValueError(f"rank {rank} is not an index in a KV group of {group}")
+        self.max_len, self.group, self.rank = max_len, group, rank
+        self.slots = -(-max_len // group)
+        self.layers = [torch.zeros(batch, self.slots, cfg.latent_dim, dtype=dtype)
+                       for _ in range(cfg.num_hidden_layers)]
 
     def rows(self, start: int, stop: int) -> list[torch.Tensor]:
         """Views of rows [start, stop) of every layer; writes through them land in this cache."""
         return [t[start:stop] for t in self.layers]
+
+    def slot_positions(self) -> torch.Tensor:
+        """The position each slot holds [slots]; past max_len for the last slot of some ranks, never written."""
+        return torch.arange(self.slots) * self.group + self.rank
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,10 @@ the compute dtype plus the embeddings and the KV cache. Logits equal the in-memo
 With progress=True a request shows a bar over its decoder-layer passes (throughput and ETA, on stderr): for the
 1T model every pass streams ~1 TB of weights, so a golden of a few passes takes hours.
 
+prefill_chunk=N prefills a prompt longer than N in calls of N tokens, each attending to the cache written so far and
+causally within itself (what the Neuron shell's chunked-prefill graph does); ctx.kv_group > 1 keeps this rank's
+share of a sequence-sharded cache (runtime/kv_cache.py).
+
 Requests are checked against config.json alone (check_logits_request, check_generate_request), so the CLI refuses
 bad ids or too many positions before it loads anything.
 """
@@ -56,8 +60,13 @@ class GenerationResult:
 
 class CpuRunner:
     def __init__(self, model_dir, dtype: torch.dtype = torch.float32, layer_streamed: bool = False,
-                 progress: bool = False, ctx: ParallelContext = SINGLE, cfg: KimiK2Config | None = None):
-        """`cfg`: model_dir's config.json as the caller already read it (else read here)."""
+                 progress: bool = False, ctx: ParallelContext = SINGLE, cfg: KimiK2Config | None = None,
+                 prefill_chunk: int | None = None):
+        """`cfg`: model_dir's config.json as the caller already read it (else read here). `prefill_chunk`: tokens
+        per prefill call (None: a prompt in one call)."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise KimiInputError(f"--prefill-chunk {prefill_chunk}: expected an integer >= 1")
+        self.ctx, self.prefill_chunk = ctx, prefill_chunk
         self.source = WeightSource(model_dir, cfg)
         self.cfg, self.dtype, self.layer_streamed, self.progress = self.source.cfg, dtype, layer_streamed, progress
         self._bar = tqdm(disable=True)  # the running request's bar (_passes); a no-op outside requests
@@ -90,7 +99,8 @@ class CpuRunner:
             layer.to("meta")  # frees the layer's weights
 
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        return LatentCache(self.cfg, batch, max_len, self.dtype)
+        """This rank's cache: its share of a sequence-sharded one (ctx.kv_group > 1), else all of it."""
+        return LatentCache(self.cfg, batch, max_len, self.dtype, self.ctx.kv_group, self.ctx.kv_rank())
 
     @contextmanager
     def _around_layer(self, idx: int):
@@ -114,11 +124,20 @@ class CpuRunner:
     def forward(self, ids, positions, cache_layers, absorbed=None) -> torch.Tensor:
         return self.model(ids, positions, cache_layers, absorbed=absorbed, layer_hook=self._around_layer)
 
+    def prefill(self, ids, positions, cache_layers) -> list[torch.Tensor]:
+        """The logits of a prefill of ids/positions [B, K], in calls of prefill_chunk tokens (one call without)."""
+        n = ids.shape[1] if self.prefill_chunk is None else self.prefill_chunk
+        return [self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers) for c in range(0, ids.shape[1], n)]
+
+    def prefill_calls(self, k: int) -> int:
+        return 0 if k == 0 else 1 if self.prefill_chunk is None else -(-k // self.prefill_chunk)
+
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
         """Float32 logits [B, S, V] at every position, S the longest row's length. Positions < prefill_len come
-        from one prefill pass; the rest are fed one token at a time through the decode path and the KV cache
-        (teacher forcing). Rows of different lengths run one at a time (each prefills min(prefill_len, its
-        length) tokens) and are NaN past their end, the same output as `--backend nxdi-cpu`'s."""
+        from a prefill (one pass, or calls of prefill_chunk tokens); the rest are fed one token at a time through
+        the decode path and the KV cache (teacher forcing). Rows of different lengths run one at a time (each
+        prefills min(prefill_len, its length) tokens) and are NaN past their end, the same output as `--backend
+        nxdi-cpu`'s."""
         check_logits_request(self.cfg, rows, prefill_len)
         if len({len(r) for r in rows}) > 1:
             out = torch.full((len(rows), max(map(len, rows)), self.cfg.vocab_size), float("nan"))
@@ -130,8 +149,8 @@ class CpuRunner:
         k = s if prefill_len is None else prefill_len
         cache = self.new_cache(b, s)
         pos = torch.arange(s).expand(b, s)
-        with self._passes("logits", int(k > 0) + s - k):
-            out = [self.forward(ids[:, :k], pos[:, :k], cache.layers)] if k else []
+        with self._passes("logits", self.prefill_calls(k) + s - k):
+            out = self.prefill(ids[:, :k], pos[:, :k], cache.layers)
             out += [self.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache.layers) for t in range(k, s)]
         return torch.cat(out, dim=1)
 
@@ -141,7 +160,7 @@ class CpuRunner:
         """Prompts may differ in length: each row is prefilled on its own, then all rows decode together, each
         at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true."""
         check_generate_request(self.cfg, prompts, max_new_tokens)
-        with self._passes("generate", len(prompts) + max_new_tokens - 1):
+        with self._passes("generate", sum(self.prefill_calls(len(p)) for p in prompts) + max_new_tokens - 1):
             return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when)
 
     def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when) -> GenerationResult:
@@ -149,9 +168,8 @@ class CpuRunner:
         lens = torch.tensor([len(p) for p in prompts])
         cache = self.new_cache(len(prompts), int(lens.max()) + max_new_tokens)
         t0 = time.perf_counter()
-        last = torch.stack([
-            self.forward(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[0, -1]
-            for i, p in enumerate(prompts)])
+        last = torch.stack([self.prefill(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[-1][0, -1]
+                            for i, p in enumerate(prompts)])
         t1 = time.perf_counter()
         outs, done, steps = [[] for _ in prompts], [False] * len(prompts), 0
         positions = lens.clone()

@@ -4,6 +4,9 @@ Every rank builds the same model with ParallelContext(tp, rank), so it holds onl
 MLP/expert columns and vocabulary, exactly as a Neuron rank does; the collectives in kimi_k2_neuron.parallel
 stitch the results together. Rank 0 writes the logits. The ranks run under runtime.ranks.run_ranks: none outlives
 the command, and a rank's bad-input error reaches the user as the usual one-line error.
+
+With a sequence-sharded latent cache (kv_group > 1) the ranks form tp / kv_group KV groups of adjacent ranks, each
+a gloo group that every rank creates in the same order (as NxD's CPU mode builds its groups).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..parallel import ParallelContext
+from ..parallel import ParallelContext, check_kv_group
 from .ranks import run_ranks
 
 
-def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path, sharding):
+def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path, kv_group, prefill_chunk,
+               sharding):
     from .runner import CpuRunner
 
     # Only rank 0 shows progress, so tqdm needs no multiprocessing lock: a rank killed while holding one leaves it
@@ -31,8 +35,10 @@ def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, ou
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # ranks share the host's cores
     dist.init_process_group("gloo", rank=rank, world_size=tp)  # address and port from run_ranks' environment
     try:
-        runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, progress=rank == 0,
-                           ctx=ParallelContext(tp, rank, **sharding))
+        groups = [dist.new_group(list(range(g, g + kv_group))) for g in range(0, tp, kv_group)] if kv_group > 1 else []
+        ctx = ParallelContext(tp, rank, kv_group, groups[rank // kv_group] if groups else None, **sharding)
+        runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, progress=rank == 0, ctx=ctx,
+                           prefill_chunk=prefill_chunk)
         logits = runner.logits(rows, prefill_len)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, out_path)
@@ -40,12 +46,15 @@ def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, ou
         dist.destroy_process_group()
 
 
-def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
-              shard_attn_a=False, shard_router=False) -> torch.Tensor:
-    """CpuRunner.logits computed by `tp` ranks; returns rank 0's [B, S, V] float32 logits. shard_attn_a /
-    shard_router: ParallelContext's, q_a/kv_a and the router split across the ranks."""
+def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False, kv_group=1,
+              prefill_chunk=None, shard_attn_a=False, shard_router=False) -> torch.Tensor:
+    """CpuRunner.logits computed by `tp` ranks, the latent cache sequence-sharded over KV groups of `kv_group`
+    ranks when it is > 1, q_a/kv_a and the router split across the ranks with shard_attn_a / shard_router; returns
+    rank 0's [B, S, V] float32 logits."""
+    check_kv_group(tp, kv_group)
     sharding = dict(shard_attn_a=shard_attn_a, shard_router=shard_router)
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.safetensors")
-        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out, sharding))
+        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out, kv_group,
+                                        prefill_chunk, sharding))
         return load_file(out)["logits"]
