@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kimi_k2_neuron.arguments import check_out_file, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
 
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     except RanksError as e:
         return fail(e, e.exit_code)
     report = summarize(raw, meta["batch"], {**meta, "num_runs": args.num_runs, "nxdi_report": raw})
-    Path(args.report).write_text(json.dumps(report, indent=2, default=float))
+    write_atomically(args.report, json.dumps(report, indent=2, default=float))
     t = report["tpot_ms"]
     if t:
         where = " in NxD's CPU mode, not a trn2 number" if args.cpu else ""
@@ -118,4 +119,4 @@ def _cpu(args) -> tuple[dict, dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -20,12 +20,15 @@ made earlier (in an NxDI checkout, say) is still what an export writes.
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from kimi_k2_neuron.arguments import fail
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX, run_command
 from kimi_k2_neuron.launch import script_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,14 +117,24 @@ def planned_files(modules: dict[str, Path]) -> dict[Path, Path]:
 
 
 def export(dest: Path) -> dict[str, Path]:
-    """Write the contrib folder into dest (see the module docstring); returns the vendored modules."""
+    """Write the contrib folder into dest (see the module docstring); returns the vendored modules. Written into a
+    hidden folder beside dest and renamed into place, so that an interrupted export leaves the earlier one (or
+    none), never a folder that looks like an export and is not one."""
     check_dest(dest)
     modules = needed_modules()
-    if dest.exists():
-        shutil.rmtree(dest)  # an earlier export: stale modules must not survive
-    for rel, src in planned_files(modules).items():
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dest / rel)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=PARTIAL_SUFFIX, dir=dest.parent))
+    old = tmp.with_name(tmp.name + ".old")
+    try:
+        for rel, src in planned_files(modules).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / rel)
+        if dest.exists():  # an earlier export (or an empty folder): stale modules must not survive
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return modules
 
 
@@ -162,4 +175,4 @@ def _report(dest: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

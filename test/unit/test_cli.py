@@ -9,6 +9,7 @@ import configparser
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,12 @@ BAD_ARGS = [
     (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
      "one of the arguments --seq-len --max-seq-len is required"),
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"], "not found"),
+    # generate
+    (["generate", "--model", "{model}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty string"),
+    # convert: DST apart from SRC, or it writes among (or, redone, deletes) the files it reads
+    (["convert", "{model}", "{model}/sub", "--experts", "fp8-blockwise"], "/sub: is inside SRC"),
+    (["convert", "{model}", "{model}", "--experts", "fp8-blockwise"], "is SRC"),
+    (["convert", "{model}", "{model}/..", "--experts", "fp8-blockwise"], "holds SRC"),
 ]
 
 
@@ -216,6 +223,16 @@ def test_cli_convert(tiny_dirs, tmp_path, capsys):
     assert out.count("\n") == 1 and "bf16 -> fp8-per-channel" in out and "GB/s" in out
     assert cli.main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o2"), "--experts", "fp8-blockwise",
                      "--workers", "0"]) == 2
+
+
+def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
+    cached = Path(shutil.copytree(tiny_dirs["fp8"], tmp_path / "tiny-fp8"))
+    shard = sorted(cached.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # a download or disk fault cut it short
+    rc, _, err = run_cli(["demo"], capsys)
+    one_line_error.exit(rc, err, shard.name, f"the demo's cached checkpoint {cached} is damaged",
+                        "delete that folder and the demo makes it again")
 
 
 def test_demo_runs_and_matches_transformers(tmp_path, monkeypatch, capsys):
