@@ -251,6 +251,9 @@ def cmd_convert(a) -> int:
 
 def cmd_trace_cpu(a) -> int:
     """One NxDI submodel traced with torch_xla on its CPU device (nxdi_cpu/xla_trace.py); exit 0 clean, 1 not."""
+    from .nxdi_cpu.options import check_layout
+
+    check_layout(cpu_options(a))  # what config.json decides, before NxD and torch_xla are imported
     try:
         import torch_xla  # noqa: F401
 

@@ -326,3 +326,22 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "neuronx-distributed-inference" in err[0] and "docs/nxdi_on_cpu.md" in err[0]
+
+
+@pytest.mark.parametrize("cmd, words", [
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--out",
+      "{tmp}/l.safetensors", "--tp", "3"], "--tp 3"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--tp",
+      "3"], "--tp 3"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--tp",
+      "2", "--dtype", "bfloat16"], "gloo has no bfloat16"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "trace-cpu", "--submodel", "token", "--tp", "3"], "--tp 3"),
+    ([sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi", "--tp", "3"], "--tp 3"),
+    ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--tp", "3"], "--tp 3"),
+], ids=["logits", "generate", "generate bf16", "trace-cpu", "run_inference", "bench_tpot"])
+def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_path, cmd, words, one_line_error):
+    """The tiny config's 4 heads do not split 3 ways: one line, and (with NxD importable or not) none of NxD's import
+    output, nor its absence, before it."""
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    one_line_error.exit(r.returncode, r.stderr, words)
