@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail
+from kimi_k2_neuron.arguments import check_out_dir, fail
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX, run_command
 from kimi_k2_neuron.launch import script_parser
@@ -105,6 +105,7 @@ def check_dest(dest: Path) -> None:
         raise KimiInputError(f"{dest}: inside this repository ({REPO}) or holding it; give a folder outside it")
     if dest.is_dir() and any(dest.iterdir()) and not (dest / ENTRY).is_file():
         raise KimiInputError(f"{dest}: not empty and not an earlier export (no {ENTRY}); give a new or empty folder")
+    check_out_dir(dest.absolute().parent, "DEST's folder (the export is written beside DEST, then renamed)")
 
 
 def planned_files(modules: dict[str, Path]) -> dict[Path, Path]:
@@ -148,12 +149,16 @@ def differences(dest: Path) -> list[str]:
     return [f"missing {r}" for r in missing] + [f"extra {r}" for r in extra] + [f"differs {r}" for r in changed]
 
 
-def main(argv=None) -> int:
+def build_parser():
     p = script_parser(__doc__)
     p.add_argument("dest", help="folder to write (absent, empty, or an earlier export, which is replaced)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 and list the files where DEST differs from a fresh export")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     dest = Path(args.dest)
     try:
         if args.check:

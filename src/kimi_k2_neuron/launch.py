@@ -27,7 +27,8 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
     the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
-    p.add_argument("--compiled", help="folder written by scripts/compile_and_save.py (required unless --cpu)")
+    p.add_argument("--compiled", metavar="DIR",
+                   help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "
                         "or converted)")
@@ -51,6 +52,12 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         return
     if not args.compiled:
         raise KimiInputError("--compiled: required (or --cpu with --model)")
+    if not os.path.isdir(args.compiled):
+        raise KimiInputError(f"--compiled {args.compiled}: expected a folder written by scripts/compile_and_save.py")
+    if args.model:  # a checkpoint other than the compiled one's: its config.json (raw, converted or unfinished)
+        from .config import KimiK2Config
+
+        KimiK2Config.from_file(args.model)
     for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
         if given:
             raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
