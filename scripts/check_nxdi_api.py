@@ -38,7 +38,7 @@ OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "src/kimi_k2_neuron/nxdi_cpu"
         REPO / "test/integration", REPO / "contrib"]
 LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Methods our subclasses add on purpose (not overrides).
-NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "core_config"}}
+NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"}}
 
 
 class Source:

@@ -10,6 +10,10 @@ A raw HF checkpoint is first converted, once, into a sibling folder <model>-neur
 an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
 taken is printed at the end).
 
+--for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
+continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
+pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
+
 Example (trn2.48xlarge, LNC=2 -> 64 logical cores):
   python scripts/compile_and_save.py --model /data/kimi-k2-neuron-fp8 --out /data/compiled/tp64-s1024-b1 \\
       --tp 64 --lnc 2 --seq-len 1024 --batch 1
@@ -61,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
     p.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                    help="how prefill runs the routed experts: " + moe_paths.modes_help())
+    p.add_argument("--for-vllm", action="store_true",
+                   help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
+                        "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
+                        "prints the matching `vllm serve` command")
     p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit, or "
                                                         "the host lacks the disk or RAM it estimates")
     p.add_argument("--dry-run", action="store_true",
@@ -81,6 +89,7 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks
 
     try:
+        check_for_vllm(args)
         if not args.dry_run:
             check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
@@ -122,7 +131,24 @@ def main(argv=None) -> int:
     except KimiInputError as e:
         return fail(e)
     print(f"compiled to {args.out} in {(time.monotonic() - t0) / 60:.1f} min")
+    if args.for_vllm:
+        from kimi_k2_neuron.neuron.serving import vllm_serve_command
+
+        print("serve it with vLLM (docs/vllm.md):\n" + vllm_serve_command(checkpoint, args.out, options))
     return 0
+
+
+def check_for_vllm(args) -> None:
+    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call, samples on the
+    device and reads tokens, not logits."""
+    if not args.for_vllm:
+        return
+    for flag, given in (("--max-context-length", args.max_context_length not in (None, args.seq_len)),
+                        ("--no-on-device-sampling", args.no_on_device_sampling),
+                        ("--output-logits", args.output_logits)):
+        if given:
+            raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
+                                 f"one call and samples on the device)")
 
 
 def _options(args, scheme, checkpoint):
@@ -132,7 +158,8 @@ def _options(args, scheme, checkpoint):
         tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
         batch=args.batch, scheme=scheme, checkpoint=str(Path(checkpoint).resolve()),
         on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
-        output_logits=args.output_logits, moe_prefill=args.moe_prefill)
+        output_logits=args.output_logits, moe_prefill=args.moe_prefill,
+        continuous_batching=args.for_vllm and args.batch > 1)  # as vllm-neuron asks when --max-num-seqs > 1
 
 
 def _dry_run(args, cfg, record, scheme, p) -> int:
@@ -145,21 +172,27 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
     except ImportError as e:
         return sdk_missing(e)
     checkpoint = args.model if record else converted_dir_for(args.model, scheme.name)
+    options = _options(args, scheme, checkpoint)
     try:
-        config = KimiK2InferenceConfig.for_serving(cfg, _options(args, scheme, checkpoint))
+        config = KimiK2InferenceConfig.for_serving(cfg, options)
     except KimiInputError as e:
         return fail(e)
-    tokens = args.batch * (args.max_context_length or args.seq_len)
+    tokens = options.prefill_batch * options.context_length
     prefill = moe_paths.prefill_path(cfg, tokens, args.moe_prefill)
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
     decode = moe_paths.call_path(args.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
                                  moe_paths.MODES[args.moe_prefill].block_size, decode=True)
-    print(json.dumps({
+    report = {
         "neuron_config": json.loads(config.to_json_string())["neuron_config"],
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       "token_generation": {"tokens": args.batch, "path": decode}},
-        "plan": p.to_dict()}, indent=2, default=str))
+        "plan": p.to_dict()}
+    if args.for_vllm:
+        from kimi_k2_neuron.neuron.serving import vllm_serve_command
+
+        report["vllm_serve"] = vllm_serve_command(checkpoint, args.out, options)
+    print(json.dumps(report, indent=2, default=str))
     return 0
 
 

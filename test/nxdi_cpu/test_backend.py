@@ -110,6 +110,41 @@ def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
     assert rel_err(right[:, -1], want) < 1e-5
 
 
+@pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
+def test_continuous_batching_writes_each_sequence_into_its_seq_ids_cache_line(apps, converted, scheme):
+    """NxDI's continuous batching as vllm-neuron runs it (ctx_batch_size 1): each row prefilled alone into the cache
+    line its seq_id names, row 1 first, which also decodes a step alone (NxDI's wrapper fills the batch with the free
+    line 0 and sorts it); then both rows decode together, each at its own position, in seq_id order (as vllm-neuron
+    sorts them); then row 0 alone once row 1 has ended. The latent cache's 1-wide V slot takes NxDI's writes by
+    seq_id as they are. Every logit equals the batch run's (teacher_forced_logits, both rows prefilled together).
+    Padding rows write into the free lines they stand for, which each position's own write precedes every read of."""
+    want = backend.teacher_forced_logits(apps("fp8", scheme), ROWS, PREFILL)
+    o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), continuous_batching=True)
+    app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
+    assert app.neuron_config.is_continuous_batching and app.context_encoding_model.config.neuron_config.batch_size == 1
+    got = {}
+
+    def call(rows: list[int], start: list[int], width: int = 1):
+        ids = torch.tensor([ROWS[r][s:s + width] for r, s in zip(rows, start)])
+        pos = torch.tensor([list(range(s, s + width)) for s in start])
+        mask = (torch.arange(max(start) + width if width > 1 else max(start))[None]
+                < torch.tensor(start)[:, None] + (width if width > 1 else 0)).long()
+        out = app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=torch.tensor(rows))
+        for i, (r, s) in enumerate(zip(rows, start)):
+            got[(r, s + width - 1)] = out.logits[i, -1].float()
+
+    with torch.no_grad():
+        call([1], [0], PREFILL)
+        call([1], [PREFILL])
+        call([0], [0], PREFILL)
+        call([0, 1], [PREFILL, PREFILL + 1])
+        for position in range(PREFILL + 1, len(ROWS[0])):
+            call([0], [position])
+    assert len(got) == len(ROWS[0]) + len(ROWS[1]) - 2 * (PREFILL - 1)
+    for (r, position), logits in got.items():
+        assert rel_err(logits, want[r, position]) < 1e-4, (r, position)
+
+
 # -- which of NxD's MoE paths ran --------------------------------------------------------------------------------------
 
 METHODS = {"forward_all_experts": "all-experts", "forward_selective_loading": "selective",

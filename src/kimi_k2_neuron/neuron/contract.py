@@ -17,7 +17,7 @@ import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
-from kimi_k2_neuron.formats import layout
+from kimi_k2_neuron.formats import DEFAULT_SCHEME, layout
 from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
 from kimi_k2_neuron.parallel import check_tp_divides
 
@@ -95,11 +95,19 @@ class ServeOptions:
     global_topk: int = 256
     output_logits: bool = False
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
+    # NxDI's continuous batching, as vllm-neuron runs it: prefill one sequence per call (ctx_batch_size 1) into the
+    # cache line its seq_id names, decode all `batch` lines together (NXDI_CONTRACT.md: continuous-batching).
+    continuous_batching: bool = False
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
     @property
     def context_length(self) -> int:
         return self.seq_len if self.max_context_length is None else self.max_context_length
+
+    @property
+    def prefill_batch(self) -> int:
+        """Rows of one prefill (context-encoding) call."""
+        return 1 if self.continuous_batching else self.batch
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
@@ -112,7 +120,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         # Only batch_size sets all four (NXDI_CONTRACT.md: batch-sizes); setting them explicitly makes the CTE and
         # TKG graphs really compile at this batch, instead of ModelWrapper splitting a bigger batch into batch-1 calls.
         batch_size=o.batch,
-        ctx_batch_size=o.batch,
+        ctx_batch_size=o.prefill_batch,
         tkg_batch_size=o.batch,
         max_batch_size=o.batch,
         kv_cache_batch_size=o.batch,
@@ -133,6 +141,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         # on-device top-k and output_logits (NXDI_CONTRACT.md: numeric-cc-token).
         disable_numeric_cc_token=True,
     )
+    if o.continuous_batching:
+        kw["is_continuous_batching"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
     if o.ep > 1:  # MoE-internal EP: build_moe's initialize_moe_process_group makes the groups
@@ -188,10 +198,12 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
 
 
-def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill) -> None:
+def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill,
+                          prefill_batch: int | None = None) -> None:
     """The parallel layout and MoE prefill settings NxD can compile for this model, naming the argument it refuses
     (check_serve_options, the fit planner and NxD's CPU mode all call this). lnc None (NxDI resolves it later) skips
-    the LNC rules; enforce_neuron_config re-checks the resolved config."""
+    the LNC rules; enforce_neuron_config re-checks the resolved config. prefill_batch: rows of one prefill call
+    (default `batch`; 1 under continuous batching)."""
     check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
     if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
         raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
@@ -202,7 +214,7 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
         raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
     check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_ep(cfg, tp, ep, lnc, batch)
-    moe_paths.check_prefill_mode(cfg, moe_prefill, tp, ep, lnc, context_len * batch)
+    moe_paths.check_prefill_mode(cfg, moe_prefill, tp, ep, lnc, context_len * (prefill_batch or batch))
 
 
 def check_counts(*named) -> None:
@@ -223,7 +235,8 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
-    check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill)
+    check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
+                          o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
     if o.scheme.quantized and not o.checkpoint:
         raise KimiInputError(f"--experts {o.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "
@@ -246,6 +259,7 @@ UNSUPPORTED = (
     ("cp_degree", (1,), "context parallel attention is not implemented for MLA"),
     ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
     ("is_prefix_caching", (False,), "prefix caching needs the block layout"),
+    ("is_chunked_prefill", (False,), "chunked prefill needs the block layout"),
     ("speculation_length", (0,), "speculative decoding is not implemented"),
     ("enable_fused_speculation", (False,), "speculative decoding is not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
@@ -347,6 +361,110 @@ def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
         # NXDI_CONTRACT.md: all-experts-no-ep
         out.append("all-experts prefill with EP (no EP variant, expert_mlps_v2.py:1492-1494)")
     return out
+
+
+# -- a serving framework's request (vllm-neuron) ----------------------------------------------------------------------
+
+# vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
+COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
+
+
+@dataclass(frozen=True)
+class ServingRequest:
+    """What a serving framework asks of the model, read from the generic NeuronConfig it builds from its own flags
+    (vllm-neuron: NXDI_CONTRACT.md: vllm-generic-config). The model takes the run's shape from it and nothing else:
+    the rest of its NeuronConfig is this contract's for the checkpoint (request_options)."""
+
+    tp: int  # vLLM's --tensor-parallel-size
+    batch: int  # --max-num-seqs: the KV cache lines and the decode batch
+    seq_len: int  # --max-model-len
+    context_length: int  # the longest prefill (--max-model-len)
+    dtype: Any  # --dtype
+    lnc: int | None = None
+    ep: int = 1
+    on_device_sampling: bool = True
+    global_topk: int = ServeOptions.global_topk
+    continuous_batching: bool = False
+    prefill_batch: int = 1
+    prefix_caching: bool = False
+    block_layout: bool = False
+    chunked_prefill: bool = False
+    on_cpu: bool = False  # NxD's CPU mode (the nxdi-cpu tests)
+
+    @classmethod
+    def of(cls, nc) -> "ServingRequest":
+        ods = getattr(nc, "on_device_sampling_config", None)
+        return cls(tp=nc.tp_degree, batch=nc.batch_size, seq_len=nc.seq_len, context_length=nc.max_context_length,
+                   dtype=nc.torch_dtype, lnc=getattr(nc, "logical_nc_config", None),
+                   ep=getattr(nc, "moe_ep_degree", 1) or 1, on_device_sampling=ods is not None,
+                   global_topk=getattr(ods, "global_topk", ServeOptions.global_topk),
+                   continuous_batching=bool(getattr(nc, "is_continuous_batching", False)),
+                   prefill_batch=getattr(nc, "ctx_batch_size", nc.batch_size),
+                   prefix_caching=bool(getattr(nc, "is_prefix_caching", False)),
+                   block_layout=bool(getattr(nc, "is_block_kv_layout", False)),
+                   chunked_prefill=bool(getattr(nc, "is_chunked_prefill", False)),
+                   on_cpu=bool(getattr(nc, "on_cpu", False)))
+
+    def describe(self) -> str:
+        """The request in vLLM's flags."""
+        return (f"--tensor-parallel-size {self.tp} --max-num-seqs {self.batch} --max-model-len {self.seq_len} "
+                f"--dtype {str(self.dtype).removeprefix('torch.')}")
+
+
+def check_request(r: ServingRequest) -> None:
+    """Refuse, naming vLLM's flag, a request this model cannot serve (before anything is built or loaded)."""
+    if r.chunked_prefill:
+        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
+                             "block KV layout, which Kimi-K2's latent cache does not have; unset "
+                             "DISABLE_NEURON_CUSTOM_SCHEDULER")
+    if r.prefix_caching or r.block_layout:
+        raise KimiInputError("--enable-prefix-caching (on by default in vLLM) needs NxDI's block KV layout, which "
+                             "Kimi-K2's latent cache does not have; pass --no-enable-prefix-caching")
+    if r.dtype != torch.bfloat16:
+        raise KimiInputError(f"--dtype {str(r.dtype).removeprefix('torch.')}: Kimi-K2 runs in bfloat16 on Neuron; "
+                             f"pass --dtype bfloat16")
+    if r.continuous_batching and r.prefill_batch != 1:
+        raise KimiInputError(f"continuous batching with a prefill batch of {r.prefill_batch}: NxDI's cache writes "
+                             f"by seq_id take one sequence per prefill (ctx_batch_size 1)")
+
+
+def request_options(cfg: KimiK2Config, r: ServingRequest, record, checkpoint) -> ServeOptions:
+    """The options this contract compiles for a serving request on `checkpoint`, whose conversion record (a
+    formats.record.ConversionRecord) is `record`: the request's shape, the checkpoint's experts, everything else
+    ServeOptions' own. Refuses a raw checkpoint and what check_request refuses."""
+    check_request(r)
+    if record is None:
+        raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
+                             f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
+    mode = moe_paths.default_mode(cfg, r.tp, r.ep, r.lnc, r.context_length * r.prefill_batch)
+    return ServeOptions(tp=r.tp, ep=r.ep, lnc=r.lnc, seq_len=r.seq_len, max_context_length=r.context_length,
+                        batch=r.batch, scheme=record.scheme, checkpoint=str(checkpoint),
+                        on_device_sampling=r.on_device_sampling, global_topk=r.global_topk, moe_prefill=mode,
+                        continuous_batching=r.continuous_batching,
+                        extra={"on_cpu": True} if r.on_cpu else {})
+
+
+def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
+    """What keeps the NeuronConfig `nc` of precompiled artifacts from serving request `r`, in vLLM's flags. A
+    smaller batch or shorter sequences than compiled are served (NxDI pads the batch; the cache is longer than
+    needed); more are not (NXDI_CONTRACT.md: vllm-precompiled)."""
+    bad = []
+    if r.tp != nc.tp_degree:
+        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {nc.tp_degree}")
+    if r.batch > nc.max_batch_size:
+        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {nc.max_batch_size}")
+    if r.seq_len > nc.seq_len:
+        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {nc.seq_len}")
+    elif r.context_length > nc.max_context_length:
+        bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
+                   f"compiled for {nc.max_context_length}")
+    if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
+        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
+                   f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
+    ods = nc.on_device_sampling_config
+    if ods is not None and not ods.dynamic:
+        bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
+    return bad
 
 
 # -- the FP8 environment and compiler arguments ------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Kimi-K2 as an NxDI model, in NxDI's order: the config, the model, the application.
 
     KimiK2InferenceConfig (InferenceConfig)          config.json as plain JSON, its derived fields
+    KimiK2ServingRequest (MoENeuronConfig)           what a serving framework (vllm-neuron) asks for: rebuilt
     NeuronKimiK2Model (NeuronBaseModel)              the traced graph: embed -> layers -> norm -> lm_head (+ sampler)
       KimiK2DecoderLayer (the core's DecoderLayer)   built by the core through NxDParallelContext: NxD's parallel
                                                      layers, and NxD's MoE around the core router (NxDRouter)
@@ -19,6 +20,7 @@ import dataclasses
 import os
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .contract import require_neuron_sdk
@@ -43,6 +45,8 @@ from torch import nn  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError, listing  # noqa: E402
+from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
+from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
 from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
@@ -91,7 +95,35 @@ class KimiK2InferenceConfig(InferenceConfig):
         """The config compile_and_save builds for these options (and NxD's CPU mode for its own)."""
         return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)))
 
+    @classmethod
+    def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
+        """The config compile_and_save builds for what a serving framework requests (its generic NeuronConfig, a
+        KimiK2ServingRequest) on `checkpoint`: the request's TP, batch, lengths, LNC and sampling, the contract's
+        everything else; or a one-line refusal of what differs. With vllm-neuron's NEURON_COMPILED_ARTIFACTS, the
+        artifacts there are checked to serve the request before vllm-neuron loads them (_check_compiled)."""
+        r = contract.ServingRequest.of(request)
+        if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
+            raise KimiInputError(f"{checkpoint}: not a checkpoint folder with a config.json; serve the converted "
+                                 f"checkpoint's folder")
+        compiled = os.environ.get(contract.COMPILED_ARTIFACTS_ENV)
+        try:
+            cfg = KimiK2Config.from_file(checkpoint)
+            config = cls.for_serving(cfg, contract.request_options(cfg, r, ConversionRecord.of(cfg), checkpoint))
+            if compiled and (Path(compiled) / "neuron_config.json").is_file():
+                _check_compiled(compiled, r, config)
+        except KimiInputError as e:
+            raise KimiInputError(f"serving {checkpoint} with {r.describe()}: {e}") from None
+        return config
+
     def add_derived_config(self):
+        if isinstance(self.neuron_config, KimiK2ServingRequest):
+            # Built by a serving framework from its flags (vllm-neuron passes NxDI's load_pretrained_config, which
+            # records the checkpoint folder as _name_or_path): becomes the config compile_and_save would build.
+            built = self.for_request(self.neuron_config, getattr(self, "_name_or_path", None))
+            self.__dict__.clear()
+            self.__dict__.update(vars(built))
+            _CORE[self] = built.core_config()
+            return
         # The KV cache width: the latent [c_kv | k_pe] is stored as one KV head; the model's num_key_value_heads = 1
         # sizes the cache, and config.num_key_value_heads keeps its HF value (NXDI_CONTRACT.md: latent-kv-head).
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
@@ -121,6 +153,33 @@ class KimiK2InferenceConfig(InferenceConfig):
             raw = {k: v for k, v in vars(self).items() if k not in _NOT_HF}
             _CORE[self] = KimiK2Config.from_dict(raw, source="KimiK2InferenceConfig")
         return _CORE[self]
+
+
+class KimiK2ServingRequest(MoENeuronConfig):
+    """The NeuronConfig a serving framework builds from its own flags through the application's
+    get_neuron_config_cls(): vllm-neuron's generic one (NXDI_CONTRACT.md: vllm-generic-config), which knows nothing of
+    the FP8 experts, the router or the MoE. NxDI itself builds NeuronConfigs through the config class, never through
+    this, so the type alone marks a request; KimiK2InferenceConfig replaces it (for_request)."""
+
+
+def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2InferenceConfig) -> None:
+    """Refuse precompiled artifacts that do not serve request `r` or were compiled from another conversion than the
+    checkpoint being served, in one line, before vllm-neuron loads them (a ValueError there would make it recompile:
+    NXDI_CONTRACT.md: vllm-precompiled)."""
+    where = f"{contract.COMPILED_ARTIFACTS_ENV}={folder}"
+    try:
+        compiled = KimiK2InferenceConfig.load(folder)
+    except KimiInputError as e:
+        raise KimiInputError(f"{where}: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- anything NxDI raises on a foreign neuron_config.json
+        raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
+    bad = contract.compiled_mismatches(r, compiled.neuron_config)
+    if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
+        bad.append(f"compiled from another conversion than {config.neuron_config.quantized_checkpoints_path or ''}"
+                   f" (its config.json's {CONVERSION_KEY} differs)")
+    if bad:
+        raise KimiInputError(f"{where}: " + "; ".join(bad) + "; compile for these flags with "
+                             f"scripts/compile_and_save.py --for-vllm, or change them")
 
 
 # == the model ===================================================================================================
@@ -363,6 +422,23 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     @classmethod
     def get_config_cls(cls):
         return KimiK2InferenceConfig
+
+    @classmethod
+    def get_neuron_config_cls(cls):
+        # What vllm-neuron builds its generic NeuronConfig with (NXDI_CONTRACT.md: vllm-generic-config).
+        return KimiK2ServingRequest
+
+    @classmethod
+    def save_quantized_state_dict(cls, model_path, config):
+        """NxDI's quantize-from-HF step, which vllm-neuron runs before compiling a quantized config
+        (NXDI_CONTRACT.md: vllm-compile-branch). The converted checkpoint already is the quantized state dict NxD
+        loads (kimi_k2_neuron.convert): nothing is written, and the checkpoint is checked to hold the experts the
+        config compiles."""
+        path = config.neuron_config.quantized_checkpoints_path or model_path
+        record, want = ConversionRecord.read(path), ExpertScheme.from_nxd(vars(config.neuron_config))
+        if record is None or record.scheme != want:
+            raise KimiInputError(f"{path}: holds {record.scheme.name if record else 'no converted'} experts, the "
+                                 f"config compiles {want.name}; serve a checkpoint kimi-k2-neuron convert wrote")
 
     @staticmethod
     def load_hf_model(model_path, **kwargs):

@@ -130,6 +130,16 @@ def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int, block_size: int) -
     return min(math.ceil((pairs - (e_local - 1)) / block_size) + e_local - 1, pairs)
 
 
+def default_mode(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, tokens: int) -> str:
+    """DEFAULT_MODE where its kernel can run these shapes, else "torch": tiny configs are below the kernels' shapes.
+    For the runs that choose no mode themselves (NxD's CPU mode, a serving framework's request)."""
+    try:
+        check_prefill_mode(cfg, DEFAULT_MODE, tp, ep, lnc, tokens)
+    except KimiInputError:
+        return "torch"
+    return DEFAULT_MODE
+
+
 def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc: int | None, tokens: int) -> None:
     """Refuse a prefill mode where NxD or its kernel cannot run it at these shapes, naming the flag and the rule.
     lnc None (NxDI resolves it later) skips the LNC rule; the shell re-checks the resolved config."""

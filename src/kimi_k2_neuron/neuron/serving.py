@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shlex
 import time
 from functools import partial
 from pathlib import Path
@@ -62,6 +63,23 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
     app.load(str(compiled))
     logger.info("loaded in %.1f s", time.monotonic() - t0)
     return app
+
+
+def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, options: contract.ServeOptions) -> str:
+    """The `vllm serve` command line that has vllm-neuron load `compiled` (compile_and_save.py --for-vllm): flags that
+    make its request the one compiled (contract.compiled_mismatches), Kimi's tool calls through this package's parser
+    plugin, and its reasoning parser when the chat template opens <think> (Kimi-K2-Thinking)."""
+    from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
+
+    parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
+    flags = [f"--tensor-parallel-size {options.tp} --max-num-seqs {options.batch} --max-model-len {options.seq_len}",
+             f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {options.batch}",
+             "--trust-remote-code --enable-auto-tool-choice",
+             f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron"]
+    if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
+        flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
+    env = f"{contract.COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
+    return " \\\n    ".join([f"{env} vllm serve {shlex.quote(str(Path(checkpoint).resolve()))}", *flags])
 
 
 class _Stream(StoppingCriteria):

@@ -26,6 +26,7 @@ class CpuOptions:
     # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
     # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
     moe_prefill: str | None = None
+    continuous_batching: bool = False  # NxDI's, as vllm-neuron runs it (contract.ServeOptions.continuous_batching)
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -93,10 +94,4 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
     """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
     LNC=2), else "torch": tiny configs are below the kernels' shapes."""
-    if o.moe_prefill is not None:
-        return o.moe_prefill
-    try:
-        moe_paths.check_prefill_mode(cfg, moe_paths.DEFAULT_MODE, o.tp, o.ep, 2, tokens)
-    except KimiInputError:
-        return "torch"
-    return moe_paths.DEFAULT_MODE
+    return o.moe_prefill if o.moe_prefill is not None else moe_paths.default_mode(cfg, o.tp, o.ep, 2, tokens)

@@ -1,0 +1,235 @@
+"""vLLM 0.13 through vllm-neuron 0.2.0 driving NeuronKimiK2ForCausalLM in NxD's CPU mode: test infrastructure of
+test_vllm_serving.py (needs `bash ../shared/nxdi-cpu/vllm/setup.sh VENV`, whose compat plugins make the public
+plugin run on vLLM 0.13 without Neuron devices; read its README).
+
+vLLM runs in child processes that find their plugins through entry points on PYTHONPATH (nothing is installed):
+- `kimi_k2_neuron`: a .dist-info whose entry points are setup.cfg's, so the product's own vllm.general_plugins entry
+  point (neuron/vllm_plugin.py) is what vLLM loads, as from an installed package;
+- `kimi_k2_neuron_cpu_test` (this module's register()): CpuKimiK2ForCausalLM into MODEL_TYPES, the registered class
+  with compile() skipped (no ModelBuilder trace, no neuronx-cc on CPU) and load() building NxD's CPU mode (to_cpu;
+  from NxD's pre-sharded files in a folder that holds them). It keeps everything else of the product class, the
+  config vllm-neuron's request turns into included; it logs what vLLM called to $KIMI_K2_VLLM_EVENTS.
+
+`python vllm_support.py llm|refusals|compile ARGS_JSON OUT_JSON` is the child: LLM(...).generate on token ids,
+vllm-neuron's get_neuron_model (what its model runner calls at start-up) on configs that must be refused, or
+scripts/compile_and_save.py with NxDI's compile() minus its trace.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TEST_DIST = "kimi_k2_neuron_cpu_test"
+EVENTS_ENV = "KIMI_K2_VLLM_EVENTS"
+
+
+# -- the plugins' distributions -------------------------------------------------------------------------------------
+
+def write_dists(where: Path, test_plugin: bool = True) -> Path:
+    """`where` with the package's .dist-info (setup.cfg's entry points) and, if asked, the test plugin's: a folder
+    for PYTHONPATH. importlib.metadata takes the first distribution of a name on sys.path, so an installed
+    kimi-k2-neuron's own entry points are shadowed by setup.cfg's."""
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    name, version = cfg["metadata"]["name"], cfg["metadata"]["version"]
+    entry_points = "".join(f"[{group}]\n{value.strip()}\n\n" for group, value in cfg["options.entry_points"].items())
+    _dist(where, name.replace("-", "_"), version, entry_points)
+    if test_plugin:
+        _dist(where, TEST_DIST, "0.0.0", f"[vllm.general_plugins]\n{TEST_DIST} = vllm_support:register\n")
+    return where
+
+
+def _dist(where: Path, name: str, version: str, entry_points: str) -> None:
+    info = where / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+def child_env(dists: Path, **extra) -> dict:
+    """The environment of a vLLM child: the dists and this folder first on PYTHONPATH (the tier's src stays), no
+    torch.distributed variables of this process, NxD CPU mode off until the model sets it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE",
+                        "NEURON_COMPILED_ARTIFACTS")}
+    path = [str(dists), str(HERE), str(REPO / "src"), env.get("PYTHONPATH", "")]
+    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), PJRT_DEVICE="CPU", VLLM_NEURON_CPU="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+# -- the test plugin (runs inside vLLM's processes) ---------------------------------------------------------------
+
+def register() -> None:
+    from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+
+    from kimi_k2_neuron.neuron.vllm_plugin import MODEL_TYPE_KEYS
+
+    for model, task in MODEL_TYPE_KEYS:
+        MODEL_TYPES.setdefault(model, {})[task] = cpu_class()
+
+
+def event(name: str, **fields) -> None:
+    path = os.environ.get(EVENTS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": name, "pid": os.getpid(), **fields}) + "\n")
+
+
+def events(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+_CPU_CLASS = None
+
+
+def cpu_class():
+    """CpuKimiK2ForCausalLM, made once (it subclasses the SDK-backed application)."""
+    global _CPU_CLASS
+    if _CPU_CLASS is not None:
+        return _CPU_CLASS
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
+
+    class CpuKimiK2ForCausalLM(NeuronKimiK2ForCausalLM):
+        def __init__(self, model_path, config=None, neuron_config=None):
+            event("init", model_path=str(model_path), precompiled=config is None)
+            if config is None:  # vllm-neuron's precompiled branch: the folder's config, run in NxD's CPU mode
+                config = KimiK2InferenceConfig.load(model_path)
+                config.neuron_config.on_cpu = True
+            super().__init__(model_path, config, neuron_config)
+
+        def compile(self, compiled_model_path, *args, **kwargs):
+            event("compile", path=str(compiled_model_path))
+
+        def load(self, compiled_model_path, *args, **kwargs):
+            weights = Path(compiled_model_path) / "weights"
+            event("load", path=str(compiled_model_path), presharded=weights.is_dir())
+            return self.to_cpu(str(weights) if weights.is_dir() else None)
+
+        def checkpoint_loader_fn(self, mmap: bool = False):
+            event("checkpoint_loader_fn")
+            return super().checkpoint_loader_fn(mmap)
+
+    _CPU_CLASS = CpuKimiK2ForCausalLM
+    return _CPU_CLASS
+
+
+# -- the tokenizer vLLM's server reads ----------------------------------------------------------------------------
+
+def write_hf_tokenizer(model: Path, out: Path) -> Path:
+    """The tiny checkpoint's tiktoken tokenizer as a transformers fast tokenizer (tokenizer.json), for `vllm serve
+    --tokenizer`: the same byte-level BPE ranks and merges (read by transformers' own TikTokenConverter), the same
+    pre-tokenizer regex, every special token at its id (marked special as tokenizer_config.json marks it), the same
+    chat template. The real checkpoints carry Moonshot's tokenization_kimi.py, which vLLM runs with
+    --trust-remote-code."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from kimi_k2_neuron.runtime.tokenizer import KIMI_PAT_STR, KimiTokenizer
+
+    kimi = KimiTokenizer.from_dir(model)
+    specials = {name: kimi.token_to_id(name) for name in kimi.encoding.special_tokens_set}
+    vocab, merges = TikTokenConverter(vocab_file=str(model / "tiktoken.model")).extract_vocab_merges_from_model(
+        str(model / "tiktoken.model"))
+    assert max(vocab.values()) < min(specials.values()), "special ids overlap the byte-level vocabulary"
+    tk = Tokenizer(models.BPE({**vocab, **specials}, merges, fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(KIMI_PAT_STR), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    marked = {int(i): t.get("special", True) for i, t in config.get("added_tokens_decoder", {}).items()}
+    for name, i in sorted(specials.items(), key=lambda kv: kv[1]):
+        token = AddedToken(name, special=marked.get(i, True), normalized=False)
+        tk.add_special_tokens([token]) if token.special else tk.add_tokens([token])
+    assert {name: tk.token_to_id(name) for name in specials} == specials
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=kimi.bos_token, eos_token=kimi.eos_token,
+                                   pad_token="[PAD]", unk_token="[UNK]")
+    fast.chat_template = kimi.chat_template
+    fast.save_pretrained(out)
+    return out
+
+
+# -- the child: vLLM itself ---------------------------------------------------------------------------------------
+
+def llm_child(args: dict, out: str) -> None:
+    """LLM(...).generate on token-id prompts, greedy, as the plugin's LLM API runs it."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=1,
+              max_model_len=args["max_model_len"], max_num_seqs=args["max_num_seqs"],
+              num_gpu_blocks_override=args["max_num_seqs"], enable_prefix_caching=False, enforce_eager=True,
+              additional_config={"override_neuron_config": {"on_cpu": True}})
+    params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
+    Path(out).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+
+
+def refusals_child(args: dict, out: str) -> None:
+    """vllm-neuron's get_neuron_model, as its model runner calls it at start-up (NeuronxDistributedModelRunner
+    .load_model), on each case's vLLM config; the error each ends with and what of the model vLLM reached."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm_neuron.worker.neuronx_distributed_model_loader import get_neuron_model
+
+    results = []
+    for case in args["cases"]:
+        for k in ("NEURON_COMPILED_ARTIFACTS", "DISABLE_NEURON_CUSTOM_SCHEDULER"):
+            os.environ.pop(k, None)
+        os.environ.update(case.get("env", {}))
+        Path(os.environ[EVENTS_ENV]).write_text("")
+        result = {"name": case["name"]}
+        try:
+            engine = dict(skip_tokenizer_init=True, dtype="bfloat16", max_model_len=64, max_num_seqs=2,
+                          enable_prefix_caching=False, enforce_eager=True)
+            engine.update(case.get("engine", {}))
+            vc = EngineArgs(model=case["model"], **engine).create_engine_config()
+            sc = vc.scheduler_config
+            if not hasattr(sc, "chunked_prefill_enabled"):
+                # vLLM 0.11's name, which vllm-neuron 0.2.0 reads; its platform sets it only with its own scheduler
+                # (DISABLE_NEURON_CUSTOM_SCHEDULER unset), so on 0.13 its chunked-prefill branch stops at an
+                # AttributeError before the model is asked. Set from 0.13's field, as ../shared's compat shims do.
+                object.__setattr__(sc, "chunked_prefill_enabled", sc.enable_chunked_prefill)
+            get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None, None,
+                             vc.additional_config or {})
+            result["error"] = None
+        except Exception as e:  # noqa: BLE001 -- the test reads what was raised
+            result.update(error=type(e).__name__, message=str(e))
+        result["events"] = [e["event"] for e in events(Path(os.environ[EVENTS_ENV]))]
+        results.append(result)
+    Path(out).write_text(json.dumps(results))
+
+
+def compile_child(args: dict, out: str) -> None:
+    """scripts/compile_and_save.py ARGS, its compile() that of NxDI minus the ModelBuilder trace and model.pt (no
+    neuronx-cc here): the config saved and NxD's pre-sharded weights written, as NxDI's compile() does after the
+    trace (NXDI application_base.compile). Everything else of the script runs as on trn2."""
+    import runpy
+
+    from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM
+    from kimi_k2_neuron.nxdi_cpu import backend
+
+    def compile_without_trace(self, compiled_model_path, debug=False, pre_shard_weights_hook=None, **kwargs):
+        self.config.save(compiled_model_path)
+        with backend.nxd_cpu_mode(False):  # ModelBuilder shards outside NxD's CPU mode, as on a trn2 host
+            self.shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
+
+    NeuronKimiK2ForCausalLM.compile = compile_without_trace
+    sys.argv = ["compile_and_save.py", *args["argv"]]
+    try:
+        runpy.run_path(str(REPO / "scripts/compile_and_save.py"), run_name="__main__")
+    except SystemExit as e:
+        if e.code:
+            raise
+
+
+if __name__ == "__main__":
+    mode, args_json, out_json = sys.argv[1:4]
+    {"llm": llm_child, "refusals": refusals_child, "compile": compile_child}[mode](json.loads(args_json), out_json)

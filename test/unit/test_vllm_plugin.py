@@ -1,0 +1,35 @@
+"""neuron/vllm_plugin.py, vLLM's entry point, without NxDI: declared in setup.cfg, and a no-op that says why at debug
+level. What it registers, in vLLM's own processes and with NxDI's transformers 4.57, is
+test/nxdi_cpu/test_vllm_serving.py's."""
+
+from __future__ import annotations
+
+import configparser
+import logging
+from pathlib import Path
+
+import pytest
+
+from kimi_k2_neuron.neuron import contract, vllm_plugin
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_setup_cfg_declares_the_entry_point_vllm_loads():
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    lines = [line.strip() for line in cfg["options.entry_points"]["vllm.general_plugins"].strip().splitlines()]
+    assert lines == ["kimi_k2_neuron = kimi_k2_neuron.neuron.vllm_plugin:register"]
+
+
+def test_without_nxdi_it_registers_nothing_and_says_why_at_debug_level(caplog):
+    if not contract.missing_neuron_packages():
+        pytest.skip("NxDI is importable here")
+    with caplog.at_level(logging.DEBUG, logger=vllm_plugin.__name__):
+        assert vllm_plugin.register() is None
+    [record] = caplog.records
+    assert record.levelno == logging.DEBUG and "not registered with vllm-neuron" in record.getMessage()
+    assert "No module named" in record.getMessage()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    assert "kimi_k2" not in CONFIG_MAPPING  # nothing of transformers touched either
