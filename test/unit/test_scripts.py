@@ -222,7 +222,7 @@ def _flags(parser):
 
 
 def test_every_script_is_walked():
-    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_mla_decode", "bench_tpot", "check_nxdi_api",
+    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_nxdi_api",
                                 "compile_and_save", "export_contrib", "run_inference"}
 
 
