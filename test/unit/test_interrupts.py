@@ -163,24 +163,17 @@ def test_an_unreadable_manifest_still_says_unfinished(tmp_path, one_line_error):
 # -- logits, generate, demo ----------------------------------------------------------------------------------------
 
 
-def test_logits_interrupted_mid_forward_writes_nothing(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("sig, target, nth", [
+    (signal.SIGTERM, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 2),
+    # the logits complete in the temp file, not yet renamed: the interrupt removes it
+    (signal.SIGINT, "safetensors.torch:save_file", 1),
+], ids=["mid-forward", "while writing"])
+def test_interrupted_logits_leave_no_file(sig, target, nth, tiny_dirs, tmp_path):
     out = tmp_path / "out" / "l.safetensors"
     out.parent.mkdir()
-    rc, stdout, err = interrupt(tmp_path, signal.SIGTERM, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 2,
-                                "kimi_k2_neuron.cli", "logits", "--model", str(tiny_dirs["fp8"]),
-                                "--input-ids", "1,2,3", "--out", str(out))
-    one_interrupt_line(signal.SIGTERM, rc, err)
-    assert stdout == "" and list(out.parent.iterdir()) == []
-
-
-def test_logits_interrupted_while_writing_leaves_no_file(tiny_dirs, tmp_path):
-    """The logits are complete in the temp file and not yet renamed: the interrupt removes it."""
-    out = tmp_path / "out" / "l.safetensors"
-    out.parent.mkdir()
-    rc, stdout, err = interrupt(tmp_path, signal.SIGINT, "safetensors.torch:save_file", 1,
-                                "kimi_k2_neuron.cli", "logits", "--model", str(tiny_dirs["fp8"]),
-                                "--input-ids", "1,2,3", "--out", str(out))
-    one_interrupt_line(signal.SIGINT, rc, err)
+    rc, stdout, err = interrupt(tmp_path, sig, target, nth, "kimi_k2_neuron.cli", "logits", "--model",
+                                str(tiny_dirs["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
+    one_interrupt_line(sig, rc, err)
     assert stdout == "" and list(out.parent.iterdir()) == []
 
 
