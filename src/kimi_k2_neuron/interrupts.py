@@ -121,8 +121,9 @@ def atomic_output(path: str | Path):
     tmp = Path(tmp)
     try:
         yield tmp
-        _fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -140,6 +141,7 @@ def write_atomically(path: str | Path, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_path(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise KimiInputError(f"{path}: cannot write ({write_error(e)})") from None
@@ -157,7 +159,8 @@ def is_disk_full(e: OSError) -> bool:
     return e.errno in _DISK_FULL
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (after a rename in it, so that the rename survives a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -338,7 +338,9 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     ([sys.executable, "-m", "kimi_k2_neuron.cli", "trace-cpu", "--submodel", "token", "--tp", "3"], "--tp 3"),
     ([sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi", "--tp", "3"], "--tp 3"),
     ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--tp", "3"], "--tp 3"),
-], ids=["logits", "generate", "generate bf16", "trace-cpu", "run_inference", "bench_tpot"])
+    ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--seq-len", "200000"],
+     "--seq-len 200000: exceeds config.json field max_position_embeddings"),
+], ids=["logits", "generate", "generate bf16", "trace-cpu", "run_inference", "bench_tpot", "bench_tpot seq-len"])
 def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_path, cmd, words, one_line_error):
     """The tiny config's 4 heads do not split 3 ways: one line, and (with NxD importable or not) none of NxD's import
     output, nor its absence, before it."""

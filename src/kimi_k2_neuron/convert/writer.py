@@ -40,7 +40,7 @@ import torch
 from ..checkpoint.direct import PAGE, aligned_empty, is_aligned, open_direct_file, pwrite_fully
 from ..checkpoint.shards import SAFETENSORS_DTYPES
 from ..errors import KimiInputError
-from ..interrupts import is_disk_full, partial_path, write_error
+from ..interrupts import fsync_path, is_disk_full, partial_path, write_error
 
 DIE_ENV = "KIMI_K2_NEURON_CONVERT_DIE_AFTER_BYTES"
 HASH = "blake3"  # what new manifest records hold
@@ -283,7 +283,7 @@ class ShardWriter:
             os.fsync(self._f.fileno())  # the file's, whichever descriptor wrote: O_DIRECT data too
             self._close()
             os.replace(self.tmp, self.final)
-            fsync_dir(self.final.parent)
+            fsync_path(self.final.parent)
         except OSError as e:
             raise KimiInputError(f"{self.final}: cannot finish writing ({write_error(e)})") from None
 
@@ -294,12 +294,4 @@ class ShardWriter:
                     f.close()
             except OSError:
                 pass
-
-
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
