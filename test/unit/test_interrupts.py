@@ -231,3 +231,23 @@ def test_run_command_in_process_gives_back_the_handlers(capsys):
     assert interrupts.run_command(main, []) == 143
     assert capsys.readouterr().err == "error: interrupted by SIGTERM\n"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_convert_interrupted_stops_its_child_and_removes_its_files(tmp_path):
+    """Ctrl-C while the child process builds the synthetic checkpoint (the parent polls its memory meanwhile): the
+    child, in a session of its own, is killed, and the benchmark's folder under /tmp goes with it."""
+    before = set(Path("/tmp").glob("bench_convert.*"))
+    rc, _, err = interrupt(tmp_path, signal.SIGINT, "psutil:Process.memory_info", 3,
+                           str(SCRIPTS / "bench_convert.py"), "--layers", "1", "--experts", "1")
+    one_interrupt_line(signal.SIGINT, rc, err)
+    assert set(Path("/tmp").glob("bench_convert.*")) == before
+
+
+def test_check_nxdi_api_interrupted(tmp_path):
+    """Needs the NxD/NxDI sources the nxdi-cpu venv unpacks (docs/nxdi_on_cpu.md); the script reads them only."""
+    sources = Path.home() / ".cache/kimi-k2-neuron/nxdi-cpu-venv/nxdi-cpu-src"
+    if not (sources / "nxdi").is_dir():
+        pytest.skip(f"no NxD/NxDI sources in {sources}")
+    rc, _, err = interrupt(tmp_path, signal.SIGTERM, "ast:parse", 5, str(SCRIPTS / "check_nxdi_api.py"),
+                           "--nxdi", str(sources / "nxdi"), "--nxd", str(sources / "nxd"))
+    one_interrupt_line(signal.SIGTERM, rc, err)
