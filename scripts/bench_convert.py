@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
+from kimi_k2_neuron.arguments import fail, integer, number
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.launch import script_parser
 
 H, I = 7168, 2048
 _RAW_READ = r"""
@@ -62,6 +66,11 @@ for f in sorted(Path(sys.argv[1]).glob("*.safetensors")):
         while b := fh.read(16 << 20):
             n += len(b)
 print(n, time.perf_counter() - t0)
+"""
+_BUILD = r"""
+import runpy, sys
+from pathlib import Path
+runpy.run_path(sys.argv[1])["build"](Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
 """
 _COPY = r"""
 import os, sys, time
@@ -173,49 +182,89 @@ def run_child(args: list[str]) -> tuple[str, float, int, float]:
     """Run a child process; return (stdout, wall seconds, peak RSS bytes, CPU seconds user + system).
 
     Peak RSS is the larger of wait4()'s ru_maxrss and a 10 ms psutil poll; this parent never imports torch or
-    holds tensors, so the child's RSS before exec is small."""
+    holds tensors, so the child's RSS before exec is small. The child runs in a session of its own, so Ctrl-C
+    reaches only this process, which then kills it (its files are deleted with the benchmark's folder): the
+    interrupt ends with this process's one line."""
+    import psutil
+
     t0 = time.perf_counter()
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    peak, proc = 0, psutil.Process(p.pid)
-    with ThreadPoolExecutor(1) as ex:
-        out = ex.submit(p.stdout.read)
-        while True:
-            pid, status, usage = os.wait4(p.pid, os.WNOHANG)  # reaps the child itself, to get its rusage
-            if pid:
-                break
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        peak, proc = 0, psutil.Process(p.pid)
+        with ThreadPoolExecutor(1) as ex:
+            out = ex.submit(p.stdout.read)
+            while True:
+                pid, status, usage = os.wait4(p.pid, os.WNOHANG)  # reaps the child itself, to get its rusage
+                if pid:
+                    break
+                try:
+                    peak = max(peak, proc.memory_info().rss)
+                except psutil.Error:
+                    pass
+                time.sleep(0.01)
+            text = out.result()
+    except BaseException:
+        if p.returncode is None:
             try:
-                peak = max(peak, proc.memory_info().rss)
-            except psutil.Error:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
-            time.sleep(0.01)
-        text = out.result()
+            p.wait()
+        raise
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
-        raise SystemExit(f"{args[:5]} failed with exit code {p.returncode}")
+        raise KimiInputError(f"{' '.join(args[:5])}: failed with exit code {p.returncode} (its output above)")
     return text, wall, max(peak, usage.ru_maxrss * 1024), usage.ru_utime + usage.ru_stime
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--experts", type=int, default=20)
-    ap.add_argument("--shard-gb", type=float, default=1.0)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--warm", action="store_true",
-                    help="leave the page cache alone (default: evict the benchmark's own files before each phase)")
-    ap.add_argument("--keep", action="store_true", help="keep the files under /tmp")
-    ap.add_argument("--build-only", metavar="DIR", help=argparse.SUPPRESS)  # the child that writes the checkpoint
-    a = ap.parse_args()
-    if a.build_only:
-        build(Path(a.build_only), a.layers, a.experts, a.shard_gb * 1e9)
-        return
+def build_parser() -> argparse.ArgumentParser:
+    p = script_parser(__doc__)
+    p.add_argument("--layers", type=integer(1), default=3, metavar="N", help="decoder layers of the checkpoint")
+    p.add_argument("--experts", type=integer(1), default=20, metavar="E",
+                   help="routed experts per layer (Kimi-K2 has 384; 20 keeps the checkpoint near 1 GB per layer)")
+    p.add_argument("--shard-gb", type=number(0, lo_open=True), default=1.0, metavar="GB",
+                   help="source shard size in GB (Kimi-K2's are ~16 GB; the shards cut layers wherever they fall)")
+    p.add_argument("--workers", type=integer(1), default=2, metavar="N", help="the conversion's --workers")
+    p.add_argument("--warm", action="store_true",
+                   help="leave the page cache alone (default: evict the benchmark's own files before each phase)")
+    p.add_argument("--keep", action="store_true", help="keep the files under /tmp (default: deleted at the end)")
+    return p
+
+
+def source_bytes(layers: int, experts: int) -> int:
+    """The synthetic checkpoint's size, near enough for the disk check: the FP8 experts (routed and shared), the
+    attention and the bf16 embedding and lm_head."""
+    cfg = bench_config(layers, experts)
+    expert = 3 * H * I
+    attention = 1536 * H + 8 * 192 * 1536 + 576 * H + 8 * 256 * 512 + H * 8 * 128
+    return layers * ((experts + 1) * expert + attention) + 2 * 2 * cfg["vocab_size"] * H
+
+
+def check_disk(folder: Path, need: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise KimiInputError(f"{folder}: {free / 1e9:.1f} GB free, the benchmark writes {need / 1e9:.1f} GB there "
+                             f"(source, converted copy, plain copy); use fewer --layers or --experts")
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        check_disk(Path("/tmp"), 3 * source_bytes(a.layers, a.experts))
+        _run(a)
+    except KimiInputError as e:
+        return fail(e)
+    return 0
+
+
+def _run(a: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="bench_convert.", dir="/tmp"))
     try:
         src, dst = root / "src", root / "dst"
         t0 = time.perf_counter()
-        run_child([sys.executable, __file__, "--build-only", str(src), "--layers", str(a.layers),
-                   "--experts", str(a.experts), "--shard-gb", str(a.shard_gb)])
+        run_child([sys.executable, "-c", _BUILD, __file__, str(src), str(a.layers), str(a.experts),
+                   str(a.shard_gb * 1e9)])
         shard_sizes = [f.stat().st_size for f in src.glob("*.safetensors")]
         print(f"built {len(shard_sizes)} shards, {sum(shard_sizes) / 1e9:.2f} GB (largest "
               f"{max(shard_sizes) / 1e9:.2f} GB) in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -266,4 +315,4 @@ def _gbs(child_out: str) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

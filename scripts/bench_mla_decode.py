@@ -16,35 +16,78 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-
-from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.model.mla import MLAttention
-from kimi_k2_neuron.model.rope import RotaryTable
-from kimi_k2_neuron.parallel import SINGLE
+from kimi_k2_neuron.arguments import fail, integer
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.launch import host_memory_available, script_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names of kimi_k2_neuron.runtime.runner.DTYPES this benchmark offers
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Kimi-K2 config.json (default: %(default)s)")
-    p.add_argument("--contexts", default="4096,32768", help="comma-separated cached lengths (default: %(default)s)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/cache/compute (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per path, median reported (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs per path before timing (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own default)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights, cache and input (default: %(default)s)")
+def contexts(text: str) -> list[int]:
+    """type= for --contexts: comma-separated integers >= 1."""
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = script_parser(__doc__)
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="FILE", help="Kimi-K2 config.json")
+    p.add_argument("--contexts", type=contexts, default=[4096, 32768], metavar="T,T,...",
+                   help="comma-separated cached lengths (default: 4096,32768)")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/cache/compute")
+    p.add_argument("--repeats", type=integer(1), default=5, metavar="N", help="timed runs per path, median reported")
+    p.add_argument("--warmup", type=integer(0), default=1, metavar="N", help="untimed runs per path before timing")
+    p.add_argument("--threads", type=integer(1), default=None, metavar="N",
+                   help="torch.set_num_threads (default: torch's own default)")
+    p.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds weights, cache and input")
     p.add_argument("--json", action="store_true", help="also print a JSON report")
-    return p.parse_args()
+    return p
 
 
-def build_layer(cfg: KimiK2Config, dtype: torch.dtype, gen: torch.Generator) -> MLAttention:
+def check_memory(cfg, args) -> None:
+    """The largest context's latent cache and the naive path's per-head K/V must fit in the host's available RAM:
+    refused here rather than by the kernel's OOM killer mid-run."""
+    elem = 4 if args.dtype == "float32" else 2
+    t = max(args.contexts) + 1
+    need = t * (cfg.latent_dim + cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)) * elem
+    available = host_memory_available()
+    if available is not None and need > available:
+        raise KimiInputError(f"--contexts {max(args.contexts)}: the naive path's K/V and the latent cache need "
+                             f"{need / 2**30:.1f} GiB, {available / 2**30:.1f} GiB of RAM is available")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from kimi_k2_neuron.config import KimiK2Config
+
+        cfg = KimiK2Config.from_file(args.config)
+        check_memory(cfg, args)
+    except KimiInputError as e:
+        return fail(e)
+    run(cfg, args)
+    return 0
+
+
+def build_layer(cfg, dtype, gen):
+    """One MLA layer of cfg's dimensions with random weights (a kimi_k2_neuron.model.mla.MLAttention)."""
+    import torch
+
+    from kimi_k2_neuron.model.mla import MLAttention
+    from kimi_k2_neuron.parallel import SINGLE
+
     attn = MLAttention(cfg, dtype, SINGLE)
     for name, param in attn.named_parameters():
         if name.endswith("layernorm.weight"):
@@ -67,13 +110,16 @@ def time_step(attn, x, positions, rope, cache, absorbed: bool, warmup: int, repe
     return out, times
 
 
-def main() -> None:
-    args = parse_args()
+def run(cfg, args) -> None:
+    import torch
+
+    from kimi_k2_neuron.model.rope import RotaryTable
+    from kimi_k2_neuron.runtime.runner import DTYPES as TORCH_DTYPES
+
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
-    cfg = KimiK2Config.from_file(args.config)
-    contexts = [int(c) for c in args.contexts.split(",")]
+    dtype = TORCH_DTYPES[args.dtype]
+    contexts = args.contexts
     gen = torch.Generator().manual_seed(args.seed)
     attn = build_layer(cfg, dtype, gen)
     heads, nope, v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -116,4 +162,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_command(main))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kimi_k2_neuron.arguments import check_out_file, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
 from kimi_k2_neuron.runtime.ranks import RanksError
 
@@ -64,6 +65,15 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not args.cpu and (args.seq_len or args.batch):
         raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
     check_out_file(args.report, "--report")  # before the benchmark, not after it
+    if args.cpu:  # what config.json decides for this length and batch, before NxD is imported
+        from kimi_k2_neuron.nxdi_cpu.options import check_request
+
+        check_request(cpu_options(args), *_cpu_shape(args))
+
+
+def _cpu_shape(args: argparse.Namespace) -> tuple[int, int]:
+    """--seq-len and --batch of a --cpu run, with their defaults."""
+    return args.seq_len or 128, args.batch or 1
 
 
 def main(argv=None) -> int:
@@ -78,7 +88,7 @@ def main(argv=None) -> int:
     except RanksError as e:
         return fail(e, e.exit_code)
     report = summarize(raw, meta["batch"], {**meta, "num_runs": args.num_runs, "nxdi_report": raw})
-    Path(args.report).write_text(json.dumps(report, indent=2, default=float))
+    write_atomically(args.report, json.dumps(report, indent=2, default=float))
     t = report["tpot_ms"]
     if t:
         where = " in NxD's CPU mode, not a trn2 number" if args.cpu else ""
@@ -110,7 +120,7 @@ def _compiled(args) -> tuple[dict, dict]:
 def _cpu(args) -> tuple[dict, dict]:
     from kimi_k2_neuron.nxdi_cpu import backend
 
-    seq_len, batch = args.seq_len or 128, args.batch or 1
+    seq_len, batch = _cpu_shape(args)
     raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs)
     return raw, {"device": "cpu", "note": "NxD's CPU mode on this host: exercises the runner, not a trn2 latency",
                  "model": str(args.model), "tp": args.tp, "batch": batch, "seq_len": seq_len,
@@ -118,4 +128,4 @@ def _cpu(args) -> tuple[dict, dict]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

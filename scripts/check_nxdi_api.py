@@ -28,6 +28,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kimi_k2_neuron.arguments import fail
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.launch import script_parser
+
 REPO = Path(__file__).resolve().parents[1]
 OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "src/kimi_k2_neuron/nxdi_cpu", REPO / "scripts",
         REPO / "test/integration", REPO / "contrib"]
@@ -44,6 +49,21 @@ class Source:
         self.git = not (self.path / "src").is_dir()
         self._files = None
         self._cache: dict[str, ast.Module | None] = {}
+
+    def check(self, flag: str, package: str) -> None:
+        """A work tree holding src/PACKAGE, or a git directory whose revision holds it; else one line."""
+        expected = (f"{flag} {self.path}: expected a {package.replace('_', '-')} checkout (a work tree with "
+                    f"src/{package}, or a git directory holding it at --rev {self.rev})")
+        if not self.git:
+            if not (self.path / "src" / package).is_dir():
+                raise KimiInputError(expected)
+            return
+        if not self.path.is_dir():
+            raise KimiInputError(expected)
+        r = subprocess.run(["git", f"--git-dir={self.path}", "cat-file", "-e", f"{self.rev}:src/{package}"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise KimiInputError(expected)
 
     def files(self) -> set[str]:
         if self._files is None:
@@ -375,14 +395,31 @@ class Checker:
                 (self.ok if kw else self.fail)("decoder layer accepts **kwargs")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nxdi", required=True, help="neuronx-distributed-inference checkout (git dir or work tree)")
-    p.add_argument("--nxd", required=True, help="neuronx-distributed checkout (git dir or work tree)")
+def build_parser() -> argparse.ArgumentParser:
+    p = script_parser(__doc__)
+    p.add_argument("--nxdi", required=True, metavar="PATH",
+                   help="neuronx-distributed-inference checkout (git dir or work tree)")
+    p.add_argument("--nxd", required=True, metavar="PATH", help="neuronx-distributed checkout (git dir or work tree)")
     p.add_argument("--rev", default="HEAD", help="revision to read from git directories")
     p.add_argument("-v", "--verbose", action="store_true", help="list every passing check")
-    a = p.parse_args(argv)
-    c = Checker({"neuronx_distributed_inference": Source(a.nxdi, a.rev), "neuronx_distributed": Source(a.nxd, a.rev)})
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    libs = {"neuronx_distributed_inference": Source(a.nxdi, a.rev), "neuronx_distributed": Source(a.nxd, a.rev)}
+    try:
+        for (package, source), flag in zip(libs.items(), ("--nxdi", "--nxd")):
+            source.check(flag, package)
+        return _check(a, Checker(libs))
+    except KimiInputError as e:
+        return fail(e)
+    except subprocess.CalledProcessError as e:  # git failing after the checks above passed: say what it said
+        what = (e.stderr or "").strip().splitlines()
+        return fail(KimiInputError(f"{' '.join(e.cmd[:3])}: {what[-1] if what else f'exit code {e.returncode}'}"))
+
+
+def _check(a: argparse.Namespace, c: Checker) -> int:
     paths = [p for root in OURS if root.exists() for p in sorted(root.rglob("*.py"))]
     for _ in range(2):  # a second pass sees subclasses defined in files checked later
         c.failures, c.passes = [], []
@@ -404,4 +441,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

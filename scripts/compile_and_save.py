@@ -30,33 +30,31 @@ import time
 import traceback
 from pathlib import Path
 
+# Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
+# environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
+from kimi_k2_neuron.arguments import check_out_dir, fail, integer
+from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
-from kimi_k2_neuron.launch import add_verbose, script_parser, sdk_missing, set_fp8_env, start
-
-# The planner imports torch; the FP8 environment must be set before anything can import torch-xla, which reads it
-# then. start() sets it again, with logging.
-set_fp8_env()
-from kimi_k2_neuron.arguments import check_out_dir, fail, integer  # noqa: E402
-from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
-from kimi_k2_neuron.formats.record import expert_scheme  # noqa: E402
-from kimi_k2_neuron.launch import check_host_resources  # noqa: E402
-from kimi_k2_neuron.neuron import moe_paths  # noqa: E402
-from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks  # noqa: E402
+from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.launch import add_verbose, check_host_resources, script_parser, sdk_missing, set_fp8_env, start
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kimi_k2_neuron.neuron import moe_paths
+
     p = script_parser(__doc__)
     p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
                                                   "HF folder is converted first, once, into <model>-neuron-<experts>")
     p.add_argument("--out", required=True, help="compiled folder to write")
-    p.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (logical cores per model replica)")
-    p.add_argument("--ep", type=int, default=1, help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree; "
-                                                     "experts split ep ways, each tp/ep ways): 4, 16 or 64 at --tp "
-                                                     "64 --lnc 2, with batch >= n_routed_experts / top_k")
+    p.add_argument("--tp", type=integer(1), required=True,
+                   help="tensor-parallel degree (logical cores per model replica)")
+    p.add_argument("--ep", type=integer(1), default=1,
+                   help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree; experts split ep ways, each "
+                        "tp/ep ways): 4, 16 or 64 at --tp 64 --lnc 2, with batch >= n_routed_experts / top_k")
     p.add_argument("--lnc", type=int, default=2, choices=(1, 2), help="logical NeuronCore config (trn2 default 2)")
-    p.add_argument("--seq-len", type=int, default=1024, help="KV cache length (prompt + generated tokens)")
-    p.add_argument("--max-context-length", type=int, default=None, help="prefill bucket (default: --seq-len)")
-    p.add_argument("--batch", type=int, default=1, help="batch compiled into both the prefill and decode graphs")
+    p.add_argument("--seq-len", type=integer(1), default=1024, help="KV cache length (prompt + generated tokens)")
+    p.add_argument("--max-context-length", type=integer(1), default=None, help="prefill bucket (default: --seq-len)")
+    p.add_argument("--batch", type=integer(1), default=1, help="batch compiled into both the prefill and decode graphs")
     p.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"expert format (default: what a converted checkpoint holds; {DEFAULT_SCHEME}, exact from FP8 "
                         "and INT4 sources, for a raw one)")
@@ -81,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    set_fp8_env()  # the parser imports the planner's tables, and torch with them
     args = build_parser().parse_args(argv)
     start(args)  # logging, and the FP8 environment torch-xla reads when the SDK is imported below
 
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.formats.record import ConversionRecord
+    from kimi_k2_neuron.formats.record import ConversionRecord, expert_scheme
+    from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks
 
     try:
         check_for_vllm(args)
@@ -167,6 +167,7 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
     submodel and the plan, as JSON on stdout. A raw checkpoint is planned as `convert` would write it."""
     try:
         from kimi_k2_neuron.convert import converted_dir_for
+        from kimi_k2_neuron.neuron import moe_paths
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     except ImportError as e:
         return sdk_missing(e)
@@ -197,6 +198,8 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
 
 def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice: str) -> bool:
     """compile_model; when a kernel prefill mode fails, NxDI's traceback and then the planner's fallback advice."""
+    from kimi_k2_neuron.neuron import moe_paths
+
     try:
         compile_model(cfg, checkpoint, out, options, plan_summary=summary)
     except KimiInputError:
@@ -212,4 +215,4 @@ def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -20,12 +20,15 @@ made earlier (in an NxDI checkout, say) is still what an export writes.
 from __future__ import annotations
 
 import ast
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail
+from kimi_k2_neuron.arguments import check_out_dir, fail
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX, run_command
 from kimi_k2_neuron.launch import script_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +105,7 @@ def check_dest(dest: Path) -> None:
         raise KimiInputError(f"{dest}: inside this repository ({REPO}) or holding it; give a folder outside it")
     if dest.is_dir() and any(dest.iterdir()) and not (dest / ENTRY).is_file():
         raise KimiInputError(f"{dest}: not empty and not an earlier export (no {ENTRY}); give a new or empty folder")
+    check_out_dir(dest.absolute().parent, "DEST's folder (the export is written beside DEST, then renamed)")
 
 
 def planned_files(modules: dict[str, Path]) -> dict[Path, Path]:
@@ -114,14 +118,24 @@ def planned_files(modules: dict[str, Path]) -> dict[Path, Path]:
 
 
 def export(dest: Path) -> dict[str, Path]:
-    """Write the contrib folder into dest (see the module docstring); returns the vendored modules."""
+    """Write the contrib folder into dest (see the module docstring); returns the vendored modules. Written into a
+    hidden folder beside dest and renamed into place, so that an interrupted export leaves the earlier one (or
+    none), never a folder that looks like an export and is not one."""
     check_dest(dest)
     modules = needed_modules()
-    if dest.exists():
-        shutil.rmtree(dest)  # an earlier export: stale modules must not survive
-    for rel, src in planned_files(modules).items():
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dest / rel)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=PARTIAL_SUFFIX, dir=dest.parent))
+    old = tmp.with_name(tmp.name + ".old")
+    try:
+        for rel, src in planned_files(modules).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, tmp / rel)
+        if dest.exists():  # an earlier export (or an empty folder): stale modules must not survive
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
     return modules
 
 
@@ -135,12 +149,16 @@ def differences(dest: Path) -> list[str]:
     return [f"missing {r}" for r in missing] + [f"extra {r}" for r in extra] + [f"differs {r}" for r in changed]
 
 
-def main(argv=None) -> int:
+def build_parser():
     p = script_parser(__doc__)
     p.add_argument("dest", help="folder to write (absent, empty, or an earlier export, which is replaced)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 and list the files where DEST differs from a fresh export")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     dest = Path(args.dest)
     try:
         if args.check:
@@ -162,4 +180,4 @@ def _report(dest: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

@@ -25,6 +25,7 @@ from functools import partial
 
 from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, begin, check_compiled_args, cpu_generate,
                                    script_parser)
 from kimi_k2_neuron.runtime.ranks import RanksError
@@ -33,8 +34,9 @@ from kimi_k2_neuron.runtime.ranks import RanksError
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     add_compiled_args(p)
-    # NxDI's on-device sampling needs a top-k (<= the compiled global top-k): 50 unless --top-k says otherwise.
-    add_generation_args(p, max_new_tokens=256, top_k=50)
+    # generate's defaults: --top-k 0 (no filter) becomes NxDI's on-device sampler's compiled global top-k, the widest
+    # it draws from (contract.sampler_settings)
+    add_generation_args(p, max_new_tokens=32, top_k=0)
     add_verbose(p)
     return p
 
@@ -96,4 +98,4 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command(main))

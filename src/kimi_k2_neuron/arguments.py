@@ -160,6 +160,8 @@ def check_generation_args(a: argparse.Namespace) -> None:
             raise KimiInputError(f"{flag}: needs --temperature > 0 (without it decoding is greedy and ignores {flag})")
     if a.system is not None and not a.chat:
         raise KimiInputError("--system: not allowed with --no-chat (the system message goes into the chat template)")
+    if "" in a.stop:
+        raise KimiInputError("--stop '': expected a non-empty string (every text contains the empty one)")
 
 
 def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:

@@ -14,19 +14,16 @@ from functools import partial
 from pathlib import Path
 
 
+# Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
 from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
                         check_generation_args, check_out_dir, check_out_file, fail, integer, kv_group_of,
                         sampling_values)
 from .errors import KimiInputError
-from .launch import cpu_generate, cpu_options
+from .interrupts import Interrupted, atomic_output, resume_hint, run_command
+from .launch import cpu_backend, cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
-from .neuron import moe_paths
-from .plan import GiB
 from .runtime.ranks import RanksError
-from .runtime.runner import DTYPES
-from .runtime.tokenizer import KimiTokenizer
-
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -50,7 +47,7 @@ def cmd_logits(a) -> int:
     from safetensors.torch import save_file
 
     from .config import KimiK2Config
-    from .runtime.runner import CpuRunner, check_logits_request
+    from .runtime.runner import DTYPES, CpuRunner, check_logits_request
 
     # Everything that can be wrong is checked before loading: on the 1T model the logits take hours.
     check_out_file(a.out, "--out")
@@ -58,7 +55,11 @@ def cmd_logits(a) -> int:
     check_logits_request(cfg, a.input_ids, a.prefill_len)
     _check_backend(a)
     if a.backend == NXDI_CPU:
-        logits, paths = _nxdi_cpu().logits(cpu_options(a), a.input_ids, a.prefill_len)
+        from .nxdi_cpu.options import check_request
+
+        o = cpu_options(a)
+        check_request(o, max(len(r) for r in a.input_ids), len(a.input_ids))  # before NxD's import
+        logits, paths = _nxdi_cpu().logits(o, a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
@@ -72,7 +73,8 @@ def cmd_logits(a) -> int:
         check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
                            kv_group_of(a), a.prefill_chunk, shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
-    save_file({"logits": logits.contiguous()}, a.out)
+    with atomic_output(a.out) as tmp:
+        save_file({"logits": logits.contiguous()}, tmp)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
 
@@ -92,7 +94,9 @@ def _check_backend(a) -> None:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
         for flag, given in (("--kv-shard sequence", a.kv_shard == "sequence"),
-                            (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None)):
+                            (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None),
+                            ("--shard-attn-a", getattr(a, "shard_attn_a", False)),
+                            ("--shard-router", getattr(a, "shard_router", False))):
             if given:
                 raise KimiInputError(f"{flag}: only with --backend core for now (the NxDI shell does not build it "
                                      f"yet)")
@@ -108,18 +112,15 @@ def _check_backend(a) -> None:
 
 def _nxdi_cpu():
     """kimi_k2_neuron.nxdi_cpu.backend, or a one-line error naming what is missing."""
-    try:
-        from .nxdi_cpu import backend
-    except ImportError as e:
-        raise KimiInputError(f"--backend {NXDI_CPU}: {e}")
-    return backend
+    return cpu_backend(f"--backend {NXDI_CPU}")
 
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
     from .runtime.chat import StopStrings, prompt_ids, reply_text, reply_texts
-    from .runtime.runner import CpuRunner, check_generate_request
+    from .runtime.runner import DTYPES, CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import KimiTokenizer
 
     _check_generate_args(a)
     _check_backend(a)
@@ -144,8 +145,7 @@ def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
     """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
     from .runtime.chat import reply_texts
 
-    _nxdi_cpu()  # a one-line error naming what is missing
-    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None)
+    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, flag=f"--backend {NXDI_CPU}")
     texts = reply_texts(tok, tokens, a.stop) if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0
@@ -181,14 +181,19 @@ def cmd_demo(a) -> int:
     from .runtime.chat import prompt_ids
     from .runtime.runner import CpuRunner
     from .runtime.sampling import SamplingParams
+    from .runtime.tokenizer import KimiTokenizer
 
     model_dir = cache_dir() / "tiny-fp8"
     if not (model_dir / "config.json").exists():
         check_out_dir(model_dir, "demo folder (KIMI_K2_NEURON_CACHE)")
         make_tiny(model_dir, quant="fp8")
         print(f"made a tiny FP8 Kimi-K2-format checkpoint in {model_dir}")
-    runner = CpuRunner(model_dir)
-    tok = KimiTokenizer.from_dir(model_dir)
+    try:
+        runner = CpuRunner(model_dir)
+        tok = KimiTokenizer.from_dir(model_dir)
+    except KimiInputError as e:  # the cache is ours: a damaged file there is no fault of the user's input
+        raise KimiInputError(f"{e} (the demo's cached checkpoint {model_dir} is damaged: delete that folder and "
+                             f"the demo makes it again)") from None
     ids = prompt_ids(tok, ["Hello, Kimi!"])[0]
     res = runner.generate([ids], a.max_new_tokens, SamplingParams(), stop_ids=tok.stop_ids(runner.cfg.eos_token_ids))
     print(f"prompt: {len(ids)} tokens; generated {len(res.tokens[0])} tokens (random weights, so no sense): "
@@ -252,6 +257,8 @@ def _layout(a):
 
 
 def _max_batch_line(p, found: int | None) -> str:
+    from .plan import GiB
+
     if found is None:
         return (f"max batch: none fits at seq_len {p.seq_len} (batch {p.batch} needs {p.total_bytes / GiB:.2f} GiB); "
                 f"the plan at it:")
@@ -259,6 +266,8 @@ def _max_batch_line(p, found: int | None) -> str:
 
 
 def _max_seq_len_line(cfg, p, found: int | None) -> str:
+    from .plan import GiB
+
     top = cfg.max_position_embeddings
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
@@ -277,13 +286,20 @@ def cmd_convert(a) -> int:
     from .convert import convert
 
     check_out_dir(a.dst, "DST")
-    res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
+    try:
+        res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
+    except Interrupted as e:
+        e.hint = resume_hint(a.dst)
+        raise
     print(res.summary)
     return 0
 
 
 def cmd_trace_cpu(a) -> int:
     """One NxDI submodel traced with torch_xla on its CPU device (nxdi_cpu/xla_trace.py); exit 0 clean, 1 not."""
+    from .nxdi_cpu.options import check_layout
+
+    check_layout(cpu_options(a))  # what config.json decides, before NxD and torch_xla are imported
     try:
         import torch_xla  # noqa: F401
 
@@ -344,7 +360,7 @@ def _generate_parser(sub) -> None:
                      help='token ids instead of --prompt, e.g. "1,2,3;4,5" (rows separated by ;)')
     add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
     s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
-    _model_opts(s)
+    _model_opts(s, core_tp=False)
 
 
 def _convert_parser(sub) -> None:
@@ -365,6 +381,8 @@ def _demo_parser(sub) -> None:
 
 
 def _plan_parser(sub) -> None:
+    from .neuron import moe_paths
+
     s = _command(sub, "plan", "will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound (exit 0 fits, "
                               "1 does not)", cmd_plan)
     src = s.add_mutually_exclusive_group(required=True)
@@ -402,6 +420,8 @@ def _plan_parser(sub) -> None:
 
 
 def _trace_cpu_parser(sub) -> None:
+    from .runtime.runner import DTYPES
+
     s = _command(sub, "trace-cpu", "trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces it "
                                    "for neuronx-cc (exit 0: one clean graph, 1: not)", cmd_trace_cpu)
     s.add_argument("--model", required=True, metavar="DIR",
@@ -416,7 +436,10 @@ def _trace_cpu_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _model_opts(s):
+def _model_opts(s, core_tp: bool = True):
+    """The model flags of logits and generate; core_tp False: the core backend refuses --tp (generate)."""
+    from .runtime.runner import DTYPES
+
     s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
                    help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
                         "real NxD/NxDI in NxD's CPU mode, needs them importable (docs/nxdi_on_cpu.md)")
@@ -426,9 +449,11 @@ def _model_opts(s):
     s.add_argument("--ep", type=integer(1), default=1, metavar="E",
                    help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
                         "which has no XLA process groups)")
+    ranks = "tensor-parallel CPU ranks, one process each (gloo over loopback)"
     s.add_argument("--tp", type=integer(1), default=1, metavar="N",
-                   help="tensor-parallel CPU ranks, one process each (gloo over loopback); nxdi-cpu: bfloat16 "
-                        "only at 1 rank")
+                   help=f"{ranks}; nxdi-cpu: bfloat16 only at 1 rank" if core_tp else
+                   f"--backend nxdi-cpu only (the core runner generates in one process): {ranks}, bfloat16 only "
+                   f"at 1 rank")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
@@ -436,6 +461,12 @@ def _model_opts(s):
 
 
 def main(argv=None) -> int:
+    """The command line `argv` (default: the process's own) -> exit code: 0, 1 (a check said no: plan, trace-cpu),
+    2 (bad input, one line), 130 / 143 (Ctrl-C / SIGTERM, one line)."""
+    return run_command(_main, argv)
+
+
+def _main(argv) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help or --version (0), or an argument error already printed on one line (2)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import KimiInputError
+from .interrupts import unfinished_conversion
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 # Every key a DeepSeek-V3 / Kimi-K2 `rope_scaling` may hold (the real configs in test/data/configs use all of them).
@@ -114,7 +115,8 @@ class KimiK2Config:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise KimiInputError(f"{path}: config.json not found")
+            unfinished = unfinished_conversion(path.parent) if path.name == "config.json" else None
+            raise KimiInputError(unfinished or f"{path}: config.json not found")
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

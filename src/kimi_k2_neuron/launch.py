@@ -27,7 +27,8 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
     the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
-    p.add_argument("--compiled", help="folder written by scripts/compile_and_save.py (required unless --cpu)")
+    p.add_argument("--compiled", metavar="DIR",
+                   help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
     p.add_argument("--model", default=None, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "
                         "or converted)")
@@ -40,13 +41,23 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:
-    """--compiled for a compiled model, or --cpu with --model; the --cpu flags only with --cpu."""
+    """--compiled for a compiled model, or --cpu with --model (whose config.json must split --tp ways: checked here,
+    before the SDK is imported); the --cpu flags only with --cpu."""
     if args.cpu:
         if args.compiled or not args.model:
             raise KimiInputError("--cpu: needs --model DIR and no --compiled (it builds the model from the checkpoint)")
+        from .nxdi_cpu.options import check_layout
+
+        check_layout(cpu_options(args))
         return
     if not args.compiled:
         raise KimiInputError("--compiled: required (or --cpu with --model)")
+    if not os.path.isdir(args.compiled):
+        raise KimiInputError(f"--compiled {args.compiled}: expected a folder written by scripts/compile_and_save.py")
+    if args.model:  # a checkpoint other than the compiled one's: its config.json (raw, converted or unfinished)
+        from .config import KimiK2Config
+
+        KimiK2Config.from_file(args.model)
     for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
         if given:
             raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
@@ -54,26 +65,37 @@ def check_compiled_args(args: argparse.Namespace) -> None:
 
 def cpu_options(args: argparse.Namespace):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
-    kimi_k2_neuron.nxdi_cpu.backend.CpuOptions; a raw checkpoint is converted into the cache. Imports the SDK."""
-    from .nxdi_cpu import backend
+    kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK."""
+    from .nxdi_cpu.options import CpuOptions
 
-    return backend.CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
-                          dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
+    return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
+                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
+
+
+def cpu_backend(flag: str = "--cpu"):
+    """kimi_k2_neuron.nxdi_cpu.backend (NxD and NxDI imported), or a one-line error naming what is missing."""
+    try:
+        from .nxdi_cpu import backend
+    except ImportError as e:
+        raise KimiInputError(f"{flag}: {e}") from None
+    return backend
 
 
 def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, tokenizer_dir: str | None,
-                 stream=None) -> list[list[int]]:
+                 stream=None, flag: str = "--cpu") -> list[list[int]]:
     """The generation flags' request (sampling, --seed, --stop) for token-id `rows` through the NxDI model in NxD's
-    CPU mode (kimi_k2_neuron.nxdi_cpu.backend.generate), its MoE path report on stderr; new tokens per row. Imports the
-    SDK."""
+    CPU mode (kimi_k2_neuron.nxdi_cpu.backend.generate), its MoE path report on stderr; new tokens per row. What
+    config.json and the flags refuse is refused before the SDK is imported."""
     from .neuron import contract
-    from .nxdi_cpu import backend
+    from .nxdi_cpu.options import Generation, check_request
 
     temperature, top_k, top_p = sampling_values(args)
-    g = backend.Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
-                       **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
-                       tokenizer_dir=tokenizer_dir)
-    tokens, paths = backend.generate(cpu_options(args), g, stream)
+    g = Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
+                   **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
+                   tokenizer_dir=tokenizer_dir)
+    o = cpu_options(args)
+    check_request(o, g.seq_len, len(g.rows), g.sampling, g.rows)
+    tokens, paths = cpu_backend(flag).generate(o, g, stream)
     print(paths, file=sys.stderr)
     return tokens
 
@@ -154,5 +176,6 @@ def sdk_missing(e: ImportError) -> int:
     return fail(e)
 
 
-__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "check_host_resources", "cpu_generate",
-           "cpu_options", "host_memory_available", "script_parser", "sdk_missing", "set_fp8_env", "start"]
+__all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "check_host_resources", "cpu_backend",
+           "cpu_generate", "cpu_options", "host_memory_available", "script_parser", "sdk_missing", "set_fp8_env",
+           "start"]

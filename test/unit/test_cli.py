@@ -9,6 +9,7 @@ import configparser
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,8 @@ BAD_ARGS = [
       "--kv-shard", "sequence"], "--kv-shard sequence: only with --backend core"),
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--backend", "nxdi-cpu", "--prefill-chunk", "4"],
      "--prefill-chunk 4: only with --backend core"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--backend", "nxdi-cpu",
+      "--shard-router"], "--shard-router: only with --backend core"),
     (["logits", "--model", "{model}", "--input-ids", "1,x", "--out", "{tmp}/l"], "--input-ids: expected comma"),
     (["logits", "--model", "{model}", "--input-ids", "1,600", "--out", "{tmp}/l"], "token 600 is outside"),
     (["logits", "--model", "{model}", "--input-ids", TOO_LONG, "--out", "{tmp}/l"],
@@ -117,6 +120,12 @@ BAD_ARGS = [
     (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
      "one of the arguments --seq-len --max-seq-len is required"),
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"], "not found"),
+    # generate
+    (["generate", "--model", "{model}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty string"),
+    # convert: DST apart from SRC, or it writes among (or, redone, deletes) the files it reads
+    (["convert", "{model}", "{model}/sub", "--experts", "fp8-blockwise"], "/sub: is inside SRC"),
+    (["convert", "{model}", "{model}", "--experts", "fp8-blockwise"], "is SRC"),
+    (["convert", "{model}", "{model}/..", "--experts", "fp8-blockwise"], "holds SRC"),
 ]
 
 
@@ -233,6 +242,16 @@ def test_cli_convert(tiny_dirs, tmp_path, capsys):
                      "--workers", "0"]) == 2
 
 
+def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
+    cached = Path(shutil.copytree(tiny_dirs["fp8"], tmp_path / "tiny-fp8"))
+    shard = sorted(cached.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # a download or disk fault cut it short
+    rc, _, err = run_cli(["demo"], capsys)
+    one_line_error.exit(rc, err, shard.name, f"the demo's cached checkpoint {cached} is damaged",
+                        "delete that folder and the demo makes it again")
+
+
 def test_demo_runs_and_matches_transformers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
     assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
@@ -333,3 +352,24 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "neuronx-distributed-inference" in err[0] and "docs/nxdi_on_cpu.md" in err[0]
+
+
+@pytest.mark.parametrize("cmd, words", [
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--out",
+      "{tmp}/l.safetensors", "--tp", "3"], "--tp 3"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--tp",
+      "3"], "--tp 3"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--input-ids", "1,2", "--tp",
+      "2", "--dtype", "bfloat16"], "gloo has no bfloat16"),
+    ([sys.executable, "-m", "kimi_k2_neuron.cli", "trace-cpu", "--submodel", "token", "--tp", "3"], "--tp 3"),
+    ([sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi", "--tp", "3"], "--tp 3"),
+    ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--tp", "3"], "--tp 3"),
+    ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--seq-len", "200000"],
+     "--seq-len 200000: exceeds config.json field max_position_embeddings"),
+], ids=["logits", "generate", "generate bf16", "trace-cpu", "run_inference", "bench_tpot", "bench_tpot seq-len"])
+def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_path, cmd, words, one_line_error):
+    """The tiny config's 4 heads do not split 3 ways: one line, and (with NxD importable or not) none of NxD's import
+    output, nor its absence, before it."""
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    one_line_error.exit(r.returncode, r.stderr, words)

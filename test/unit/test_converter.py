@@ -29,6 +29,7 @@ from kimi_k2_neuron.convert.converter import MANIFEST, convert
 from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord
 from kimi_k2_neuron.formats.scheme import NXD_TYPE, scheme_for
+from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 SOURCES = ("fp8", "int4", "bf16")
@@ -54,7 +55,7 @@ def _not_finished(d: Path):
     """Nothing a loader would take for a checkpoint, and no temp files."""
     if d.exists():
         assert not (d / "config.json").exists() and not (d / INDEX).exists()
-        assert not list(d.glob(f"*{writer.PARTIAL_SUFFIX}"))
+        assert not list(d.glob(f"*{PARTIAL_SUFFIX}"))
 
 
 # ------------------------------------------------------------------------------------------ layout and values
@@ -277,7 +278,7 @@ def test_killed_midway_then_resumed_is_byte_identical(converted, tiny_dirs, tmp_
     dst = tmp_path / "killed"
     p = _run_cli(tiny_dirs["fp8"], dst, {writer.DIE_ENV: "1000000"})
     assert p.returncode == 75, p.stderr
-    assert list(dst.glob(f"*{writer.PARTIAL_SUFFIX}")) and not (dst / "config.json").exists()
+    assert list(dst.glob(f"*{PARTIAL_SUFFIX}")) and not (dst / "config.json").exists()
     done = json.loads((dst / MANIFEST).read_text())["files"]
     assert 0 < len(done) < 5
     res = convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)

@@ -34,11 +34,25 @@ def _export(dest: Path, *flags: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
+def export_run(tmp_path_factory) -> tuple[Path, str]:
     dest = tmp_path_factory.mktemp("nxdi") / "contrib" / "models" / "Kimi-K2"
     r = _export(dest)
     assert r.returncode == 0 and r.stdout.startswith("exported "), r.stdout + r.stderr
-    return dest
+    return dest, r.stdout
+
+
+@pytest.fixture(scope="module")
+def exported(export_run) -> Path:
+    return export_run[0]
+
+
+def test_the_docs_counts_are_the_exports(export_run):
+    """docs/contrib.md's round figures of what is vendored stay within 10 % of what an export writes."""
+    modules, lines = map(int, re.search(r"exported (\d+) modules of \S+ \((\d+) lines\)", export_run[1]).groups())
+    text = " ".join((REPO / "docs" / "contrib.md").read_text().split())
+    said_modules, said_lines = re.search(r"about (\d+) modules and ([\d,]+) lines", text).groups()
+    assert abs(int(said_modules) - modules) <= 0.1 * modules, (said_modules, modules)
+    assert abs(int(said_lines.replace(",", "")) - lines) <= 0.1 * lines, (said_lines, lines)
 
 
 def test_the_exported_folder_runs_its_own_unit_tests_on_its_own(exported):
@@ -49,7 +63,11 @@ def test_the_exported_folder_runs_its_own_unit_tests_on_its_own(exported):
     r = subprocess.run([sys.executable, "-c", _RUN_EXPORTED_TESTS, f"{exported}{os.sep}"], capture_output=True,
                        text=True, env=env, cwd=exported)
     assert r.returncode == 0 and "loaded from outside: []" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
-    assert re.search(r"\d+ passed", r.stdout)
+    # docs/contrib.md says how many tests the folder holds and how many run without NxD/NxDI
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped)", r.stdout.splitlines()[-2])}
+    text = " ".join((REPO / "docs" / "contrib.md").read_text().split())
+    total, no_sdk, needs = map(int, re.search(r"\((\d+) tests, ~\d+ s: (\d+) need no SDK, the (\d+) ", text).groups())
+    assert total == no_sdk + needs == sum(counts.values()) and counts["passed"] >= no_sdk, (counts, total, no_sdk)
 
 
 def test_every_exported_module_is_the_package_s_own(exported):

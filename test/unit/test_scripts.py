@@ -1,9 +1,11 @@
-"""The trn2 scripts without the Neuron SDK: --help, compile_and_save.py's fit check (with a converted checkpoint's
-recorded block) and its one-line stop where the SDK is needed, its advice when the kernel fails to compile, and
-run_inference.py's generation flags, read and checked as the CLI's."""
+"""The scripts without the Neuron SDK: --help for each, help text for every flag, bad flag values refused on one line
+before any work (every integer flag walked, then a table of what the types alone cannot say); compile_and_save.py's
+fit check (with a converted checkpoint's recorded block) and its one-line stop where the SDK is needed, its advice
+when the kernel fails to compile, and run_inference.py's generation flags, read and checked as the CLI's."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -22,7 +24,7 @@ from kimi_k2_neuron.neuron import contract
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test/data/configs"
-SCRIPTS = ("compile_and_save.py", "run_inference.py", "bench_tpot.py")
+SCRIPTS = sorted(p.name for p in (REPO / "scripts").glob("*.py"))
 PER_CHANNEL = {"quantized": True, "quantization_dtype": "f8e4m3",
                "quantization_type": "expert_wise_per_channel_symmetric", "quantization_per_channel_axis": 2,
                "valid_moe_tp_degrees": [1, 2, 4, 8, 16, 32, 64]}
@@ -123,8 +125,9 @@ def test_a_failed_kernel_compile_prints_the_planners_fallback_advice(capsys, mon
 # -- run_inference.py: the generation flags, checked before the Neuron SDK is imported ---------------------------------
 
 def script_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -145,8 +148,8 @@ def test_run_inference_reads_generation_flags_as_the_cli_does(flags):
     ours = cli.build_parser().parse_args(["generate", "--model", "m", *flags])
     for key in ("prompt", "chat", "system", "stop", "seed", "greedy"):
         assert getattr(script, key) == getattr(ours, key), key
-    (t1, k1, p1), (t2, k2, p2) = sampling_values(script), sampling_values(ours)
-    assert (t1, p1) == (t2, p2) and (k1, k2) == ((50, 0) if t1 > 0 else (0, 0))  # top-k defaults differ on purpose
+    assert sampling_values(script) == sampling_values(ours)
+    assert script.max_new_tokens == ours.max_new_tokens
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -192,3 +195,114 @@ def test_the_host_check_names_the_disk_and_the_ram_it_needs(tmp_path, monkeypatc
         launch.check_host_resources(p, str(tmp_path / "compiled"))
     monkeypatch.setattr(launch, "host_memory_available", lambda: 2048 * gib)
     launch.check_host_resources(p, str(tmp_path / "compiled"))  # a trn2.48xlarge's 2 TiB
+
+
+# -- every script's flags: help for each, and bad values refused on one line before any work ---------------------------
+
+ALL_SCRIPTS = [s.removesuffix(".py") for s in SCRIPTS]
+
+
+def _parser(name: str, monkeypatch):
+    for env in contract.FP8_ENV:  # compile_and_save.py sets the FP8 environment before parsing
+        monkeypatch.delenv(env, raising=False)
+    return script_module(name).build_parser()
+
+
+def _run_script(name: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = script_module(name).main(argv)
+    except SystemExit as e:  # argparse's own errors exit from parse_args, already printed on one line
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _flags(parser):
+    return [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+
+
+def test_every_script_is_walked():
+    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_nxdi_api",
+                                "compile_and_save", "export_contrib", "run_inference"}
+
+
+@pytest.mark.parametrize("name", ALL_SCRIPTS)
+def test_every_script_flag_has_help_that_shows_its_default(name, monkeypatch):
+    p = _parser(name, monkeypatch)
+    formatter = p._get_formatter()
+    for action in _flags(p):
+        assert action.help and action.help != argparse.SUPPRESS, (name, action.dest)
+        if action.required or not action.option_strings or any(
+                g.required and action in g._group_actions for g in p._mutually_exclusive_groups):
+            continue
+        assert "default" in formatter._get_help_string(action).lower(), (name, action.option_strings)
+
+
+def _integer_flags():
+    """(script, flag, lowest value) of every flag typed arguments.integer(lo)."""
+    found = []
+    for name in ALL_SCRIPTS:
+        for a in _flags(script_module(name).build_parser()):
+            kind = getattr(a.type, "__name__", "")
+            if kind.startswith("integer >= "):
+                found.append((name, a.option_strings[-1], int(kind.removeprefix("integer >= "))))
+    return found
+
+
+INTEGER_FLAGS = _integer_flags()
+
+
+@pytest.mark.parametrize("name, flag, lo", INTEGER_FLAGS, ids=[f"{n} {f}" for n, f, _ in INTEGER_FLAGS])
+@pytest.mark.parametrize("bad", ["abc", "below", "1.5"])
+def test_every_integer_flag_of_every_script_refuses_bad_values(name, flag, lo, bad, capsys, monkeypatch,
+                                                               one_line_error):
+    value = str(lo - 1) if bad == "below" else bad
+    _parser(name, monkeypatch)  # the FP8 environment restored after the test
+    rc, out, err = _run_script(name, [flag, value], capsys)
+    one_line_error.exit(rc, err, flag, f"expected an integer >= {lo}, got '{value}'")
+    assert out == ""
+
+
+# (script, argv, words the one error line must hold): what the flag types alone cannot say. {tmp}: an empty folder.
+SCRIPT_BAD_ARGS = [
+    ("bench_convert", ["--shard-gb", "0"], "--shard-gb: expected a finite number > 0"),
+    ("bench_convert", ["--shard-gb", "nan"], "--shard-gb: expected a finite number > 0"),
+    ("bench_convert", ["--layers", "100000"], "the benchmark writes"),  # the disk check, before building anything
+    ("bench_convert", ["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ("bench_mla_decode", ["--contexts", "abc"], "--contexts: expected comma-separated integers >= 1, got 'abc'"),
+    ("bench_mla_decode", ["--contexts", "-5"], "--contexts: expected comma-separated integers >= 1, got '-5'"),
+    ("bench_mla_decode", ["--contexts", "64,"], "--contexts: expected comma-separated integers >= 1"),
+    ("bench_mla_decode", ["--config", "/nonexistent/config.json"], "/nonexistent/config.json: config.json not"),
+    ("bench_mla_decode", ["--dtype", "float16"], "--dtype: invalid choice: 'float16'"),
+    ("bench_tpot", ["--compiled", "/nonexistent"], "--compiled /nonexistent: expected a folder"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--report", "{tmp}"], "is a directory, expected a file"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
+    ("bench_tpot", ["--cpu", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--tp", "2"], "--tp: only with --cpu"),
+    ("check_nxdi_api", ["--nxdi", "/nonexistent", "--nxd", "/nonexistent"],
+     "--nxdi /nonexistent: expected a neuronx-distributed-inference checkout"),
+    ("check_nxdi_api", ["--nxdi", "{tmp}", "--nxd", "{tmp}"], "expected a neuronx-distributed-inference checkout"),
+    ("check_nxdi_api", ["--nxdi", "{tmp}"], "required: --nxd"),
+    ("compile_and_save", ["--model", "/nonexistent", "--out", "{tmp}/c", "--tp", "2"],
+     "/nonexistent: config.json not found"),
+    ("compile_and_save", ["--model", "{tmp}", "--out", "/proc/c", "--tp", "2"], "--out /proc/c: expected a writable"),
+    ("compile_and_save", ["--lnc", "3"], "--lnc: invalid choice: 3"),
+    ("compile_and_save", ["--experts", "int8"], "--experts: invalid choice: 'int8'"),
+    ("export_contrib", ["/proc/contrib"], "DEST's folder (the export is written beside DEST, then renamed) /proc"),
+    ("export_contrib", ["--check", "{tmp}"], "not an export"),
+    ("run_inference", ["--compiled", "/nonexistent", "--prompt", "hi"], "--compiled /nonexistent: expected a folder"),
+    ("run_inference", ["--cpu", "--model", "/nonexistent", "--prompt", "hi"], "/nonexistent: config.json not found"),
+    ("run_inference", ["--cpu", "--prompt", "hi"], "--cpu: needs --model DIR"),
+    ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty"),
+    ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
+]
+
+
+@pytest.mark.parametrize("name, argv, words", SCRIPT_BAD_ARGS,
+                         ids=[f"{n} {' '.join(a)}"[:60] for n, a, _ in SCRIPT_BAD_ARGS])
+def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tmp_path, capsys, monkeypatch,
+                                                           one_line_error):
+    _parser(name, monkeypatch)
+    rc, out, err = _run_script(name, [a.format(tmp=tmp_path) for a in argv], capsys)
+    one_line_error.exit(rc, err, words)
+    assert out == "" and list(tmp_path.iterdir()) == []

@@ -44,9 +44,9 @@ from ..quant import check_finite, nxd_fp8
 from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
-from .writer import HASH, HASHES, PARTIAL_SUFFIX, ShardWriter, file_digest, write_small_file
+from ..interrupts import MANIFEST, PARTIAL_SUFFIX, write_atomically
+from .writer import HASH, HASHES, ShardWriter, file_digest
 
-MANIFEST = "conversion_manifest.json"
 # 2: file records hold "blake3" (version 1 held "sha256"; such a manifest is resumed, its records verified with
 # sha256, and saved as version 2).
 MANIFEST_VERSION = 2
@@ -73,6 +73,7 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
     src, dst = Path(src), Path(dst)
     if workers < 1:
         raise KimiInputError(f"--workers {workers}: expected at least 1")
+    _check_apart(src, dst)
     if ConversionRecord.read(src) is not None:
         raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {CONVERSION_KEY})")
     source = WeightSource(src)
@@ -83,6 +84,15 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
         return job.run(units)
     finally:
         source.close()
+
+
+def _check_apart(src: Path, dst: Path) -> None:
+    """DST must be neither SRC, nor inside it, nor around it: the conversion would write among the files it reads
+    (or, resumed or redone, delete them)."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or s in d.parents or d in s.parents:
+        how = "is SRC" if d == s else "is inside SRC" if s in d.parents else "holds SRC"
+        raise KimiInputError(f"DST {dst}: {how} ({src}); expected a folder apart from the checkpoint it converts")
 
 
 class _Job:
@@ -99,7 +109,7 @@ class _Job:
     # -- the run --------------------------------------------------------------------------------------------------
     def run(self, units: list[schedule.Unit]) -> Result:
         t0 = time.perf_counter()
-        manifest = self._open_dst()
+        manifest = self._open_dst(len(units))
         self._save_manifest(manifest)  # first thing in DST: marks it as a conversion in progress
         todo = [u for u in units if not self._done(u, manifest)]
         self.result.skipped = len(units) - len(todo)
@@ -129,9 +139,12 @@ class _Job:
         self.result.summary = self._summary()
         return self.result
 
-    def _open_dst(self) -> dict:
+    def _open_dst(self, files_total: int) -> dict:
+        # source_dir, workers and files_total let a command that finds DST unfinished say how to resume it
+        # (interrupts.unfinished_conversion)
+        resume = {"source_dir": str(self.src.dir.resolve()), "workers": self.workers, "files_total": files_total}
         fresh = {"manifest_version": MANIFEST_VERSION, "tool_version": __version__, "source": self.fingerprint,
-                 "experts": self.scheme.name, "hash": HASH, "files": {}, "complete": False}
+                 "experts": self.scheme.name, "hash": HASH, "files": {}, "complete": False, **resume}
         if not self.dst.exists():
             self.dst.mkdir(parents=True)
             return fresh
@@ -158,7 +171,7 @@ class _Job:
             stale.unlink()
         # Records keep the hash they were made with; new ones get BLAKE3, under the current manifest version.
         return {**old, "manifest_version": MANIFEST_VERSION, "hash": HASH, "files": old.get("files") or {},
-                "complete": False}
+                "complete": False, **resume}
 
     def _done(self, u: schedule.Unit, manifest: dict) -> bool:
         rec = manifest["files"].get(u.file)
@@ -190,7 +203,7 @@ class _Job:
                 w.abort()
 
     def _save_manifest(self, manifest: dict) -> None:
-        write_small_file(self.dst / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        write_atomically(self.dst / MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
 
     # -- one output file ------------------------------------------------------------------------------------------
     def _convert_unit(self, u: schedule.Unit) -> tuple[ShardWriter, Stats]:
@@ -368,7 +381,7 @@ class _Job:
 def _put(target: Path, data: bytes) -> None:
     """Write a small file unless it already holds `data` (a rerun over a finished DST changes nothing)."""
     if not (target.is_file() and target.read_bytes() == data):
-        write_small_file(target, data)
+        write_atomically(target, data)
 
 
 def _stats_record(s: Stats) -> dict:

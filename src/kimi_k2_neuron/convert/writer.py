@@ -27,7 +27,6 @@ deterministically; nothing else reads it.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -41,13 +40,12 @@ import torch
 from ..checkpoint.direct import PAGE, aligned_empty, is_aligned, open_direct_file, pwrite_fully
 from ..checkpoint.shards import SAFETENSORS_DTYPES
 from ..errors import KimiInputError
+from ..interrupts import fsync_path, is_disk_full, partial_path, write_error
 
 DIE_ENV = "KIMI_K2_NEURON_CONVERT_DIE_AFTER_BYTES"
-PARTIAL_SUFFIX = ".partial"
 HASH = "blake3"  # what new manifest records hold
 HASHES = ("blake3", "sha256")  # what a manifest record may hold (sha256: manifest_version 1)
 _ST_DTYPES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 _QUEUED = 4  # slabs queued per file (a Kimi gate_up slab is 29 MB): enough to ride out a slow write
 _COMMIT, _ABORT = object(), object()
 _FADVISE = hasattr(os, "posix_fadvise")
@@ -55,10 +53,6 @@ _WRITEBACK_STEP = 64 << 20  # file bytes between writeback kicks (without O_DIRE
 _STAGE = 8 << 20  # bytes gathered from unaligned pieces per O_DIRECT write
 _written_in_process = 0
 _die_lock = threading.Lock()
-
-
-def partial_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
 
 
 def header_bytes(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -265,7 +259,7 @@ class ShardWriter:
         self._staged = 0
 
     def _write_error(self, e: OSError) -> KimiInputError:
-        if e.errno in _DISK_FULL:
+        if is_disk_full(e):
             return KimiInputError(f"{self.final.parent}: disk full while writing {self.final.name} "
                                   f"({os.strerror(e.errno)}); free space and rerun to resume")
         return KimiInputError(f"{self.tmp}: cannot write ({e.strerror or e})")
@@ -289,10 +283,9 @@ class ShardWriter:
             os.fsync(self._f.fileno())  # the file's, whichever descriptor wrote: O_DIRECT data too
             self._close()
             os.replace(self.tmp, self.final)
-            fsync_dir(self.final.parent)
+            fsync_path(self.final.parent)
         except OSError as e:
-            what = "disk full" if e.errno in _DISK_FULL else (e.strerror or str(e))
-            raise KimiInputError(f"{self.final}: cannot finish writing ({what})") from None
+            raise KimiInputError(f"{self.final}: cannot finish writing ({write_error(e)})") from None
 
     def _close(self) -> None:
         for f in (self._f, self._direct):
@@ -302,25 +295,3 @@ class ShardWriter:
             except OSError:
                 pass
 
-
-def fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_small_file(path: Path, data: bytes) -> None:
-    """Atomically replace `path` with `data` (temp file, fsync, rename)."""
-    tmp = partial_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            _write_bytes(f, data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        what = "disk full" if e.errno in _DISK_FULL else (e.strerror or str(e))
-        raise KimiInputError(f"{path}: cannot write ({what})") from None

@@ -20,6 +20,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.interrupts import write_atomically
 
 from . import contract
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
@@ -39,7 +40,7 @@ def compile_model(cfg: KimiK2Config, checkpoint: str | Path, out: str | Path, op
     seconds = time.monotonic() - t0
     record = {"checkpoint": str(Path(checkpoint).resolve()), "options": dataclasses.asdict(options),
               "plan": plan_summary, "compile_and_shard_seconds": round(seconds, 1)}
-    (Path(out) / RECORD).write_text(json.dumps(record, indent=2))
+    write_atomically(Path(out) / RECORD, json.dumps(record, indent=2))  # last: marks the folder finished
     logger.info("compiled and pre-sharded in %.1f min -> %s", seconds / 60, out)
     return app
 

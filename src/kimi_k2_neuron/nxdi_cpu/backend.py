@@ -39,34 +39,9 @@ from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
-
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuOptions:
-    """One NxD CPU-mode model: the checkpoint (raw or converted), its expert scheme and the parallel layout."""
-
-    model: str
-    experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_SCHEME for a raw one
-    tp: int = 1
-    ep: int = 1
-    dtype: str = "float32"
-    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
-    presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
-    # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
-    # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
-    moe_prefill: str | None = None
-    continuous_batching: bool = False  # NxDI's, as vllm-neuron runs it (contract.ServeOptions.continuous_batching)
-    # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
-    config: KimiK2Config | None = None
-    record: ConversionRecord | None = None
-
-
-def check(o: CpuOptions) -> None:
-    """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
-    if o.dtype not in DTYPES:
-        raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(DTYPES)}")
-    contract.check_cpu_run(DTYPES[o.dtype], o.tp, o.ep)
+# Re-exported: the options and their SDK-free checks are part of this module's interface.
+from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
+                                             check_request, prefill_mode)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -75,14 +50,7 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = Non
     prefill mode, the sampler's top-k, a batch NxDI's generation adapter would get wrong) before anything is
     converted or a rank starts; a raw checkpoint converted once here rather than by every rank; and the converted
     checkpoint's config and record carried in o, so that nothing reads them again."""
-    check(o)
-    cfg = KimiK2Config.from_file(o.model)
-    contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
-                                   prefill_mode(cfg, o, seq_len * batch))
-    if sampling is not None:
-        contract.check_top_k(sampling["top_k"])
-    if prompts is not None:
-        contract.check_prompt_lengths([len(r) for r in prompts])
+    cfg = check_request(o, seq_len, batch, sampling, prompts)
     record = ConversionRecord.of(cfg)
     path = Path(o.model)
     if record is None:
@@ -90,12 +58,6 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = Non
         cfg = KimiK2Config.from_file(path)  # the converted checkpoint's, a new file
     experts_for(record, o.experts)  # refuses another scheme than the converted checkpoint holds
     return dataclasses.replace(o, model=str(path), config=cfg, record=record)
-
-
-def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
-    """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
-    LNC=2), else "torch": tiny configs are below the kernels' shapes."""
-    return o.moe_prefill if o.moe_prefill is not None else moe_paths.default_mode(cfg, o.tp, o.ep, 2, tokens)
 
 
 def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
@@ -335,37 +297,12 @@ def _logits_job(rank: int, o: CpuOptions, rows, prefill_len):
 
 # -- generation --------------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Generation:
-    """One batch to generate: token-id prompts and how (scripts/run_inference.py's and `generate`'s flags)."""
-
-    rows: list[list[int]]
-    stop_ids: tuple[int, ...]
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 1
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()  # stop strings, decoded with the tokenizer of `tokenizer_dir`
-    tokenizer_dir: str | None = None
-
-    @property
-    def sampling(self) -> dict:
-        """The on-device sampler's settings, as compile_and_save sets them (its top-k caps the per-call one)."""
-        return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p, "temperature": self.temperature}
-
-
 def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
     """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks, and
     the report of the paths taken (MoEPaths). `stream` (TP=1 only: ranks are other processes) receives row 0's text
     as it comes."""
-    o = prepare(o, _generation_seq_len(g), len(g.rows), g.sampling, g.rows)
+    o = prepare(o, g.seq_len, len(g.rows), g.sampling, g.rows)
     return run(o, _generate_job, g, stream if o.tp == 1 else None)
-
-
-def _generation_seq_len(g: Generation) -> int:
-    return max(len(r) for r in g.rows) + g.max_new_tokens
 
 
 def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
@@ -375,7 +312,7 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
-    app = build(o, seq_len=_generation_seq_len(g), batch=len(g.rows), sampling=g.sampling)
+    app = build(o, seq_len=g.seq_len, batch=len(g.rows), sampling=g.sampling)
     tok = KimiTokenizer.from_dir(g.tokenizer_dir) if g.tokenizer_dir else None
     decode = partial(reply_text, tok) if tok else None
     paths = MoEPaths(app)

@@ -10,6 +10,7 @@ Nothing from kimi_k2_neuron is used to read or dequantize the checkpoint here.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -104,10 +105,12 @@ def hf_logits(model, rows: list[list[int]], prefill_len: int | None = None) -> t
     """Prefill the first K tokens in one call, then feed the rest one at a time through HF's KV cache."""
     ids = torch.tensor(rows)
     k = ids.shape[1] if prefill_len is None else prefill_len
+    # transformers 5.x names the KV cache `cache` (past_key_values still works, with a deprecation warning per call)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(ids[:, :k], use_cache=True)
-    logits, past = [out.logits.float()], out.past_key_values
+    logits, past = [out.logits.float()], getattr(out, key)
     for t in range(k, ids.shape[1]):
-        out = model(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+        out = model(ids[:, t:t + 1], **{key: past}, use_cache=True)
         logits.append(out.logits.float())
-        past = out.past_key_values
+        past = getattr(out, key)
     return torch.cat(logits, dim=1)

@@ -1,0 +1,224 @@
+"""How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
+code 130 / 143 (run_command); output files appear under their name only when complete (atomic_output,
+write_atomically: temp file, fsync, rename); and a conversion that did not finish is recognised, with the command
+that resumes it (unfinished_conversion).
+
+Stdlib only: every command and script installs its signal handling before importing torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from .errors import KimiInputError
+
+STOPPING = (signal.SIGINT, signal.SIGTERM)
+# The converter's record of a run, the first file it writes into DST (convert/converter.py owns its contents).
+MANIFEST = "conversion_manifest.json"
+PARTIAL_SUFFIX = ".partial"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread so that clean-up (finally blocks, context managers) runs; str()
+    is one line, `exit_code` 128 + the signal number. A command may add a `hint` (what was kept, how to resume)."""
+
+    def __init__(self, signum: int, hint: str = ""):
+        super().__init__(signum)
+        self.signum, self.hint = signum, hint
+        self.exit_code = 128 + signum
+
+    def __str__(self) -> str:
+        return f"interrupted by {signal.Signals(self.signum).name}" + (f"; {self.hint}" if self.hint else "")
+
+
+def run_command(main, argv=None) -> int:
+    """main(argv) with SIGINT and SIGTERM raising Interrupted; an interrupt ends with one `error: interrupted by
+    SIG...` line on stderr and exit code 130 / 143, no traceback. A second signal while the first one's clean-up
+    runs ends the process at once (still one line). argv None means the process's own command line: the handlers
+    then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
+    output already flushed); otherwise (tests calling main in-process) the previous handlers come back."""
+    handlers = _install() if threading.current_thread() is threading.main_thread() else None
+    try:
+        return main(argv)
+    except KeyboardInterrupt as e:  # Interrupted, or the default SIGINT handler's before ours was installed
+        e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        if handlers is not None:
+            if argv is None:
+                for stream in (sys.stdout, sys.stderr):
+                    _flush(stream)
+                for s in STOPPING:
+                    signal.signal(s, _exit_now)
+            else:
+                for s, h in handlers.items():
+                    signal.signal(s, h)
+
+
+def _install() -> dict:
+    return {s: signal.signal(s, _raise_interrupted) for s in STOPPING}
+
+
+def _raise_interrupted(signum, frame):
+    for s in STOPPING:  # the clean-up this exception runs may take a moment: a second signal stops it short
+        signal.signal(s, _exit_now)
+    raise Interrupted(signum)
+
+
+def _exit_now(signum, frame):
+    os.write(2, f"error: interrupted by {signal.Signals(signum).name} again; stopped without cleaning up\n".encode())
+    os._exit(128 + signum)
+
+
+def _flush(stream) -> None:
+    try:
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
+@contextmanager
+def ignored_signals():
+    """SIGINT and SIGTERM ignored inside the block (main thread only): a clean-up that must not be cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# -- output files: complete under their name, or absent ------------------------------------------------------------
+
+
+def partial_path(final: Path) -> Path:
+    """Where a file is written before it is renamed to `final`: hidden, beside it, marked partial."""
+    return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+@contextmanager
+def atomic_output(path: str | Path):
+    """Yields a temporary path beside `path` to write to; once the block ends without an error the file is fsynced
+    and renamed to `path` (an existing file is replaced), else removed. An interrupted run therefore leaves either
+    the old file or none, never a file that looks complete and is not."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path: str | Path, data: bytes | str) -> None:
+    """Replace `path` with `data` atomically (temp file, fsync, rename); a write error is one line naming the file."""
+    path = Path(path)
+    tmp = partial_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            view = memoryview(data.encode() if isinstance(data, str) else data)
+            while view:
+                view = view[f.write(view):]
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise KimiInputError(f"{path}: cannot write ({write_error(e)})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_error(e: OSError) -> str:
+    """What went wrong in a write, in a few words ("disk full" for ENOSPC and EDQUOT)."""
+    return "disk full" if e.errno in _DISK_FULL else (e.strerror or str(e))
+
+
+def is_disk_full(e: OSError) -> bool:
+    return e.errno in _DISK_FULL
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file, or a folder (after a rename in it, so that the rename survives a crash)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- an unfinished conversion --------------------------------------------------------------------------------------
+
+
+def unfinished_conversion(folder: str | Path) -> str | None:
+    """For a folder an interrupted `kimi-k2-neuron convert` left (its manifest, finished shards, maybe .partial
+    files, but no config.json yet): one line saying so, with the command that resumes it. None for any other
+    folder."""
+    state = _conversion_state(folder)
+    if state is None:
+        return None
+    done, command = state
+    if command is None:
+        return (f"{folder}: an unfinished conversion (no config.json, an unreadable {MANIFEST}); delete it and "
+                f"convert again")
+    return f"{folder}: an unfinished conversion ({done} files done, no config.json yet); resume it with: {command}"
+
+
+def resume_hint(folder: str | Path) -> str:
+    """What an interrupted conversion into `folder` kept and how to resume it ("" when there is nothing to say)."""
+    state = _conversion_state(folder)
+    if state is None or state[1] is None:
+        return ""
+    done, command = state
+    return f"{done} files finished and kept; resume with: {command}"
+
+
+def _conversion_state(folder: str | Path) -> tuple[str, str | None] | None:
+    """("k of n", resume command) of an unfinished conversion in `folder`, (.., None) if its manifest is unreadable,
+    None if it is no unfinished conversion."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file() or (folder / "config.json").exists():
+        return None
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return "?", None
+    if not isinstance(m, dict):
+        return "?", None
+    files = m.get("files") if isinstance(m.get("files"), dict) else {}
+    total = m.get("files_total")
+    return (f"{len(files)} of {total}" if isinstance(total, int) else f"{len(files)}"), resume_command(m, folder)
+
+
+def resume_command(manifest: dict, dst: str | Path) -> str:
+    """The convert command that continues the conversion `manifest` records (SRC where it does not say)."""
+    src = manifest.get("source_dir")
+    experts = manifest.get("experts")
+    words = ["kimi-k2-neuron", "convert", shlex.quote(str(src)) if isinstance(src, str) else "SRC",
+             shlex.quote(str(Path(dst).absolute())), "--experts", str(experts) if isinstance(experts, str) else "E"]
+    workers = manifest.get("workers")
+    if isinstance(workers, int) and workers > 1:
+        words += ["--workers", str(workers)]
+    return " ".join(words)

@@ -1,0 +1,97 @@
+"""What one NxD CPU-mode run is (CpuOptions) and what config.json and the flags alone refuse, without the SDK: the
+commands check a request here before they import NxD, so a refusal is one line with none of NxD's import chatter
+before it (backend.prepare checks again, for callers that come straight to it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats.record import ConversionRecord
+from kimi_k2_neuron.neuron import contract, moe_paths
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuOptions:
+    """One NxD CPU-mode model: the checkpoint (raw or converted), its expert scheme and the parallel layout."""
+
+    model: str
+    experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_SCHEME for a raw one
+    tp: int = 1
+    ep: int = 1
+    dtype: str = "float32"
+    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
+    presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
+    # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
+    # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
+    moe_prefill: str | None = None
+    continuous_batching: bool = False  # NxDI's, as vllm-neuron runs it (contract.ServeOptions.continuous_batching)
+    # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
+    config: KimiK2Config | None = None
+    record: ConversionRecord | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One batch to generate: token-id prompts and how (scripts/run_inference.py's and `generate`'s flags)."""
+
+    rows: list[list[int]]
+    stop_ids: tuple[int, ...]
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 1
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()  # stop strings, decoded with the tokenizer of `tokenizer_dir`
+    tokenizer_dir: str | None = None
+
+    @property
+    def seq_len(self) -> int:
+        """Positions the longest prompt and its new tokens need."""
+        return max(len(r) for r in self.rows) + self.max_new_tokens
+
+    @property
+    def sampling(self) -> dict:
+        """The on-device sampler's settings, as compile_and_save sets them (its top-k caps the per-call one)."""
+        return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p, "temperature": self.temperature}
+
+
+def check(o: CpuOptions) -> None:
+    """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
+    from kimi_k2_neuron.runtime.runner import DTYPES
+
+    if o.dtype not in DTYPES:
+        raise KimiInputError(f"--dtype {o.dtype}: expected one of {', '.join(DTYPES)}")
+    contract.check_cpu_run(DTYPES[o.dtype], o.tp, o.ep)
+
+
+def check_layout(o: CpuOptions) -> KimiK2Config:
+    """What needs no request: the dtype and EP in CPU mode (check), and config.json's heads, vocabulary and widths
+    split o.tp ways. Returns the config read."""
+    check(o)
+    cfg = KimiK2Config.from_file(o.model)
+    contract.check_tp_divides(cfg, o.tp, split_embedding_dim=True)
+    return cfg
+
+
+def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
+                  prompts: list[list[int]] | None = None) -> KimiK2Config:
+    """Everything config.json (raw or converted) and the flags alone refuse for a request of `batch` rows of up to
+    `seq_len` positions: the dtype and EP in CPU mode, the TP split, the prefill mode, the sampler's top-k, a batch
+    NxDI's generation adapter would get wrong. Returns the config read."""
+    cfg = check_layout(o)
+    contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
+                                   prefill_mode(cfg, o, seq_len * batch))
+    if sampling is not None:
+        contract.check_top_k(sampling["top_k"])
+    if prompts is not None:
+        contract.check_prompt_lengths([len(r) for r in prompts])
+    return cfg
+
+
+def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
+    """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
+    LNC=2), else "torch": tiny configs are below the kernels' shapes."""
+    return o.moe_prefill if o.moe_prefill is not None else moe_paths.default_mode(cfg, o.tp, o.ep, 2, tokens)

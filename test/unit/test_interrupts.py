@@ -1,0 +1,253 @@
+"""Ctrl-C and SIGTERM, sent to real processes in the middle of their work: one `error: interrupted by SIG...` line,
+exit code 130 / 143, no traceback, and nothing left that looks complete (no --out file, no config.json, no export
+folder, no temp file). An interrupted conversion is recognised by every command that reads a checkpoint, with the
+command that resumes it; resumed, it finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kimi_k2_neuron import cli, interrupts
+from kimi_k2_neuron.convert.converter import MANIFEST, convert
+from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src"
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+# The child: `target` (module:Class.method or module:function) patched to stop, on its nth call, inside the work: it
+# touches `marker` (the test then sends the signal) and sleeps. Then the command or script runs as from a shell.
+_CHILD = r"""
+import importlib, pathlib, runpy, sys, time
+marker, target, nth, what, *argv = sys.argv[1:]
+module, _, attr = target.partition(":")
+owner = importlib.import_module(module)
+*path, name = attr.split(".")
+for part in path:
+    owner = getattr(owner, part)
+original, calls = getattr(owner, name), [0]
+def paused(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == int(nth):
+        result = original(*args, **kwargs) if target.endswith("save_file") else None  # the file fully written
+        pathlib.Path(marker).touch()
+        time.sleep(120)
+        return result
+    return original(*args, **kwargs)
+setattr(owner, name, paused)
+sys.argv = [what, *argv]
+if what.endswith(".py"):
+    runpy.run_path(what, run_name="__main__")
+else:
+    runpy.run_module(what, run_name="__main__", alter_sys=True)
+"""
+
+
+def interrupt(tmp_path: Path, sig: int, target: str, nth: int, what: str, *argv: str, env=None):
+    """Run `what` (kimi_k2_neuron.cli or a script's path) with argv, send `sig` once it is inside `target`'s nth
+    call; returns (exit code, stdout, stderr)."""
+    marker = tmp_path / f"marker-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), target, str(nth), what, *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # bytes: keep the bars' \r
+                            env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})})
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the process ended before {target} ran {nth} times: {proc.communicate()}"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def shown(stderr: str) -> list[str]:
+    """The stderr lines a terminal shows at the end: progress bars redraw (and clear) their line with \r."""
+    return [line.rsplit("\r", 1)[-1] for line in stderr.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+
+
+def one_interrupt_line(sig: int, rc: int, stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = shown(stderr)
+    name = signal.Signals(sig).name
+    assert rc == CODES[sig] and len(lines) == 1 and lines[0].startswith(f"error: interrupted by {name}"), stderr
+    return lines[0]
+
+
+def no_partial_files(folder: Path) -> None:
+    assert not [p.name for p in folder.iterdir() if p.name.endswith(PARTIAL_SUFFIX)]
+
+
+# -- convert: interrupted, recognised, resumed ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, tiny_dirs, tmp_path, capsys,
+                                                                 one_line_error):
+    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+    rc, out, err = interrupt(tmp_path, sig, "kimi_k2_neuron.convert.converter:_Job._convert_unit", 3,
+                             "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise")
+    resume = f"kimi-k2-neuron convert {src} {dst} --experts fp8-blockwise"
+    line = one_interrupt_line(sig, rc, err)
+    assert line.endswith(f"2 of 5 files finished and kept; resume with: {resume}"), line
+    assert out == ""
+    assert not (dst / "config.json").exists()  # nothing says "a finished checkpoint"
+    no_partial_files(dst)
+    # Every later command that reads it says what it is and how to finish it.
+    rc, _, err = run_cli(["logits", "--model", str(dst), "--input-ids", "1,2", "--out", str(tmp_path / "l")], capsys)
+    one_line_error.exit(rc, err, f"{dst}: an unfinished conversion (2 of 5 files done", f"resume it with: {resume}")
+    assert convert(src, dst, "fp8-blockwise", progress=False).skipped == 2
+    assert (dst / "config.json").is_file()
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    rc = cli.main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _unfinished(tmp_path: Path, manifest: dict | str) -> Path:
+    d = tmp_path / "half"
+    d.mkdir(parents=True)
+    (d / MANIFEST).write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    (d / "model-00001-of-00005.safetensors").write_bytes(b"")
+    return d
+
+
+HALF = {"source_dir": "/data/Kimi K2", "experts": "fp8-blockwise", "workers": 2, "files_total": 5,
+        "files": {"model-00001-of-00005.safetensors": {}}}
+RESUME = "kimi-k2-neuron convert '/data/Kimi K2' {dst} --experts fp8-blockwise --workers 2"
+SCRIPTS = REPO / "scripts"
+
+
+@pytest.mark.parametrize("argv", [
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--model", "{d}", "--input-ids", "1", "--out", "{t}/l"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--model", "{d}", "--prompt", "hi"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--model", "{d}", "--prompt", "hi", "--backend",
+     "nxdi-cpu"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "plan", "--model", "{d}", "--tp", "64", "--seq-len", "8"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "convert", "{d}", "{t}/again", "--experts", "fp8-blockwise"],
+    [sys.executable, "-m", "kimi_k2_neuron.cli", "trace-cpu", "--model", "{d}", "--submodel", "token"],
+    [sys.executable, str(SCRIPTS / "compile_and_save.py"), "--model", "{d}", "--out", "{t}/c", "--tp", "64"],
+    [sys.executable, str(SCRIPTS / "run_inference.py"), "--cpu", "--model", "{d}", "--prompt", "hi"],
+    [sys.executable, str(SCRIPTS / "bench_tpot.py"), "--cpu", "--model", "{d}"],
+], ids=["logits", "generate", "generate nxdi-cpu", "plan", "convert", "trace-cpu", "compile_and_save",
+        "run_inference --cpu", "bench_tpot --cpu"])
+def test_every_command_that_reads_a_checkpoint_recognises_an_unfinished_conversion(argv, tmp_path, one_line_error):
+    d = _unfinished(tmp_path, HALF)
+    argv = [a.format(d=d, t=tmp_path) for a in argv]
+    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    one_line_error.exit(r.returncode, r.stderr, f"{d}: an unfinished conversion (1 of 5 files done, no config.json",
+                        RESUME.format(dst=d))
+
+
+def test_an_unreadable_manifest_still_says_unfinished(tmp_path, one_line_error):
+    from kimi_k2_neuron.config import KimiK2Config
+
+    d = _unfinished(tmp_path, "{not json")
+    one_line_error(lambda: KimiK2Config.from_file(d), "an unfinished conversion", "delete it and convert again")
+    # a manifest from before it recorded its source: the command with SRC to fill in
+    old = _unfinished(tmp_path / "old", {"experts": "bf16", "files": {}})
+    assert interrupts.unfinished_conversion(old).endswith(f"resume it with: kimi-k2-neuron convert SRC "
+                                                          f"{old} --experts bf16")
+    assert interrupts.unfinished_conversion(tmp_path) is None  # no manifest: not a conversion at all
+
+
+# -- logits, generate, demo ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sig, target, nth", [
+    (signal.SIGTERM, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 2),
+    # the logits complete in the temp file, not yet renamed: the interrupt removes it
+    (signal.SIGINT, "safetensors.torch:save_file", 1),
+], ids=["mid-forward", "while writing"])
+def test_interrupted_logits_leave_no_file(sig, target, nth, tiny_dirs, tmp_path):
+    out = tmp_path / "out" / "l.safetensors"
+    out.parent.mkdir()
+    rc, stdout, err = interrupt(tmp_path, sig, target, nth, "kimi_k2_neuron.cli", "logits", "--model",
+                                str(tiny_dirs["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
+    one_interrupt_line(sig, rc, err)
+    assert stdout == "" and list(out.parent.iterdir()) == []
+
+
+def test_generate_interrupted_mid_decode(tiny_dirs, tmp_path):
+    rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 5,
+                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny_dirs["fp8"]), "--prompt", "hi",
+                             "--max-new-tokens", "8")
+    one_interrupt_line(signal.SIGINT, rc, err)
+    assert out == ""
+
+
+def test_demo_interrupted(tmp_path):
+    rc, _, err = interrupt(tmp_path, signal.SIGTERM, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 2,
+                           "kimi_k2_neuron.cli", "demo", env={"KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")})
+    one_interrupt_line(signal.SIGTERM, rc, err)
+
+
+# -- scripts -------------------------------------------------------------------------------------------------------
+
+
+def test_bench_mla_decode_interrupted(tiny_dirs, tmp_path):
+    rc, _, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.model.mla:MLAttention.forward", 2,
+                           str(SCRIPTS / "bench_mla_decode.py"), "--config", str(tiny_dirs["fp8"] / "config.json"),
+                           "--contexts", "64", "--repeats", "1")
+    one_interrupt_line(signal.SIGINT, rc, err)
+
+
+def test_export_contrib_interrupted_keeps_the_earlier_export(tmp_path):
+    """An export cut short leaves the earlier one as it was (or none), and no hidden half-copy beside it."""
+    dest = tmp_path / "Kimi-K2"
+    r = subprocess.run([sys.executable, str(SCRIPTS / "export_contrib.py"), str(dest)], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert r.returncode == 0, r.stderr
+    before = sorted(p.relative_to(dest) for p in dest.rglob("*"))
+    (dest / "earlier").write_text("")  # stale: a finished new export would remove it
+    rc, _, err = interrupt(tmp_path, signal.SIGTERM, "shutil:copyfile", 3, str(SCRIPTS / "export_contrib.py"),
+                           str(dest))
+    one_interrupt_line(signal.SIGTERM, rc, err)
+    assert (dest / "earlier").exists() and sorted(p.relative_to(dest) for p in dest.rglob("*")) == sorted(
+        before + [Path("earlier")])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    shutil.rmtree(dest)
+
+
+# -- run_command in-process ----------------------------------------------------------------------------------------
+
+
+def test_run_command_in_process_gives_back_the_handlers(capsys):
+    def main(argv):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # not reached: the handler raises inside the sleep
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert interrupts.run_command(main, []) == 143
+    assert capsys.readouterr().err == "error: interrupted by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_bench_convert_interrupted_stops_its_child_and_removes_its_files(tmp_path):
+    """Ctrl-C while the child process builds the synthetic checkpoint (the parent polls its memory meanwhile): the
+    child, in a session of its own, is killed, and the benchmark's folder under /tmp goes with it."""
+    before = set(Path("/tmp").glob("bench_convert.*"))
+    rc, _, err = interrupt(tmp_path, signal.SIGINT, "psutil:Process.memory_info", 3,
+                           str(SCRIPTS / "bench_convert.py"), "--layers", "1", "--experts", "1")
+    one_interrupt_line(signal.SIGINT, rc, err)
+    assert set(Path("/tmp").glob("bench_convert.*")) == before
+
+
+def test_check_nxdi_api_interrupted(tmp_path):
+    """Needs the NxD/NxDI sources the nxdi-cpu venv unpacks (docs/nxdi_on_cpu.md); the script reads them only."""
+    sources = Path.home() / ".cache/kimi-k2-neuron/nxdi-cpu-venv/nxdi-cpu-src"
+    if not (sources / "nxdi").is_dir():
+        pytest.skip(f"no NxD/NxDI sources in {sources}")
+    rc, _, err = interrupt(tmp_path, signal.SIGTERM, "ast:parse", 5, str(SCRIPTS / "check_nxdi_api.py"),
+                           "--nxdi", str(sources / "nxdi"), "--nxd", str(sources / "nxd"))
+    one_interrupt_line(signal.SIGTERM, rc, err)
