@@ -5,11 +5,17 @@ context-encoding and token-generation submodels. TPOT is the per-call latency of
 decode step for the whole batch) and TTFT the per-call latency of the context-encoding model, each as p50/p90/p99.
 Nothing here divides a total time by a token count. Writes a JSON report.
 
+--context-lengths L,L,... measures decode latency at each filled context length instead: per L, one generation of
+--decode-steps tokens after a prefill of L tokens, timed with the same NxDI latency hooks on the submodels (one warm-up
+generation first, as benchmark_sampling does); the report holds one entry per L. benchmark_sampling itself cannot do
+this: it takes its prompt length from the config (max_context_length, or half of it).
+
 --cpu runs the same benchmark on the NxDI model in NxD's CPU mode, built from --model for --seq-len and --batch: it
 exercises the runner end to end, and its report says `"device": "cpu"`; its latencies say nothing about trn2.
 
 Examples:
   python scripts/bench_tpot.py --compiled /data/compiled/tp64-s1024-b1 --num-runs 20 --report tpot.json
+  python scripts/bench_tpot.py --compiled /data/compiled/tp64-s262144 --context-lengths 1024,8192,32768,131072
   python scripts/bench_tpot.py --cpu --model ~/.cache/kimi-k2-neuron/tiny-fp8 --seq-len 64 --num-runs 3
 
 Arguments are parsed and checked before the Neuron SDK is imported, so --help and bad flags answer without it.
@@ -30,10 +36,32 @@ from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_c
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
+DEFAULT_NUM_RUNS, DEFAULT_DECODE_STEPS = 20, 32
+
+
+def lengths(text: str) -> list[int]:
+    """type= for --context-lengths: comma-separated integers >= 2 (a prompt has at least two tokens)."""
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 2, got {text!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     add_compiled_args(p)
-    p.add_argument("--num-runs", type=integer(1), default=20, help="measured generations after one warm-up")
+    p.add_argument("--num-runs", type=integer(1), default=None,
+                   help=f"measured generations after one warm-up (default: {DEFAULT_NUM_RUNS}; not with "
+                        f"--context-lengths)")
+    p.add_argument("--context-lengths", type=lengths, default=None, metavar="L,L,...",
+                   help="decode latency at each filled context length: per L a prefill of L tokens, then "
+                        "--decode-steps timed decode steps; each L <= the prefill bucket and <= seq_len - steps - 1 "
+                        "(default: off, NxDI's benchmark_sampling at the config's prompt length)")
+    p.add_argument("--decode-steps", type=integer(1), default=None,
+                   help=f"with --context-lengths: decode steps timed at each length (default: {DEFAULT_DECODE_STEPS})")
     p.add_argument("--report", default="bench_tpot.json", help="JSON report path")
     p.add_argument("--seq-len", type=integer(2), default=None, help="with --cpu: KV cache length (default: 128)")
     p.add_argument("--batch", type=integer(1), default=None, help="with --cpu: sequences per call (default: 1)")
@@ -64,11 +92,38 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
 def _check_flags(args: argparse.Namespace) -> None:
     if not args.cpu and (args.seq_len or args.batch):
         raise KimiInputError("--seq-len/--batch: only with --cpu (a compiled folder has its own)")
+    if args.context_lengths is None and args.decode_steps is not None:
+        raise KimiInputError("--decode-steps: only with --context-lengths")
+    if args.context_lengths is not None and args.num_runs is not None:
+        raise KimiInputError("--num-runs: not with --context-lengths (each length times --decode-steps decode steps "
+                             "after one prefill)")
     check_out_file(args.report, "--report")  # before the benchmark, not after it
     if args.cpu:  # what config.json decides for this length and batch, before NxD is imported
         from kimi_k2_neuron.nxdi_cpu.options import check_request
 
-        check_request(cpu_options(args), *_cpu_shape(args))
+        seq_len, batch = _cpu_shape(args)
+        # a CPU run compiles one prefill bucket of seq_len (kimi_k2_neuron.nxdi_cpu.backend)
+        _check_lengths(args, seq_len, seq_len, f"--seq-len {seq_len}")
+        check_request(cpu_options(args), seq_len, batch)
+
+
+def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str) -> None:
+    """Each --context-lengths L prefilled in one call (L <= the prefill bucket) and followed by --decode-steps steps
+    inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len."""
+    if args.context_lengths is None:
+        return
+    steps = _decode_steps(args)
+    for n in args.context_lengths:
+        if n > context_len:
+            raise KimiInputError(f"--context-lengths {n}: above the prefill bucket of {context_len} tokens "
+                                 f"({source}); a one-shot prefill holds at most {context_len}")
+        if n + steps + 1 > seq_len:
+            raise KimiInputError(f"--context-lengths {n}: with --decode-steps {steps} at most {seq_len - steps - 1} "
+                                 f"(seq_len {seq_len}, {source}, holds the prompt, the prefill's token and the steps)")
+
+
+def _decode_steps(args: argparse.Namespace) -> int:
+    return args.decode_steps or DEFAULT_DECODE_STEPS
 
 
 def _cpu_shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -87,31 +142,95 @@ def main(argv=None) -> int:
         return fail(e)
     except RanksError as e:
         return fail(e, e.exit_code)
-    report = summarize(raw, meta["batch"], {**meta, "num_runs": args.num_runs, "nxdi_report": raw})
+    where = " in NxD's CPU mode, not a trn2 number" if args.cpu else ""
+    if args.context_lengths is None:
+        report = summarize(raw, meta["batch"], {**meta, "num_runs": args.num_runs or DEFAULT_NUM_RUNS,
+                                                "nxdi_report": raw})
+        lines = [_line(report, meta["batch"], where)] if report["tpot_ms"] else []
+    else:
+        per_length = [summarize(r, meta["batch"], {"context_length": n, "decode_steps": _decode_steps(args),
+                                                   "method": SWEEP_METHOD, "nxdi_report": r})
+                      for n, r in zip(args.context_lengths, raw)]
+        report = {**meta, "method": SWEEP_METHOD, "decode_steps": _decode_steps(args), "context_lengths": per_length}
+        lines = [f"context {e['context_length']}: " + _line(e, meta["batch"], where) for e in per_length]
     write_atomically(args.report, json.dumps(report, indent=2, default=float))
-    t = report["tpot_ms"]
-    if t:
-        where = " in NxD's CPU mode, not a trn2 number" if args.cpu else ""
-        print(f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {meta['batch']}); "
-              f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms{where} -> {args.report}")
+    for line in lines:
+        print(f"{line} -> {args.report}")
     return 0
 
 
-def _compiled(args) -> tuple[dict, dict]:
+def _line(report: dict, batch: int, where: str) -> str:
+    t = report["tpot_ms"]
+    return (f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {batch}); "
+            f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms{where}")
+
+
+SWEEP_METHOD = ("per context length: one generation of a prefill and --decode-steps decode steps, NxDI's latency hooks "
+                "on the submodels (utils.benchmark's register_latency_collectors and generate_report)")
+
+
+def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[dict]:
+    """NxDI's per-submodel latency reports ({submodel: generate_report(...)}, and timed_calls: {submodel: calls}) of
+    one generation at each prompt length: a prefill of n random token ids (the batch's rows different, seeded) and
+    `steps` decode steps, greedy, no stop token. One generation first at the shortest length, untimed
+    (benchmark_sampling's warm-up); the hooks are NxDI's own, registered after it."""
+    import torch
+    from neuronx_distributed_inference.utils.benchmark import (LatencyCollector, create_submodule_latency_collectors,
+                                                               generate_report, register_latency_collectors)
+    from tqdm import tqdm
+
+    from kimi_k2_neuron.neuron.serving import generate_ids
+
+    batch, vocab = app.neuron_config.max_batch_size, app.config.vocab_size
+    ids = torch.Generator().manual_seed(0)
+
+    def generate(n: int, new: int) -> list[list[int]]:
+        app.reset()  # a new batch: prefill again (benchmark_sampling's preprocess_func)
+        rows = torch.randint(0, vocab, (batch, n), generator=ids).tolist()
+        return generate_ids(app, rows, set(), max_new_tokens=new)
+
+    generate(min(lengths), 2)
+    collectors = create_submodule_latency_collectors(app)
+    register_latency_collectors(collectors, app)
+    reports = []
+    for n in tqdm(lengths, desc="context lengths", unit="length", disable=not progress):
+        for c in collectors.values():
+            c.latency_list.clear()
+        e2e = LatencyCollector()
+        e2e.pre_hook()
+        out = generate(n, steps + 1)  # the prefill gives the first new token, each decode step one more
+        e2e.hook()
+        if any(len(row) != steps + 1 for row in out):
+            raise RuntimeError(f"context {n}: generated {[len(r) for r in out]} tokens, expected {steps + 1} per row")
+        tokens = {"context_encoding_model": n, "token_generation_model": steps}
+        report = {k: generate_report(c.latency_list, tokens.get(k, 0), batch, n_runs=1) for k, c in collectors.items()}
+        report["e2e_model"] = generate_report(e2e.latency_list, n + steps + 1, batch, n_runs=1)
+        report["timed_calls"] = {k: len(c.latency_list) for k, c in collectors.items()}
+        reports.append(report)
+    return reports
+
+
+def _compiled(args) -> tuple[dict | list[dict], dict]:
     from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     from transformers import GenerationConfig
 
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     from kimi_k2_neuron.neuron.serving import load_compiled, read_compiled_record
 
     record = read_compiled_record(args.compiled)
+    compiled = KimiK2InferenceConfig.load(str(args.compiled)).neuron_config  # its lengths, before the load
+    _check_lengths(args, compiled.seq_len, compiled.max_context_length, f"the compiled {args.compiled}")
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
-    # Greedy, no EOS: every run decodes to max_length (benchmark_sampling drops EOS itself only with on-device
-    # sampling, NXDI_CONTRACT.md: benchmark-sampling).
-    gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
-    with tempfile.TemporaryDirectory() as d:
-        raw = benchmark_sampling(app, None, gen, target="all", num_runs=args.num_runs,
-                                 benchmark_report_path=str(Path(d) / "nxdi.json"))
+    if args.context_lengths is not None:
+        raw = sweep(app, args.context_lengths, _decode_steps(args))
+    else:
+        # Greedy, no EOS: every run decodes to max_length (benchmark_sampling drops EOS itself only with on-device
+        # sampling, NXDI_CONTRACT.md: benchmark-sampling).
+        gen = GenerationConfig(do_sample=False, top_k=1, top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=0)
+        with tempfile.TemporaryDirectory() as d:
+            raw = benchmark_sampling(app, None, gen, target="all", num_runs=args.num_runs or DEFAULT_NUM_RUNS,
+                                     benchmark_report_path=str(Path(d) / "nxdi.json"))
     return raw, {"device": "trn2", "compiled": str(args.compiled), "options": record.get("options"),
                  "tp": nc.tp_degree, "batch": nc.max_batch_size, "seq_len": nc.seq_len,
                  "max_context_length": nc.max_context_length}
@@ -121,10 +240,22 @@ def _cpu(args) -> tuple[dict, dict]:
     from kimi_k2_neuron.nxdi_cpu import backend
 
     seq_len, batch = _cpu_shape(args)
-    raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs)
+    if args.context_lengths is not None:
+        o = backend.prepare(cpu_options(args), seq_len, batch, backend._BENCH_SAMPLING)
+        raw = backend.run(o, _sweep_job, seq_len, batch, args.context_lengths, _decode_steps(args))
+    else:
+        raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs or DEFAULT_NUM_RUNS)
     return raw, {"device": "cpu", "note": "NxD's CPU mode on this host: exercises the runner, not a trn2 latency",
                  "model": str(args.model), "tp": args.tp, "batch": batch, "seq_len": seq_len,
                  "max_context_length": seq_len}
+
+
+def _sweep_job(rank: int, o, seq_len: int, batch: int, lengths: list[int], steps: int) -> list[dict]:
+    """sweep() on the NxDI model in NxD's CPU mode, at one rank (backend.run spawns the others at --tp > 1)."""
+    from kimi_k2_neuron.nxdi_cpu import backend
+
+    app = backend.build(o, seq_len=seq_len, batch=batch, sampling=backend._BENCH_SAMPLING)
+    return sweep(app, lengths, steps, progress=rank == 0)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,33 @@ def test_bench_tpot_cpu_writes_a_report_marked_cpu(tiny, env, tmp_path):
     assert "in NxD's CPU mode, not a trn2 number" in r.stdout
 
 
+def test_bench_tpot_cpu_sweeps_context_lengths(tiny, env, tmp_path):
+    """--context-lengths: one entry per length, each from a prefill of that length (one context-encoding call) and
+    exactly --decode-steps token-generation calls, timed by NxDI's hooks."""
+    r = _run(["--cpu", "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths", "8,24", "--decode-steps",
+              "4", "--report", str(tmp_path / "b.json")], env, "bench_tpot.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["device"] == "cpu" and "not a trn2 latency" in report["note"] and report["decode_steps"] == 4
+    assert [e["context_length"] for e in report["context_lengths"]] == [8, 24]
+    for e in report["context_lengths"]:
+        assert e["nxdi_report"]["timed_calls"] == {"context_encoding_model": 1, "token_generation_model": 4}
+        assert e["tpot_ms"]["p50"] > 0 and e["ttft_ms"]["p50"] > 0
+    lines = r.stdout.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["context 8", "context 24"]
+    assert all("in NxD's CPU mode, not a trn2 number" in line for line in lines)
+
+
+def test_bench_tpot_refuses_a_context_length_the_cache_cannot_hold(tiny, env, tmp_path):
+    r = _run(["--cpu", "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths", "8,28", "--decode-steps",
+              "4", "--report", str(tmp_path / "b.json")], env, "bench_tpot.py")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines()[-1] == ("error: --context-lengths 28: with --decode-steps 4 at most 27 "
+                                                 "(seq_len 32, --seq-len 32, holds the prompt, the prefill's token "
+                                                 "and the steps)")
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "cache" / "converted").exists()
+
+
 def test_a_stop_string_ends_rows_as_on_the_core(tiny, env):
     """NxDI's adapter pads a row that has finished while the other goes on: the row ends where its stop string
     completed, as on the core runner, with no pad ids after it."""
