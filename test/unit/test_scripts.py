@@ -173,6 +173,22 @@ def test_bench_tpot_checks_its_report_path_before_the_benchmark(tmp_path, capsys
     one_line_error.exit(rc, capsys.readouterr().err, "--report /nonexistent/dir/r.json", "existing folder")
 
 
+def test_bench_tpot_refuses_context_lengths_the_compiled_lengths_cannot_hold():
+    """Each length is one prefill (at most the prefill bucket) followed by --decode-steps steps inside the cache (the
+    prefill's token at L, the steps after it): L + steps + 1 <= seq_len. The compiled path checks this with its
+    neuron_config before loading, --cpu with --seq-len before NxD is imported (test/nxdi_cpu)."""
+    check = script_module("bench_tpot")._check_lengths
+    args = SimpleNamespace(context_lengths=[1024, 8192], decode_steps=None)  # the default: 32 steps
+    check(args, 8192 + 33, 8192, "the compiled c")  # both fit exactly
+    with pytest.raises(KimiInputError, match=r"^--context-lengths 8192: with --decode-steps 32 at most 8159 \(seq_len "
+                                             r"8192, the compiled c,"):
+        check(args, 8192, 8192, "the compiled c")
+    with pytest.raises(KimiInputError, match=r"^--context-lengths 8192: above the prefill bucket of 4096 tokens \(the "
+                                             r"compiled c\); a one-shot prefill holds at most 4096$"):
+        check(args, 65536, 4096, "the compiled c")
+    check(SimpleNamespace(context_lengths=None, decode_steps=None), 2, 2, "x")  # nothing to check without the flag
+
+
 def test_the_host_check_names_the_disk_and_the_ram_it_needs(tmp_path, monkeypatch):
     """Before hours of work: free disk where --out goes for the pre-sharded weights (+10 % for the NEFFs), and host
     RAM for NxDI's load(), which reads every rank's file whole."""
@@ -279,6 +295,14 @@ SCRIPT_BAD_ARGS = [
     ("bench_tpot", ["--compiled", "{tmp}", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
     ("bench_tpot", ["--cpu", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
     ("bench_tpot", ["--compiled", "{tmp}", "--tp", "2"], "--tp: only with --cpu"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "abc"],
+     "--context-lengths: expected comma-separated integers >= 2, got 'abc'"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "1024,1"],
+     "--context-lengths: expected comma-separated integers >= 2, got '1024,1'"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "64,"], "--context-lengths: expected comma-separated"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--decode-steps", "8"], "--decode-steps: only with --context-lengths"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "64", "--num-runs", "3"],
+     "--num-runs: not with --context-lengths"),
     ("check_nxdi_api", ["--nxdi", "/nonexistent", "--nxd", "/nonexistent"],
      "--nxdi /nonexistent: expected a neuronx-distributed-inference checkout"),
     ("check_nxdi_api", ["--nxdi", "{tmp}", "--nxd", "{tmp}"], "expected a neuronx-distributed-inference checkout"),
