@@ -112,6 +112,50 @@ def test_coherence(served):
             assert not _degenerate(ids), f"degenerate output for {question!r}: {text!r}"
 
 
+NEEDLE = "VIOLET-OTTER-5293"
+NEEDLE_PROMPT_TOKENS = 3000  # filler around the needle: "a few thousand tokens" (issue 17)
+NEEDLE_NEW_TOKENS = 64
+
+
+def _filler(i: int) -> str:
+    """Sentence i of the haystack: plain facts that vary (no two sentences alike) and never name a passphrase."""
+    rivers = ("calm", "high", "low", "muddy", "frozen", "fast")
+    return (f"On day {i + 1} the market in the village of Hollow {i % 23 + 1} sold {(37 * i) % 91 + 5} baskets of "
+            f"apples, the river there was {rivers[i % len(rivers)]}, and {(13 * i) % 17 + 2} boats came in. ")
+
+
+def needle_prompt(tokenizer, tokens: int) -> str:
+    """At least `tokens` tokens of filler with one sentence stating the passphrase at half depth, then the question."""
+    sentences: list[str] = []
+    while len(tokenizer.encode("".join(sentences), allow_special=False)) < tokens:
+        sentences += [_filler(len(sentences) + k) for k in range(20)]
+    sentences.insert(len(sentences) // 2, f"Remember this: the passphrase for the old lighthouse vault is {NEEDLE}. ")
+    return ("Read the following notes.\n\n" + "".join(sentences) +
+            "\n\nWhat is the passphrase for the old lighthouse vault? Reply with the passphrase only.")
+
+
+def test_needle_in_a_long_prompt(served):
+    """Long-prompt coherence: a passphrase stated once in the middle of ~3,000 tokens of filler, asked for at the end,
+    greedy; the reply holds it. The prompt is one prefill, so it needs a compiled prefill bucket and seq_len that hold
+    it and the reply (else skipped, saying what to compile)."""
+    if served.mini:
+        pytest.skip("the mini model has random weights")
+    from kimi_k2_neuron.neuron.serving import generate_ids
+    from kimi_k2_neuron.runtime.chat import prompt_ids, reply_text
+
+    nc, tok = served.app.neuron_config, served.tokenizer
+    (row,) = prompt_ids(tok, [needle_prompt(tok, NEEDLE_PROMPT_TOKENS)])
+    if len(row) > nc.max_context_length or len(row) + NEEDLE_NEW_TOKENS > nc.seq_len:
+        pytest.skip(f"the needle prompt is {len(row)} tokens + {NEEDLE_NEW_TOKENS} new; compiled with a prefill "
+                    f"bucket of {nc.max_context_length} and seq_len {nc.seq_len} (compile with --seq-len >= "
+                    f"{len(row) + NEEDLE_NEW_TOKENS})")
+    (ids,) = generate_ids(served.app, [row], tok.stop_ids(served.cfg.eos_token_ids), max_new_tokens=NEEDLE_NEW_TOKENS)
+    text = reply_text(tok, ids)
+    print(f"needle at {len(row)} prompt tokens -> {text!r}")
+    assert NEEDLE.lower() in text.lower(), f"{len(row)}-token prompt -> {text!r}"
+    assert not _degenerate(ids), text
+
+
 def test_tpot_decode_only(served, tmp_path):
     """TPOT as NxDI measures it: the latency of each token-generation call (benchmark.py:397-430, 496-513), as
     p50/p90/p99 and apart from prefill (TTFT); never total time over tokens. Threshold: KIMI_K2_TPOT_MAX_MS.
