@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail, integer
+from kimi_k2_neuron.arguments import fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import host_memory_available, script_parser
@@ -30,21 +30,11 @@ DEFAULT_CONFIG = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
 DTYPES = ("float32", "bfloat16")  # names of kimi_k2_neuron.runtime.runner.DTYPES this benchmark offers
 
 
-def contexts(text: str) -> list[int]:
-    """type= for --contexts: comma-separated integers >= 1."""
-    try:
-        values = [int(c) for c in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="FILE", help="Kimi-K2 config.json")
-    p.add_argument("--contexts", type=contexts, default=[4096, 32768], metavar="T,T,...",
+    p.add_argument("--contexts", type=integers(1), default=[4096, 32768], metavar="T,T,...",
                    help="comma-separated cached lengths (default: 4096,32768)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/cache/compute")
     p.add_argument("--repeats", type=integer(1), default=5, metavar="N", help="timed runs per path, median reported")

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_file, fail, integer
+from kimi_k2_neuron.arguments import check_out_file, fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
@@ -39,16 +39,6 @@ from kimi_k2_neuron.runtime.ranks import RanksError
 DEFAULT_NUM_RUNS, DEFAULT_DECODE_STEPS = 20, 32
 
 
-def lengths(text: str) -> list[int]:
-    """type= for --context-lengths: comma-separated integers >= 2 (a prompt has at least two tokens)."""
-    try:
-        values = [int(c) for c in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 2, got {text!r}")
-    return values
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
@@ -56,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-runs", type=integer(1), default=None,
                    help=f"measured generations after one warm-up (default: {DEFAULT_NUM_RUNS}; not with "
                         f"--context-lengths)")
-    p.add_argument("--context-lengths", type=lengths, default=None, metavar="L,L,...",
+    p.add_argument("--context-lengths", type=integers(2), default=None, metavar="L,L,...",
                    help="decode latency at each filled context length: per L a prefill of L tokens, then "
                         "--decode-steps timed decode steps; each L <= the prefill bucket and <= seq_len - steps - 1 "
                         "(default: off, NxDI's benchmark_sampling at the config's prompt length)")
@@ -241,7 +231,7 @@ def _cpu(args) -> tuple[dict, dict]:
 
     seq_len, batch = _cpu_shape(args)
     if args.context_lengths is not None:
-        o = backend.prepare(cpu_options(args), seq_len, batch, backend._BENCH_SAMPLING)
+        o = backend.prepare(cpu_options(args), seq_len, batch, backend.BENCH_SAMPLING)
         raw = backend.run(o, _sweep_job, seq_len, batch, args.context_lengths, _decode_steps(args))
     else:
         raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs or DEFAULT_NUM_RUNS)
@@ -254,7 +244,7 @@ def _sweep_job(rank: int, o, seq_len: int, batch: int, lengths: list[int], steps
     """sweep() on the NxDI model in NxD's CPU mode, at one rank (backend.run spawns the others at --tp > 1)."""
     from kimi_k2_neuron.nxdi_cpu import backend
 
-    app = backend.build(o, seq_len=seq_len, batch=batch, sampling=backend._BENCH_SAMPLING)
+    app = backend.build(o, seq_len=seq_len, batch=batch, sampling=backend.BENCH_SAMPLING)
     return sweep(app, lengths, steps, progress=rank == 0)
 
 

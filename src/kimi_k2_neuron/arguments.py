@@ -64,6 +64,22 @@ def integer(lo: int):
     return parse
 
 
+def integers(lo: int):
+    """type= for comma-separated integers, each >= lo."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(c) for c in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < lo:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {lo}, got {text!r}")
+        return values
+
+    parse.__name__ = f"integers >= {lo}"
+    return parse
+
+
 def number(lo: float, hi: float = math.inf, lo_open: bool = False):
     """type= for a finite number in [lo, hi] ((lo, hi] with lo_open); NaN and inf are refused."""
     expected = f"a finite number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < math.inf else "")

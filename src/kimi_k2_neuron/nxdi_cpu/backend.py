@@ -324,21 +324,21 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
 
 # -- NxDI's benchmark -------------------------------------------------------------------------------------------------
 
-_BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark_sampling runs on trn2
+BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark_sampling runs on trn2
 
 
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
     """NxDI's benchmark_sampling on the NxDI model in NxD's CPU mode: the report scripts/bench_tpot.py makes on trn2,
     here with CPU latencies that say nothing about trn2."""
-    return run(prepare(o, seq_len, batch, _BENCH_SAMPLING), _benchmark_job, seq_len, batch, num_runs)
+    return run(prepare(o, seq_len, batch, BENCH_SAMPLING), _benchmark_job, seq_len, batch, num_runs)
 
 
 def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
     from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     from transformers import GenerationConfig
 
-    app = build(o, seq_len=seq_len, batch=batch, sampling=_BENCH_SAMPLING)
-    gen = GenerationConfig(**_BENCH_SAMPLING, eos_token_id=[], pad_token_id=0)
+    app = build(o, seq_len=seq_len, batch=batch, sampling=BENCH_SAMPLING)
+    gen = GenerationConfig(**BENCH_SAMPLING, eos_token_id=[], pad_token_id=0)
     with tempfile.TemporaryDirectory() as d:
         return benchmark_sampling(app, None, gen, target="all", num_runs=num_runs,
                                   benchmark_report_path=str(Path(d) / "nxdi.json"))
