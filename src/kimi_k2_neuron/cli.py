@@ -93,7 +93,7 @@ def _check_backend(a) -> None:
         if getattr(a, "prefill_len", None) == 0:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
-        for flag, given in (("--kv-shard sequence", a.kv_shard == "sequence"),
+        for flag, given in (("--kv-shard sequence", getattr(a, "kv_shard", "none") == "sequence"),
                             (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None),
                             ("--shard-attn-a", getattr(a, "shard_attn_a", False)),
                             ("--shard-router", getattr(a, "shard_router", False))):
@@ -457,7 +457,7 @@ def _model_opts(s, core_tp: bool = True):
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
-    add_kv_layout_args(s)
+    add_kv_layout_args(s, sharded_cache=core_tp)  # the sharded cache needs ranks: not the one-process generate
 
 
 def main(argv=None) -> int:

@@ -16,12 +16,17 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import KimiInputError
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
+# One stop can arrive twice within milliseconds (timeout(1) signals its child, then the child's process group): a
+# second signal inside this window is the same stop, not a request to skip the clean-up.
+REPEAT_WINDOW_S = 1.0
+_first_signal_at: float | None = None
 # The converter's record of a run, the first file it writes into DST (convert/converter.py owns its contents).
 MANIFEST = "conversion_manifest.json"
 PARTIAL_SUFFIX = ".partial"
@@ -59,8 +64,11 @@ def run_command(main, argv=None) -> int:
             if argv is None:
                 for stream in (sys.stdout, sys.stderr):
                     _flush(stream)
+                # After a stop, the rest is the interpreter's exit: a repeat of the stop must not kill it with the
+                # default action (Python restores SIG_DFL while finalizing, but leaves SIG_IGN alone).
+                after = signal.SIG_IGN if _first_signal_at is not None else _exit_now
                 for s in STOPPING:
-                    signal.signal(s, _exit_now)
+                    signal.signal(s, after)
             else:
                 for s, h in handlers.items():
                     signal.signal(s, h)
@@ -71,12 +79,16 @@ def _install() -> dict:
 
 
 def _raise_interrupted(signum, frame):
+    global _first_signal_at
+    _first_signal_at = time.monotonic()
     for s in STOPPING:  # the clean-up this exception runs may take a moment: a second signal stops it short
         signal.signal(s, _exit_now)
     raise Interrupted(signum)
 
 
 def _exit_now(signum, frame):
+    if _first_signal_at is not None and time.monotonic() - _first_signal_at < REPEAT_WINDOW_S:
+        return
     os.write(2, f"error: interrupted by {signal.Signals(signum).name} again; stopped without cleaning up\n".encode())
     os._exit(128 + signum)
 

@@ -45,13 +45,13 @@ BAD_ARGS = [
     (["make-tiny", "{model}/config.json/t"], "is a file"),
     # logits
     (["logits", "--model", "{model}", "--input-ids", "1,2"], "required: --out"),
-    # the long-context flags (logits and generate share them)
+    # the long-context flags (generate: --prefill-chunk only)
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "4", "--kv-shard",
       "sequence", "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "2", "--kv-group", "2"],
      "--kv-group 2: only with --kv-shard sequence"),
-    (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence", "--kv-group", "2"],
-     "--kv-group 2: must divide --tp 1"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence"],
+     "unrecognized arguments: --kv-shard sequence"),  # generate runs one rank: nothing to shard the cache over
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "rows"],
      "--kv-shard: invalid choice: 'rows'"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--prefill-chunk", "0"],
@@ -271,11 +271,9 @@ def test_generate_cli_json(tiny_dirs, capsys):
 
 
 def test_generate_with_the_long_context_flags_gives_the_same_tokens(tiny_dirs, capsys):
-    """`generate --kv-shard sequence --prefill-chunk 2` on one rank (a KV group of 1: the cache is whole) prefills
-    the 5-token prompt in 3 calls: the tokens of the one-shot prefill."""
+    """`generate --prefill-chunk 2` prefills the 5-token prompt in 3 calls: the tokens of the one-shot prefill."""
     want = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256")["tokens"]
-    got = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256", "--kv-shard", "sequence",
-                        "--prefill-chunk", "2")["tokens"]
+    got = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256", "--prefill-chunk", "2")["tokens"]
     assert got == want and len(got[0]) == 6
 
 

@@ -153,7 +153,9 @@ def test_modules_to_not_convert_covers_every_non_expert_parallel_linear_and_no_e
     (dict(tp=64, ep=4, batch=1), "needs batch >= 48"),
     (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
     (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
-    (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant"),
+    # the advice names each path's own block (shard-on-block 128, torch 512) over top_k 8, not all-experts' sentinel
+    (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant; use --moe-prefill shard-on-block with a "
+     "prefill of at least 16 tokens or --moe-prefill torch with a prefill of at least 64 tokens"),
     # 48 x 8 = 384 token-expert pairs: below the torch path's block of 512, so NxD's all-experts path
     (dict(tp=64, ep=16, batch=48, seq_len=1, max_context_length=1, moe_prefill="torch"),
      "takes NxD's all-experts path, which has no EP variant"),

@@ -52,9 +52,9 @@ else:
 """
 
 
-def interrupt(tmp_path: Path, sig: int, target: str, nth: int, what: str, *argv: str, env=None):
-    """Run `what` (kimi_k2_neuron.cli or a script's path) with argv, send `sig` once it is inside `target`'s nth
-    call; returns (exit code, stdout, stderr)."""
+def interrupt(tmp_path: Path, sig: int, target: str, nth: int, what: str, *argv: str, env=None, times: int = 1):
+    """Run `what` (kimi_k2_neuron.cli or a script's path) with argv, send `sig` (`times` times, back to back) once it
+    is inside `target`'s nth call; returns (exit code, stdout, stderr)."""
     marker = tmp_path / f"marker-{time.monotonic_ns()}"
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), target, str(nth), what, *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # bytes: keep the bars' \r
@@ -63,7 +63,9 @@ def interrupt(tmp_path: Path, sig: int, target: str, nth: int, what: str, *argv:
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, f"the process ended before {target} ran {nth} times: {proc.communicate()}"
-    proc.send_signal(sig)
+    for i in range(times):
+        time.sleep(0.01 * (i > 0))  # after the first one's handler ran (two pending signals would merge into one)
+        proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     return proc.returncode, out.decode(), err.decode()
 
@@ -88,12 +90,15 @@ def no_partial_files(folder: Path) -> None:
 # -- convert: interrupted, recognised, resumed ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, tiny_dirs, tmp_path, capsys,
+# times 2: one stop delivered twice at once, as `timeout -s INT` does (to the child, then to its process group)
+@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
+def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny_dirs, tmp_path, capsys,
                                                                  one_line_error):
     src, dst = tiny_dirs["fp8"], tmp_path / "dst"
     rc, out, err = interrupt(tmp_path, sig, "kimi_k2_neuron.convert.converter:_Job._convert_unit", 3,
-                             "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise")
+                             "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise",
+                             times=times)
     resume = f"kimi-k2-neuron convert {src} {dst} --experts fp8-blockwise"
     line = one_interrupt_line(sig, rc, err)
     assert line.endswith(f"2 of 5 files finished and kept; resume with: {resume}"), line

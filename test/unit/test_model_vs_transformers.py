@@ -61,3 +61,10 @@ def test_chunked_prefill_matches_transformers(tiny_dirs, hf_models, quant, prefi
     prefill's logits."""
     ours = CpuRunner(tiny_dirs[quant], prefill_chunk=3).logits(ROWS, prefill_len)
     assert rel_err(ours, hf_logits(hf_models[quant], ROWS, prefill_len)) < TOL
+
+
+def test_prefill_len_zero_decodes_every_token(tiny_dirs, hf_models):
+    """--prefill-len 0: no prefill call, every position through the decode path (transformers prefills the first
+    token, the same math for one token)."""
+    ours = CpuRunner(tiny_dirs["fp8"]).logits(ROWS, 0)
+    assert rel_err(ours, hf_logits(hf_models["fp8"], ROWS, 1)) < TOL

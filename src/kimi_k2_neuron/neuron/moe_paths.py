@@ -148,8 +148,10 @@ def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc:
     # NxD's all-experts prefill has no EP variant: it runs for --moe-prefill all-experts and below one block.
     if ep > 1 and path in ("all-experts", "selective"):
         raise KimiInputError(f"--ep {ep}: a prefill of {tokens} tokens takes NxD's {path} path, which has no EP "
-                             f"variant; use --moe-prefill {DEFAULT_MODE} or torch with a prefill of at least "
-                             f"{-(-m.block_size // cfg.num_experts_per_tok)} tokens (batch x --max-context-length)")
+                             f"variant; use " + " or ".join(
+                                 f"--moe-prefill {n} with a prefill of at least "
+                                 f"{-(-mode(n).block_size // cfg.num_experts_per_tok)} tokens" for n in (DEFAULT_MODE, "torch"))
+                             + " (batch x --max-context-length)")
     if m.kernel is None:
         return
     flag = f"--moe-prefill {m.name}"

@@ -113,7 +113,7 @@ class CpuRunner:
     def _passes(self, what: str, passes: int):
         """The bar of one request of `passes` forward passes, counted in decoder layers."""
         n = self.cfg.num_hidden_layers
-        self._bar = tqdm(total=passes * n, unit="layer", desc=f"{what}: {passes} passes x {n} layers",
+        self._bar = tqdm(total=passes * n, unit="layer", desc=f"{what}: {passes} pass{'es' * (passes != 1)} x {n} layers",
                          disable=not self.progress, file=sys.stderr, dynamic_ncols=True, leave=False)
         try:
             yield
@@ -126,7 +126,7 @@ class CpuRunner:
 
     def prefill(self, ids, positions, cache_layers) -> list[torch.Tensor]:
         """The logits of a prefill of ids/positions [B, K], in calls of prefill_chunk tokens (one call without)."""
-        n = ids.shape[1] if self.prefill_chunk is None else self.prefill_chunk
+        n = self.prefill_chunk or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
         return [self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers) for c in range(0, ids.shape[1], n)]
 
     def prefill_calls(self, k: int) -> int:
