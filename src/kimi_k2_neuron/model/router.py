@@ -1,17 +1,9 @@
 """The noaux_tc router of DeepSeek-V3 / Kimi-K2.
 
-1. logits = x @ W^T in float32; scores = sigmoid(logits).
-2. e_score_correction_bias (a load-balancing bias) is added to the scores AFTER the sigmoid and only to choose
-   experts: group scores (sum of each group's top-2 biased scores) pick topk_group groups, then the top-k biased
-   scores inside those groups pick the experts.
-3. The combine weights are the UNBIASED scores of the chosen experts, normalized to sum 1 when norm_topk_prob,
-   then multiplied by routed_scaling_factor.
-Folding the bias into the linear layer (pre-sigmoid), as the community NxDI port does, changes both the choice
-and the weights; we never do that.
-
-With ParallelContext.shard_router each rank holds E / tp experts' rows of the weight and the float32 logits are
-all-gathered, so every rank selects from the same [T, E] logits, bit for bit, and picks the same experts (NxD's MoE
-gives each rank a slice of every expert, so the ranks must agree).
+e_score_correction_bias is added AFTER the sigmoid and only to choose experts; the combine weights are the unbiased
+scores. Folding it into the linear layer (as the community NxDI port does) changes both; we never do that.
+With shard_router the float32 logits are all-gathered so every rank picks the same experts, bit for bit (NxD's
+MoE gives each rank a slice of every expert).
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ class NoAuxTcRouter(nn.Module):
         self.normalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def _init_logits(self, cfg: KimiK2Config, ctx: ParallelContext) -> None:
-        """The float32 weight [E, hidden] (this rank's E / tp rows with ctx.shard_router), named and sliced as the
-        weight loader expects (ctx, shard_dim, full_shape)."""
+        """float32 weight [E, hidden] (E / tp rows with shard_router); ctx, shard_dim, full_shape for the loader."""
         self.ctx, self.shard_dim = ctx, 0 if ctx.shard_router else None
         self.full_shape = (cfg.n_routed_experts, cfg.hidden_size)
         rows = ctx.local(cfg.n_routed_experts, "n_routed_experts") if ctx.shard_router else cfg.n_routed_experts
