@@ -1,12 +1,9 @@
 """Multi-head Latent Attention (MLA) over a latent KV cache: per token one entry [c_kv (normed) | k_pe (roped)],
-576 wide for Kimi-K2, shared by all heads.
-
-naive (prefill) expands c_kv through kv_b_proj into per-head K and V: with an S x T score matrix the 128+64-wide
-per-head space is 3x cheaper than the 512+64 latent one. absorbed (decode) folds W_UK into the query and W_UV into
-the output, so nothing per-head is materialized for the T cached tokens (scripts/bench_mla_decode.py).
-With the cache sequence-sharded over a KV group of G ranks (rank holds positions p % G == its index),
-attend_sharded merges each rank's scores by log-sum-exp over the group; decode, prefill chunks and speculative
-verification differ only in the segments and masks they pass.
+576 wide for Kimi-K2, shared by all heads. naive (prefill) expands c_kv into per-head K and V: with an S x T score
+matrix the 128+64-wide space is 3x cheaper than the 512+64 latent one. absorbed (decode) folds W_UK into the query and
+W_UV into the output, so nothing per-head is materialized for the T cached tokens (scripts/bench_mla_decode.py).
+Sharded over a KV group, attend_sharded merges the ranks' scores by log-sum-exp; decode, prefill chunks and
+speculative verification differ only in the segments and masks they pass.
 """
 
 from __future__ import annotations
@@ -19,9 +16,8 @@ from ..parallel import ParallelContext
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
-# Kimi's modeling_deepseek.py builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps, so they
-# use DeepseekV3RMSNorm's default; transformers' DeepseekV3 does the same. Matching it matters for configs whose
-# rms_norm_eps is not 1e-6 (Kimi-K2-Thinking and K2.5 use 1e-5).
+# modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
+# Kimi-K2-Thinking and K2.5).
 LORA_NORM_EPS = 1e-6
 
 
@@ -83,7 +79,6 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def _attention_a(self, x):
-        """(q_a_proj(x) [.., q_lora_rank], kv_a_proj_with_mqa(x) [.., latent]), from the two layers or the fused one."""
         outs = [getattr(self, name)(x) for name in self._attention_a_names]
         return outs[0].split([self.q_lora_rank, self.latent_dim], dim=-1) if len(outs) == 1 else outs
 
@@ -93,12 +88,11 @@ class MLAttention(nn.Module):
         if absorbed is None:
             absorbed = s == 1
         attend = self._attend_absorbed if absorbed else self._attend_naive
-        out = attend(q_nope, q_pe, cache, mask)  # [B, heads, S, v_dim]
+        out = attend(q_nope, q_pe, cache, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_split(self, q_nope, q_pe, prior, prior_mask, active, active_mask):
-        """attend(absorbed=True) over prior + active without concatenating them, so decode on Neuron reads the
-        T-long cache in place instead of copying it every layer and step."""
+        """attend(absorbed=True) over prior + active unconcatenated: Neuron decode reads the cache in place."""
         b, _, s, _ = q_nope.shape
         out = self._absorbed(q_nope, q_pe, [prior, active], [prior_mask, active_mask])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -151,7 +145,7 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_pe, segments, masks):
         """-> [B, heads, S, v_dim], one softmax over all segments."""
         w_uk, w_uv = self._kv_b_halves()
-        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)  # query in the latent space
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)
         parts = [seg.split([self.rank, self.rope], dim=-1) for seg in segments]
         scores = _cat([_shared_kv_matmul(q_lat, c_kv.transpose(-1, -2))
                        + _shared_kv_matmul(q_pe, k_pe.transpose(-1, -2)) for c_kv, k_pe in parts])

@@ -1,10 +1,8 @@
 """The noaux_tc router of DeepSeek-V3 / Kimi-K2.
 
-e_score_correction_bias is added AFTER the sigmoid and only to choose experts; the combine weights are the unbiased
-scores. Folding it into the linear layer (as the community NxDI port does) changes both; we never do that.
-With shard_router the float32 logits are all-gathered so every rank picks the same experts, bit for bit (NxD's
-MoE gives each rank a slice of every expert).
-"""
+e_score_correction_bias is added AFTER the sigmoid and only to choose experts; folding it into the linear layer (as
+the community NxDI port does) changes the choice and the weights. Sharded, the float32 logits are all-gathered so
+every rank picks the same experts (each holds a slice of every expert)."""
 
 from __future__ import annotations
 
@@ -38,7 +36,6 @@ class NoAuxTcRouter(nn.Module):
         return out if self.shard_dim is None else self.ctx.all_gather_last(out)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
         return self.select(self.logits(x))
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +57,5 @@ class NoAuxTcRouter(nn.Module):
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-        # -inf (not modeling_deepseek.py's 0.0) so that a masked-out expert can never be chosen, even when every
-        # biased score in the kept groups is negative; with positive sigmoid scores both agree.
+        # -inf, not modeling_deepseek.py's 0.0: a masked expert stays unchosen even if every kept biased score is < 0
         return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)
