@@ -55,8 +55,7 @@ _CORE: "weakref.WeakKeyDictionary[KimiK2InferenceConfig, KimiK2Config]" = weakre
 
 
 class KimiK2InferenceConfig(InferenceConfig):
-    """Everything derived is derived in add_derived_config, so a reload gives the same model
-    (NXDI_CONTRACT.md: config-construction)."""
+    """Derived only in add_derived_config, so a reload is the same model (NXDI_CONTRACT.md: config-construction)."""
 
     @classmethod
     def from_core(cls, cfg: KimiK2Config, neuron_config: MoENeuronConfig, **kwargs) -> "KimiK2InferenceConfig":
@@ -204,8 +203,7 @@ class NxDParallelContext(ParallelContext):
 
 
 class NxDRouter(NoAuxTcRouter):
-    """-> (logits [T, E], affinities [T, E], expert_index [T, k]) (NXDI_CONTRACT.md: router-contract); affinities
-    are the final weights, in the hidden dtype so the expert outputs stay bf16."""
+    """-> (logits, final weights [T, E] in the hidden dtype, ids [T, k]) (NXDI_CONTRACT.md: router-contract)."""
 
     def __init__(self, cfg: KimiK2Config):
         super().__init__(cfg)
@@ -214,7 +212,7 @@ class NxDRouter(NoAuxTcRouter):
 
     def forward(self, hidden_states: torch.Tensor):
         flat = hidden_states.reshape(-1, self.hidden_size)
-        logits = self.logits(flat)  # float32 [T, E]; MoE only returns them when return_router_logits is set
+        logits = self.logits(flat)
         weights, ids = self.select(logits)
         affinities = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device)
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
@@ -263,8 +261,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
 
 
 def decode_masks(prior_mask: torch.Tensor, s: int):
-    """[B, 1, 1, T] -> prior [B, 1, S, T], active [B, 1, S, S]: the step is not cached yet (NXDI_CONTRACT.md:
-    decode-mask)."""
+    """[B, 1, 1, T] -> prior [B, 1, S, T], active (the uncached step) (NXDI_CONTRACT.md: decode-mask)."""
     b = prior_mask.shape[0]
     prior = prior_mask.to(torch.bool).expand(b, 1, s, prior_mask.shape[-1])
     active = torch.ones(s, s, dtype=torch.bool, device=prior.device).tril()[None, None].expand(b, 1, s, s)
@@ -272,8 +269,7 @@ def decode_masks(prior_mask: torch.Tensor, s: int):
 
 
 class KimiK2DecoderLayer(DecoderLayer):
-    """Returns K as the latent [B, 1, S, latent], V as 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call,
-    kv-writes)."""
+    """K is the latent [B, 1, S, latent], V 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call, kv-writes)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
@@ -316,7 +312,6 @@ class LatentKVCacheManager(KVCacheManager):
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
-    """The traced model, built through NeuronBaseModel's three hooks (NXDI_CONTRACT.md: model-init)."""
 
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
         nc = config.neuron_config
