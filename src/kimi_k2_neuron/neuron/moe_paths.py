@@ -3,8 +3,7 @@
 ExpertMLPsV2 picks a path per call from T, top-k and E (NXDI_CONTRACT.md: moe-paths), the blockwise kernel from two
 flags (NXDI_CONTRACT.md: blockwise-dispatch); with neither, NxD 2.29 calls a kernel that only raises, so every mode
 names its path and is refused where it cannot run (NXDI_CONTRACT.md: shard-on-block-kernel, shard-on-i-kernel).
-Pure: no SDK, no torch.
-"""
+Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
@@ -71,7 +70,6 @@ def mode(name: str) -> PrefillMode:
 
 
 def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
-    """NxD decodes on every local expert once batch x top_k >= E; only then with EP."""
     return batch * top_k >= SELECTIVE_LOADING_THRESHOLD * n_experts
 
 

@@ -1,7 +1,5 @@
-"""Tensor parallelism on CPU: one gloo process per rank, each holding its slice as a Neuron rank does.
-
-KV groups (kv_group > 1) are adjacent ranks; every rank creates every group in the same order, as NxD's CPU mode does.
-"""
+"""Tensor parallelism on CPU: one gloo process per rank, each holding its slice as a Neuron rank does. KV groups
+are adjacent ranks; every rank creates every group in the same order, as NxD's CPU mode does."""
 
 from __future__ import annotations
 
