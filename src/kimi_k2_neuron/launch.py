@@ -1,9 +1,5 @@
-"""Start-up shared by the trn2 scripts (scripts/compile_and_save.py, run_inference.py, bench_tpot.py) and the trn2
-test fixtures: argument parsing, logging and the FP8 environment.
-
-It imports nothing of the Neuron SDK (the SDK-backed modules of kimi_k2_neuron.neuron check for it on import), and
-neither torch until start(), so every script parses its arguments, and answers --help, on any machine before it
-reaches for the SDK.
+"""Start-up shared by the trn2 scripts and test fixtures: argument parsing, logging and the FP8 environment.
+Imports neither the SDK nor torch until start(), so every script answers --help on any machine.
 """
 
 from __future__ import annotations
@@ -83,9 +79,7 @@ def cpu_backend(flag: str = "--cpu"):
 
 def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, tokenizer_dir: str | None,
                  stream=None, flag: str = "--cpu") -> list[list[int]]:
-    """The generation flags' request (sampling, --seed, --stop) for token-id `rows` through the NxDI model in NxD's
-    CPU mode (kimi_k2_neuron.nxdi_cpu.backend.generate), its MoE path report on stderr; new tokens per row. What
-    config.json and the flags refuse is refused before the SDK is imported."""
+    """New tokens per row from nxdi_cpu.backend.generate, refused before the SDK is imported where the flags say."""
     from .neuron import contract
     from .nxdi_cpu.options import Generation, check_request
 
@@ -106,9 +100,7 @@ NEFF_MARGIN = 0.1
 
 
 def check_host_resources(p, out: str) -> None:
-    """Refuse, before hours of work, a host that cannot hold what the plan `p` writes and loads: free disk where
-    --out goes (the pre-sharded weights, plus NEFF_MARGIN) and host RAM for NxDI's load(), which reads every rank's
-    file whole (MemAvailable)."""
+    """Before hours of work: free disk under --out and host RAM for NxDI's load(), which reads every file whole."""
     import shutil
     from pathlib import Path
 
@@ -143,8 +135,7 @@ def add_verbose(p: argparse.ArgumentParser) -> None:
 
 
 def begin(args: argparse.Namespace, *checks) -> int | None:
-    """A script's first steps after parsing: each check(args), start(), then the Neuron SDK (NxD/NxDI for --cpu).
-    The exit code of the one-line error a check or the missing SDK ends with (2), or None when the script goes on."""
+    """Each check(args), start(), then the SDK; the exit code (2) of a one-line error, or None to go on."""
     try:
         for check in checks:
             check(args)
@@ -159,20 +150,18 @@ def begin(args: argparse.Namespace, *checks) -> int | None:
 
 
 def start(args: argparse.Namespace) -> None:
-    """Logging as --verbose asks, and the FP8 environment (before anything imports torch-xla)."""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     set_fp8_env()
 
 
 def set_fp8_env() -> None:
-    """NxDI's FP8 environment (contract.FP8_ENV), before anything imports torch-xla, which reads it then."""
+    """Before anything imports torch-xla, which reads it then."""
     from .neuron.contract import FP8_ENV
 
     os.environ.update(FP8_ENV)
 
 
 def sdk_missing(e: ImportError) -> int:
-    """Report a missing Neuron SDK (kimi_k2_neuron.neuron's message names the packages) and give the exit code."""
     return fail(e)
 
 

@@ -1,17 +1,7 @@
-"""The seam between the model and tensor parallelism.
-
-The decoder code only ever builds these layers. Here they are plain torch: one rank, or several CPU ranks that
-talk over torch.distributed (gloo). The Neuron shell builds the same decoder with NxD's parallel layers instead.
-
-Sharding follows the Neuron build: attention heads, MLP/expert intermediate columns and the vocabulary are split
-across ranks; q_a_proj / kv_a_proj_with_mqa (low-rank, shared by all heads) and the router are replicated, or, with
-shard_attn_a / shard_router, split by output rows and all-gathered (each output element is still one whole dot
-product, computed on one rank, so the gathered output is the replicated layer's). With the sequence-sharded latent
-cache (`--kv-shard sequence`) the ranks of a KV group of `kv_group` adjacent ranks each keep the positions p with
-p % kv_group == their index in the group, and attention merges over the group (the three collectives below;
-MLAttention.attend_sharded).
-Each layer knows which dim of the full checkpoint tensor it owns a slice of (`shard_dim`), so the weight loader
-hands it the full tensor and the layer keeps its part.
+"""The seam between the model and tensor parallelism: plain torch layers here (gloo across CPU ranks), NxD's in the
+Neuron shell. Sharding follows the Neuron build. Gathered layers (shard_attn_a / shard_router) compute each output
+element as one whole dot product on one rank, so their output is the replicated layer's. Each layer keeps its
+`shard_dim` slice of the full checkpoint tensor the loader hands it.
 """
 
 from __future__ import annotations
@@ -29,21 +19,14 @@ from .errors import KimiInputError
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Which rank this is, how to shard a full tensor, the collectives, and the factory for parallel layers.
-
-    The model asks the context for its layers (`ctx.column(...)`, `ctx.row(...)`, ..., `ctx.moe(...)`), never for
-    a class, so the Neuron shell swaps in NxD's layers, and NxD's MoE around the core router, by subclassing this
-    and overriding the factory methods.
-    """
+    """The model asks this for its layers, never for a class, so the Neuron shell swaps in NxD's by subclassing."""
 
     tp_size: int = 1
     rank: int = 0
-    # Ranks per KV group of the sequence-sharded latent cache: 1 = every rank holds the whole sequence. The group is
-    # `kv_group` adjacent ranks (NxD's arrangement); its torch.distributed handle is made by the runner.
+    # adjacent ranks sharing the sequence of the latent cache (NxD's arrangement); 1 = not sharded
     kv_group: int = 1
     kv_process_group: Any = field(default=None, compare=False)
-    # Split what the NxDI design replicates (check_weight_sharding): q_a_proj + kv_a_proj_with_mqa, and the router's
-    # experts; each then costs one all-gather per layer instead of the whole weight on every rank.
+    # one all-gather per layer instead of the whole weight on every rank
     shard_attn_a: bool = False
     shard_router: bool = False
 
@@ -52,13 +35,11 @@ class ParallelContext:
         return ReplicatedLinear(in_features, out_features, dtype, self)
 
     def gathered(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
-        """Output features split across ranks, then all-gathered: every rank gets the whole output."""
         return GatheredLinear(in_features, out_features, dtype, self)
 
     def attention_a(self, hidden: int, q_lora_rank: int, latent_dim: int, dtype: torch.dtype) -> dict[str, nn.Module]:
-        """MLA's two down-projections of the hidden state, by attribute name, in output order: q_a_proj [q_lora_rank]
-        and kv_a_proj_with_mqa [latent_dim], replicated or (shard_attn_a) gathered. Here they keep the checkpoint's
-        names; the Neuron shell fuses them into one layer and one all-gather (NXDI_CONTRACT.md: gathered-linear)."""
+        """q_a_proj and kv_a_proj_with_mqa by name, in output order; the Neuron shell fuses them into one layer and
+        one all-gather (NXDI_CONTRACT.md: gathered-linear)."""
         make = self.gathered if self.shard_attn_a else self.replicated
         return {"q_a_proj": make(hidden, q_lora_rank, dtype), "kv_a_proj_with_mqa": make(hidden, latent_dim, dtype)}
 
@@ -147,9 +128,7 @@ def check_kv_group(tp: int, kv_group: int) -> None:
 
 
 def check_tp_divides(cfg: KimiK2Config, tp: int, split_embedding_dim: bool = False) -> None:
-    """Every dimension the layers split across `tp` ranks must divide: heads (q_b/kv_b/o), vocab (the embedding's
-    rows here, lm_head's columns, so no padded logits to mask), the dense and expert intermediates (the shared
-    expert's too) and, where the embedding is split along its embedding dim (NxD's), hidden."""
+    """Every split dimension must divide (vocab too: no padded logits to mask)."""
     dims = {"num_attention_heads": cfg.num_attention_heads,
             **({"hidden_size": cfg.hidden_size} if split_embedding_dim else {}),
             "vocab_size": cfg.vocab_size, "intermediate_size": cfg.intermediate_size,

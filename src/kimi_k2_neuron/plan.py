@@ -1,15 +1,9 @@
 """Fit planner: does a configuration fit in one trn2.48xlarge logical core's HBM, and how fast could decode be?
 
-Per logical core (one NxD rank) it adds up the weights by kind and dtype, the MLA KV cache, what the MoE layers
-allocate while they run (NxD's dequantized expert copies and matmul outputs, by prefill path and expert format) and
-a stated allowance for what the Neuron runtime needs on top, and compares the total with the HBM the runtime leaves
-to the model. It also gives a roofline lower bound on decode time per token (bytes read per token / HBM
-bandwidth), and can search for the largest seq_len (max_seq_len) or batch (max_batch) that fits. Every model
-dimension comes from the config; the sharding follows the NxDI design (shared/reference/nxdi_contracts.md §1.4, §3.4,
-§3.6, §5.1), or the long-context layout of issue 17 (contract.LayoutOptions: the latent cache split across a KV group
-of ranks, chunked prefill, q_a/kv_a and the router split across the ranks), whose decode collectives it lists. The
-configurations it refuses are the ones scripts/compile_and_save.py refuses: both call check_compile_options (and
-the Neuron shell's contract.check_serve_options does too). These are estimates.
+Per rank: weights, the MLA KV cache, the MoE layers' temporaries and a stated runtime allowance, against the HBM the
+runtime leaves; plus a roofline bound on decode time. Sharding follows the NxDI design (shared/reference/
+nxdi_contracts.md §1.4, §3.4, §3.6, §5.1) or issue 17's layout. It refuses what compile_and_save refuses (both call
+check_compile_options). These are estimates.
 """
 
 from __future__ import annotations
@@ -119,13 +113,10 @@ class Plan:
 
     @property
     def presharded_bytes(self) -> int:
-        """The pre-sharded weights compile_and_save writes: one file of this rank's weights per rank. NxDI's load()
-        reads every one whole into host RAM (NXDI_CONTRACT.md: presharded-load), so it is the host RAM it needs
-        too."""
+        """Also the host RAM: NxDI's load() reads every rank's file whole (NXDI_CONTRACT.md: presharded-load)."""
         return self.weight_bytes * self.tp
 
     def summary(self) -> str:
-        """One line, for refusing to compile a configuration that does not fit."""
         return (f"{self.model}: TP={self.tp} EP={self.ep} LNC={self.lnc} seq_len={self.seq_len} batch={self.batch} "
                 f"experts={self.experts} prefill={self.prefill_path} needs {self.total_bytes / GiB:.2f} GiB per "
                 f"logical core of "
@@ -254,31 +245,18 @@ def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_d
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
 #
-# From NxD's code (NXDI_CONTRACT.md: moe-temporaries; estimates: neuronx-cc decides what it keeps in HBM):
-# - The kernel paths: NxD dequantizes every local expert to bf16 before calling the kernel, for both FP8 schemes
-#   (their scales are 3-D): the kernel's HBM operands. Its activations and output are in the calibrated prefill
-#   scratchpad, which the DeepSeek-V3 contrib measured on a blockwise kernel.
-# - The torch paths (all-experts, the torch blockwise loop, selective loading) dequantize to bf16 every expert they
-#   compute, gathered first when only some run, and their matmul outputs are tensors of the graph: [experts, rows,
-#   2I/tp], the GLU's [.., I/tp] and [.., H], bf16.
-# Counted: those bf16 copies and outputs, one MoE layer at a time. Not counted (Plan.unfused_fp32_bytes): the fp32
-# products on the way there, weight x scale for blockwise weights and on the kernel paths, output x scale for
-# per-channel outputs on the torch paths. Each is a cast-multiply-cast chain that the compiler can fuse into its bf16
-# result, and the evidence says it does: the GLM-5.2 contrib's all-experts prefill (per-tensor FP8 experts, whose
-# outputs go through the same output x scale) runs 2048 tokens at TP=64 beside ~15 GB of weights per core, where the
-# unfused fp32 product of its [256 experts, 2048 tokens, 6144] down projection alone would take 12.9 GB.
-# (NXDI_CONTRACT.md: glm5-all-experts.)
+# Estimates from NxD's code (NXDI_CONTRACT.md: moe-temporaries): kernel paths dequantize every local expert to bf16
+# (activations are in the calibrated scratchpad); torch paths dequantize/gather each expert they compute and keep
+# bf16 matmul outputs. Counted: those, one layer at a time. Not counted (Plan.unfused_fp32_bytes): fp32 x scale
+# products, assumed fused, as the GLM-5.2 contrib's all-experts prefill shows: unfused, its down projection alone
+# would take 12.9 GB beside ~15 GB of weights (NXDI_CONTRACT.md: glm5-all-experts).
 
 def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int,
                     scheme: ExpertScheme) -> tuple[int, int]:
-    """(counted bf16 bytes, fp32 bytes assumed fused) one MoE layer's routed experts allocate on one rank while a
-    call of `tokens` tokens runs down `path` (see the comment above). The kernel's own activations are not here:
-    the calibrated prefill scratchpad (CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN) was measured on a kernel path."""
+    """(counted bf16 bytes, fp32 bytes assumed fused) for one MoE layer on one rank (see the comment above)."""
     h, e_local, i_local = cfg.hidden_size, cfg.n_routed_experts // ep, moe_paths.local_intermediate(cfg, tp, ep)
     kernel = path in moe_paths.KERNEL_MODES
-    # (experts dequantized or gathered at once, rows each one computes): a kernel takes all local experts;
-    # all-experts runs every token through every expert; the torch loop one block of one expert at a time;
-    # selective loading one token's top-k experts at a time.
+    # (experts dequantized or gathered at once, rows each one computes)
     n, rows = ((e_local, 0) if kernel else
                {"all-experts": (e_local, tokens), "torch": (1, moe_paths.MODES["torch"].block_size),
                 "selective": (cfg.num_experts_per_tok, 1)}[path])
@@ -293,9 +271,7 @@ def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int,
 
 
 def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, scheme, moe_prefill) -> dict:
-    """How the MoE layers run a prefill of `tokens` tokens and a decode step of `batch`, and what they allocate.
-    Selective-loading decode (one token's top-k experts at a time, ~11 MB at TP=64) is in the calibrated runtime
-    allowance, whose DeepSeek-V3 decode ran it; all-experts decode (batch x top_k >= E) is counted."""
+    """Selective-loading decode (~11 MB at TP=64) is in the calibrated runtime allowance; all-experts is counted."""
     path = moe_paths.prefill_path(cfg, tokens, moe_prefill)
     decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
@@ -308,8 +284,6 @@ def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, scheme, moe_prefill
 
 
 def _allowance(cfg: KimiK2Config, tokens: int, moe: dict, chunked: bool = False) -> list[Row]:
-    """The runtime's fixed part, then the prefill scratchpad -- calibrated activations plus the MoE temporaries,
-    in whole pages -- and the all-experts decode's MoE temporaries if it has any."""
     act, temp = int(tokens * cfg.hidden_size * CTE_SCRATCH_BYTES_PER_TOKEN_PER_HIDDEN), moe["prefill_bytes"]
     pages = max(1, math.ceil((act + temp) / SCRATCHPAD_PAGE_BYTES))
     rows = [Row("runtime: NEFF code, DMA rings, I/O, CC, decode scratch", "-", RUNTIME_FIXED_BYTES),
@@ -325,12 +299,8 @@ def _allowance(cfg: KimiK2Config, tokens: int, moe: dict, chunked: bool = False)
 
 # -- the long-context layout (issue 17): the chunk's attention temporaries and the decode collectives ----------------
 #
-# A prefill chunk of N tokens on a sequence-sharded cache runs the absorbed attention of every head the KV group
-# gathers (hG = heads/tp x G) against the rank's slots plus its N/G positions of the chunk, one tile of QUERY_TILE
-# queries at a time, and merges the [context | sum] partials over the group (model/mla.py attend_sharded). On a
-# replicated cache a rank attends its own heads over the whole cache plus the chunk, untiled.
+# Sharded, a chunk attends hG = heads/tp x G gathered heads in QUERY_TILE tiles (model/mla.py attend_sharded).
 QUERY_TILE = 128
-# The merge carries the latent context (kv_lora_rank) and the softmax sum, float32.
 MERGE_DTYPE_BYTES = FP32
 
 
@@ -339,10 +309,7 @@ def _gathered_heads(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> int:
 
 
 def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: LayoutOptions) -> Row | None:
-    """The chunk attention's temporaries on one rank, one layer at a time: gathered absorbed queries [hG, N,
-    latent] bf16, one query tile's scores and exponentials [hG, tile, slots + N/G] float32, and the merge's partials
-    [hG, N, kv_lora_rank + 1] float32; replicated: [h, N, slots + N] scores and exponentials. None unchunked (the
-    calibrated prefill scratchpad holds the one-shot prefill's attention)."""
+    """One layer's chunk attention temporaries; None unchunked (the calibrated scratchpad holds that)."""
     n = layout.prefill_chunk
     if n is None:
         return None
@@ -360,9 +327,7 @@ def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: LayoutOptio
 
 
 def _collectives(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> list[Collective]:
-    """The collectives the layout adds to a decode step (today's o_proj/MoE all-reduces and the sampler's gathers
-    are not listed): the sharded cache's three per layer over the KV group, one all-gather per layer of the fused
-    q_a|kv_a output (the Neuron shell fuses the two layers), one per MoE layer of the router's logits."""
+    """The collectives the layout adds to a decode step (not the o_proj/MoE all-reduces every layout has)."""
     layers, out = cfg.num_hidden_layers, []
     if layout.sequence_sharded:
         hg = _gathered_heads(cfg, tp, layout)
@@ -380,8 +345,7 @@ def _collectives(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> list[Coll
 
 
 def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[float, int]:
-    """Bytes one decode step reads per rank: every non-expert weight (the embedding only for its B rows), the
-    routed experts the step runs, and the rank's latent KV slots once (the duplicate V slot is not read)."""
+    """Bytes one decode step reads per rank (the duplicate V slot is not read)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     if ep > 1 or decodes_all_experts(e, k, batch):  # with EP it must (check_ep)
         active = float(e // ep)
@@ -398,10 +362,8 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[flo
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
          kv_slots: int = 1, router_dtype: str = "fp32", context_len: int | None = None,
          moe_prefill: str = moe_paths.DEFAULT_MODE, layout: LayoutOptions = LayoutOptions()) -> Plan:
-    """`scheme`: how the routed experts are stored (a converted checkpoint's record.scheme, what `convert` would
-    write from a raw one: formats.record.expert_scheme, or any block to ask what-if). `context_len`: the prefill
-    bucket (NxDI max_context_length), default the prefill chunk, else seq_len. `kv_slots` 2 and `router_dtype`
-    "bf16" model other ports (NxDI's stock KV cache, a bf16 router). `layout`: issue 17's options."""
+    """`context_len`: the prefill bucket, default the chunk, else seq_len. `kv_slots` 2 and `router_dtype` "bf16"
+    model other ports (NxDI's stock KV cache, a bf16 router)."""
     context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
     _check(cfg, tp, ep, lnc, seq_len, context, batch, scheme, kv_slots, moe_prefill, layout)
     if router_dtype not in ("fp32", "bf16"):
@@ -409,8 +371,7 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
     weights = _weights(cfg, tp, ep, scheme, router_dtype, layout)
-    # The MLA latent is replicated on every rank, or split over a KV group (cache_slots per rank); the stock
-    # KVCacheManager gives it a K and a same-width V slot.
+    # the stock KVCacheManager gives the latent a K and a same-width V slot
     slots = cache_slots(seq_len, layout)
     where = f", {slots} slots/rank of G={layout.kv_group}" if layout.sequence_sharded else ""
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)}{where})", "bf16",
@@ -438,10 +399,7 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
 def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, scheme: ExpertScheme,
                 context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
                 layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
-    """The plan at the largest seq_len that fits, searched up to the model's max_position_embeddings; when none
-    fits, the plan at the smallest seq_len tried (its `fits` is False). The prefill bucket is seq_len (as
-    compile_and_save defaults it) unless `context_len` or the layout's chunk fixes it; a sequence-sharded cache
-    takes multiples of its group, a chunked prefill multiples of its chunk; `kw` as plan()."""
+    """The plan at the largest seq_len that fits, else at the smallest tried (`fits` False). `kw` as plan()."""
     def at(seq_len: int) -> Plan:
         return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
                     layout=layout, **kw)
@@ -468,11 +426,8 @@ def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, schem
 
 
 def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill) -> list[tuple[int, int, int]]:
-    """(lo, hi, step): seq_len intervals, low to high, inside which a plan's total only grows with seq_len, and the
-    step between the seq_lens the prefill mode accepts there. The total can drop where the prefill's MoE path
-    changes (at T x top_k = E and = the block size, moe_paths.prefill_path), so each is searched apart. With EP,
-    prefills below one block are refused, so the search starts above them; the shard-on-block kernel takes prefills
-    of whole 128-token tiles only."""
+    """(lo, hi, step) seq_len intervals in which the total only grows: it can drop where the prefill's MoE path
+    changes (moe_paths.prefill_path), so each is searched apart."""
     top = cfg.max_position_embeddings
     if context_len is not None:  # the prefill is fixed: only the KV cache grows
         return [(context_len, top, 1)]
@@ -494,9 +449,7 @@ def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill
 
 
 def seq_len_step(p: Plan) -> int:
-    """The step between the seq_lens around p's that compile: whole 128-token tiles of a prefill that runs the
-    shard-on-block kernel, when the prefill bucket is seq_len (batch x seq_len a multiple of 128), and multiples of
-    the layout's KV group and prefill chunk."""
+    """The step between the seq_lens around p's that compile."""
     tiled = p.prefill_path == "shard-on-block" and p.context_len == p.seq_len
     return math.lcm(_tile_step(p.batch) if tiled else 1, p.layout.kv_group or 1, p.layout.prefill_chunk or 1)
 
@@ -504,10 +457,8 @@ def seq_len_step(p: Plan) -> int:
 def max_batch(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, scheme: ExpertScheme,
               context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
               layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
-    """The plan at the largest batch that fits at seq_len; when batch 1 does not fit, the plan at batch 1 (its
-    `fits` is False). The batches searched are those a one-shot shard-on-block prefill takes (batch x seq_len in
-    whole 128-token tiles); the total is non-decreasing in batch (the KV cache and the prefill grow with it, and
-    all-experts decode only adds temporaries). `kw` as plan()."""
+    """The plan at the largest batch that fits, else at the smallest (`fits` False); the total is non-decreasing
+    in batch (all-experts decode only adds temporaries). `kw` as plan()."""
     def at(batch: int) -> Plan:
         return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
                     layout=layout, **kw)
@@ -527,8 +478,7 @@ def _tile_step(batch: int) -> int:
 
 
 def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
-    """Bisection for the largest value (seq_len or batch) in [lo, hi], a multiple of `step`, that fits, the total
-    being non-decreasing there."""
+    """Bisection for the largest multiple of `step` in [lo, hi] that fits (the total non-decreasing there)."""
     if not at(lo).fits:
         return None
     k_lo, k_hi = lo // step, hi // step
@@ -543,9 +493,7 @@ def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
 
 def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
                       moe_prefill: str, context_len: int | None = None, **kw) -> list[Plan]:
-    """The planner's advice if the `moe_prefill` kernel fails to compile: for each other mode, its plan at this
-    configuration if that fits, else (all-experts, whose temporaries grow with the prefill) the plan at the largest
-    prefill bucket (--max-context-length) that fits. Modes refused here, and those that fit nowhere, are left out."""
+    """The other modes' fitting plans, if `moe_prefill` fails to compile; all-experts at its largest fitting bucket."""
     context = seq_len if context_len is None else context_len
     out = []
     for name in moe_paths.MODES:
@@ -564,7 +512,6 @@ def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: in
 
 
 def fallback_advice(plans: list[Plan], failed: str) -> str:
-    """One line per fitting alternative to a --moe-prefill that failed to compile (prefill_fallbacks)."""
     if not plans:
         return "no other --moe-prefill fits this configuration by the planner; a smaller --seq-len or --batch may"
     lines = [f"if neuronx-cc fails in the --moe-prefill {failed} kernel, these fit by the planner (estimates):"]

@@ -1,9 +1,5 @@
-"""A converted checkpoint (kimi_k2_neuron.formats) seen under the logical HF names, so the CPU runner loads it as
-it loads an HF one.
-
-ConvertedView looks like a ShardedCheckpoint: per-expert `...experts.E.{gate,up,down}_proj.weight` are virtual
-float32 tensors, dequantized on demand from one expert's slice of the fused tensors (read with safetensors' slicing,
-not the whole [E, ...] tensor). Everything else, the router included, is stored under its HF name and passes through.
+"""A converted checkpoint seen under the HF names, so the CPU runner loads it as an HF one: per-expert weights are
+virtual float32 tensors dequantized on demand from one expert's slice (never the whole [E, ...] tensor).
 """
 
 from __future__ import annotations

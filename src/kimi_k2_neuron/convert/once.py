@@ -1,6 +1,4 @@
-"""A converted checkpoint where one is needed: the one given, or a raw checkpoint converted once, up front, into a
-sibling folder (compile_and_save.py, the CPU harness). The Neuron shell never converts: its loader refuses a raw
-checkpoint."""
+"""A converted checkpoint where one is needed: the one given, or a raw one converted once into a sibling folder."""
 
 from __future__ import annotations
 
@@ -14,17 +12,14 @@ logger = logging.getLogger(__name__)
 
 
 def converted_dir_for(raw: str | Path, experts: str) -> Path:
-    """Where a raw checkpoint is converted to when given where a converted one is expected: a sibling folder."""
     raw = Path(raw).resolve()
     return raw.with_name(f"{raw.name}-neuron-{experts}")
 
 
 def ensure_converted(path: str | Path, experts: str, workers: int = 8,
                      dst: str | Path | None = None) -> tuple[Path, ConversionRecord]:
-    """(`path`, its record) if it is a converted checkpoint; otherwise convert it once (resumable) into `dst`
-    (default converted_dir_for(path, experts)) and return that folder and its record. For the real ~1 TB checkpoint
-    it reads and writes ~1 TB (an estimated 10-35 min on a trn2.48xlarge, not measured), with a progress bar and
-    its ETA."""
+    """(folder, record), converting a raw `path` once (resumable) into `dst`: for the real checkpoint ~1 TB each way,
+    an estimated 10-35 min on a trn2.48xlarge (not measured)."""
     path = Path(path)
     record = ConversionRecord.read(path)
     if record is not None:

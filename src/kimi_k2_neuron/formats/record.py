@@ -1,6 +1,4 @@
-"""The conversion record: config.json's `kimi_k2_neuron_conversion` object, written once by the converter and read
-back typed by everything that needs to know how a checkpoint was converted (the expert scheme and its block, the
-source format, the NxD settings it loads under). Nothing reads the scale block anywhere else, and nothing guesses it.
+"""The conversion record: config.json's `kimi_k2_neuron_conversion` object, the one place the scale block is read.
 """
 
 from __future__ import annotations
@@ -81,8 +79,7 @@ def record_json(scheme: ExpertScheme, source_format: str, moe_intermediate: int,
 
 
 def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
-    """--experts for a checkpoint: what a converted one holds (another value is refused, as the Neuron shell
-    would), else the value given, else DEFAULT_SCHEME (compile_and_save's choice for a raw checkpoint)."""
+    """What a converted checkpoint holds (another value is refused, as the shell would), else given, else default."""
     held = record.experts if record else None
     if experts is None:
         return held or DEFAULT_SCHEME
@@ -93,8 +90,6 @@ def experts_for(record: ConversionRecord | None, experts: str | None) -> str:
 
 
 def expert_scheme(cfg: KimiK2Config, record: ConversionRecord | None, experts: str | None) -> ExpertScheme:
-    """How a checkpoint's routed experts are stored on device: what a converted one holds (another --experts is
-    refused: experts_for), else what `kimi-k2-neuron convert --experts EXPERTS` would write from this raw one
-    (DEFAULT_SCHEME when not given; "bf16" for unquantized experts, planned but never written)."""
+    """The experts' scheme on device: experts_for's, as convert would write it ("bf16": planned, never written)."""
     name = experts_for(record, experts)
     return record.scheme if record is not None else converted_scheme(cfg, name)

@@ -1,24 +1,9 @@
-"""Multi-head Latent Attention (MLA) with a latent KV cache.
-
-Per token the cache holds one entry of width kv_lora_rank + qk_rope_head_dim (576 for Kimi-K2):
-[c_kv (after kv_a_layernorm) | k_pe (after RoPE)], shared by all heads, with no per-head K or V.
-
-Two ways to attend over it, giving the same result:
-- naive: expand every cached c_kv through kv_b_proj into per-head K_nope and V, then ordinary attention.
-  Used for prefill: there the cost is dominated by the S x T score matrix, and attending in the 128+64-wide
-  per-head space is 3x cheaper than in the 512+64-wide latent space.
-- absorbed: fold kv_b_proj's K half into the query (q_nope @ W_UK -> a 512-wide latent query), score it against
-  the latent cache directly, and fold the V half into the output (latent context @ W_UV) before o_proj. Used for
-  decode: nothing per-head is ever materialized for the T cached tokens, which is what makes long-context
-  decode cheap (see scripts/bench_mla_decode.py).
-
-With the cache sequence-sharded over a KV group of G ranks (ParallelContext.kv_group; each rank holds the positions
-p % G == its index), attend_sharded is the one multi-token path: k new queries against the keys this rank holds
-(any number of segments, e.g. the cache and the step's own entries) under masks that make every key visible on
-exactly one rank. The group gathers its absorbed queries, each rank scores its keys, and a log-sum-exp merge (the
-max over the group, then a reduce-scatter of the unnormalized context and its sum) hands each rank its own heads'
-latent context. Decode (k = 1), prefill chunks (k = N) and speculative verification (k drafted) differ only in the
-segments and masks they pass.
+"""Multi-head Latent Attention (MLA) over a latent KV cache: per token one entry [c_kv (normed) | k_pe (roped)],
+576 wide for Kimi-K2, shared by all heads. naive (prefill) expands c_kv into per-head K and V: with an S x T score
+matrix the 128+64-wide space is 3x cheaper than the 512+64 latent one. absorbed (decode) folds W_UK into the query and
+W_UV into the output, so nothing per-head is materialized for the T cached tokens (scripts/bench_mla_decode.py).
+Sharded over a KV group, attend_sharded merges the ranks' scores by log-sum-exp; decode, prefill chunks and
+speculative verification differ only in the segments and masks they pass.
 """
 
 from __future__ import annotations
@@ -31,9 +16,8 @@ from ..parallel import ParallelContext
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
-# Kimi's modeling_deepseek.py builds q_a_layernorm and kv_a_layernorm without passing rms_norm_eps, so they
-# use DeepseekV3RMSNorm's default; transformers' DeepseekV3 does the same. Matching it matters for configs whose
-# rms_norm_eps is not 1e-6 (Kimi-K2-Thinking and K2.5 use 1e-5).
+# modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
+# Kimi-K2-Thinking and K2.5).
 LORA_NORM_EPS = 1e-6
 
 
@@ -49,8 +33,7 @@ class MLAttention(nn.Module):
         self.rank = cfg.kv_lora_rank
         self.scale = softmax_scale(cfg)
         heads = cfg.num_attention_heads
-        # q_a_proj and kv_a_proj_with_mqa, or one layer computing both (the Neuron shell's fused, gathered pair),
-        # registered where the checkpoint has them (formats.layout's order is the parameters')
+        # two layers or the Neuron shell's fused one, registered in the checkpoint's order (formats.layout)
         attention_a = ctx.attention_a(h, cfg.q_lora_rank, cfg.latent_dim, dtype)
         self._attention_a_names = tuple(attention_a)
         self.q_lora_rank, self.latent_dim = cfg.q_lora_rank, cfg.latent_dim
@@ -64,11 +47,8 @@ class MLAttention(nn.Module):
         self.o_proj = ctx.row(heads * self.v_dim, h, dtype)
 
     def forward(self, x, positions, rope, latent_cache, absorbed: bool | None = None):
-        """x [B, S, hidden]; positions [B, S] (rows may differ); rope = (cos, sin) for those positions;
-        latent_cache [B, T_max, latent] for these rows, written in place at `positions`.
-        Each query attends to cache slots 0..its own position. absorbed=None picks absorbed for S == 1.
-        With a sequence-sharded cache (ctx.kv_group > 1) latent_cache holds this rank's slots (slot j = position
-        j * G + rank % G): the owned entries are written, then attend_sharded runs, whatever `absorbed` says."""
+        """x [B, S, hidden]; positions [B, S]; latent_cache [B, T_max, latent], written in place at `positions`.
+        Sharded (kv_group G > 1): slot j holds position j * G + rank % G, and `absorbed` is ignored."""
         q_nope, q_pe, entries = self.project(x, rope)
         if self.ctx.kv_group > 1:
             return self._forward_sharded(q_nope, q_pe, entries, positions, latent_cache)
@@ -87,8 +67,7 @@ class MLAttention(nn.Module):
         return self.attend_sharded(q_nope, q_pe, [latent_cache[:, :t]], [mask])
 
     def project(self, x, rope):
-        """The per-token half: queries (nope part, roped part) per local head and the new latent cache entries
-        [B, S, kv_lora_rank + rope] = [normalized c_kv | roped k_pe]."""
+        """-> (q_nope, q_pe) per local head and the new cache entries [B, S, latent]."""
         b, s, _ = x.shape
         cos, sin = rope
         q_a, kv_a = self._attention_a(x)
@@ -100,36 +79,27 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
     def _attention_a(self, x):
-        """(q_a_proj(x) [.., q_lora_rank], kv_a_proj_with_mqa(x) [.., latent]), from the two layers or the fused one."""
         outs = [getattr(self, name)(x) for name in self._attention_a_names]
         return outs[0].split([self.q_lora_rank, self.latent_dim], dim=-1) if len(outs) == 1 else outs
 
     def attend(self, q_nope, q_pe, cache, mask, absorbed: bool | None = None):
-        """Attention of the queries over latent entries cache [B, T, latent] under mask [B, 1, S, T] (True =
-        visible), then o_proj. absorbed=None picks absorbed for a single query token (decode)."""
+        """cache [B, T, latent], mask [B, 1, S, T] (True = visible). absorbed=None: absorbed for S == 1."""
         b, _, s, _ = q_nope.shape
         if absorbed is None:
             absorbed = s == 1
         attend = self._attend_absorbed if absorbed else self._attend_naive
-        out = attend(q_nope, q_pe, cache, mask)  # [B, heads, S, v_dim]
+        out = attend(q_nope, q_pe, cache, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_split(self, q_nope, q_pe, prior, prior_mask, active, active_mask):
-        """Absorbed attention over two latent segments under one softmax, without concatenating them: the cached
-        prior [B, T, latent] (mask [B, 1, S, T]) and this step's active entries [B, S, latent] (mask [B, 1, S, S]),
-        then o_proj. The same as attend(absorbed=True) over their concatenation; decode on Neuron reads a
-        T-long cache in place instead of copying it every layer and step."""
+        """attend(absorbed=True) over prior + active unconcatenated: Neuron decode reads the cache in place."""
         b, _, s, _ = q_nope.shape
         out = self._absorbed(q_nope, q_pe, [prior, active], [prior_mask, active_mask])
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def attend_sharded(self, q_nope, q_pe, segments, masks, query_tile: int | None = None):
-        """k queries [B, heads, k, .] of this rank's heads against the latent entries this rank holds, segments
-        [B, T_i, latent] under masks [B, 1, k, T_i] (True = visible here; every key visible on exactly one rank of
-        the KV group), merged over the group, then o_proj -> [B, k, hidden]. Three collectives per query tile: the
-        absorbed queries all-gathered (once), the score max all-reduced, [context | sum] reduce-scattered by head;
-        scores, exponentials and the merge in float32. At kv_group 1 they are identities and this is _absorbed
-        with its softmax split into max, exp and sum. query_tile bounds the [heads x G, tile, T] score block."""
+        """masks [B, 1, k, T_i] must make every key visible on exactly one rank of the KV group. Merge in float32;
+        query_tile bounds the [heads x G, tile, T] score block."""
         b, _, s, _ = q_nope.shape
         w_uk, w_uv = self._kv_b_halves()
         q = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_pe.to(q_nope.dtype)], dim=-1)
@@ -143,8 +113,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def _merge(self, q, segments, masks):
-        """One query tile's local scores, their log-sum-exp merge over the KV group -> this rank's heads' latent
-        context [B, heads, tile, rank], float32."""
+        """-> this rank's heads' latent context [B, heads, tile, rank], float32."""
         low = torch.finfo(torch.float32).min
         scores = [(_shared_kv_matmul(q, seg.to(q.dtype).transpose(-1, -2)).float() * self.scale).masked_fill(~m, low)
                   for seg, m in zip(segments, masks)]
@@ -174,10 +143,9 @@ class MLAttention(nn.Module):
         return self._absorbed(q_nope, q_pe, [cache], [mask])
 
     def _absorbed(self, q_nope, q_pe, segments, masks):
-        """Absorbed attention over latent segments [B, T_i, latent] (masks [B, 1, S, T_i]) under one softmax
-        -> [B, heads, S, v_dim]."""
+        """-> [B, heads, S, v_dim], one softmax over all segments."""
         w_uk, w_uv = self._kv_b_halves()
-        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)  # query in the latent space
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)
         parts = [seg.split([self.rank, self.rope], dim=-1) for seg in segments]
         scores = _cat([_shared_kv_matmul(q_lat, c_kv.transpose(-1, -2))
                        + _shared_kv_matmul(q_pe, k_pe.transpose(-1, -2)) for c_kv, k_pe in parts])
@@ -190,9 +158,8 @@ class MLAttention(nn.Module):
 
 
 def _shared_kv_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, heads, S, K] @ b [B, K, N] (one matrix shared by all heads) -> [B, heads, S, N].
-    Folding the heads into the rows makes one GEMM that streams the latent cache once; broadcasting b over heads
-    instead reads the whole cache once per head (30x slower at 32K context on CPU)."""
+    """a [B, heads, S, K] @ b [B, K, N] -> [B, heads, S, N] as one GEMM: broadcasting b over heads reads the
+    cache once per head (30x slower at 32K context on CPU)."""
     bsz, heads, s, k = a.shape
     return (a.reshape(bsz, heads * s, k) @ b).view(bsz, heads, s, b.shape[-1])
 
@@ -214,8 +181,7 @@ def _softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def _write_cache(cache: torch.Tensor, slots: torch.Tensor, entries: torch.Tensor,
                  owned: torch.Tensor | None = None) -> None:
-    """cache [B, T_max, D]; slots [B, S]; entries [B, S, D] -> cache[b, slots[b, s]] = entries[b, s], where `owned`
-    [B, S] (default all) is true."""
+    """cache[b, slots[b, s]] = entries[b, s] where `owned` [B, S] (default all)."""
     if int(slots.max()) >= cache.shape[1]:
         raise ValueError(f"slot {int(slots.max())} is beyond the KV cache length {cache.shape[1]}")
     rows = torch.arange(cache.shape[0])[:, None].expand_as(slots)

@@ -59,7 +59,6 @@ def softmax_scale(cfg: KimiK2Config) -> float:
 
 
 class RotaryTable:
-    """cos/sin for arbitrary per-row positions (batch rows may sit at different positions)."""
 
     def __init__(self, cfg: KimiK2Config):
         self.inv_freq = inv_freq(cfg)
@@ -73,8 +72,7 @@ class RotaryTable:
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the checkpoint's adjacent (GPT-J style) pairs, written half-split as modeling_deepseek.py does: q and k
-    get the same permutation, so dot products are unchanged and the cache holds k in this order."""
+    """Adjacent pairs permuted half-split as modeling_deepseek.py does, the same for q and k (the cache holds k so)."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

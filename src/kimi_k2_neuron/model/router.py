@@ -1,18 +1,8 @@
 """The noaux_tc router of DeepSeek-V3 / Kimi-K2.
 
-1. logits = x @ W^T in float32; scores = sigmoid(logits).
-2. e_score_correction_bias (a load-balancing bias) is added to the scores AFTER the sigmoid and only to choose
-   experts: group scores (sum of each group's top-2 biased scores) pick topk_group groups, then the top-k biased
-   scores inside those groups pick the experts.
-3. The combine weights are the UNBIASED scores of the chosen experts, normalized to sum 1 when norm_topk_prob,
-   then multiplied by routed_scaling_factor.
-Folding the bias into the linear layer (pre-sigmoid), as the community NxDI port does, changes both the choice
-and the weights; we never do that.
-
-With ParallelContext.shard_router each rank holds E / tp experts' rows of the weight and the float32 logits are
-all-gathered, so every rank selects from the same [T, E] logits, bit for bit, and picks the same experts (NxD's MoE
-gives each rank a slice of every expert, so the ranks must agree).
-"""
+e_score_correction_bias is added AFTER the sigmoid and only to choose experts; folding it into the linear layer (as
+the community NxDI port does) changes the choice and the weights. Sharded, the float32 logits are all-gathered so
+every rank picks the same experts (each holds a slice of every expert)."""
 
 from __future__ import annotations
 
@@ -34,8 +24,7 @@ class NoAuxTcRouter(nn.Module):
         self.normalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def _init_logits(self, cfg: KimiK2Config, ctx: ParallelContext) -> None:
-        """The float32 weight [E, hidden] (this rank's E / tp rows with ctx.shard_router), named and sliced as the
-        weight loader expects (ctx, shard_dim, full_shape)."""
+        """float32 weight [E, hidden] (E / tp rows with shard_router); ctx, shard_dim, full_shape for the loader."""
         self.ctx, self.shard_dim = ctx, 0 if ctx.shard_router else None
         self.full_shape = (cfg.n_routed_experts, cfg.hidden_size)
         rows = ctx.local(cfg.n_routed_experts, "n_routed_experts") if ctx.shard_router else cfg.n_routed_experts
@@ -47,7 +36,6 @@ class NoAuxTcRouter(nn.Module):
         return out if self.shard_dim is None else self.ctx.all_gather_last(out)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (weights [N, top_k] float32, expert ids [N, top_k])."""
         return self.select(self.logits(x))
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +57,5 @@ class NoAuxTcRouter(nn.Module):
         group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(group_score, dtype=torch.bool)
         keep.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
-        # -inf (not modeling_deepseek.py's 0.0) so that a masked-out expert can never be chosen, even when every
-        # biased score in the kept groups is negative; with positive sigmoid scores both agree.
+        # -inf, not modeling_deepseek.py's 0.0: a masked expert stays unchosen even if every kept biased score is < 0
         return grouped.masked_fill(~keep[..., None], float("-inf")).view(n, -1)

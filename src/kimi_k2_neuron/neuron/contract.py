@@ -1,10 +1,6 @@
-"""What Kimi-K2 requires of NxDI, in one table: the SDK, the NeuronConfig it compiles with and what it refuses, the
-parallel layout and MoE prefill rules (with moe_paths.py), the FP8 environment and compiler arguments, the
-checkpoint's keys in the model's state dict, and the rules of generation, NxD's CPU mode and pre-sharding. The
-shell's modules and its CPU harness (kimi_k2_neuron.nxdi_cpu) apply it, and so does the fit planner.
+"""What Kimi-K2 requires of NxDI, in one table, applied by the shell, its CPU harness and the fit planner.
 
-Pure: this module needs torch and the core, not the Neuron SDK. The NxDI/NxD code each rule rests on is cited by
-name from NXDI_CONTRACT.md beside this file (file:line at NxDI @4bcdc54, NxD @fbac349).
+Needs torch and the core, not the Neuron SDK. Each rule cites by name the NxDI/NxD code in NXDI_CONTRACT.md.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ NEURON_PACKAGES = (
 
 
 def missing_neuron_packages() -> list[str]:
-    """pip names of the Neuron packages that cannot be imported. An import is attempted (not just looked up)
-    because PyPI serves placeholder packages under these names that install fine and raise ImportError."""
+    """pip names of the Neuron packages that cannot be imported (imported, not looked up: PyPI has placeholders)."""
     missing = []
     for module, pip_name in NEURON_PACKAGES:
         try:
@@ -47,8 +42,7 @@ def missing_neuron_packages() -> list[str]:
 
 
 def require_neuron_sdk() -> None:
-    """Raise the ImportError naming the missing Neuron packages; the SDK-backed modules call it before their SDK
-    imports."""
+    """ImportError naming the missing Neuron packages, before any SDK import."""
     missing = missing_neuron_packages()
     if missing:
         raise ImportError(
@@ -61,10 +55,8 @@ def require_neuron_sdk() -> None:
 
 # -- serving options -> MoENeuronConfig ---------------------------------------------------------------------------
 
-# Kimi's MoE in NxD's terms: dropless (no capacity factor, which drops prefill tokens), GLU = silu(gate) * up, and
-# the router's combine weights used as they are (the core router normalizes and scales them). neuron_config_kwargs
-# passes this to MoENeuronConfig, enforce_neuron_config sets it again on every construction, and build_moe
-# (modeling.py) reads it from the NeuronConfig (NXDI_CONTRACT.md: moe-settings, normalize-reload).
+# Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
+# (NXDI_CONTRACT.md: moe-settings, normalize-reload).
 MOE_SETTINGS = {"capacity_factor": None, "glu_mlp": True, "glu_type": "glu", "normalize_top_k_affinities": False}
 # NeuronConfig fields a converted checkpoint's record sets. Its quantization_per_channel_axis is not one: expert
 # layers default it to 2 and accept only 2 (NXDI_CONTRACT.md: quant-fields, expert-per-channel-axis).
@@ -74,12 +66,9 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
 
 @dataclass(frozen=True)
 class LayoutOptions:
-    """How the latent cache, the prefill and the weights the NxDI design replicates are laid over the ranks
-    (issue 17): the flags --kv-shard/--kv-group, --prefill-chunk, --shard-attn-a and --shard-router. The default is
-    today's layout: a replicated cache, one prefill call of the whole bucket, q_a/kv_a and the router on every rank."""
+    """--kv-shard/--kv-group, --prefill-chunk, --shard-attn-a, --shard-router; the default replicates all."""
 
-    # None: every rank holds the whole cache. G: sequence-sharded, NxDI's flash-decoding layout over groups of G
-    # adjacent ranks (position p on rank p % G, slot p // G; NXDI_CONTRACT.md: fd-cache-size).
+    # G: position p on rank p % G, slot p // G (NXDI_CONTRACT.md: fd-cache-size)
     kv_group: int | None = None
     prefill_chunk: int | None = None  # tokens per prefill graph call (batch 1); None: one call of the whole bucket
     shard_attn_a: bool = False  # q_a_proj + kv_a_proj_with_mqa split by output rows, all-gathered (parallel.py)
@@ -96,22 +85,18 @@ FD_RESERVED_SLOTS = 128
 
 
 def cache_slots(seq_len: int, layout: LayoutOptions) -> int:
-    """Latent cache slots per rank for seq_len positions: seq_len when replicated; NxDI's get_cache_size when
-    sequence-sharded, seq_len / G + FD_RESERVED_SLOTS (check_layout refuses a seq_len G does not divide, which NxDI
-    would pad with only a warning)."""
+    """Latent cache slots per rank: NxDI's get_cache_size when sequence-sharded."""
     if not layout.sequence_sharded:
         return seq_len
     return seq_len // layout.kv_group + FD_RESERVED_SLOTS
 
 
 def prefill_batch(batch: int, layout: LayoutOptions) -> int:
-    """Rows per prefill call: the compiled batch, or one row per chunk (a batch-B chunk graph would hold B x chunk
-    tokens of activations and MoE temporaries)."""
+    """One row per chunk: a batch-B chunk graph would hold B x chunk tokens of activations."""
     return 1 if layout.prefill_chunk else batch
 
 
 def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, layout: LayoutOptions) -> None:
-    """The layouts the shell and the planner accept, naming the flag they refuse (check_compile_options calls it)."""
     g, n = layout.kv_group, layout.prefill_chunk
     check_counts(*((flag, v) for flag, v in (("--kv-group", g), ("--prefill-chunk", n)) if v is not None))
     if g is not None:
@@ -138,11 +123,8 @@ class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
 
     tp: int  # ranks (logical cores); attention, embedding, lm_head and the shared expert split tp ways
-    # How the routed experts are stored: the converted checkpoint's (ConversionRecord.scheme), or BF16_EXPERTS.
     scheme: ExpertScheme
-    # Expert parallelism inside those ranks (NxDI moe_ep_degree / moe_tp_degree): routed experts split ep ways, each
-    # expert's intermediate tp / ep ways. Not NxD's global ep_degree (see UNSUPPORTED).
-    ep: int = 1
+    ep: int = 1  # NxDI moe_ep_degree, not NxD's global ep_degree (see UNSUPPORTED)
     lnc: int | None = 2  # None: NxDI's choice (NEURON_LOGICAL_NC_CONFIG, else the platform's)
     seq_len: int = 1024
     max_context_length: int | None = None  # CTE bucket; NxDI defaults it to seq_len
@@ -156,8 +138,7 @@ class ServeOptions:
     global_topk: int = 256
     output_logits: bool = False
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
-    # NxDI's continuous batching, as vllm-neuron runs it: prefill one sequence per call (ctx_batch_size 1) into the
-    # cache line its seq_id names, decode all `batch` lines together (NXDI_CONTRACT.md: continuous-batching).
+    # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
@@ -167,7 +148,6 @@ class ServeOptions:
 
     @property
     def prefill_batch(self) -> int:
-        """Rows of one prefill (context-encoding) call."""
         return 1 if self.continuous_batching else self.batch
 
 
@@ -178,8 +158,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         tp_degree=o.tp,
         seq_len=o.seq_len,
         max_context_length=o.context_length,
-        # Only batch_size sets all four (NXDI_CONTRACT.md: batch-sizes); setting them explicitly makes the CTE and
-        # TKG graphs really compile at this batch, instead of ModelWrapper splitting a bigger batch into batch-1 calls.
+        # explicit, or ModelWrapper splits the batch into batch-1 calls (NXDI_CONTRACT.md: batch-sizes)
         batch_size=o.batch,
         ctx_batch_size=o.prefill_batch,
         tkg_batch_size=o.batch,
@@ -187,26 +166,22 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         kv_cache_batch_size=o.batch,
         padding_side="right",
         torch_dtype="bfloat16",
-        # "as-declared": the router weight and e_score_correction_bias are float32 parameters of the core router;
-        # cast_type "config" would make them bf16 at build time (NXDI_CONTRACT.md: cast-type).
+        # keeps the router's float32 parameters float32 (NXDI_CONTRACT.md: cast-type)
         cast_type="as-declared",
         save_sharded_checkpoint=True,
         **{k: v for k, v in MOE_SETTINGS.items() if k != "normalize_top_k_affinities"},
         disable_normalize_top_k_affinities=not MOE_SETTINGS["normalize_top_k_affinities"],
         router_config={"act_fn": "sigmoid", "dtype": "float32"},
-        # Without on-device sampling lm_head already gathers the logits (gather_output=True) and they are the output;
-        # output_logits would all-gather them a second time along the vocab, giving [B, 1, tp * vocab]
-        # (NXDI_CONTRACT.md: output-logits-gather).
+        # without on-device sampling it would gather lm_head's logits twice (NXDI_CONTRACT.md: output-logits-gather)
         output_logits=o.output_logits and o.on_device_sampling,
-        # As NxDI's Qwen3-MoE and the DSV3 contrib: we all-gather in the embedding (shard_across_embedding), the
-        # on-device top-k and output_logits (NXDI_CONTRACT.md: numeric-cc-token).
+        # as NxDI's Qwen3-MoE: we all-gather in the embedding (NXDI_CONTRACT.md: numeric-cc-token)
         disable_numeric_cc_token=True,
     )
     if o.continuous_batching:
         kw["is_continuous_batching"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
-    if o.ep > 1:  # MoE-internal EP: build_moe's initialize_moe_process_group makes the groups
+    if o.ep > 1:
         kw.update(moe_ep_degree=o.ep, moe_tp_degree=o.tp // o.ep)
     # The MoE kernel's LNC defaults to the platform's, not to the NeuronConfig's (NXDI_CONTRACT.md: moe-kernel-lnc).
     lnc = {} if o.lnc is None else {"logical_nc_config": o.lnc}
@@ -222,20 +197,16 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
 
 
 def modules_to_not_convert(cfg: KimiK2Config) -> list[str]:
-    """Every non-expert parallel linear, as NxD matches them: substrings of the dotted module path from the model
-    root (NXDI_CONTRACT.md: modules-to-not-convert). Expert-wise per-channel raises on a layer without experts, so
-    nothing may slip through. q_a_proj/kv_a_proj_with_mqa and the router are plain nn.Linear/nn.Module and never
-    converted."""
+    """Every non-expert parallel linear: expert-wise per-channel raises on any other
+    (NXDI_CONTRACT.md: modules-to-not-convert)."""
     dense = [f"layers.{i}.mlp." for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense]
 
 
 # -- the parallel layout and the MoE prefill --------------------------------------------------------------------------
 
-# --ep layouts by (tp, lnc): NxD builds the MoE groups with its trn2 replica-group logic (NXDI_CONTRACT.md:
-# ep-replica-groups): at 64 ranks on LNC=2, 4 x 16, 16 x 4 and 64 x 1 (tp x replicas) are documented to work, 8 x 8
-# as unsupported, and 32 x 2 mixes the two EP halves in one expert-TP group; 1 x 64 is what NxDI's MiniMax-M3 contrib
-# runs. Kimi-K2 fits only at TP=64 LNC=2, so no other layout is listed.
+# --ep layouts by (tp, lnc) that NxD's trn2 replica groups support (NXDI_CONTRACT.md: ep-replica-groups); 8 x 8 is
+# documented unsupported and 32 x 2 mixes EP halves. Kimi-K2 fits only at TP=64 LNC=2.
 EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
 
 
@@ -244,8 +215,7 @@ def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
 
 
 def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -> None:
-    """The expert parallelism NxD can run for this model. lnc None (NxDI resolves it later) skips the layout rule;
-    enforce_neuron_config re-checks the resolved config."""
+    """lnc None skips the layout rule; enforce_neuron_config re-checks the resolved config."""
     if tp % ep or cfg.n_routed_experts % ep:
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
     if ep == 1:
@@ -261,10 +231,7 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
 
 def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill,
                           layout: LayoutOptions = LayoutOptions(), prefill_rows: int | None = None) -> None:
-    """The parallel layout and MoE prefill settings NxD can compile for this model, naming the argument it refuses
-    (check_serve_options, the fit planner and NxD's CPU mode all call this). lnc None (NxDI resolves it later) skips
-    the LNC rules; enforce_neuron_config re-checks the resolved config. A prefill call holds context_len tokens of
-    prefill_rows rows (default prefill_batch(batch, layout); 1 under continuous batching)."""
+    """What NxD can compile, naming the refused argument. lnc None skips the LNC rules (re-checked at enforce)."""
     check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
     if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
         raise KimiInputError(f"--seq-len {seq_len}: exceeds config.json field max_position_embeddings="
@@ -297,7 +264,6 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    """Refuse a configuration that cannot compile or would compute something else, naming the argument."""
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
                           prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
@@ -314,7 +280,7 @@ def check_top_k(top_k: int, global_topk: int = ServeOptions.global_topk) -> None
         raise KimiInputError(f"--top-k {top_k}: on-device sampling needs 1 <= top_k <= {global_topk}")
 
 
-# NxDI features this port does not implement, as (attribute, allowed values, why).
+# (attribute, allowed values, why)
 UNSUPPORTED = (
     ("sequence_parallel_enabled", (False,), "MLA attention here has no sequence-parallel path"),
     ("flash_decoding_enabled", (False,), "the latent cache is not split across cores"),
@@ -349,8 +315,7 @@ UNSUPPORTED = (
 
 
 def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None) -> None:
-    """Check and set what this model needs on an (MoE)NeuronConfig. Idempotent: add_derived_config runs it on every
-    construction, including NxDI's reload from neuron_config.json (NXDI_CONTRACT.md: normalize-reload)."""
+    """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload)."""
     bad = [f"{name}={getattr(nc, name)!r} ({why})" for name, ok, why in UNSUPPORTED
            if hasattr(nc, name) and getattr(nc, name) not in ok]
     if getattr(nc, "capacity_factor", None) != MOE_SETTINGS["capacity_factor"]:
@@ -359,8 +324,7 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
     if tkg_b is not None and kv_b is not None and tkg_b < kv_b:  # NXDI_CONTRACT.md: tkg-batch-below-kv-batch
         bad.append(f"tkg_batch_size={tkg_b} < kv_cache_batch_size={kv_b} (that KV update path assumes V is shaped "
                    f"like K; the latent V slot is 1 wide)")
-    # The cache is allocated in attention_dtype and written with updates in that dtype; the layer produces the
-    # latent in torch_dtype (NXDI_CONTRACT.md: cache-dtype).
+    # NXDI_CONTRACT.md: cache-dtype
     att = getattr(nc, "attention_dtype", None)
     if att is not None and att != getattr(nc, "torch_dtype", att):
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
@@ -384,9 +348,7 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
 
 
 def _restore_block_sharding_strategy(bmm) -> None:
-    """NxDI saves the strategy enum in neuron_config.json as the enum's __dict__ and NxD's from_kwargs converts only
-    strings back (NXDI_CONTRACT.md: strategy-reload): a reloaded config would hand the kernel a dict. Put the enum
-    back, by name."""
+    """A reloaded config holds the enum's __dict__ (NXDI_CONTRACT.md: strategy-reload); put the enum back."""
     value = getattr(bmm, "block_sharding_strategy", None)
     if isinstance(value, dict) and "_name_" in value:
         from neuronx_distributed.modules.moe.moe_configs import BlockShardStrategy
@@ -400,9 +362,7 @@ def _blockwise_fields(bmm) -> dict:
 
 
 def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
-    """What check_serve_options guarantees for moe_ep_degree > 1, re-checked on any NeuronConfig (a reloaded
-    neuron_config.json, `extra`): NxDI checks none of it (NXDI_CONTRACT.md: moe-ep-unchecked). The batch rule
-    needs the model's expert count and top-k."""
+    """check_serve_options' EP rules on any NeuronConfig; NxDI checks none (NXDI_CONTRACT.md: moe-ep-unchecked)."""
     ep, tp = getattr(nc, "moe_ep_degree", 1) or 1, getattr(nc, "tp_degree", None)
     if ep <= 1:
         return []
@@ -433,9 +393,8 @@ COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
 
 @dataclass(frozen=True)
 class ServingRequest:
-    """What a serving framework asks of the model, read from the generic NeuronConfig it builds from its own flags
-    (vllm-neuron: NXDI_CONTRACT.md: vllm-generic-config). The model takes the run's shape from it and nothing else:
-    the rest of its NeuronConfig is this contract's for the checkpoint (request_options)."""
+    """The run's shape from vllm-neuron's generic NeuronConfig, and nothing else
+    (NXDI_CONTRACT.md: vllm-generic-config)."""
 
     tp: int  # vLLM's --tensor-parallel-size
     batch: int  # --max-num-seqs: the KV cache lines and the decode batch
@@ -468,13 +427,11 @@ class ServingRequest:
                    on_cpu=bool(getattr(nc, "on_cpu", False)))
 
     def describe(self) -> str:
-        """The request in vLLM's flags."""
-        return (f"--tensor-parallel-size {self.tp} --max-num-seqs {self.batch} --max-model-len {self.seq_len} "
+            return (f"--tensor-parallel-size {self.tp} --max-num-seqs {self.batch} --max-model-len {self.seq_len} "
                 f"--dtype {str(self.dtype).removeprefix('torch.')}")
 
 
 def check_request(r: ServingRequest) -> None:
-    """Refuse, naming vLLM's flag, a request this model cannot serve (before anything is built or loaded)."""
     if r.chunked_prefill:
         raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
                              "block KV layout, which Kimi-K2's latent cache does not have; unset "
@@ -491,9 +448,7 @@ def check_request(r: ServingRequest) -> None:
 
 
 def request_options(cfg: KimiK2Config, r: ServingRequest, record, checkpoint) -> ServeOptions:
-    """The options this contract compiles for a serving request on `checkpoint`, whose conversion record (a
-    formats.record.ConversionRecord) is `record`: the request's shape, the checkpoint's experts, everything else
-    ServeOptions' own. Refuses a raw checkpoint and what check_request refuses."""
+    """The request's shape, the checkpoint's experts (record: a ConversionRecord), the rest ServeOptions'."""
     check_request(r)
     if record is None:
         raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
@@ -507,9 +462,7 @@ def request_options(cfg: KimiK2Config, r: ServingRequest, record, checkpoint) ->
 
 
 def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
-    """What keeps the NeuronConfig `nc` of precompiled artifacts from serving request `r`, in vLLM's flags. A
-    smaller batch or shorter sequences than compiled are served (NxDI pads the batch; the cache is longer than
-    needed); more are not (NXDI_CONTRACT.md: vllm-precompiled)."""
+    """Smaller than compiled is served, more is not (NXDI_CONTRACT.md: vllm-precompiled)."""
     bad = []
     if r.tp != nc.tp_degree:
         bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {nc.tp_degree}")
@@ -531,28 +484,22 @@ def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
 
 # -- the FP8 environment and compiler arguments ------------------------------------------------------------------
 
-# The e4m3 reinterpretation NxDI asks for with FP8 weights, read when torch-xla is imported, so it must be set
-# before; NxDI adds the matching compiler flag itself when quantization_dtype is exactly NXD_DTYPE
-# (NXDI_CONTRACT.md: fp8-environment).
+# read when torch-xla is imported, so set before (NXDI_CONTRACT.md: fp8-environment)
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
 
 
 def fp8_env(quantized: bool, quantization_dtype: str | None) -> dict[str, str]:
-    """The environment a NeuronConfig with these quantization fields needs before anything is traced or run."""
     return dict(FP8_ENV) if quantized and quantization_dtype == NXD_DTYPE else {}
 
 
-# What Kimi adds to NxDI's own per-submodel neuronx-cc arguments (NXDI_CONTRACT.md: compiler-args). As the
-# DeepSeek-V3 and Qwen3-MoE ports: saturating casts, fp32 accumulation (unless NxDI's long-context mode turned it off
-# on purpose), and vector dynamic-offset DGE for the per-token expert gathers of selective loading (unless NxDI
-# already chose DGE levels).
+# Added to NxDI's own args as the DeepSeek-V3 and Qwen3-MoE ports do; DGE for selective loading's per-token
+# gathers (NXDI_CONTRACT.md: compiler-args).
 KIMI_COMPILER_ARGS = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation",
                       "--internal-enable-dge-levels vector_dynamic_offsets")
 
 
 def compiler_args(nxdi_args: str) -> str:
-    """One submodel's neuronx-cc arguments: NxDI's own for it, plus KIMI_COMPILER_ARGS where they do not contradict
-    a flag NxDI set."""
+    """NxDI's args plus those KIMI_COMPILER_ARGS no NxDI flag contradicts."""
     clashes = {"--enable-mixed-precision-accumulation": "--disable-mixed-precision-accumulation",
                "--internal-enable-dge-levels vector_dynamic_offsets": "--internal-enable-dge-levels"}
     extra = [f for f in KIMI_COMPILER_ARGS if f not in nxdi_args and clashes.get(f, f) not in nxdi_args]
@@ -562,18 +509,14 @@ def compiler_args(nxdi_args: str) -> str:
 # -- the checkpoint in the model's state dict -------------------------------------------------------------------------
 
 def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme) -> set[str]:
-    """Every tensor the loader must deliver for the Neuron model: the format's (formats.layout.neuron_tensors) and
-    no spmd_rank tensor, which NxD generates itself (NXDI_CONTRACT.md: spmd-rank); the loader adds rank_util.rank."""
+    """No spmd_rank tensor: NxD generates it (NXDI_CONTRACT.md: spmd-rank)."""
     return set(layout.neuron_tensors(cfg, scheme))
 
 
 def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Config, nc,
                          where: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> the Neuron model's state dict, by the format's key map, strict both ways where NxD
-    would drop an unexpected key with a warning and skip a missing one (NXDI_CONTRACT.md: sharding-not-strict).
-    Shapes of full tensors are checked here, before NxD shards them, and FP8 expert weights must be float8_e4m3fn and
-    their scales float32, which NxD would silently cast (NXDI_CONTRACT.md: checkpoint-dtype-cast). Adds
-    rank_util.rank, the per-rank index NeuronBaseModel's SPMDRank reads."""
+    """Strict both ways, unlike NxD (NXDI_CONTRACT.md: sharding-not-strict); shapes and FP8 dtypes checked before NxD
+    shards or casts them (NXDI_CONTRACT.md: checkpoint-dtype-cast)."""
     scheme = ExpertScheme.from_nxd(vars(nc))
     experts = scheme.name
     want = layout.neuron_tensors(cfg, scheme)
@@ -613,9 +556,7 @@ def _check_tensor(t: torch.Tensor, name: str, dtype, shape, fp8: bool, where: st
 # -- generation, NxD's CPU mode, pre-sharding ----------------------------------------------------------------------
 
 def check_prompt_lengths(lengths: list[int]) -> None:
-    """Refuse a batch NxDI's HuggingFaceGenerationAdapter would get wrong: it gives right-padding slots position 1,
-    so a one-token row among longer ones reads its first token from a pad slot and decodes from position 2
-    (NXDI_CONTRACT.md: adapter-pad-positions)."""
+    """NxDI's HF adapter mispositions a one-token row among longer ones (NXDI_CONTRACT.md: adapter-pad-positions)."""
     if not lengths or min(lengths) < 1:
         raise KimiInputError("every prompt needs at least one token")
     if min(lengths) == 1 < max(lengths):
@@ -624,9 +565,7 @@ def check_prompt_lengths(lengths: list[int]) -> None:
 
 
 def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
-    """Generation's do_sample/temperature/top_k/top_p for the CPU runner's (temperature, top_k, top_p), where
-    temperature 0 is greedy and top_k 0 means no filter: NxDI's sampler always filters, at most its global top-k
-    (ServeOptions.global_topk), so 0 becomes that."""
+    """temperature 0 is greedy; top_k 0 becomes global_topk (NxDI's sampler always filters)."""
     if temperature <= 0:
         return {"do_sample": False, "temperature": 1.0, "top_k": 1, "top_p": 1.0}
     return {"do_sample": True, "temperature": temperature, "top_k": top_k or ServeOptions.global_topk,
@@ -634,10 +573,8 @@ def sampler_settings(temperature: float, top_k: int, top_p: float) -> dict:
 
 
 def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
-    """What NeuronKimiK2ForCausalLM.to_cpu needs of a NeuronConfig's fields: gloo has no bfloat16 collectives (NxDI's
-    to_cpu refuses bf16 at TP > 1) and NxD no float16 CPU path; NxD's MoE expert parallelism needs XLA process
-    groups (NXDI_CONTRACT.md: cpu-mode-limits). The CPU harness also sets on_cpu, without which NxDI's sampler takes
-    its device branches, whose argmax and top-k are device-only ops (NXDI_CONTRACT.md: device-sampler)."""
+    """NXDI_CONTRACT.md: cpu-mode-limits. The harness also sets on_cpu, or NxDI's sampler takes its device-only
+    branches (NXDI_CONTRACT.md: device-sampler)."""
     if torch_dtype not in (torch.float32, torch.bfloat16) or (torch_dtype == torch.bfloat16 and tp > 1):
         raise KimiInputError(f"--dtype {torch_dtype} at --tp {tp}: NxD's CPU mode runs float32, or bfloat16 at "
                              f"--tp 1 (gloo has no bfloat16 collectives)")
@@ -647,18 +584,16 @@ def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
                              f"NXDI_CONTRACT.md: cpu-mode-limits); use --ep 1 on CPU")
 
 
-# NxD's shard_checkpoint keeps every rank's sharded dict until the last rank is written, and the stride-2 split of
-# gate_up makes each rank's part a real copy: ~10 GB per rank for Kimi-K2, ~680 GB for 64 ranks at once. Sharding a
-# few ranks per pass bounds it at ~85 GB (NXDI_CONTRACT.md: presharding-memory).
+# NxD holds every rank's ~10 GB shard until the last is written; passes of 8 bound it at ~85 GB
+# (NXDI_CONTRACT.md: presharding-memory).
 SHARD_RANKS_PER_PASS = 8
-# NxD's weight-layout option transforms the window the builder had at trace time, i.e. every rank, after sharding:
-# it must run once (NXDI_CONTRACT.md: layout-transformation).
+# transforms every rank after sharding, so one pass (NXDI_CONTRACT.md: layout-transformation)
 LAYOUT_TRANSFORM_ENV = "NXD_LAYOUT_TRANSFORMATION_OPTIONS"
 
 
 def rank_passes(start: int, size: int, env: Mapping[str, str],
                 per_pass: int = SHARD_RANKS_PER_PASS) -> list[tuple[int, int]]:
-    """(start_rank_id, local_ranks_size) windows that together cover [start, start + size), for pre-sharding."""
+    """(start_rank_id, local_ranks_size) windows covering [start, start + size)."""
     if LAYOUT_TRANSFORM_ENV in env:
         return [(start, size)]
     return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]

@@ -1,6 +1,5 @@
-"""Kimi-K2 as an NxDI model, in NxDI's order: the config, the traced model, the application. The math is the core's;
-what Kimi requires of NxDI's settings is contract.py, and the NxDI/NxD code each choice rests on is cited from
-NXDI_CONTRACT.md. Importing it without the Neuron SDK raises an ImportError naming the missing packages."""
+"""Kimi-K2 as an NxDI model: the config, the traced model, the application. The math is the core's, the settings
+contract.py's."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ _CORE: "weakref.WeakKeyDictionary[KimiK2InferenceConfig, KimiK2Config]" = weakre
 
 
 class KimiK2InferenceConfig(InferenceConfig):
-    """NxDI rebuilds it from neuron_config.json through add_derived_config (NXDI_CONTRACT.md: config-construction),
-    so everything derived is derived there, from fields it never overwrites: a reload gives the same model."""
+    """Derived only in add_derived_config, so a reload is the same model (NXDI_CONTRACT.md: config-construction)."""
 
     @classmethod
     def from_core(cls, cfg: KimiK2Config, neuron_config: MoENeuronConfig, **kwargs) -> "KimiK2InferenceConfig":
@@ -78,8 +76,6 @@ class KimiK2InferenceConfig(InferenceConfig):
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
-        """The config compile_and_save builds for a serving framework's request, or a one-line refusal of what
-        differs; precompiled artifacts are checked to serve it before vllm-neuron loads them."""
         r = contract.ServingRequest.of(request)
         if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
             raise KimiInputError(f"{checkpoint}: not a checkpoint folder with a config.json; serve the converted "
@@ -121,8 +117,6 @@ class KimiK2InferenceConfig(InferenceConfig):
         return MoENeuronConfig
 
     def core_config(self) -> KimiK2Config:
-        """Parsed once from these attributes when NxDI rebuilt this config; quantization_config describes the
-        source's storage, which the Neuron model does not read."""
         if self not in _CORE:
             raw = {k: v for k, v in vars(self).items() if k not in _NOT_HF}
             _CORE[self] = KimiK2Config.from_dict(raw, source="KimiK2InferenceConfig")
@@ -130,13 +124,11 @@ class KimiK2InferenceConfig(InferenceConfig):
 
 
 class KimiK2ServingRequest(MoENeuronConfig):
-    """vllm-neuron's generic NeuronConfig (NXDI_CONTRACT.md: vllm-generic-config). NxDI never builds this class, so the
-    type alone marks a request, which KimiK2InferenceConfig replaces (for_request)."""
+    """NxDI never builds this class, so the type alone marks a request (NXDI_CONTRACT.md: vllm-generic-config)."""
 
 
 def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2InferenceConfig) -> None:
-    """Refuse artifacts that do not serve `r` or come from another conversion, before vllm-neuron loads them: a
-    ValueError there would make it recompile (NXDI_CONTRACT.md: vllm-precompiled)."""
+    """Before vllm-neuron loads them: a ValueError there would recompile (NXDI_CONTRACT.md: vllm-precompiled)."""
     where = f"{contract.COMPILED_ARTIFACTS_ENV}={folder}"
     try:
         compiled = KimiK2InferenceConfig.load(folder)
@@ -185,14 +177,11 @@ class NxDParallelContext(ParallelContext):
     def moe(self, cfg, dtype):
         return build_moe(cfg, dtype, self.config)
 
-    # -- the KV group of the sequence-sharded cache: NxD's CPU-aware collectives over its KV-shared group ---------
-    # (NXDI_CONTRACT.md: cpu-collectives). The group is fetched at each call: under ModelBuilder it exists only
-    # after initialize_kv_group, inside its mock_distributed block. At kv_group 1 there is no group to fetch.
+    # -- the KV group: fetched at each call, since under ModelBuilder it exists only inside initialize_kv_group's
+    # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
 
     def kv_rank(self):
-        # The process's rank: right in NxD's CPU mode, where every rank runs its own eager model. A traced graph is
-        # one for all ranks and needs the model's SPMDRank tensor here instead (not built yet: the shell refuses
-        # --kv-shard sequence).
+        # right only in CPU mode; a traced graph would need SPMDRank (so the shell refuses --kv-shard sequence)
         return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
 
     def gather_kv_heads(self, x):
@@ -214,9 +203,7 @@ class NxDParallelContext(ParallelContext):
 
 
 class NxDRouter(NoAuxTcRouter):
-    """The core router under NxD's router contract (NXDI_CONTRACT.md: router-contract): hidden [B, S, H] ->
-    (logits [T, E], affinities [T, E], expert_index [T, k]). The affinities are the final combine weights, so
-    ExpertMLPsV2 must not renormalize; they are cast to the hidden dtype so the expert outputs stay bf16."""
+    """-> (logits, final weights [T, E] in the hidden dtype, ids [T, k]) (NXDI_CONTRACT.md: router-contract)."""
 
     def __init__(self, cfg: KimiK2Config):
         super().__init__(cfg)
@@ -225,16 +212,15 @@ class NxDRouter(NoAuxTcRouter):
 
     def forward(self, hidden_states: torch.Tensor):
         flat = hidden_states.reshape(-1, self.hidden_size)
-        logits = self.logits(flat)  # float32 [T, E]; MoE only returns them when return_router_logits is set
+        logits = self.logits(flat)
         weights, ids = self.select(logits)
         affinities = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device)
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 
 
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig) -> NxDMoE:
-    """NxDI's initialize_moe_module minus its RouterTopK (NXDI_CONTRACT.md: moe-module). The shared expert is inside
-    the MoE: one all-reduce per layer, not two (NXDI_CONTRACT.md: moe-shared-expert). No fused TKG module: its kernel
-    adds the router bias before the sigmoid (NXDI_CONTRACT.md: fused-tkg-bias)."""
+    """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
+    (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
     tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
     experts = ExpertMLPsV2(
@@ -275,8 +261,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
 
 
 def decode_masks(prior_mask: torch.Tensor, s: int):
-    """NxDI's TKG mask [B, 1, 1, T] -> prior [B, 1, S, T], active [B, 1, S, S] causal. The current token is not
-    cached yet (the manager writes it after the layers), so it is the active segment (NXDI_CONTRACT.md: decode-mask)."""
+    """[B, 1, 1, T] -> prior [B, 1, S, T], active (the uncached step) (NXDI_CONTRACT.md: decode-mask)."""
     b = prior_mask.shape[0]
     prior = prior_mask.to(torch.bool).expand(b, 1, s, prior_mask.shape[-1])
     active = torch.ones(s, s, dtype=torch.bool, device=prior.device).tril()[None, None].expand(b, 1, s, s)
@@ -284,9 +269,7 @@ def decode_masks(prior_mask: torch.Tensor, s: int):
 
 
 class KimiK2DecoderLayer(DecoderLayer):
-    """NxDI's decoder-layer call (NXDI_CONTRACT.md: decoder-layer-call), returning K as the latent [B, 1, S, latent]
-    and V as 1-wide zeros. Decode attends the cache in place (attend_split), not a copy per layer and step; the
-    manager scatters the step's K at position_ids (NXDI_CONTRACT.md: kv-writes)."""
+    """K is the latent [B, 1, S, latent], V 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call, kv-writes)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
@@ -313,8 +296,7 @@ class KimiK2DecoderLayer(DecoderLayer):
 
 
 class LatentKVCacheManager(KVCacheManager):
-    """The latent in the K slot and a 1-wide V instead of the stock same-shape V copy, which doubles the cache: the
-    manager indexes V along dims 0 and 2 only (NXDI_CONTRACT.md: latent-v-slot)."""
+    """A 1-wide V, not a copy of K that doubles the cache (NXDI_CONTRACT.md: latent-v-slot)."""
 
     def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
         super()._init_kv_shape(config, layer_to_cache_size_mapping)
@@ -330,7 +312,6 @@ class LatentKVCacheManager(KVCacheManager):
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
-    """The traced model, built through NeuronBaseModel's three hooks (NXDI_CONTRACT.md: model-init)."""
 
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
         nc = config.neuron_config
@@ -345,8 +326,7 @@ class NeuronKimiK2Model(NeuronBaseModel):
 
     def init_model(self, config: KimiK2InferenceConfig):
         cfg, dtype = config.core_config(), config.neuron_config.torch_dtype
-        # NxDI's CPU-mode sampler has no distributed path, so CPU gathers the vocabulary (NXDI_CONTRACT.md:
-        # cpu-sampler).
+        # NXDI_CONTRACT.md: cpu-sampler
         gather = not self.on_device_sampling or config.neuron_config.on_cpu
         ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=gather,
                                  reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config)
@@ -386,8 +366,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     @classmethod
     def save_quantized_state_dict(cls, model_path, config):
-        """vllm-neuron's quantize step (NXDI_CONTRACT.md: vllm-compile-branch): the converted checkpoint already is
-        quantized, so this only checks it holds the experts the config compiles."""
+        """Only checks the converted experts (NXDI_CONTRACT.md: vllm-compile-branch)."""
         path = config.neuron_config.quantized_checkpoints_path or model_path
         record, want = ConversionRecord.read(path), ExpertScheme.from_nxd(vars(config.neuron_config))
         if record is None or record.scheme != want:
@@ -409,8 +388,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         return load_neuron_state_dict(path, self.config)
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
-        """NxDI's pre-sharding, a few ranks per pass (contract.rank_passes says why; NXDI_CONTRACT.md:
-        builder-rank-window)."""
+        """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""
         nc = self.neuron_config
         if nc.skip_sharding or not nc.save_sharded_checkpoint:  # NxDI only logs that it skips
             return super().shard_weights(compiled_model_path, debug, pre_shard_weights_hook)
@@ -437,11 +415,8 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
 
     def to_cpu(self, presharded: str | None = None):
-        """This model in NxD's CPU mode, built per submodel as ModelBuilder builds it on device. NxDI's to_cpu
-        differs (NXDI_CONTRACT.md: nxdi-to-cpu): it casts float32 router parameters to bf16, skips quantize.convert
-        so strict=False drops the FP8 scales silently, and builds one model for both submodels (whose MoE
-        is_prefill_stage differs). Here loading is strict both ways. `presharded`: a folder of NxD's per-rank files
-        to load instead of sharding here."""
+        """Built per submodel as on device, loaded strictly; NxDI's to_cpu casts the router to bf16 and drops FP8
+        scales (NXDI_CONTRACT.md: nxdi-to-cpu). `presharded`: NxD's per-rank files to load."""
         nc = self.neuron_config
         contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"

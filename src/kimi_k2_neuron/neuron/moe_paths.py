@@ -1,14 +1,9 @@
 """Which of NxD's MoE paths a call takes, and what each prefill mode (`--moe-prefill`) needs of Kimi's shapes.
 
-NxD's ExpertMLPsV2 picks a path per call from the token count T, top-k and the expert count (NXDI_CONTRACT.md:
-moe-paths): decode (one token per row) runs selective loading, or every local expert once batch x top_k >= E; a
-prefill runs selective loading below E / top_k tokens, every expert below block_size / top_k, and otherwise the
-blockwise path, whose kernel NxD chooses from two BlockwiseMatmulConfig flags (NXDI_CONTRACT.md: blockwise-dispatch).
-With neither flag, NxD 2.29 calls a shard-on-hidden kernel that only raises; so every mode here names the path it
-takes, and each is refused where it cannot run (NXDI_CONTRACT.md: shard-on-block-kernel, shard-on-i-kernel).
-
-Pure: no SDK, no torch. The planner models each path's HBM; contract.py turns a mode into NxD's config.
-"""
+ExpertMLPsV2 picks a path per call from T, top-k and E (NXDI_CONTRACT.md: moe-paths), the blockwise kernel from two
+flags (NXDI_CONTRACT.md: blockwise-dispatch); with neither, NxD 2.29 calls a kernel that only raises, so every mode
+names its path and is refused where it cannot run (NXDI_CONTRACT.md: shard-on-block-kernel, shard-on-i-kernel).
+Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ SELECTIVE_LOADING_THRESHOLD = 1.0
 
 @dataclass(frozen=True)
 class PrefillMode:
-    """One way to run a prefill's routed experts: the BlockwiseMatmulConfig keys it sets (logical_nc_config aside,
-    which contract.py adds) and the nkilib kernel NxD calls for it, if any."""
+    """The BlockwiseMatmulConfig keys a mode sets (contract.py adds logical_nc_config) and NxD's kernel, if any."""
 
     name: str
     blockwise: dict = field(default_factory=dict)
@@ -42,11 +36,9 @@ class PrefillMode:
 
 
 MODES = {m.name: m for m in (
-    # The only nkilib kernel NxD 2.29 reaches that takes 32 expert columns per rank as they are: it computes every
-    # block (no dynamic skip), asserts PING_PONG, and at block 128 pads the fewest rows (~384 of its ~445 blocks hold
-    # tokens at 1024 tokens whatever the block) with the smallest SBUF working set. skip_dma_token: the skip mode
-    # nkilib's own tests of this kernel use (no augmented copy of the hidden states). Both FP8 schemes reach it
-    # dequantized to bf16 (NXDI_CONTRACT.md: kernel-dequantizes).
+    # The only kernel NxD 2.29 reaches that takes 32 expert columns per rank as they are; block 128 pads the fewest
+    # rows with the smallest SBUF working set; skip_dma_token as nkilib's own tests use it. FP8 reaches it
+    # dequantized (NXDI_CONTRACT.md: kernel-dequantizes).
     PrefillMode("shard-on-block", {"use_shard_on_block_dynamic_while": True, "block_sharding_strategy": "PING_PONG",
                                    "block_size": 128, "skip_dma_token": True},
                 kernel="bwmm_shard_on_block",
@@ -68,7 +60,6 @@ KERNEL_MODES = tuple(name for name, m in MODES.items() if m.kernel)
 
 
 def modes_help() -> str:
-    """--moe-prefill's help: each mode and what it runs."""
     return "; ".join(f"{m.name} = {m.about}" for m in MODES.values())
 
 
@@ -79,8 +70,6 @@ def mode(name: str) -> PrefillMode:
 
 
 def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
-    """NxD decodes on every local expert once batch x top_k >= E, and only then with EP (no selective loading with
-    EP)."""
     return batch * top_k >= SELECTIVE_LOADING_THRESHOLD * n_experts
 
 
@@ -90,8 +79,7 @@ def local_intermediate(cfg: KimiK2Config, tp: int, ep: int) -> int:
 
 
 def call_path(tokens: int, top_k: int, n_experts: int, block_size: int, decode: bool) -> str:
-    """The path ExpertMLPsV2 takes for one dropless call of `tokens` tokens (NXDI_CONTRACT.md: moe-paths):
-    "selective" (the chosen experts gathered per token), "all-experts" or "blockwise"."""
+    """"selective", "all-experts" or "blockwise" for one dropless call (NXDI_CONTRACT.md: moe-paths)."""
     loaded = tokens * top_k / n_experts
     if loaded < SELECTIVE_LOADING_THRESHOLD:
         return "selective"
@@ -101,16 +89,14 @@ def call_path(tokens: int, top_k: int, n_experts: int, block_size: int, decode: 
 
 
 def prefill_path(cfg: KimiK2Config, tokens: int, mode_name: str) -> str:
-    """The path one prefill call of `tokens` tokens (batch x bucket) takes: "selective", "all-experts", or the
-    blockwise mode itself ("shard-on-block", "shard-on-intermediate", "torch")."""
+    """call_path, with "blockwise" named by its mode."""
     m = mode(mode_name)
     path = call_path(tokens, cfg.num_experts_per_tok, cfg.n_routed_experts, m.block_size, decode=False)
     return m.name if path == "blockwise" else path
 
 
 def mode_of(blockwise_config) -> str | None:
-    """The mode an NxD BlockwiseMatmulConfig (or the dict of one) is configured for; None when it is none of
-    MODES, e.g. no kernel flag at LNC=2, which NxD 2.29 sends to a kernel that only raises."""
+    """The mode a BlockwiseMatmulConfig (or dict) is for; None, e.g. no kernel flag at LNC=2, is refused."""
     def value(key):
         v = blockwise_config.get(key) if isinstance(blockwise_config, dict) else getattr(blockwise_config, key, None)
         return getattr(v, "name", v)  # NxD's BlockShardStrategy enum, by name
@@ -124,15 +110,13 @@ def mode_of(blockwise_config) -> str | None:
 
 
 def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int, block_size: int) -> int:
-    """Blocks per MoE layer on a blockwise path, NxD's worst case over routings: ceil((T x top_k - (E_local - 1)) /
-    block) + E_local - 1, at most T x top_k. The kernels and the torch loop compute every one."""
+    """Blocks per MoE layer, NxD's worst case over routings; every path computes every one."""
     pairs, e_local = tokens * cfg.num_experts_per_tok, cfg.n_routed_experts // ep
     return min(math.ceil((pairs - (e_local - 1)) / block_size) + e_local - 1, pairs)
 
 
 def default_mode(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, tokens: int) -> str:
-    """DEFAULT_MODE where its kernel can run these shapes, else "torch": tiny configs are below the kernels' shapes.
-    For the runs that choose no mode themselves (NxD's CPU mode, a serving framework's request)."""
+    """DEFAULT_MODE where its kernel can run these shapes, else "torch" (tiny configs)."""
     try:
         check_prefill_mode(cfg, DEFAULT_MODE, tp, ep, lnc, tokens)
     except KimiInputError:
@@ -141,8 +125,7 @@ def default_mode(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, tokens: i
 
 
 def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc: int | None, tokens: int) -> None:
-    """Refuse a prefill mode where NxD or its kernel cannot run it at these shapes, naming the flag and the rule.
-    lnc None (NxDI resolves it later) skips the LNC rule; the shell re-checks the resolved config."""
+    """lnc None skips the LNC rule; the shell re-checks the resolved config."""
     m = mode(mode_name)
     path = prefill_path(cfg, tokens, mode_name)
     # NxD's all-experts prefill has no EP variant: it runs for --moe-prefill all-experts and below one block.

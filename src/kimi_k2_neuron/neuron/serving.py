@@ -1,8 +1,6 @@
 """Compile, load and generate: what the scripts and the trn2 tests share.
 
-A compiled folder holds NxDI's model.pt, neuron_config.json and weights/tp{rank}_sharded_checkpoint.safetensors,
-plus `kimi_k2_neuron.json` recording which checkpoint it was compiled from and how (so run/bench find the tokenizer
-and the options without repeating them). The NxDI code this rests on is cited by name from NXDI_CONTRACT.md.
+A compiled folder's `kimi_k2_neuron.json` records the checkpoint and options, so run/bench need not repeat them.
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ RECORD = "kimi_k2_neuron.json"
 
 def compile_model(cfg: KimiK2Config, checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
                   plan_summary: str | None = None) -> NeuronKimiK2ForCausalLM:
-    """Trace, compile and pre-shard the converted `checkpoint` (whose config.json the core read as `cfg`) into
-    `out`."""
     config = KimiK2InferenceConfig.for_serving(cfg, options)
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
@@ -66,9 +62,7 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
 
 
 def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, options: contract.ServeOptions) -> str:
-    """The `vllm serve` command line that has vllm-neuron load `compiled` (compile_and_save.py --for-vllm): flags that
-    make its request the one compiled (contract.compiled_mismatches), Kimi's tool calls through this package's parser
-    plugin, and its reasoning parser when the chat template opens <think> (Kimi-K2-Thinking)."""
+    """The `vllm serve` line whose request is the one compiled (contract.compiled_mismatches)."""
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
@@ -83,9 +77,8 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, options: co
 
 
 class _Stream(StoppingCriteria):
-    """Prints row 0's new text as it is generated. NxDI's generation adapter calls the stopping criteria once per
-    step and has no `streamer` support (NXDI_CONTRACT.md: adapter-stopping-criteria), so streaming rides on this
-    hook; it never stops."""
+    """Streams row 0 from the stopping-criteria hook: the adapter has no `streamer` (NXDI_CONTRACT.md:
+    adapter-stopping-criteria). Never stops."""
 
     def __init__(self, decode, prompt_len: int, write):
         self.decode, self.start, self.write, self.shown = decode, prompt_len, write, ""
@@ -101,9 +94,7 @@ class _Stream(StoppingCriteria):
 def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: bool = True, max_new_tokens: int = 128,
              do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
              stream=None, system: str | None = None, stop=()) -> list[list[int]]:
-    """Text prompts (through the chat template unless chat=False; `system` opens each chat) -> generate_ids. A row
-    also ends once its text holds a string of `stop` (the caller cuts the text there: runtime.chat.cut_at_stop).
-    `stream` receives row 0's new text as it comes."""
+    """Text prompts -> generate_ids; the caller cuts the text at a `stop` string (runtime.chat.cut_at_stop)."""
     from kimi_k2_neuron.runtime.chat import prompt_ids, reply_text
 
     return generate_ids(app, prompt_ids(tokenizer, prompts, chat, system), tokenizer.stop_ids(cfg.eos_token_ids),
@@ -115,9 +106,7 @@ def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: boo
 def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_tokens: int = 128,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
                  stream=None, stop=()) -> list[list[int]]:
-    """Generate for a batch of token-id rows through NxDI's HuggingFaceGenerationAdapter (right padding, decode mask
-    over [0, pos), on-device sampling when compiled with it). Returns the new token ids per row, cut after the first
-    of `stop_ids`. `decode` (ids -> text) serves `stream` and the `stop` strings."""
+    """New token ids per row from NxDI's HF adapter, cut after the first stop. `decode`: ids -> text."""
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
 
     from kimi_k2_neuron.runtime.chat import StopStrings

@@ -1,16 +1,7 @@
 """The NxDI model in NxD's CPU mode: `kimi-k2-neuron logits|generate --backend nxdi-cpu`, scripts' `--cpu`, and the
-nxdi-cpu test tier.
-
-The application class, its NeuronConfig, the checkpoint loader, NxDI's model wrappers, KV cache manager, sampler and
-HF generation adapter are the ones a trn2 run uses; NeuronKimiK2ForCausalLM.to_cpu builds each submodel as the
-device path does and loads it strictly. What this cannot show: tracing (xla_trace traces a submodel with torch_xla
-on its CPU device), neuronx-cc, NKI kernels, Neuron collectives, HBM. Where NxD would take a device-only path (the
-NKI blockwise prefill kernel), it takes its torch path here, and MoEPaths says which one ran.
-
-Rows of different lengths are right-padded as NxDI's HuggingFaceGenerationAdapter pads them, pad position ids 1
-(NXDI_CONTRACT.md: adapter-pad-positions). A compiled context bucket below seq_len would need per-bucket n_positions,
-which only the traced path sets (NXDI_CONTRACT.md: bucket-positions), so a CPU run compiles one bucket of seq_len.
-The NxDI/NxD code this rests on is cited by name from NXDI_CONTRACT.md.
+nxdi-cpu test tier. Everything but tracing, neuronx-cc, NKI kernels, Neuron collectives and HBM is what trn2 runs;
+MoEPaths names the torch path taken where NxD's is device-only. One context bucket of seq_len: a smaller one needs
+per-bucket n_positions, which only the traced path sets (NXDI_CONTRACT.md: bucket-positions).
 """
 
 from __future__ import annotations
@@ -46,10 +37,8 @@ from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, chec
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
             prompts: list[list[int]] | None = None) -> CpuOptions:
-    """o for one request, ready: refused with one line where config.json and the flags alone refuse (the TP split, the
-    prefill mode, the sampler's top-k, a batch NxDI's generation adapter would get wrong) before anything is
-    converted or a rank starts; a raw checkpoint converted once here rather than by every rank; and the converted
-    checkpoint's config and record carried in o, so that nothing reads them again."""
+    """o checked before anything is converted or a rank starts, a raw checkpoint converted once here rather than by
+    every rank, and the converted config and record carried in o."""
     cfg = check_request(o, seq_len, batch, sampling, prompts)
     record = ConversionRecord.of(cfg)
     path = Path(o.model)
@@ -61,7 +50,6 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = Non
 
 
 def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
-    """The raw checkpoint o.model converted once (into o.cache_dir when given), and its record."""
     dst = None
     if o.cache_dir:
         # one folder per source path and scheme: another checkpoint of the same name must not reuse it
@@ -71,15 +59,13 @@ def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
 
 
 def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
-    """NeuronKimiK2ForCausalLM for `batch` rows of up to `seq_len` positions, in NxD's CPU mode. `sampling`: the
-    on-device sampler's settings (ServeOptions do_sample/top_k/top_p/temperature), None for logits out."""
+    """`sampling`: the on-device sampler's settings, None for logits out."""
     return application(o, seq_len, batch, sampling).to_cpu(o.presharded)
 
 
 def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
                 on_cpu: bool = True) -> NeuronKimiK2ForCausalLM:
-    """The application as compile_and_save builds it, with this CPU run's NeuronConfig; nothing built yet. on_cpu
-    False gives NxDI's device sampler branches (the nxdi-cpu tier's test of them replaces their device-only ops)."""
+    """As compile_and_save builds it, nothing built yet. on_cpu False: NxDI's device sampler branches."""
     if o.config is None:
         o = prepare(o, seq_len, batch, sampling)
     opts = contract.ServeOptions(
@@ -92,10 +78,8 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
 
 
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
-    """NxDI's pre-sharding (our shard_weights: NxD's ModelBuilder.shard_checkpoint, a few ranks per pass) of the
-    checkpoint at o.tp, as compile() runs it after tracing: `out`/weights/tp{rank}_sharded_checkpoint.safetensors.
-    Outside NxD's CPU mode, as on a trn2 host: ModelBuilder shards under a mocked torch.distributed, and in CPU
-    mode NxD would ask it for gloo groups (NXDI_CONTRACT.md: sharding-outside-cpu-mode)."""
+    """shard_weights as compile() runs it, outside CPU mode: there NxD would ask the mocked torch.distributed for
+    gloo groups (NXDI_CONTRACT.md: sharding-outside-cpu-mode)."""
     app = application(o, seq_len, batch)
     with nxd_cpu_mode(False):
         app.shard_weights(str(out))
@@ -104,8 +88,7 @@ def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
 
 @contextlib.contextmanager
 def nxd_cpu_mode(on: bool):
-    """NXD_CPU_MODE for a block (NxD reads it at every cpu_mode() call, NXDI_CONTRACT.md: cpu-mode-switch), restored
-    after."""
+    """NxD reads NXD_CPU_MODE at every cpu_mode() call (NXDI_CONTRACT.md: cpu-mode-switch)."""
     previous = os.environ.get("NXD_CPU_MODE")
     os.environ["NXD_CPU_MODE"] = "1" if on else "0"
     try:
@@ -120,10 +103,8 @@ def nxd_cpu_mode(on: bool):
 # -- which of NxD's MoE paths ran ------------------------------------------------------------------------------------
 
 class MoEPaths:
-    """Records which ExpertMLPsV2 inference path each MoE call takes, with forward pre-hooks on the model's own
-    expert modules (nothing of NxD is patched). The choice mirrors ExpertMLPsV2.forward (moe_paths.call_path); the
-    nxdi-cpu tier checks it against the method NxD really calls. NxD runs every blockwise mode with its torch loop
-    on CPU; the report names the kernel trn2 runs instead (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
+    """The ExpertMLPsV2 path each MoE call takes, by forward pre-hooks (nothing patched); on CPU every blockwise mode
+    runs NxD's torch loop, so the report names trn2's kernel (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
 
     def __init__(self, app):
         self.seen: dict[str, set[str]] = {}
@@ -162,8 +143,7 @@ class MoEPaths:
 
 
 def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
-    """The inference path ExpertMLPsV2.forward takes for `tokens` tokens (moe_paths.call_path), "-ep" added to
-    all-experts decode under expert parallelism."""
+    """moe_paths.call_path, "-ep" added to all-experts decode under EP."""
     cfg = module.routed_experts_mlp_config
     if cfg.capacity_factor is not None:
         return "capacity-factor"
@@ -176,8 +156,7 @@ def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
 # -- teacher-forced logits ----------------------------------------------------------------------------------------
 
 def padded_prefill(rows: list[list[int]], lengths: list[int]):
-    """input_ids, attention_mask and position_ids of a right-padded prefill, as NxDI's HF adapter makes them:
-    positions count the real tokens, padding gets position 1 (NXDI_CONTRACT.md: adapter-pad-positions)."""
+    """As NxDI's HF adapter pads: padding gets position 1 (NXDI_CONTRACT.md: adapter-pad-positions)."""
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
@@ -187,14 +166,8 @@ def padded_prefill(rows: list[list[int]], lengths: list[int]):
 
 
 def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
-    """float32 logits [B, max row length, V] at every position of every row; NaN beyond a row's end.
-
-    Row r's first min(prefill_len, len) tokens go through NxDI's context-encoding submodel in one call; the rest are
-    fed one token per call through the token-generation submodel and NxDI's KV cache, all rows together, each at
-    its own position (a row already done is fed token 0 and its logits dropped). NxDI returns only the last prefill
-    position's logits (NXDI_CONTRACT.md: last-position-logits), so the prefill's final hidden states are read with a
-    forward hook on the model's norm and put through its lm_head; the position NxDI returns is checked against
-    them."""
+    """float32 logits [B, max row length, V]; NaN beyond a row's end. NxDI returns only the last prefill position's
+    (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it."""
     b, longest = len(rows), max(len(r) for r in rows)
     k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
     out = torch.full((b, longest, app.config.vocab_size), float("nan"))
@@ -227,8 +200,7 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = 
 
 
 def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
-    """NeuronBaseForCausalLM.forward, with NxD's CPU-mode FP8 indexing bug named (NXDI_CONTRACT.md:
-    cpu-fp8-index)."""
+    """Names NxD's CPU-mode FP8 indexing bug (NXDI_CONTRACT.md: cpu-fp8-index)."""
     try:
         return app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids).logits.float()
     except NotImplementedError as e:
@@ -243,8 +215,7 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
 # -- running at o.tp ranks -----------------------------------------------------------------------------------------
 
 def run(o: CpuOptions, job, *args):
-    """job(rank, o, *args) at o.tp ranks (one process each, gloo; kimi_k2_neuron.runtime.ranks) and rank 0's result;
-    at TP=1 in this process. `job` must be a module-level function (ranks are spawned). o is prepare()d."""
+    """job(rank, o, *args) at o.tp ranks -> rank 0's result. `job` module-level (ranks are spawned)."""
     if o.config is None:
         raise ValueError("run() takes options prepare() made")
     if o.tp == 1:
@@ -268,9 +239,7 @@ def _rank_main(rank: int, job, o: CpuOptions, args: tuple, out: str) -> None:
 
 @contextlib.contextmanager
 def library_output_to_stderr():
-    """NxD's log handlers write INFO lines to the stdout they were given at import and gloo prints from C++ to fd 1:
-    point fd 1 at stderr while the model is built and run, so stdout carries only the command's output (`--json`,
-    streamed text); sys.stdout meanwhile writes to the real stdout."""
+    """fd 1 to stderr (NxD's handlers and gloo write there), so stdout holds only the command's output."""
     sys.stdout.flush()
     saved, previous = os.dup(1), sys.stdout
     os.dup2(2, 1)
@@ -285,7 +254,6 @@ def library_output_to_stderr():
 
 
 def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
-    """teacher_forced_logits of the NxDI model at o.tp ranks, and the MoE path report."""
     return run(prepare(o, max(len(r) for r in rows), len(rows)), _logits_job, rows, prefill_len)
 
 
@@ -298,9 +266,7 @@ def _logits_job(rank: int, o: CpuOptions, rows, prefill_len):
 # -- generation --------------------------------------------------------------------------------------------------------
 
 def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
-    """New tokens per row from NxDI's generation adapter and on-device sampler (its CPU branches), at o.tp ranks, and
-    the report of the paths taken (MoEPaths). `stream` (TP=1 only: ranks are other processes) receives row 0's text
-    as it comes."""
+    """New tokens per row and the MoEPaths report. `stream` (TP=1 only) receives row 0's text."""
     o = prepare(o, g.seq_len, len(g.rows), g.sampling, g.rows)
     return run(o, _generate_job, g, stream if o.tp == 1 else None)
 
@@ -328,8 +294,7 @@ BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark_
 
 
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
-    """NxDI's benchmark_sampling on the NxDI model in NxD's CPU mode: the report scripts/bench_tpot.py makes on trn2,
-    here with CPU latencies that say nothing about trn2."""
+    """bench_tpot.py's report, with CPU latencies that say nothing about trn2."""
     return run(prepare(o, seq_len, batch, BENCH_SAMPLING), _benchmark_job, seq_len, batch, num_runs)
 
 

@@ -1,6 +1,4 @@
-"""What one NxD CPU-mode run is (CpuOptions) and what config.json and the flags alone refuse, without the SDK: the
-commands check a request here before they import NxD, so a refusal is one line with none of NxD's import chatter
-before it (backend.prepare checks again, for callers that come straight to it)."""
+"""NxD CPU-mode options and their checks without the SDK, so a refusal comes before NxD's import chatter."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from kimi_k2_neuron.neuron import contract, moe_paths
 
 @dataclasses.dataclass(frozen=True)
 class CpuOptions:
-    """One NxD CPU-mode model: the checkpoint (raw or converted), its expert scheme and the parallel layout."""
 
     model: str
     experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_SCHEME for a raw one
@@ -23,10 +20,9 @@ class CpuOptions:
     dtype: str = "float32"
     cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
     presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
-    # The NeuronConfig's prefill mode; None: the trn2 default where this config's shapes allow it, else torch
-    # (prefill_mode). NxD runs its torch loop for every blockwise mode on CPU; the mode sets its block size.
+    # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
-    continuous_batching: bool = False  # NxDI's, as vllm-neuron runs it (contract.ServeOptions.continuous_batching)
+    continuous_batching: bool = False
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -34,7 +30,6 @@ class CpuOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One batch to generate: token-id prompts and how (scripts/run_inference.py's and `generate`'s flags)."""
 
     rows: list[list[int]]
     stop_ids: tuple[int, ...]
@@ -49,7 +44,6 @@ class Generation:
 
     @property
     def seq_len(self) -> int:
-        """Positions the longest prompt and its new tokens need."""
         return max(len(r) for r in self.rows) + self.max_new_tokens
 
     @property
@@ -59,7 +53,6 @@ class Generation:
 
 
 def check(o: CpuOptions) -> None:
-    """What NxD's CPU mode cannot run, refused before any work (and before ranks start)."""
     from kimi_k2_neuron.runtime.runner import DTYPES
 
     if o.dtype not in DTYPES:
@@ -68,8 +61,7 @@ def check(o: CpuOptions) -> None:
 
 
 def check_layout(o: CpuOptions) -> KimiK2Config:
-    """What needs no request: the dtype and EP in CPU mode (check), and config.json's heads, vocabulary and widths
-    split o.tp ways. Returns the config read."""
+    """Checks that need no request; returns the config read."""
     check(o)
     cfg = KimiK2Config.from_file(o.model)
     contract.check_tp_divides(cfg, o.tp, split_embedding_dim=True)
@@ -78,9 +70,7 @@ def check_layout(o: CpuOptions) -> KimiK2Config:
 
 def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
                   prompts: list[list[int]] | None = None) -> KimiK2Config:
-    """Everything config.json (raw or converted) and the flags alone refuse for a request of `batch` rows of up to
-    `seq_len` positions: the dtype and EP in CPU mode, the TP split, the prefill mode, the sampler's top-k, a batch
-    NxDI's generation adapter would get wrong. Returns the config read."""
+    """Everything config.json and the flags alone refuse; returns the config read."""
     cfg = check_layout(o)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
                                    prefill_mode(cfg, o, seq_len * batch))
@@ -92,6 +82,5 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
 
 
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
-    """o.moe_prefill, or the trn2 default (moe_paths.DEFAULT_MODE) where its kernel could run these shapes (at
-    LNC=2), else "torch": tiny configs are below the kernels' shapes."""
+    """o.moe_prefill, else moe_paths.default_mode at LNC=2."""
     return o.moe_prefill if o.moe_prefill is not None else moe_paths.default_mode(cfg, o.tp, o.ep, 2, tokens)

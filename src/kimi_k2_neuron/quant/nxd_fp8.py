@@ -1,8 +1,6 @@
 """NxD's FP8 expert layout: [in, out] e4m3 codes within +-240 (Neuron's compiler reads e4m3fn exponent 15 as
-inf/NaN) and a float32 scale grid, written from any source and read back (dequantize_nxd). fp8_to_blockwise keeps the
-source codes, halving a block's codes and doubling its scale where one exceeds 240: exact but for odd subnormal-tail
-codes, counted as `inexact`. int4_to_blockwise is lossless; quantize re-rounds anything else with scale = amax / 240.
-The byte tricks rely on e4m3fn's layout: for m = b & 0x7F, |value| <= 240 <=> m <= 0x77, and 0x7F is NaN."""
+inf/NaN) and a float32 scale grid. fp8_to_blockwise halves a block's codes where one exceeds 240 (exact but for odd
+subnormal-tail codes). Byte tricks: for m = b & 0x7F, |value| <= 240 <=> m <= 0x77, and 0x7F is NaN."""
 
 from __future__ import annotations
 
@@ -75,7 +73,6 @@ def halve_codes(b: torch.Tensor) -> torch.Tensor:
 
 
 def inexact_halves(b: torch.Tensor) -> int:
-    """How many of these codes halve_codes rounds: the odd magnitudes below 0x10."""
     m = b & 0x7F
     return int(((m < 0x10) & (m & 1).bool()).sum())
 
@@ -87,9 +84,8 @@ def block_flags(b: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
 
 
 def _column_extremes(b: torch.Tensor, br: int, minima: bool) -> tuple[torch.Tensor, ...]:
-    """Per column and br rows, the byte max as uint8 and int8; with minima, per 8 rows a byte whose high nibble is
-    zero exactly when they hold a magnitude below 0x10. Outer-dimension reductions, in ~1 MB row chunks that stay in
-    L2: torch vectorizes those (an inner one over a block's 32 bytes runs ~30x slower)."""
+    """Per column and br rows, the byte max as uint8 and int8 (and the 8-row minima). Outer-dimension reductions in
+    L2-sized chunks: an inner one over a block's 32 bytes runs ~30x slower."""
     rows, cols = b.shape
     umax, imax = torch.empty(rows // br, cols, dtype=torch.uint8), torch.empty(rows // br, cols, dtype=torch.int8)
     small = torch.empty(rows // 8, cols, dtype=torch.uint8) if minima else None
@@ -126,8 +122,7 @@ def _grid(n: int, block: int, what: str) -> int:
 
 def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int], block: tuple[int, int],
                      dst: torch.Tensor, name: str, inplace: bool = False) -> tuple[torch.Tensor, Stats]:
-    """HF FP8 [out, in] codes + scale_inv grid -> dst[in, out] codes (written in place), scale [in/bi, out/bo].
-    With inplace=True the codes of w are rescaled where they lie (the caller's own buffer), saving a copy."""
+    """HF FP8 [out, in] + scale_inv -> dst[in, out] codes, scale [in/bi, out/bo]; inplace rescales w's own bytes."""
     check_fp8_weight(w, name)  # the rescale below works on the e4m3 bit pattern
     out_f, in_f = w.shape
     bi, bo = block
@@ -141,8 +136,7 @@ def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int
 
 def blockwise_scale(s: torch.Tensor, shape: tuple[int, int], src_block: tuple[int, int], block: tuple[int, int],
                     flag: torch.Tensor, name: str) -> torch.Tensor:
-    """The NxD scale [in/bi, out/bo] of one [out, in] projection: its scale_inv grid repeated onto the finer block
-    grid, doubled where rescale_blocks halved the codes (flag [out/bo, in/bi])."""
+    """scale_inv repeated onto the finer grid [in/bi, out/bo], doubled where flag [out/bo, in/bi] halved codes."""
     grid = list(scale_grid_shape(shape, src_block))
     if list(s.shape) != grid or s.dtype != torch.float32:
         raise KimiInputError(f"{name}.weight_scale_inv: expected float32 {grid} for weight {list(shape)}, "
@@ -157,11 +151,9 @@ def blockwise_scale(s: torch.Tensor, shape: tuple[int, int], src_block: tuple[in
 
 
 def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
-    """Halve, in place, every [br, bc] block of uint8 e4m3fn codes that holds a code beyond +-240 (no block may
-    straddle two projections); returns the flags [rows/br, cols/bc] and how many codes the halving rounded.
-    Halving subtracts 8 from each byte of an int64 lane, exact for magnitudes >= 0x10; lanes holding a smaller one
-    are redone byte by byte (~1 tile in 70 in DeepSeek-style FP8). All else works per block or tile, once per
-    matrix: torch's ~10 us per call would dominate per chunk."""
+    """Halve in place every [br, bc] block holding a code beyond +-240 -> (flags [rows/br, cols/bc], codes rounded).
+    Subtracting 8 per byte of an int64 lane is exact for magnitudes >= 0x10; smaller ones are redone byte by byte.
+    Work is per matrix, not per chunk: torch's ~10 us per call would dominate."""
     br, bc = block
     rows, cols = u.shape
     lanes_fit = cols % 8 == 0 and bc % 8 == 0 and br % 8 == 0  # else lanes or 8-row groups straddle blocks

@@ -1,8 +1,6 @@
 """The MLA latent KV cache: per layer one [batch, slots, kv_lora_rank + rope_dim] tensor, nothing per head.
-
-Replicated (group 1): slot p holds position p. Sequence-sharded over a KV group of G ranks (`--kv-shard sequence`):
-the rank at index r of its group holds the positions p with p % G == r, slot p // G, as NxDI's flash decoding lays
-them out (round-robin, so every rank holds ~1/G of every row at every length).
+Sharded over G ranks, rank r holds positions p % G == r at slot p // G, as NxDI's flash decoding (round-robin, so every
+rank holds ~1/G of every row at every length).
 """
 
 from __future__ import annotations

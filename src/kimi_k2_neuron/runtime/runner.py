@@ -1,19 +1,9 @@
 """The CPU runner: load a checkpoint (in memory, or one layer at a time), compute logits, generate.
 
-Layer-streamed mode exists so the real 1T-parameter checkpoint can produce golden logits on a big-RAM CPU host:
-the model is built on the meta device, embeddings/norm/lm_head are loaded once, and each decoder layer is
-loaded from the checkpoint (dequantized to the compute dtype), run, and freed. Peak memory is about one layer in
-the compute dtype plus the embeddings and the KV cache. Logits equal the in-memory mode's exactly.
-
-With progress=True a request shows a bar over its decoder-layer passes (throughput and ETA, on stderr): for the
-1T model every pass streams ~1 TB of weights, so a golden of a few passes takes hours.
-
-prefill_chunk=N prefills a prompt longer than N in calls of N tokens, each attending to the cache written so far and
-causally within itself (what the Neuron shell's chunked-prefill graph does); ctx.kv_group > 1 keeps this rank's
-share of a sequence-sharded cache (runtime/kv_cache.py).
-
-Requests are checked against config.json alone (check_logits_request, check_generate_request), so the CLI refuses
-bad ids or too many positions before it loads anything.
+Layer-streamed mode lets the real 1T checkpoint produce golden logits on a big-RAM CPU host: each decoder layer is
+loaded, run and freed (peak about one layer plus embeddings and KV cache), with logits equal to in-memory mode's.
+Every pass streams ~1 TB, so requests show a bar over decoder-layer passes. Requests are checked against config.json
+alone, so the CLI refuses them before it loads anything.
 """
 
 from __future__ import annotations
@@ -133,11 +123,8 @@ class CpuRunner:
         return 0 if k == 0 else 1 if self.prefill_chunk is None else -(-k // self.prefill_chunk)
 
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
-        """Float32 logits [B, S, V] at every position, S the longest row's length. Positions < prefill_len come
-        from a prefill (one pass, or calls of prefill_chunk tokens); the rest are fed one token at a time through
-        the decode path and the KV cache (teacher forcing). Rows of different lengths run one at a time (each
-        prefills min(prefill_len, its length) tokens) and are NaN past their end, the same output as `--backend
-        nxdi-cpu`'s."""
+        """Float32 logits [B, S, V]: positions < prefill_len from prefill, the rest teacher-forced through decode;
+        rows of different lengths run one at a time, NaN past their end (as `--backend nxdi-cpu`)."""
         check_logits_request(self.cfg, rows, prefill_len)
         if len({len(r) for r in rows}) > 1:
             out = torch.full((len(rows), max(map(len, rows)), self.cfg.vocab_size), float("nan"))

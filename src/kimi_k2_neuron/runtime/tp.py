@@ -1,13 +1,5 @@
-"""Tensor parallelism on CPU: N processes, one rank each, talking over torch.distributed (gloo) on loopback.
-
-Every rank builds the same model with ParallelContext(tp, rank), so it holds only its slice of the heads,
-MLP/expert columns and vocabulary, exactly as a Neuron rank does; the collectives in kimi_k2_neuron.parallel
-stitch the results together. Rank 0 writes the logits. The ranks run under runtime.ranks.run_ranks: none outlives
-the command, and a rank's bad-input error reaches the user as the usual one-line error.
-
-With a sequence-sharded latent cache (kv_group > 1) the ranks form tp / kv_group KV groups of adjacent ranks, each
-a gloo group that every rank creates in the same order (as NxD's CPU mode builds its groups).
-"""
+"""Tensor parallelism on CPU: one gloo process per rank, each holding its slice as a Neuron rank does. KV groups
+are adjacent ranks; every rank creates every group in the same order, as NxD's CPU mode does."""
 
 from __future__ import annotations
 
@@ -48,9 +40,7 @@ def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, ou
 
 def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False, kv_group=1,
               prefill_chunk=None, shard_attn_a=False, shard_router=False) -> torch.Tensor:
-    """CpuRunner.logits computed by `tp` ranks, the latent cache sequence-sharded over KV groups of `kv_group`
-    ranks when it is > 1, q_a/kv_a and the router split across the ranks with shard_attn_a / shard_router; returns
-    rank 0's [B, S, V] float32 logits."""
+    """CpuRunner.logits computed by `tp` ranks -> rank 0's [B, S, V] float32 logits."""
     check_kv_group(tp, kv_group)
     sharding = dict(shard_attn_a=shard_attn_a, shard_router=shard_router)
     with tempfile.TemporaryDirectory() as d:
