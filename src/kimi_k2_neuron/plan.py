@@ -542,8 +542,8 @@ def _assumptions(kv_slots: int, router_dtype: str, layout: LayoutOptions) -> tup
                   "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries; the chunk "
                   "graph's own NEFF code is not counted")
     return (
-        f"non-expert weights bf16; router {router_dtype} ({router}) + e_score_correction_bias {router_dtype}, "
-        f"replicated; q_a/kv_a {attn_a}",
+        f"non-expert weights bf16; router {router_dtype} ({router}), its e_score_correction_bias {router_dtype} "
+        f"whole on every rank; q_a/kv_a {attn_a}",
         kv, *lc,
         "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
         "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "

@@ -680,3 +680,14 @@ def test_cli_plans_the_long_context_layout(capsys):
 def test_cli_refuses_bad_layouts_in_one_line(flags, words, capsys, one_line_error):
     rc = main(["plan", "--config", str(KIMI), "--tp", "64", *flags])
     one_line_error.exit(rc, capsys.readouterr().err, words)
+
+
+def test_the_sample_in_docs_planner_md_is_the_commands_output(capsys, monkeypatch):
+    """docs/planner.md shows `plan`'s output for the recommended configuration: it must be what the command prints."""
+    repo = Path(__file__).parents[2]
+    command = "kimi-k2-neuron plan --config test/data/configs/kimi-k2-instruct-0905.json --tp 64 --seq-len 1024"
+    doc = (repo / "docs" / "planner.md").read_text()
+    shown = doc.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(repo)
+    assert main(command.split()[1:]) == 0
+    assert capsys.readouterr().out == shown
