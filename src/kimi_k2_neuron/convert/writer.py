@@ -1,8 +1,6 @@
 """A safetensors file written strictly front to back by a thread of its own, hashed as it is written, published by
 an atomic rename.
 
-an atomic rename.
-
 The header is known before any data, so fused expert tensors stream one slab at a time and never exist whole; the
 bytes written are the bytes hashed, nothing is read back. Bulk slabs go out with O_DIRECT from page-aligned buffers
 (a tenth of the CPU of a buffered write here); the rest through the page cache, with writeback started early.
