@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
-    """Our report from benchmark_sampling's: {submodel: {latency_ms_p50, ...}} (NXDI_CONTRACT.md: benchmark-sampling)."""
+    """Our report from benchmark_sampling's: {submodel: {latency_ms_p50, ...}}
+    (NXDI_CONTRACT.md: benchmark-sampling)."""
     def pct(entry):
         if not entry:
             return None

@@ -203,7 +203,8 @@ class Checker:
                 continue
             n, _, kw = self.params(init)
             names |= set(n)
-            # every method: NeuronConfig hands kwargs to helpers (_get_lnc(self, kwargs), NXDI_CONTRACT.md: neuron-config)
+            # every method: NeuronConfig hands kwargs to helpers (_get_lnc(self, kwargs),
+            # NXDI_CONTRACT.md: neuron-config)
             popped |= set().union(*(self.popped(f) for f in c.body if isinstance(f, ast.FunctionDef)))
             # **kwargs that are neither popped nor passed on to a base we can see: cannot check
             if kw and not self.popped(init) and not any(isinstance(b, ast.Name) for b in c.bases):

@@ -132,7 +132,12 @@ def export(dest: Path) -> dict[str, Path]:
             shutil.copyfile(src, tmp / rel)
         if dest.exists():  # an earlier export (or an empty folder): stale modules must not survive
             os.replace(dest, old)
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            if old.exists() and not dest.exists():  # the earlier export back, rather than no export at all
+                os.replace(old, dest)
+            raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)

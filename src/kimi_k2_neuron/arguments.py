@@ -225,7 +225,11 @@ def kv_group_of(a: argparse.Namespace) -> int:
             raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (a replicated cache has no "
                                  f"KV group)")
         return 1
-    return a.tp if a.kv_group is None else a.kv_group
+    group = a.tp if a.kv_group is None else a.kv_group
+    if group == 1:
+        raise KimiInputError(f"--kv-shard sequence: a KV group of 1 rank holds the whole cache; give --tp (and "
+                             f"--kv-group) of 2 or more, or --kv-shard none")
+    return group
 
 
 def cache_dir() -> Path:

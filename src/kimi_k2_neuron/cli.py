@@ -101,6 +101,9 @@ def _check_backend(a) -> None:
                 raise KimiInputError(f"{flag}: only with --backend core for now (the NxDI shell does not build it "
                                      f"yet)")
         return
+    for flag in ("--shard-attn-a", "--shard-router"):
+        if getattr(a, flag[2:].replace("-", "_"), False) and a.tp == 1:
+            raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
     if a.fn is cmd_generate and a.tp > 1:
         raise KimiInputError(f"--tp {a.tp}: the core runner generates in one process (--backend {NXDI_CPU} runs "
                              f"ranks, and so does `logits --tp`)")
@@ -297,9 +300,9 @@ def cmd_convert(a) -> int:
 
 def cmd_trace_cpu(a) -> int:
     """One NxDI submodel traced with torch_xla on its CPU device (nxdi_cpu/xla_trace.py); exit 0 clean, 1 not."""
-    from .nxdi_cpu.options import check_layout
+    from .nxdi_cpu.options import check_request
 
-    check_layout(cpu_options(a))  # what config.json decides, before NxD and torch_xla are imported
+    check_request(cpu_options(a), a.seq_len, a.batch)  # what config.json decides, before NxD and torch_xla
     try:
         import torch_xla  # noqa: F401
 

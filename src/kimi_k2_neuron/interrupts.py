@@ -14,7 +14,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -89,7 +88,8 @@ def _raise_interrupted(signum, frame):
 def _exit_now(signum, frame):
     if _first_signal_at is not None and time.monotonic() - _first_signal_at < REPEAT_WINDOW_S:
         return
-    os.write(2, f"error: interrupted by {signal.Signals(signum).name} again; stopped without cleaning up\n".encode())
+    again = " again; stopped without cleaning up" if _first_signal_at is not None else ""
+    os.write(2, f"error: interrupted by {signal.Signals(signum).name}{again}\n".encode())
     os._exit(128 + signum)
 
 
@@ -128,9 +128,8 @@ def atomic_output(path: str | Path):
     and renamed to `path` (an existing file is replaced), else removed. An interrupted run therefore leaves either
     the old file or none, never a file that looks complete and is not."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=PARTIAL_SUFFIX, dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}")
+    open(tmp, "wb").close()  # the umask's mode, as a plain write of `path` would have (mkstemp's 0600 would stay)
     try:
         yield tmp
         fsync_path(tmp)

@@ -466,10 +466,13 @@ def max_batch(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, schem
     context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
     one_shot_tiles = moe_prefill == "shard-on-block" and layout.prefill_chunk is None
     step = 128 // math.gcd(context, 128) if one_shot_tiles else 1
-    first = at(step)  # refuses bad arguments before the search
+    # with EP, NxD decodes only on all experts, which needs batch x top_k >= n_routed_experts (contract.check_ep)
+    least = _div(cfg.n_routed_experts, cfg.num_experts_per_tok) if ep > 1 else 1
+    lo = _div(least, step) * step
+    first = at(lo)  # refuses bad arguments before the search
     # every row adds at least its KV cache, so past this many rows nothing fits
-    hi = max(step, first.usable_bytes // max(1, first.kv_cache.bytes // step) // step * step)
-    return _largest_fitting(at, step, hi, step) or first
+    hi = max(lo, first.usable_bytes // max(1, first.kv_cache.bytes // lo) // step * step)
+    return _largest_fitting(at, lo, hi, step) or first
 
 
 def _tile_step(batch: int) -> int:

@@ -62,6 +62,16 @@ BAD_ARGS = [
      "--prefill-chunk 4: only with --backend core"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--backend", "nxdi-cpu",
       "--shard-router"], "--shard-router: only with --backend core"),
+    # a layout that would split nothing is refused, not silently replicated
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "sequence"],
+     "--kv-shard sequence: a KV group of 1 rank holds the whole cache"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "4", "--kv-shard", "sequence",
+      "--kv-group", "1"], "--kv-shard sequence: a KV group of 1 rank"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--shard-attn-a"],
+     "--shard-attn-a: splits a layer across ranks; give --tp 2 or more"),
+    # what config.json decides comes before trace-cpu imports NxD and torch_xla (absent here)
+    (["trace-cpu", "--model", "{model}", "--submodel", "token", "--seq-len", "200000"],
+     "exceeds config.json field max_position_embeddings"),
     (["logits", "--model", "{model}", "--input-ids", "1,x", "--out", "{tmp}/l"], "--input-ids: expected comma"),
     (["logits", "--model", "{model}", "--input-ids", "1,600", "--out", "{tmp}/l"], "token 600 is outside"),
     (["logits", "--model", "{model}", "--input-ids", TOO_LONG, "--out", "{tmp}/l"],

@@ -153,9 +153,8 @@ def test_modules_to_not_convert_covers_every_non_expert_parallel_linear_and_no_e
     (dict(tp=64, ep=4, batch=1), "needs batch >= 48"),
     (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
     (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
-    # the advice names each path's own block (shard-on-block 128, torch 512) over top_k 8, not all-experts' sentinel
-    (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant; use --moe-prefill shard-on-block with a "
-     "prefill of at least 16 tokens or --moe-prefill torch with a prefill of at least 64 tokens"),
+    (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant; use --moe-prefill shard-on-block with "
+     "at least 128 tokens per prefill call or --moe-prefill torch with at least 64 tokens per prefill call"),
     # 48 x 8 = 384 token-expert pairs: below the torch path's block of 512, so NxD's all-experts path
     (dict(tp=64, ep=16, batch=48, seq_len=1, max_context_length=1, moe_prefill="torch"),
      "takes NxD's all-experts path, which has no EP variant"),
@@ -179,6 +178,24 @@ def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     with pytest.raises(KimiInputError) as e:
         contract.neuron_config_kwargs(kimi_cfg(), per_channel(**opts))
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 47])
+def test_the_ep_refusals_advice_is_accepted_and_is_the_least(tokens):
+    """A prefill too short for a blockwise path with EP is refused with, per suggested mode, a token count; each is
+    accepted by the same check, and one token fewer is not (the selective path below 384 / 8 = 48 tokens, the
+    all-experts path below a block / 8, the kernel's whole 128-row tiles)."""
+    from kimi_k2_neuron.neuron import moe_paths
+
+    cfg = kimi_cfg()
+    with pytest.raises(KimiInputError) as e:
+        moe_paths.check_prefill_mode(cfg, "shard-on-block", 64, 4, 2, tokens)
+    advice = re.findall(r"--moe-prefill (\S+) with at least (\d+) tokens", str(e.value))
+    assert [m for m, _ in advice] == ["shard-on-block", "torch"]
+    for mode_name, n in advice:
+        moe_paths.check_prefill_mode(cfg, mode_name, 64, 4, 2, int(n))
+        with pytest.raises(KimiInputError):
+            moe_paths.check_prefill_mode(cfg, mode_name, 64, 4, 2, int(n) - 1)
 
 
 # -- a serving framework's request (vllm-neuron) -----------------------------------------------------------------------

@@ -256,3 +256,15 @@ def test_check_nxdi_api_interrupted(tmp_path):
     rc, _, err = interrupt(tmp_path, signal.SIGTERM, "ast:parse", 5, str(SCRIPTS / "check_nxdi_api.py"),
                            "--nxdi", str(sources / "nxdi"), "--nxd", str(sources / "nxd"))
     one_interrupt_line(signal.SIGTERM, rc, err)
+
+
+def test_an_atomic_output_has_the_modes_a_plain_write_gets(tmp_path):
+    """The temp file behind atomic_output is created as a plain open() would be (the umask's mode), not mkstemp's
+    0600, which the rename would keep."""
+    from kimi_k2_neuron.interrupts import atomic_output
+
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x")
+    with atomic_output(tmp_path / "out") as tmp:
+        tmp.write_bytes(b"x")
+    assert (tmp_path / "out").stat().st_mode == plain.stat().st_mode

@@ -1,5 +1,5 @@
-"""runtime/kv_cache.py: the latent cache's slots and which positions each rank of a KV group holds (NxDI's flash-decoding
-layout: position p on the rank at index p % G of its group, slot p // G)."""
+"""runtime/kv_cache.py: the latent cache's slots and which positions each rank of a KV group holds (NxDI's
+flash-decoding layout: position p on the rank at index p % G of its group, slot p // G)."""
 
 import pytest
 import torch

@@ -691,3 +691,13 @@ def test_the_sample_in_docs_planner_md_is_the_commands_output(capsys, monkeypatc
     monkeypatch.chdir(repo)
     assert main(command.split()[1:]) == 0
     assert capsys.readouterr().out == shown
+
+
+def test_max_batch_with_ep_starts_where_ep_decodes(capsys):
+    """--ep 4 decodes only on all experts, batch x 8 >= 384: --max-batch searches from batch 48 (it refused batch 1
+    before), and the batch it finds fits while one more row does not (the long-context layout, 1024-token chunks)."""
+    cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
+    layout = LayoutOptions(kv_group=64, prefill_chunk=1024, shard_attn_a=True, shard_router=True)
+    found = max_batch(cfg, 64, 4, 2, 4096, BLOCKWISE, layout=layout)
+    assert found.fits and found.batch >= 48
+    assert not plan(cfg, 64, 4, 2, 4096, found.batch + 1, BLOCKWISE, layout=layout).fits

@@ -576,7 +576,8 @@ def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
     """NXDI_CONTRACT.md: cpu-mode-limits. The harness also sets on_cpu, or NxDI's sampler takes its device-only
     branches (NXDI_CONTRACT.md: device-sampler)."""
     if torch_dtype not in (torch.float32, torch.bfloat16) or (torch_dtype == torch.bfloat16 and tp > 1):
-        raise KimiInputError(f"--dtype {torch_dtype} at --tp {tp}: NxD's CPU mode runs float32, or bfloat16 at "
+        dtype = str(torch_dtype).removeprefix("torch.")
+        raise KimiInputError(f"--dtype {dtype} at --tp {tp}: NxD's CPU mode runs float32, or bfloat16 at "
                              f"--tp 1 (gloo has no bfloat16 collectives)")
     if (moe_ep or 1) > 1:
         raise KimiInputError(f"--ep {moe_ep}: NxD's MoE expert parallelism does not run in its CPU mode (its "

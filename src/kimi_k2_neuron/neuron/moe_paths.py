@@ -19,6 +19,7 @@ ALL_EXPERTS_BLOCK_SIZE = 2**30
 KERNEL_BLOCK_SIZES = (128, 256, 512, 1024)  # NxD's kernel eligibility (NXDI_CONTRACT.md: blockwise-eligibility)
 # NxD runs MoE decode on every local expert once batch x top_k / E reaches this (and only then with EP).
 SELECTIVE_LOADING_THRESHOLD = 1.0
+OUTPUT_TILE = 128  # rows of the shard-on-block kernel's output tiles: its prefill is a whole number of them
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,14 @@ def default_mode(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, tokens: i
     return DEFAULT_MODE
 
 
+def _ep_minimum(cfg: KimiK2Config, mode_name: str) -> int:
+    """The fewest tokens per prefill call on which mode_name takes its blockwise path (neither the selective nor the
+    all-experts path has an EP variant), in whole output tiles for the shard-on-block kernel."""
+    k = cfg.num_experts_per_tok
+    least = max(-(-mode(mode_name).block_size // k), math.ceil(cfg.n_routed_experts * SELECTIVE_LOADING_THRESHOLD / k))
+    return -(-least // OUTPUT_TILE) * OUTPUT_TILE if mode_name == "shard-on-block" else least
+
+
 def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc: int | None, tokens: int) -> None:
     """lnc None skips the LNC rule; the shell re-checks the resolved config."""
     m = mode(mode_name)
@@ -132,9 +141,8 @@ def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc:
     if ep > 1 and path in ("all-experts", "selective"):
         raise KimiInputError(f"--ep {ep}: a prefill of {tokens} tokens takes NxD's {path} path, which has no EP "
                              f"variant; use " + " or ".join(
-                                 f"--moe-prefill {n} with a prefill of at least "
-                                 f"{-(-mode(n).block_size // cfg.num_experts_per_tok)} tokens" for n in (DEFAULT_MODE, "torch"))
-                             + " (batch x --max-context-length)")
+                                 f"--moe-prefill {n} with at least {_ep_minimum(cfg, n)} tokens per prefill call"
+                                 for n in (DEFAULT_MODE, "torch")))
     if m.kernel is None:
         return
     flag = f"--moe-prefill {m.name}"
@@ -150,7 +158,7 @@ def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc:
                              f" = {i_local}) a multiple of 16; use --moe-prefill torch")
     if m.block_size not in KERNEL_BLOCK_SIZES:
         raise KimiInputError(f"{flag}: block {m.block_size} is not one of NxD's kernel blocks {KERNEL_BLOCK_SIZES}")
-    if m.name == "shard-on-block" and path == m.name and tokens % 128:
+    if m.name == "shard-on-block" and path == m.name and tokens % OUTPUT_TILE:
         # The kernel's final reduction reads whole 128-row tiles of the output.
         raise KimiInputError(f"{flag}: a prefill of {tokens} tokens (batch x --max-context-length) must be a "
                              f"multiple of 128 for the kernel's 128-row output tiles")

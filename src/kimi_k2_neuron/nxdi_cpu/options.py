@@ -72,8 +72,9 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
                   prompts: list[list[int]] | None = None) -> KimiK2Config:
     """Everything config.json and the flags alone refuse; returns the config read."""
     cfg = check_layout(o)
+    rows = 1 if o.continuous_batching else batch  # as the build's prefill (backend.py)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
-                                   prefill_mode(cfg, o, seq_len * batch))
+                                   prefill_mode(cfg, o, seq_len * rows), prefill_rows=rows)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:

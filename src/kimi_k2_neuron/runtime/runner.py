@@ -103,7 +103,8 @@ class CpuRunner:
     def _passes(self, what: str, passes: int):
         """The bar of one request of `passes` forward passes, counted in decoder layers."""
         n = self.cfg.num_hidden_layers
-        self._bar = tqdm(total=passes * n, unit="layer", desc=f"{what}: {passes} pass{'es' * (passes != 1)} x {n} layers",
+        desc = f"{what}: {passes} pass{'es' * (passes != 1)} x {n} layers"
+        self._bar = tqdm(total=passes * n, unit="layer", desc=desc,
                          disable=not self.progress, file=sys.stderr, dynamic_ncols=True, leave=False)
         try:
             yield
