@@ -49,15 +49,32 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
     ctx = multiprocessing.get_context("spawn")
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
     procs, reports = [], []
+    # A signal inside start() would leave a rank that _stop() cannot see. Blocking it (_deferred) holds it back only
+    # from this thread: another thread (torch's, pytest's) may take it, and Python then runs the handler in this
+    # thread at its next bytecode, inside start() too. So the handler only notes a signal while a rank starts.
+    starting, pending = [False], []
+
+    def on_signal(signum, frame):
+        if starting[0]:
+            pending.append(signum)
+            return
+        raise RanksInterrupted(signum)
+
     try:
-        with _signals(_raise_interrupted):
+        with _signals(on_signal):
             for rank in range(nprocs):
                 read, write = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_rank_main, args=(target, rank, env, os.getpid(), write, args),
                                 name=f"rank-{rank}")
-                with _deferred(_STOPPING):  # a signal inside start() would leave a rank that _stop() cannot see
-                    p.start()
-                    procs.append(p)
+                with _deferred(_STOPPING):
+                    starting[0] = True
+                    try:
+                        p.start()
+                        procs.append(p)
+                    finally:
+                        starting[0] = False
+                if pending:
+                    raise RanksInterrupted(pending[0])
                 reports.append(read)
                 write.close()  # only the rank keeps a write end
             _supervise(procs, reports)
@@ -85,10 +102,6 @@ def _deferred(signums):
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _raise_interrupted(signum, frame):
-    raise RanksInterrupted(signum)
 
 
 @contextmanager
