@@ -100,20 +100,6 @@ def _flush(stream) -> None:
         pass
 
 
-@contextmanager
-def ignored_signals():
-    """SIGINT and SIGTERM ignored inside the block (main thread only): a clean-up that must not be cut short."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 # -- output files: complete under their name, or absent ------------------------------------------------------------
 
 
@@ -142,28 +128,18 @@ def atomic_output(path: str | Path):
 
 def write_atomically(path: str | Path, data: bytes | str) -> None:
     """Replace `path` with `data` atomically (temp file, fsync, rename); a write error is one line naming the file."""
-    path = Path(path)
-    tmp = partial_path(path)
     try:
-        with open(tmp, "wb") as f:
+        with atomic_output(path) as tmp, open(tmp, "wb") as f:
             view = memoryview(data.encode() if isinstance(data, str) else data)
             while view:
                 view = view[f.write(view):]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_path(path.parent)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise KimiInputError(f"{path}: cannot write ({write_error(e)})") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_error(e: OSError) -> str:
     """What went wrong in a write, in a few words ("disk full" for ENOSPC and EDQUOT)."""
-    return "disk full" if e.errno in _DISK_FULL else (e.strerror or str(e))
+    return "disk full" if is_disk_full(e) else (e.strerror or str(e))
 
 
 def is_disk_full(e: OSError) -> bool:
