@@ -36,16 +36,22 @@ def test_absorbed_prefill_equals_naive_prefill(tiny_dirs):
     assert (a - n).abs().max() / n.abs().max() < 1e-5
 
 
-def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs):
-    """attend_split (prior cache in place + active entries) == attend(absorbed) over their concatenation."""
-    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
-    g = torch.Generator().manual_seed(0)
-    b, t, s = 2, 7, 2
+def _queries_and_segments(attn, seed: int, b: int, t: int, s: int):
+    """Random queries of s tokens, a prior cache of t entries under a random mask, and the s active entries under a
+    causal mask among themselves."""
+    g = torch.Generator().manual_seed(seed)
     q_nope = torch.randn(b, attn.n_heads, s, attn.nope, generator=g)
     q_pe = torch.randn(b, attn.n_heads, s, attn.rope, generator=g)
     prior, active = (torch.randn(b, n, attn.rank + attn.rope, generator=g) for n in (t, s))
     prior_mask = torch.rand(b, 1, s, t, generator=g) > 0.3
     active_mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    return q_nope, q_pe, prior, prior_mask, active, active_mask
+
+
+def test_split_attention_equals_attention_over_the_concatenated_cache(tiny_dirs):
+    """attend_split (prior cache in place + active entries) == attend(absorbed) over their concatenation."""
+    attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
+    q_nope, q_pe, prior, prior_mask, active, active_mask = _queries_and_segments(attn, seed=0, b=2, t=7, s=2)
     want = attn.attend(q_nope, q_pe, torch.cat([prior, active], 1), torch.cat([prior_mask, active_mask], -1), True)
     got = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -82,13 +88,7 @@ def test_sharded_attention_at_one_rank_is_the_absorbed_attention(tiny_dirs):
     one rank, whose collectives are identities, equals the absorbed softmax attention over the same segments, for k
     queries with a causal mask among themselves, split into query tiles or not."""
     attn = CpuRunner(tiny_dirs["bf16"]).model.model.layers[1].self_attn
-    g = torch.Generator().manual_seed(1)
-    b, t, s = 2, 9, 5
-    q_nope = torch.randn(b, attn.n_heads, s, attn.nope, generator=g)
-    q_pe = torch.randn(b, attn.n_heads, s, attn.rope, generator=g)
-    prior, active = (torch.randn(b, n, attn.rank + attn.rope, generator=g) for n in (t, s))
-    prior_mask = torch.rand(b, 1, s, t, generator=g) > 0.3
-    active_mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None].expand(b, 1, s, s)
+    q_nope, q_pe, prior, prior_mask, active, active_mask = _queries_and_segments(attn, seed=1, b=2, t=9, s=5)
     want = attn.attend_split(q_nope, q_pe, prior, prior_mask, active, active_mask)
     for tile in (None, 2):
         got = attn.attend_sharded(q_nope, q_pe, [prior, active], [prior_mask, active_mask], query_tile=tile)
