@@ -32,7 +32,7 @@ from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: 
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
 from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
-                                             check_request, prefill_mode)
+                                             check_request, prefill_mode, prefill_rows)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -70,7 +70,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
         o = prepare(o, seq_len, batch, sampling)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
-        moe_prefill=prefill_mode(o.config, o, seq_len * (1 if o.continuous_batching else batch)),
+        moe_prefill=prefill_mode(o.config, o, seq_len * prefill_rows(o, batch)),
         continuous_batching=o.continuous_batching,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})

@@ -72,7 +72,7 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
                   prompts: list[list[int]] | None = None) -> KimiK2Config:
     """Everything config.json and the flags alone refuse; returns the config read."""
     cfg = check_layout(o)
-    rows = 1 if o.continuous_batching else batch  # as the build's prefill (backend.py)
+    rows = prefill_rows(o, batch)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
                                    prefill_mode(cfg, o, seq_len * rows), prefill_rows=rows)
     if sampling is not None:
@@ -80,6 +80,11 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     if prompts is not None:
         contract.check_prompt_lengths([len(r) for r in prompts])
     return cfg
+
+
+def prefill_rows(o: CpuOptions, batch: int) -> int:
+    """Rows of one prefill call: one under continuous batching (contract.ServeOptions.prefill_batch)."""
+    return 1 if o.continuous_batching else batch
 
 
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:
