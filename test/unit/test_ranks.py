@@ -46,6 +46,18 @@ def rank1_dies(rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def rank1_aborts(rank):
+    if rank == 1:
+        os.abort()  # as a native library does on a failed check
+
+
+def rank1_aborts_at_exit(rank):
+    if rank == 1:
+        import atexit
+
+        atexit.register(os.abort)  # as a library's teardown might, once the work is done
+
+
 def test_every_rank_gets_the_distributed_environment(tmp_path):
     run_ranks(write_env, 3, args=(str(tmp_path),))
     envs = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
@@ -71,6 +83,18 @@ def test_a_failing_rank_stops_the_others_and_reports_one_line(tmp_path, error, r
 def test_a_rank_killed_by_a_signal_is_reported():
     with pytest.raises(RankFailed, match="rank 1: died from signal SIGKILL without reporting an error"):
         run_ranks(rank1_dies, 2)
+
+
+def test_a_native_crash_in_a_rank_prints_its_python_stack(capfd):
+    with pytest.raises(RankFailed, match="rank 1: died from signal SIGABRT without reporting an error"):
+        run_ranks(rank1_aborts, 2)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "rank1_aborts" in err
+
+
+def test_a_crash_after_the_work_is_a_note_not_a_failure(capfd):
+    run_ranks(rank1_aborts_at_exit, 2)
+    assert "note: rank 1 finished its work, then died from signal SIGABRT while exiting" in capfd.readouterr().err
 
 
 def test_a_bad_input_in_a_rank_is_the_cli_one_line_error(tiny_dirs, tmp_path, capsys):

@@ -235,6 +235,9 @@ def _rank_main(rank: int, job, o: CpuOptions, args: tuple, out: str) -> None:
     result = job(rank, o, *args)
     if rank == 0:
         torch.save(result, out)
+    # The ranks leave together and take their process groups down before the interpreter's teardown does.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 @contextlib.contextmanager

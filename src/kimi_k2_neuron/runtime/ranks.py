@@ -1,12 +1,14 @@
 """run_ranks(target, nprocs, args): `target(rank, *args)` in `nprocs` spawned processes with the torch.distributed
 environment set, and no rank left behind. A failing rank stops the others and raises KimiInputError with its message
-(so the CLI prints one `error:` line) or RankFailed; SIGTERM/SIGINT stop every rank and raise RanksInterrupted; if the
-parent dies anyhow, Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
+(so the CLI prints one `error:` line) or RankFailed; a rank that dies while exiting, after its target returned, is a
+note on stderr, not a failure. SIGTERM/SIGINT stop every rank and raise RanksInterrupted; if the parent dies anyhow,
+Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
 import: a rank pays only for what its target imports."""
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -124,21 +126,31 @@ def _supervise(procs, reports) -> None:
         for sentinel in wait(list(running)):
             rank = running.pop(sentinel)
             procs[rank].join()
-            if procs[rank].exitcode != 0:
-                raise _failure(rank, procs[rank].exitcode, reports[rank])
+            if procs[rank].exitcode == 0:
+                continue
+            kind, message = _report(reports[rank])
+            how = _how(procs[rank].exitcode)
+            if kind == "done":
+                # Its target returned (rank 0 had written its result): the crash is in the interpreter's or a
+                # library's teardown (torch_xla's atexit hook, a process group never destroyed), not in the work.
+                print(f"note: rank {rank} finished its work, then died from {how} while exiting", file=sys.stderr,
+                      flush=True)
+                continue
+            if kind == "input":
+                raise KimiInputError(message)
+            raise RankFailed(f"rank {rank}: {message or f'died from {how} without reporting an error'}")
 
 
-def _failure(rank: int, exitcode: int, report) -> Exception:
+def _report(report) -> tuple[str, str | None]:
+    """What the rank said last: ("done" | "input" | "error", message), or ("died", None) if it said nothing."""
     try:
-        kind, message = report.recv() if report.poll() else ("died", None)
+        return report.recv() if report.poll() else ("died", None)
     except EOFError:  # poll() is also true at end of file: the rank closed its end without a word
-        kind, message = "died", None
-    if kind == "input":
-        return KimiInputError(message)
-    if message is None:
-        how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
-        message = f"died from {how} without reporting an error"
-    return RankFailed(f"rank {rank}: {message}")
+        return "died", None
+
+
+def _how(exitcode: int) -> str:
+    return f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
 
 
 def _stop(procs) -> None:
@@ -162,9 +174,11 @@ def _rank_main(target, rank: int, env: dict, parent_pid: int, report, args: tupl
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops the ranks
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)  # blocked while the parent started this rank (_deferred)
     _die_with_parent(parent_pid)
+    faulthandler.enable()  # a crash in native code (SIGABRT, SIGSEGV) prints the Python stack of every thread
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     try:
         target(rank, *args)
+        report.send(("done", None))  # a death after this is in the interpreter's or a library's teardown
     except SystemExit:
         raise
     except KimiInputError as e:
