@@ -167,11 +167,13 @@ def padded_prefill(rows: list[list[int]], lengths: list[int]):
     return ids, mask, (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
+def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[int] | None = None) -> torch.Tensor:
     """float32 logits [B, max row length, V]; NaN beyond a row's end. NxDI returns only the last prefill position's
-    (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it."""
+    (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it.
+    prefill_len: tokens prefilled per row (one for all, or one per row), the rest teacher-forced one a step."""
     b, longest = len(rows), max(len(r) for r in rows)
-    k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
+    wanted = prefill_len if isinstance(prefill_len, list) else [prefill_len] * b
+    k = [len(r) if p is None else min(p, len(r)) for r, p in zip(rows, wanted)]
     out = torch.full((b, longest, app.config.vocab_size), float("nan"))
     cte = app.context_encoding_model.model
     # every prefill call's normed hidden states, in the driver's order (chunked_prefill.hidden_rows)
