@@ -1,7 +1,7 @@
 """kimi_k2_neuron.neuron.chunked_prefill's pure helpers, without NxD/NxDI: the plan of a prefill in chunks, the chunk's
 inputs and masks against the one-shot causal mask, the row write against an element-by-element one, and the order in
 which the driver's calls are put back into rows. The submodel itself runs through the real NxDI in
-test/nxdi_cpu/test_chunked_prefill.py."""
+test/nxdi_cpu/test_chunk_submodel.py."""
 
 from __future__ import annotations
 
