@@ -17,13 +17,12 @@ Not covered: the trn2 graph (neuronx-cc, NKI kernels), a sequence-sharded cache 
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from nxdi_support import REPO, rel_err
+from nxdi_support import rel_err
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import contract
@@ -84,13 +83,6 @@ def test_ragged_chunked_prefill_then_decode_equals_one_shot_and_the_core(ckpt, c
         assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r} vs one-shot NxDI"
         assert rel_err(got[r, :len(row)], core) < 1e-4, f"row {r} vs the core runner"
     assert torch.isnan(got[1, len(RAGGED[1]):]).all()
-
-
-@pytest.fixture
-def env(tmp_path):
-    inherited = {k: v for k, v in os.environ.items()
-                 if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE")}
-    return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
 def _cli(args, env):

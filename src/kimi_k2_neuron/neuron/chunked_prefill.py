@@ -16,7 +16,7 @@ import torch
 CHUNK_MODEL_TAG = "chunked_prefill_model"
 
 
-# -- the plan of a prefill (pure) ---------------------------------------------------------------------------------------
+# -- the plan of a prefill (pure) -------------------------------------------------------------------------------------
 
 def chunk_starts(length: int, chunk: int) -> list[int]:
     """The first position of each call prefilling `length` tokens: 0 (the CTE), then one per chunk."""
@@ -112,7 +112,8 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     cache = model.kv_mgr.past_key_values  # K of layer i at 2i, V at 2i + 1 (NXDI_CONTRACT.md: chunk-submodel)
     if 2 * len(new_kv) != len(cache):
         raise RuntimeError(f"{len(new_kv)} layers' entries, the manager holds {len(cache)} cache tensors")
-    updated = [write_rows(cache[2 * i + j], kv[j], seq_ids, position_ids) for i, kv in enumerate(new_kv) for j in (0, 1)]
+    updated = [write_rows(cache[2 * i + j], kv[j], seq_ids, position_ids)
+               for i, kv in enumerate(new_kv) for j in (0, 1)]
     index = last_real_index(attention_mask, position_ids)
     hidden = torch.gather(hidden, 1, index[:, :, None].expand(-1, 1, hidden.shape[-1]))
     logits = model.lm_head(hidden).float()
