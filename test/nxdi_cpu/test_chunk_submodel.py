@@ -7,7 +7,8 @@ MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), t
   3.5 chunks, at TP=1 and at TP=2 (NxD's parallel layers over gloo; rank 0's cache).
 - Two ragged prompts, each longer than 2.5 chunks, then >= 6 teacher-forced decode steps each: == the one-shot NxDI
   run and the core CPU runner, within 1e-4 of the largest |logit|.
-- `generate --backend nxdi-cpu --prefill-chunk N`: the core runner's greedy tokens.
+- `generate --backend nxdi-cpu --prefill-chunk N` at TP=1 and TP=2 (NxDI's adapter and on-device sampler): the core
+  runner's greedy tokens.
 - `trace-cpu --submodel chunk` traces one clean graph at TP=1 (tiny shapes).
 - The config: the three submodels' shapes, the chunk kept through NxDI's save/load, async_mode refused in one line
   (its path bypasses the driver). The contract's refusals (N not dividing seq_len, another --max-context-length,
@@ -90,10 +91,11 @@ def _cli(args, env):
                           env=env, timeout=900)
 
 
-def test_generate_with_chunks_equals_the_core_runners_greedy_tokens(ckpt, env):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_with_chunks_equals_the_core_runners_greedy_tokens(ckpt, env, tp):
     ids = ";".join(",".join(map(str, r)) for r in RAGGED)
     args = ["generate", "--model", ckpt, "--input-ids", ids, "--max-new-tokens", "6", "--json"]
-    nxdi = _cli(args + ["--backend", "nxdi-cpu", "--prefill-chunk", str(N)], env)
+    nxdi = _cli(args + ["--backend", "nxdi-cpu", "--prefill-chunk", str(N), "--tp", str(tp)], env)
     assert nxdi.returncode == 0, nxdi.stderr[-3000:]
     assert "chunked_prefill_model" in nxdi.stderr  # the MoE paths report names the submodel that ran
     runner = CpuRunner(ckpt)
