@@ -5,8 +5,8 @@ MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), t
 
 - Chunked == one-shot NxDI prefill, logits and the latent cache's contents at every prompt position, for a prompt of
   3.5 chunks, at TP=1 and at TP=2 (NxD's parallel layers over gloo; rank 0's cache).
-- Two ragged prompts, each longer than 2.5 chunks, then >= 6 teacher-forced decode steps each: == the one-shot NxDI
-  run and the core CPU runner, within 1e-4 of the largest |logit|.
+- Two ragged prompts, each longer than 2.5 chunks, then >= 6 teacher-forced decode steps each, at TP=1 and TP=2:
+  == the one-shot NxDI run and the core CPU runner, within 1e-4 of the largest |logit|.
 - `generate --backend nxdi-cpu --prefill-chunk N` at TP=1 and TP=2 (NxDI's adapter and on-device sampler): the core
   runner's greedy tokens.
 - `trace-cpu --submodel chunk` traces one clean graph at TP=1 (tiny shapes).
@@ -73,10 +73,11 @@ def test_chunked_prefill_equals_one_shot_logits_and_cache(ckpt, tp):
         assert rel_err(g[:, :, :length], w[:, :, :length]) < 1e-5, f"layer {layer}"
 
 
-def test_ragged_chunked_prefill_then_decode_equals_one_shot_and_the_core(ckpt, converted):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ragged_chunked_prefill_then_decode_equals_one_shot_and_the_core(ckpt, converted, tp):
     assert all(p > 2.5 * N and len(r) - p >= 6 for r, p in zip(RAGGED, RAGGED_PREFILL))
-    got, _, calls = run(ckpt, RAGGED, RAGGED_PREFILL)
-    want, _, _ = run(ckpt, RAGGED, RAGGED_PREFILL, chunk=None)
+    got, _, calls = run(ckpt, RAGGED, RAGGED_PREFILL, tp=tp)
+    want, _, _ = run(ckpt, RAGGED, RAGGED_PREFILL, tp=tp, chunk=None)
     assert calls == 2 + 2  # rows of 23 and 21 prompt tokens: 2 chunks after the CTE's each
     runner = CpuRunner(converted[("fp8", "fp8-blockwise")])
     for r, (row, k) in enumerate(zip(RAGGED, RAGGED_PREFILL)):
