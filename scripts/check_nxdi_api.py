@@ -14,7 +14,10 @@ HEAD or --rev; or work trees), it parses our files with `ast` and the libraries'
    contract.UNSUPPORTED) is assigned in NeuronConfig/MoENeuronConfig;
 5. overrides: methods our subclasses of NxDI classes define either override a base method whose parameters they
    accept, or are listed as new; and the decoder layer's named parameters are among the keywords
-   NeuronBaseModel.get_model_output passes.
+   NeuronBaseModel.get_model_output passes;
+6. the chunked-prefill submodel (neuron/chunked_prefill.py): the members it reads of NxDI's application, model and
+   model wrapper (`app.x`, `model.x`, `wrapper.x`) exist in those classes, and the keywords it passes
+   get_model_output are its parameters or, through its **kwargs, the KV cache manager's.
 
 Usage: python scripts/check_nxdi_api.py --nxdi PATH --nxd PATH     (exit 1 if anything fails)
 """
@@ -382,6 +385,47 @@ class Checker:
                     else:
                         self.ok(f"override {cls.name}.{fn.name}")
 
+    # chunked_prefill.py's names for NxDI objects -> (module, class)
+    CHUNK_OBJECTS = {"app": ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM"),
+                     "model": ("neuronx_distributed_inference.models.model_base", "NeuronBaseModel"),
+                     "wrapper": ("neuronx_distributed_inference.models.model_wrapper", "ModelWrapper")}
+
+    def members(self, module: str, cls_name: str) -> set[str]:
+        """Attributes assigned on self and methods, through the class chain."""
+        kind, node, mod = self.lookup(module, cls_name)
+        return self.attrs_assigned(module, cls_name) | {
+            f.name for _, c in self.class_chain(mod, node) for f in c.body if isinstance(f, ast.FunctionDef)}
+
+    def check_chunk_submodel(self, trees):
+        tree = next((t for rel, t in trees if rel.name == "chunked_prefill.py"), None)
+        if tree is None:
+            return
+        ours = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
+        # and what NxDI leaves to the model class (setup_attr_for_model, init_model): set in modeling.py on self
+        ours |= {n.attr for rel, t in trees if rel.name == "modeling.py" for n in ast.walk(t)
+                 if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
+                 and n.value.id == "self"}
+        for var, (module, cls_name) in self.CHUNK_OBJECTS.items():
+            known = self.members(module, cls_name)
+            for attr in sorted({n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                                and isinstance(n.value, ast.Name) and n.value.id == var} - ours):
+                (self.ok if attr in known else self.fail)(f"chunked_prefill: {cls_name}.{attr} exists")
+        base = self.module_tree("neuronx_distributed_inference.models.model_base")
+        gmo = next(n for n in ast.walk(base) if isinstance(n, ast.FunctionDef) and n.name == "get_model_output")
+        named, _, _ = self.params(gmo)
+        kvm = self.lookup("neuronx_distributed_inference.modules.kvcache.kv_cache_manager", "KVCacheManager")[1]
+        by_layer, _, _ = self.params(self.method(kvm, "get_kv_by_layer_id"))
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                     and n.func.attr == "get_model_output"):
+            for k in (k.arg for k in call.keywords if k.arg):
+                if k in named or k in by_layer:
+                    self.ok(f"chunked_prefill: get_model_output keyword {k}")
+                elif k.startswith("kimi_"):  # ours, for our decoder layer, through NxDI's **kwargs
+                    self.ok(f"chunked_prefill: get_model_output keyword {k} (ours)")
+                else:
+                    self.fail(f"chunked_prefill: get_model_output keyword {k} is neither its parameter nor the "
+                              f"KV cache manager's")
+
     def check_decoder_call(self, trees):
         tree = self.module_tree("neuronx_distributed_inference.models.model_base")
         fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "get_model_output")
@@ -431,6 +475,7 @@ def _check(a: argparse.Namespace, c: Checker) -> int:
     c.check_attributes(trees, contract)
     c.check_overrides(trees)
     c.check_decoder_call(trees)
+    c.check_chunk_submodel(trees)
     if a.verbose:
         for line in c.passes:
             print(f"ok    {line}")

@@ -94,7 +94,6 @@ def _check_backend(a) -> None:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
         for flag, given in (("--kv-shard sequence", getattr(a, "kv_shard", "none") == "sequence"),
-                            (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None),
                             ("--shard-attn-a", getattr(a, "shard_attn_a", False)),
                             ("--shard-router", getattr(a, "shard_router", False))):
             if given:
@@ -300,8 +299,9 @@ def cmd_convert(a) -> int:
 
 def cmd_trace_cpu(a) -> int:
     """One NxDI submodel traced with torch_xla on its CPU device (nxdi_cpu/xla_trace.py); exit 0 clean, 1 not."""
-    from .nxdi_cpu.options import check_request
+    from .nxdi_cpu.options import check_request, check_submodel
 
+    check_submodel(a.submodel, a.seq_len, a.prefill_chunk)
     check_request(cpu_options(a), a.seq_len, a.batch)  # what config.json decides, before NxD and torch_xla
     try:
         import torch_xla  # noqa: F401
@@ -432,10 +432,12 @@ def _trace_cpu_parser(sub) -> None:
     s.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
     s.add_argument("--tp", type=integer(1), default=1, metavar="N", help="ranks (only 1 traces here)")
-    s.add_argument("--submodel", required=True, choices=["context", "token"], help="which graph to trace")
+    s.add_argument("--submodel", required=True, choices=["context", "token", "chunk"],
+                   help="which graph to trace (chunk: the chunked-prefill submodel, with --prefill-chunk)")
     s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
     s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (bfloat16: the device's)")
+    add_kv_layout_args(s, sharded_cache=False)
     s.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

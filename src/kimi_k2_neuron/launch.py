@@ -65,7 +65,8 @@ def cpu_options(args: argparse.Namespace):
     from .nxdi_cpu.options import CpuOptions
 
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
-                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"))
+                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
+                      prefill_chunk=getattr(args, "prefill_chunk", None))
 
 
 def cpu_backend(flag: str = "--cpu"):

@@ -13,6 +13,7 @@ which cannot run beside NxDI's pinned transformers 4.57 (oracle.py runs in it as
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,15 @@ def _needs_fp8_index_fix(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fp8_selective_cpu: runs NxD's FP8 selective loading in CPU mode")
+
+
+@pytest.fixture
+def env(tmp_path):
+    """A user's environment: this process's torch.distributed and NxD CPU-mode variables (set by in-process builds)
+    left out."""
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE")}
+    return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 (converted first into $KIMI_K2_NEURON_CACHE), against the core CPU runner."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,15 +21,6 @@ from nxdi_support import REPO, rel_err
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
 
 pytestmark = pytest.mark.fp8_selective_cpu
-
-
-@pytest.fixture
-def env(tmp_path):
-    """A user's environment: this process's torch.distributed and NxD CPU-mode variables (set by in-process builds)
-    left out."""
-    inherited = {k: v for k, v in os.environ.items()
-                 if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE")}
-    return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
 def _run(args, env, script=None):

@@ -58,8 +58,9 @@ BAD_ARGS = [
      "--prefill-chunk: expected an integer >= 1, got '0'"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--backend", "nxdi-cpu", "--tp", "2",
       "--kv-shard", "sequence"], "--kv-shard sequence: only with --backend core"),
-    (["generate", "--model", "{model}", "--input-ids", "1,2", "--backend", "nxdi-cpu", "--prefill-chunk", "4"],
-     "--prefill-chunk 4: only with --backend core"),
+    (["trace-cpu", "--model", "{model}", "--submodel", "chunk"], "--submodel chunk: needs --prefill-chunk N"),
+    (["trace-cpu", "--model", "{model}", "--submodel", "chunk", "--prefill-chunk", "8"],
+     "--submodel chunk: needs --prefill-chunk N with N < --seq-len / 2"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--backend", "nxdi-cpu",
       "--shard-router"], "--shard-router: only with --backend core"),
     # a layout that would split nothing is refused, not silently replicated

@@ -256,6 +256,39 @@ def test_prefill_rules_count_one_sequence_under_continuous_batching():
         contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=2, seq_len=576, continuous_batching=True))
 
 
+def test_a_prefill_chunk_makes_the_cte_one_row_of_the_chunk():
+    """--prefill-chunk N: the CTE bucket is N, one row a call, written into its seq_id's line; decode keeps batch B."""
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=4, seq_len=4096, prefill_chunk=1024))
+    assert (kw["max_context_length"], kw["ctx_batch_size"], kw["is_continuous_batching"]) == (1024, 1, True)
+    assert (kw["seq_len"], kw["tkg_batch_size"], kw["kv_cache_batch_size"]) == (4096, 4, 4)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(seq_len=4096, prefill_chunk=1000), "--prefill-chunk 1000: must divide --seq-len 4096"),
+    (dict(seq_len=4096, prefill_chunk=1024, max_context_length=2048),
+     "--max-context-length 2048: with --prefill-chunk 1024 the prefill bucket is the chunk"),
+    # shard-on-block, the default mode at these shapes: the kernel's 128-row output tiles, counted per chunk call
+    (dict(seq_len=1536, prefill_chunk=192), "a prefill of 192 tokens"),
+])
+def test_what_a_prefill_chunk_cannot_run_is_refused_in_one_line(over, needle, one_line_error):
+    one_line_error(lambda: contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, **over)), needle)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(async_mode=True), "async_mode=True"),
+    (dict(max_context_length=512), "max_context_length=512"),
+    (dict(seq_len=1000), "seq_len=1000"),
+    (dict(is_continuous_batching=False), "is_continuous_batching=False"),
+    (dict(ctx_batch_size=2), "ctx_batch_size=2"),
+])
+def test_a_reloaded_neuron_config_the_chunk_driver_cannot_run_is_refused(over, needle, one_line_error):
+    """What add_derived_config re-checks on every construction, on NeuronConfig-like fields (emulated)."""
+    nc = SimpleNamespace(**{**dict(async_mode=False, max_context_length=256, seq_len=1024, is_continuous_batching=True,
+                                   ctx_batch_size=1), **over})
+    one_line_error(lambda: contract.check_chunked_prefill(nc, 256), "prefill_chunk=256", needle)
+    contract.check_chunked_prefill(nc, None)  # no chunk: nothing to check
+
+
 COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=1024, max_context_length=1024, is_continuous_batching=True,
                 ctx_batch_size=1, on_device_sampling_config=SimpleNamespace(dynamic=True))
 

@@ -140,15 +140,23 @@ class ServeOptions:
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
+    # tokens per prefill call: the CTE bucket, then the chunk submodel (neuron/chunked_prefill.py), one row a call
+    prefill_chunk: int | None = None
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
     @property
     def context_length(self) -> int:
-        return self.seq_len if self.max_context_length is None else self.max_context_length
+        if self.max_context_length is None:
+            return self.prefill_chunk or self.seq_len
+        return self.max_context_length
 
     @property
     def prefill_batch(self) -> int:
-        return 1 if self.continuous_batching else self.batch
+        return 1 if self.continuous_batching or self.prefill_chunk else self.batch
+
+    @property
+    def layout(self) -> LayoutOptions:
+        return LayoutOptions(prefill_chunk=self.prefill_chunk)
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
@@ -177,7 +185,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         # as NxDI's Qwen3-MoE: we all-gather in the embedding (NXDI_CONTRACT.md: numeric-cc-token)
         disable_numeric_cc_token=True,
     )
-    if o.continuous_batching:
+    if o.continuous_batching or o.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
         kw["is_continuous_batching"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
@@ -264,7 +272,7 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
+    check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill, o.layout,
                           prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
     if o.scheme.quantized and not o.checkpoint:
@@ -345,6 +353,25 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
     rc = getattr(nc, "router_config", None)
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
+
+
+def check_chunked_prefill(nc, chunk: int | None) -> None:
+    """What the chunked-prefill driver needs of the NeuronConfig, on every construction including the reload."""
+    if chunk is None:
+        return
+    bad = []
+    if getattr(nc, "async_mode", False):  # its path bypasses the driver (NXDI_CONTRACT.md: async-bypasses-driver)
+        bad.append("async_mode=True (NxDI's async path does not call _get_model_outputs, the chunk driver)")
+    if nc.max_context_length != chunk:
+        bad.append(f"max_context_length={nc.max_context_length} (the CTE bucket is the chunk, {chunk})")
+    if nc.seq_len % chunk:
+        bad.append(f"seq_len={nc.seq_len} (not a multiple of the chunk {chunk}: the last chunk would write past it)")
+    if not nc.is_continuous_batching or nc.ctx_batch_size != 1:
+        # NXDI_CONTRACT.md: continuous-batching
+        bad.append(f"is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size} (chunk 0 "
+                   f"is one row's CTE call into its seq_id's cache line)")
+    if bad:
+        raise KimiInputError(f"prefill_chunk={chunk}: " + "; ".join(bad))
 
 
 def _restore_block_sharding_strategy(bmm) -> None:

@@ -41,7 +41,7 @@ from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import ParallelContext  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
-from . import contract  # noqa: E402
+from . import chunked_prefill, contract  # noqa: E402
 from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters  # noqa: E402
 
 # == the config ==================================================================================================
@@ -72,7 +72,8 @@ class KimiK2InferenceConfig(InferenceConfig):
 
     @classmethod
     def for_serving(cls, cfg: KimiK2Config, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
-        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)))
+        chunk = {"prefill_chunk": options.prefill_chunk} if options.prefill_chunk else {}  # saved, so reloaded
+        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)), **chunk)
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
@@ -106,6 +107,7 @@ class KimiK2InferenceConfig(InferenceConfig):
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
                                        getattr(self, "num_experts_per_tok", None))
+        contract.check_chunked_prefill(self.neuron_config, getattr(self, "prefill_chunk", None))
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",
@@ -283,6 +285,10 @@ class KimiK2DecoderLayer(DecoderLayer):
         q_nope, q_pe, entries = attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
         if past_key_value is None:
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
+        elif kwargs.get("kimi_chunk"):  # chunked_prefill.chunk_forward's masks: the cache before the chunk, causal
+            past = past_key_value[0][:, 0]
+            hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
+                                                                [attention_mask, kwargs["active_mask"]])
         else:
             past = past_key_value[0][:, 0]
             prior, active = decode_masks(attention_mask, entries.shape[1])
@@ -312,6 +318,16 @@ class LatentKVCacheManager(KVCacheManager):
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
+    """chunk: the chunked-prefill submodel (chunked_prefill.chunk_forward), else NxDI's forward."""
+
+    def __init__(self, config: KimiK2InferenceConfig, optimize_inference: bool = True, chunk: bool = False):
+        self.chunk = chunk
+        super().__init__(config, optimize_inference)
+
+    def forward(self, *args, **kwargs):
+        if self.chunk:
+            return chunked_prefill.chunk_forward(self, *args, **kwargs)
+        return super().forward(*args, **kwargs)
 
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
         nc = config.neuron_config
@@ -411,6 +427,18 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
         _add_compiler_args(self.token_generation_model)
+        if getattr(self.config, "prefill_chunk", None):
+            chunked_prefill.enable_chunked_prefill(self, **model_init_kwargs)
+
+    def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):
+        if chunked_prefill.takes(self, input_ids, position_ids):
+            return chunked_prefill.prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
+        return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
+                                          **kwargs)
+
+    def _copy_past_key_values(self, outputs):
+        super()._copy_past_key_values(outputs)
+        chunked_prefill.share_kv(self)
 
     # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
 
@@ -451,6 +479,8 @@ def _build_as_on_device(wrapper) -> nn.Module:
         instance.load_module()
     finally:
         parallel_state.set_aot_mode(False)
+    # n_positions per bucket as the trace sets it; one bucket per submodel here (NXDI_CONTRACT.md: bucket-positions)
+    instance.get(len(wrapper.neuron_config.buckets) - 1)
     return instance.module
 
 

@@ -122,8 +122,10 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     # scatters at p and sends a [0, p) mask padded to max_length (NXDI_CONTRACT.md: generation-limits). The last fed
     # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
     # cache and the next step raises.
-    if width > nc.max_context_length:
-        raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {nc.max_context_length}")
+    # chunked (chunked_prefill.py), a prompt may fill the cache
+    longest = nc.seq_len if getattr(app.config, "prefill_chunk", None) else nc.max_context_length
+    if width > longest:
+        raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
     limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone
     if max_new_tokens > limit:
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,

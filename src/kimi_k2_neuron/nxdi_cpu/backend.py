@@ -1,7 +1,7 @@
 """The NxDI model in NxD's CPU mode: `kimi-k2-neuron logits|generate --backend nxdi-cpu`, scripts' `--cpu`, and the
 nxdi-cpu test tier. Everything but tracing, neuronx-cc, NKI kernels, Neuron collectives and HBM is what trn2 runs;
-MoEPaths names the torch path taken where NxD's is device-only. One context bucket of seq_len: a smaller one needs
-per-bucket n_positions, which only the traced path sets (NXDI_CONTRACT.md: bucket-positions).
+MoEPaths names the torch path taken where NxD's is device-only. One bucket per submodel: the context bucket is seq_len,
+or the chunk with --prefill-chunk (NXDI_CONTRACT.md: bucket-positions).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
+from kimi_k2_neuron.neuron.chunked_prefill import hidden_rows  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
 from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
-                                             check_request, prefill_mode, prefill_rows)
+                                             check_request, padded_seq_len, prefill_mode, prefill_rows)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -68,10 +69,11 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     """As compile_and_save builds it, nothing built yet. on_cpu False: NxDI's device sampler branches."""
     if o.config is None:
         o = prepare(o, seq_len, batch, sampling)
+    seq_len = padded_seq_len(o, seq_len)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
-        moe_prefill=prefill_mode(o.config, o, seq_len * prefill_rows(o, batch)),
-        continuous_batching=o.continuous_batching,
+        moe_prefill=prefill_mode(o.config, o, (o.prefill_chunk or seq_len) * prefill_rows(o, batch)),
+        continuous_batching=o.continuous_batching, prefill_chunk=o.prefill_chunk,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
@@ -165,28 +167,32 @@ def padded_prefill(rows: list[list[int]], lengths: list[int]):
     return ids, mask, (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
+def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[int] | None = None) -> torch.Tensor:
     """float32 logits [B, max row length, V]; NaN beyond a row's end. NxDI returns only the last prefill position's
-    (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it."""
+    (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it.
+    prefill_len: tokens prefilled per row (one for all, or one per row), the rest teacher-forced one a step."""
     b, longest = len(rows), max(len(r) for r in rows)
-    k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
+    wanted = prefill_len if isinstance(prefill_len, list) else [prefill_len] * b
+    k = [len(r) if p is None else min(p, len(r)) for r, p in zip(rows, wanted)]
     out = torch.full((b, longest, app.config.vocab_size), float("nan"))
     cte = app.context_encoding_model.model
-    captured = {}
-    handle = cte.norm.register_forward_hook(lambda _m, _i, h: captured.__setitem__("h", h))
+    # every prefill call's normed hidden states, in the driver's order (chunked_prefill.hidden_rows)
+    prefill_models = [cte] + ([app.chunked_prefill_model.model] if hasattr(app, "chunked_prefill_model") else [])
+    calls: list[torch.Tensor] = []
+    handles = [m.norm.register_forward_hook(lambda _m, _i, h: calls.append(h)) for m in prefill_models]
     ids, mask, pos = padded_prefill(rows, k)
     seq_ids = torch.arange(b)
     with torch.no_grad():
         try:
             last = _forward(app, ids, mask, pos, seq_ids)
         finally:
-            handle.remove()
-        full = cte.lm_head(captured["h"]).float()
-        picked = full[torch.arange(b), pos.argmax(dim=1)]
+            for handle in handles:
+                handle.remove()
+        for r, h in enumerate(hidden_rows(calls, k, getattr(app.config, "prefill_chunk", None))):
+            out[r, :k[r]] = cte.lm_head(h[None]).float()[0]
+        picked = out[torch.arange(b), torch.tensor(k) - 1]
         if not torch.allclose(picked, last[:, -1], rtol=1e-4, atol=1e-4 * picked.abs().max().item()):
             raise RuntimeError("the hooked prefill logits differ from NxDI's: the hook read the wrong tensor")
-        for r in range(b):
-            out[r, :k[r]] = full[r, :k[r]]
         cur = torch.tensor(k)
         for step in range(max(len(r) - kr for r, kr in zip(rows, k))):
             tok = torch.tensor([[r[kr + step] if kr + step < len(r) else 0] for r, kr in zip(rows, k)])

@@ -23,6 +23,7 @@ class CpuOptions:
     # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
     continuous_batching: bool = False
+    prefill_chunk: int | None = None  # tokens per prefill call (neuron/chunked_prefill.py); one row a call
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -72,9 +73,11 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
                   prompts: list[list[int]] | None = None) -> KimiK2Config:
     """Everything config.json and the flags alone refuse; returns the config read."""
     cfg = check_layout(o)
-    rows = prefill_rows(o, batch)
-    contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
-                                   prefill_mode(cfg, o, seq_len * rows), prefill_rows=rows)
+    rows, seq_len = prefill_rows(o, batch), padded_seq_len(o, seq_len)
+    context = context_length(o, seq_len)
+    contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, context, batch,
+                                   prefill_mode(cfg, o, context * rows), contract.LayoutOptions(
+                                       prefill_chunk=o.prefill_chunk), prefill_rows=rows)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
@@ -83,8 +86,26 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
 
 
 def prefill_rows(o: CpuOptions, batch: int) -> int:
-    """Rows of one prefill call: one under continuous batching (contract.ServeOptions.prefill_batch)."""
-    return 1 if o.continuous_batching else batch
+    """Rows of one prefill call: one under continuous batching or chunks (contract.ServeOptions.prefill_batch)."""
+    return 1 if o.continuous_batching or o.prefill_chunk else batch
+
+
+def padded_seq_len(o: CpuOptions, needed: int) -> int:
+    """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots)."""
+    n = o.prefill_chunk
+    return needed if not n else -(-needed // n) * n
+
+
+def context_length(o: CpuOptions, seq_len: int) -> int:
+    """The context-encoding bucket: the chunk, else the whole cache (one bucket: NXDI_CONTRACT.md: bucket-positions)."""
+    return o.prefill_chunk or seq_len
+
+
+def check_submodel(submodel: str, seq_len: int, prefill_chunk: int | None) -> None:
+    """trace-cpu's chunk submodel exists with --prefill-chunk, and the traced prefill (seq_len / 2) must reach it."""
+    if submodel == "chunk" and (prefill_chunk is None or seq_len // 2 <= prefill_chunk):
+        raise KimiInputError("--submodel chunk: needs --prefill-chunk N with N < --seq-len / 2 (the traced prefill "
+                             "of seq_len / 2 tokens must reach a second chunk)")
 
 
 def prefill_mode(cfg: KimiK2Config, o: CpuOptions, tokens: int) -> str:

@@ -21,9 +21,13 @@ import torch
 
 from kimi_k2_neuron.errors import KimiInputError
 
-from . import backend
+from kimi_k2_neuron.neuron.chunked_prefill import CHUNK_MODEL_TAG
 
-SUBMODELS = {"context": "context_encoding_model", "token": "token_generation_model"}  # NxDI's wrapper attributes
+from . import backend
+from .options import check_submodel
+
+# NxDI's wrapper attributes, and ours for the chunked-prefill submodel
+SUBMODELS = {"context": "context_encoding_model", "token": "token_generation_model", "chunk": CHUNK_MODEL_TAG}
 SEED = 0
 FRAMES_KEPT = 8  # innermost Python frames kept per sync
 
@@ -31,7 +35,7 @@ FRAMES_KEPT = 8  # innermost Python frames kept per sync
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:
     model: backend.CpuOptions  # dtype: bfloat16, the device dtype, unless asked otherwise
-    submodel: str  # "context" or "token"
+    submodel: str  # a key of SUBMODELS
     seq_len: int = 16
     batch: int = 1
 
@@ -115,6 +119,7 @@ def check(o: TraceOptions) -> None:
         raise KimiInputError(f"--batch {o.batch}: expected at least 1")
     if o.seq_len < 2:
         raise KimiInputError(f"--seq-len {o.seq_len}: expected at least 2 (a prefill and one decode position)")
+    check_submodel(o.submodel, o.seq_len, o.model.prefill_chunk)
     if o.model.tp != 1:
         raise KimiInputError(f"--tp {o.model.tp}: trace-cpu traces TP=1 only; TP > 1 needs NxD's ModelBuilder "
                              f"world (all ranks in one process under a mocked torch.distributed), not built here")

@@ -1,0 +1,174 @@
+"""The chunked-prefill submodel and its driver (--prefill-chunk N). A prompt longer than N is prefilled one row at a
+time: NxDI's context-encoding submodel (bucket N, batch 1, continuous batching) on its first N tokens, then a third
+submodel, `chunked_prefill_model`, on each further N tokens, attending to the row's cache plus causally within the
+chunk through MLAttention.attend_sharded (the one multi-token path; at a KV group of 1 the cache is replicated). The
+graph's size does not grow with the prompt (NXDI_CONTRACT.md: chunk-submodel).
+
+Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+CHUNK_MODEL_TAG = "chunked_prefill_model"
+
+
+# -- the plan of a prefill (pure) -------------------------------------------------------------------------------------
+
+def chunk_starts(length: int, chunk: int) -> list[int]:
+    """The first position of each call prefilling `length` tokens: 0 (the CTE), then one per chunk."""
+    return list(range(0, max(length, 1), chunk))
+
+
+def chunk_inputs(ids: torch.Tensor, start: int, length: int, chunk: int, pad_id: int = 0):
+    """One row's chunk from `start`: (input_ids [1, N] right-padded, position_ids [1, N], attention_mask [1, end]).
+    Padding slots get the next positions: they write past the row's end, where no mask reads before decode
+    overwrites them, as the CTE's padded bucket does."""
+    end = min(length, start + chunk)
+    real = ids[start:end]
+    padded = torch.full((chunk,), pad_id, dtype=ids.dtype)
+    padded[: end - start] = real
+    positions = torch.arange(start, start + chunk, dtype=ids.dtype)
+    return padded[None], positions[None], torch.ones(1, end, dtype=ids.dtype)
+
+
+def chunk_masks(position_ids: torch.Tensor, cache_len: int):
+    """-> prior [B, 1, N, cache_len] (the cache before the chunk's first position), active [B, 1, N, N] (causal)."""
+    b, n = position_ids.shape
+    start = position_ids[:, :1]
+    prior = torch.arange(cache_len, device=position_ids.device)[None, :] < start  # [B, cache_len]
+    active = torch.ones(n, n, dtype=torch.bool, device=position_ids.device).tril()
+    return prior[:, None, None, :].expand(b, 1, n, cache_len), active[None, None].expand(b, 1, n, n)
+
+
+def last_real_index(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the chunk slot of each row's last real token, by tensor ops (no host sync in the graph). The mask is 1
+    on the row's positions [0, end) and padded with 0 by the model wrapper."""
+    n = position_ids.shape[1]
+    return (attention_mask.sum(-1, keepdim=True) - 1 - position_ids[:, :1]).clamp(0, n - 1)
+
+
+def write_rows(cache: torch.Tensor, update: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [lines, heads, T, D] with update [B, heads, N, D] written at lines seq_ids [B], slots [B, N]: the
+    chunk's write into its row's line. (A sequence-sharded cache passes the owned slots, the others the reserve.)"""
+    b, heads, n, _ = update.shape
+    lines = seq_ids.view(b, 1, 1).expand(b, heads, n).long()
+    head = torch.arange(heads, device=cache.device).view(1, heads, 1).expand(b, heads, n)
+    pos = slots.view(b, 1, n).expand(b, heads, n).long()
+    return torch.index_put(cache, (lines, head, pos), update.to(cache.dtype))
+
+
+def hidden_rows(calls: list[torch.Tensor], lengths: list[int], chunk: int | None) -> list[torch.Tensor]:
+    """Each row's prefill hidden states [length, H] from the normed outputs of the prefill calls in the driver's
+    order (one call for all rows; or per row its CTE call, then its chunks)."""
+    if len(calls) == 1 and calls[0].shape[0] == len(lengths):
+        return [calls[0][r, :n] for r, n in enumerate(lengths)]
+    per_row = [len(chunk_starts(n, chunk)) if chunk else 1 for n in lengths]
+    if sum(per_row) != len(calls):
+        raise RuntimeError(f"{len(calls)} prefill calls seen, {sum(per_row)} expected for rows of {lengths}")
+    out, i = [], 0
+    for n, k in zip(lengths, per_row):
+        out.append(torch.cat([c[0] for c in calls[i:i + k]], dim=0)[:n])
+        i += k
+    return out
+
+
+# -- the submodel ----------------------------------------------------------------------------------------------------
+
+def enable_chunked_prefill(app, **model_init_kwargs) -> None:
+    """The third ModelWrapper: batch 1, N active tokens, the token-generation buckets (it reads the cache up to them),
+    built for prefill (NxD's MoE prefill path), compiled with the context-encoding submodel's arguments."""
+    from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
+
+    config = copy.deepcopy(app.config)
+    nc = config.neuron_config
+    nc.batch_size = 1
+    nc.n_active_tokens = app.config.prefill_chunk
+    nc.bucket_n_active_tokens = False
+    nc.is_prefill_stage = True
+    nc.sequence_parallel_enabled = False
+    nc.buckets = generate_buckets_for_tkg(config)
+    app.chunked_prefill_model = app.model_wrapper(
+        config=config, model_cls=app._model_cls, tag=CHUNK_MODEL_TAG,
+        compiler_args=app.context_encoding_model.compiler_args, model_init_kwargs={**model_init_kwargs, "chunk": True})
+    app.models.append(app.chunked_prefill_model)
+
+
+def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *_unused):
+    """NeuronKimiK2Model.forward of the chunk submodel: NxDI's get_model_output over the row's cached line
+    (is_for_speculation reads line seq_ids when the batch is below the cache's), the decoder layers' chunk branch,
+    the write into line seq_ids, then the last real token's logits or sample, in NxDI's output order
+    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs)."""
+    from neuronx_distributed.parallel_layers.mappings import _gather_along_dim
+    from neuronx_distributed_inference.utils.distributed import get_tp_group
+
+    prior, active = chunk_masks(position_ids, model.n_positions)
+    hidden, new_kv = model.get_model_output(
+        input_ids=input_ids, seq_ids=seq_ids, attention_mask=prior, position_ids=position_ids, active_mask=active,
+        is_for_context_encoding=False, is_for_speculation=True, update_cache=False, kimi_chunk=True)
+    cache = model.kv_mgr.past_key_values  # K of layer i at 2i, V at 2i + 1 (NXDI_CONTRACT.md: chunk-submodel)
+    if 2 * len(new_kv) != len(cache):
+        raise RuntimeError(f"{len(new_kv)} layers' entries, the manager holds {len(cache)} cache tensors")
+    updated = [write_rows(cache[2 * i + j], kv[j], seq_ids, position_ids)
+               for i, kv in enumerate(new_kv) for j in (0, 1)]
+    index = last_real_index(attention_mask, position_ids)
+    hidden = torch.gather(hidden, 1, index[:, :, None].expand(-1, 1, hidden.shape[-1]))
+    logits = model.lm_head(hidden).float()
+    res = model._sample_on_device(logits, sampling_params, False, True) if model.on_device_sampling else logits
+    outputs = [res]
+    if model.neuron_config.output_logits:
+        outputs.append(_gather_along_dim(logits, partition_dim=2, process_group=get_tp_group(model.config)))
+    return outputs + updated
+
+
+# -- the driver ------------------------------------------------------------------------------------------------------
+
+def takes(app, input_ids, position_ids) -> bool:
+    """A prefill wider than the chunk; anything else is NxDI's own dispatch."""
+    chunk = getattr(app.config, "prefill_chunk", None)
+    return bool(chunk) and input_ids.shape[-1] > chunk and app._is_prefill(position_ids)
+
+
+def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_params):
+    """Row by row: the CTE on the first N tokens, then the chunk submodel; the KV shared after every call in CPU mode.
+    -> (NxDI's outputs of a prefill: each row's last output, then the cache; is_run_on_neuron)."""
+    chunk = app.config.prefill_chunk
+    lengths = attention_mask.sum(-1).tolist()
+    on_neuron = app.context_encoding_model.is_neuron()
+    nc = app.neuron_config
+    # the sampled tokens, then the logits with output_logits under on-device sampling; in CPU mode the cache follows
+    front = 2 if nc.on_device_sampling_config is not None and nc.output_logits else 1
+    results, out = [], None
+    for b, length in enumerate(lengths):
+        row = slice(b, b + 1)
+        for start in chunk_starts(int(length), chunk):
+            if start == 0:
+                end = min(int(length), chunk)
+                wrapper = app.context_encoding_model
+                args = (input_ids[row, :end], attention_mask[row, :end], position_ids[row, :end])
+            else:
+                wrapper = app.chunked_prefill_model
+                ids, pos, mask = chunk_inputs(input_ids[b], start, int(length), chunk)
+                args = (ids, mask, pos)
+            out = wrapper(*args, seq_ids[row], sampling_params[row], None, None)
+            if not wrapper.is_neuron():
+                app._copy_past_key_values(out)
+        results.append([out] if torch.is_tensor(out) else list(out[:front]))
+    app.kv_cache_populated = True
+    heads = [torch.cat(parts, dim=0) for parts in zip(*results)]
+    if on_neuron:
+        return (heads[0] if front == 1 else heads), True
+    return [*heads, *out[front:]], False
+
+
+def share_kv(app) -> None:
+    """CPU mode: the chunk model reads the cache NxDI's copy just gave the token-generation model (on device the
+    submodels share one state)."""
+    chunk = getattr(app, "chunked_prefill_model", None)
+    if chunk is None:
+        return
+    for dst, src in zip(chunk.model.kv_mgr.past_key_values, app.token_generation_model.model.kv_mgr.past_key_values):
+        dst.data = src.data

@@ -1,0 +1,140 @@
+"""neuron/chunked_prefill.py through the real NxD/NxDI in NxD's CPU mode: NxDI's context-encoding submodel at bucket N
+(batch 1, continuous batching) on each row's first N tokens, then our third submodel, `chunked_prefill_model`, on each
+further N tokens (NxDI's model wrapper, get_model_output, KV cache manager reads, sampler; the chunk's attention is
+MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), then NxDI's token generation.
+
+- Chunked == one-shot NxDI prefill, logits and the latent cache's contents at every prompt position, for a prompt of
+  3.5 chunks, at TP=1 and at TP=2 (NxD's parallel layers over gloo; rank 0's cache).
+- Two ragged prompts, each longer than 2.5 chunks, then >= 6 teacher-forced decode steps each, at TP=1 and TP=2:
+  == the one-shot NxDI run and the core CPU runner, within 1e-4 of the largest |logit|.
+- `generate --backend nxdi-cpu --prefill-chunk N` at TP=1 and TP=2 (NxDI's adapter and on-device sampler): the core
+  runner's greedy tokens.
+- `trace-cpu --submodel chunk` traces one clean graph at TP=1 (tiny shapes).
+- The config: the three submodels' shapes, the chunk kept through NxDI's save/load, async_mode refused in one line
+  (its path bypasses the driver). The contract's refusals (N not dividing seq_len, another --max-context-length,
+  N % 128 on shard-on-block) are test/unit/test_contract.py's, trace-cpu's chunk without --prefill-chunk
+  test/unit/test_cli.py's.
+Not covered: the trn2 graph (neuronx-cc, NKI kernels), a sequence-sharded cache (the chunk masks are the G=1 case).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from nxdi_support import rel_err
+
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.runtime.runner import CpuRunner
+
+N = 8
+PROMPT = [(37 * i + 11) % 500 + 5 for i in range(28)]  # 3.5 chunks
+RAGGED = [[(13 * i + 7) % 500 + 3 for i in range(30)], [(29 * i + 1) % 500 + 9 for i in range(28)]]
+RAGGED_PREFILL = [23, 21]  # > 2.5 chunks each, then 7 decode steps each
+
+pytestmark = pytest.mark.fp8_selective_cpu
+
+
+@pytest.fixture(scope="module")
+def ckpt(converted):
+    return str(converted[("fp8", "fp8-blockwise")])
+
+
+def prefill_job(rank, o, rows, prefill):
+    """Teacher-forced logits, then the cache NxDI shares between its submodels (K of each layer), and the number of
+    chunk-submodel calls."""
+    app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
+    calls = []
+    chunk = getattr(app, "chunked_prefill_model", None)
+    if chunk is not None:
+        chunk.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    logits = backend.teacher_forced_logits(app, rows, prefill)
+    cache = app.token_generation_model.model.kv_mgr.past_key_values
+    return logits, [p.detach().clone() for p in cache[0::2]], len(calls)
+
+
+def run(ckpt, rows, prefill=None, tp=1, chunk=N):
+    o = backend.CpuOptions(model=ckpt, tp=tp, prefill_chunk=chunk)
+    return backend.run(backend.prepare(o, max(map(len, rows)), len(rows)), prefill_job, rows, prefill)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_chunked_prefill_equals_one_shot_logits_and_cache(ckpt, tp):
+    got, got_cache, calls = run(ckpt, [PROMPT], tp=tp)
+    want, want_cache, none = run(ckpt, [PROMPT], tp=tp, chunk=None)
+    assert (calls, none) == (3, 0)  # chunks 1-3 through the chunk submodel, chunk 0 through the CTE
+    assert rel_err(got[0], want[0]) < 1e-4
+    length = len(PROMPT)
+    assert got_cache[0].shape[2] == 32 and want_cache[0].shape[2] == length  # seq_len: a whole number of chunks
+    for layer, (g, w) in enumerate(zip(got_cache, want_cache)):
+        assert rel_err(g[:, :, :length], w[:, :, :length]) < 1e-5, f"layer {layer}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ragged_chunked_prefill_then_decode_equals_one_shot_and_the_core(ckpt, converted, tp):
+    assert all(p > 2.5 * N and len(r) - p >= 6 for r, p in zip(RAGGED, RAGGED_PREFILL))
+    got, _, calls = run(ckpt, RAGGED, RAGGED_PREFILL, tp=tp)
+    want, _, _ = run(ckpt, RAGGED, RAGGED_PREFILL, tp=tp, chunk=None)
+    assert calls == 2 + 2  # rows of 23 and 21 prompt tokens: 2 chunks after the CTE's each
+    runner = CpuRunner(converted[("fp8", "fp8-blockwise")])
+    for r, (row, k) in enumerate(zip(RAGGED, RAGGED_PREFILL)):
+        core = runner.logits([row], k)[0]
+        assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r} vs one-shot NxDI"
+        assert rel_err(got[r, :len(row)], core) < 1e-4, f"row {r} vs the core runner"
+    assert torch.isnan(got[1, len(RAGGED[1]):]).all()
+
+
+def _cli(args, env):
+    return subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *args], capture_output=True, text=True,
+                          env=env, timeout=900)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_generate_with_chunks_equals_the_core_runners_greedy_tokens(ckpt, env, tp):
+    ids = ";".join(",".join(map(str, r)) for r in RAGGED)
+    args = ["generate", "--model", ckpt, "--input-ids", ids, "--max-new-tokens", "6", "--json"]
+    nxdi = _cli(args + ["--backend", "nxdi-cpu", "--prefill-chunk", str(N), "--tp", str(tp)], env)
+    assert nxdi.returncode == 0, nxdi.stderr[-3000:]
+    assert "chunked_prefill_model" in nxdi.stderr  # the MoE paths report names the submodel that ran
+    runner = CpuRunner(ckpt)
+    stops = set(runner.cfg.eos_token_ids)
+    want = [runner.generate([row], 6, stop_ids=stops).tokens[0] for row in RAGGED]
+    assert json.loads(nxdi.stdout)["tokens"] == want
+
+
+def test_trace_cpu_traces_the_chunk_graph_clean(ckpt, env):
+    r = _cli(["trace-cpu", "--model", ckpt, "--submodel", "chunk", "--prefill-chunk", "4", "--seq-len", "16",
+              "--json"], {**env, "PJRT_DEVICE": "CPU"})
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["clean"], r.stdout + r.stderr[-3000:]
+    assert report["submodel"] == "chunk" and report["host_syncs"] == 0 and not report["aten_fallbacks"]
+    assert report["argmax_equal"]
+
+
+def test_async_mode_is_refused_with_chunks(ckpt):
+    o = backend.prepare(backend.CpuOptions(model=ckpt, prefill_chunk=N), 32, 1)
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
+
+    opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
+                                 moe_prefill="torch", prefill_chunk=N, extra={"on_cpu": True, "async_mode": True})
+    with pytest.raises(KimiInputError) as info:
+        KimiK2InferenceConfig.for_serving(o.config, opts)
+    assert "\n" not in str(info.value) and "prefill_chunk=8: async_mode=True" in str(info.value)
+
+
+def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
+    o = backend.prepare(backend.CpuOptions(model=ckpt, prefill_chunk=N), 32, 2)
+    app = backend.application(o, 32, 2)
+    assert [m.tag for m in app.models][-1] == "chunked_prefill_model"
+    chunk_nc = app.chunked_prefill_model.neuron_config
+    assert (chunk_nc.batch_size, chunk_nc.n_active_tokens, chunk_nc.buckets, chunk_nc.is_prefill_stage) == (1, N, [32],
+                                                                                                          True)
+    cte_nc = app.context_encoding_model.neuron_config
+    assert (cte_nc.batch_size, cte_nc.max_context_length, cte_nc.buckets) == (1, N, [N])
+    app.config.save(str(tmp_path))
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
+
+    assert KimiK2InferenceConfig.load(str(tmp_path)).prefill_chunk == N
