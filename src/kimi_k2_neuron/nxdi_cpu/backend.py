@@ -71,7 +71,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
         moe_prefill=prefill_mode(o.config, o, seq_len * prefill_rows(o, batch)),
-        continuous_batching=o.continuous_batching,
+        continuous_batching=o.continuous_batching, layout=o.layout,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))

@@ -23,9 +23,16 @@ class CpuOptions:
     # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
     continuous_batching: bool = False
+    # --shard-attn-a, --shard-router (contract.LayoutOptions)
+    shard_attn_a: bool = False
+    shard_router: bool = False
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
+
+    @property
+    def layout(self) -> contract.LayoutOptions:
+        return contract.LayoutOptions(shard_attn_a=self.shard_attn_a, shard_router=self.shard_router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,7 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     cfg = check_layout(o)
     rows = prefill_rows(o, batch)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
-                                   prefill_mode(cfg, o, seq_len * rows), prefill_rows=rows)
+                                   prefill_mode(cfg, o, seq_len * rows), o.layout, prefill_rows=rows)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
