@@ -23,6 +23,7 @@ import pytest
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from nxdi_support import REPO, rel_err
+from safetensors.torch import load_file
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
@@ -220,3 +221,41 @@ def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "error: --shard-router --tp 4: config.json field n_routed_experts=6 is not divisible by 4"), bad.stderr[-2000:]
+
+
+# -- NxD's pre-sharding (what compile() writes for trn2) ------------------------------------------------------------
+
+# ModelBuilder refuses a torch_neuronx without __version__ (model_builder.py:461); as test_backend.py's PRESHARD.
+PRESHARD = """
+import sys, torch_neuronx
+if not hasattr(torch_neuronx, "__version__"):
+    torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
+from kimi_k2_neuron.nxdi_cpu import backend
+backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2]), shard_attn_a=True, shard_router=True),
+                 sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+"""
+
+
+def test_presharded_ranks_hold_their_slices_and_give_the_replicated_logits(converted, replicated, tmp_path):
+    """NxD's ModelBuilder shard_checkpoint writes each rank's rows of the fused and router tensors into its file; each
+    rank then loads its own file strictly, at TP=2 with both options."""
+    tp, ckpt = 2, converted[("fp8", SCHEME)]
+    r = subprocess.run([sys.executable, "-c", PRESHARD, str(ckpt), str(tp), str(tmp_path), str(max(map(len, ROWS))),
+                        str(len(ROWS))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg, tensors = KimiK2Config.from_file(ckpt), mmap_checkpoint(ckpt)
+    moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    for rank in range(tp):
+        ranked = load_file(str(tmp_path / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"))
+        assert not any(f".{n}." in k for k in ranked for n in layout.ATTENTION_A)
+        fused = ranked[layout.fused_attention_a_key(moe)]
+        full = torch.cat([tensors[f"model.{k}"] for k in layout.attention_a_keys(moe)])
+        assert fused.shape == (136, 192) and torch.equal(fused, full[rank * 136:(rank + 1) * 136].to(fused.dtype))
+        router = ranked[layout.router_weight_key(moe, linear=True)]
+        assert router.shape == (4, 192) and router.dtype == torch.float32
+        assert torch.equal(router, tensors[f"model.layers.{moe}.mlp.gate.weight"][rank * 4:(rank + 1) * 4])
+    o = backend.CpuOptions(model=str(ckpt), tp=tp, shard_attn_a=True, shard_router=True,
+                           presharded=str(tmp_path / "weights"))
+    got, _ = backend.logits(o, ROWS, PREFILL)
+    for r, row in enumerate(ROWS):
+        assert rel_err(got[r, :len(row)], replicated["logits"][r, :len(row)]) < 1e-4, f"row {r}"

@@ -228,7 +228,7 @@ class NxDRouter(NoAuxTcRouter):
     With shard_router its float32 weight is a gathered column-parallel linear: each rank computes its experts' logits
     and every rank selects from the same gathered float32 [T, E]."""
 
-    def __init__(self, cfg: KimiK2Config, ctx: NxDParallelContext):
+    def __init__(self, cfg: KimiK2Config, ctx: ParallelContext = SINGLE):
         super().__init__(cfg, ctx)
         self.num_experts, self.hidden_size = cfg.n_routed_experts, cfg.hidden_size
         self.sequence_parallel_enabled, self.sequence_dimension = False, None
@@ -237,7 +237,7 @@ class NxDRouter(NoAuxTcRouter):
         if not ctx.shard_router:
             return super()._init_logits(cfg, SINGLE)  # a replicated float32 weight, whole on every rank
         self.ctx, self.shard_dim = ctx, None
-        # named as NxD's own router names its linear (NXDI_CONTRACT.md: expert-names)
+        # float32, unquantized, named as NxD's own router names its linear (NXDI_CONTRACT.md: router-linear)
         setattr(self, formats_layout.ROUTER_LINEAR, ctx.gathered(cfg.hidden_size, cfg.n_routed_experts, torch.float32))
 
     def logits(self, x):
