@@ -5,9 +5,13 @@
   gives rank r rows [r n / tp, (r + 1) n / tp) of the fused [q_lora_rank + latent, hidden].
 - --shard-router: the float32 router weight as a gathered ColumnParallelLinear in NxDRouter, E / tp experts' rows per
   rank; the gathered float32 logits feed the same selection on every rank.
-- Both: the logits at TP=2 and TP=4 equal the replicated TP=1 run's (float32, 1e-4 of max |logit|), and the expert
-  indices NxD's MoE hands ExpertMLPsV2 (recorded by forward pre-hooks on the real module, nothing patched) are
-  identical on every rank and equal, per token, to the replicated run's.
+- Each and both: the logits at TP=2 and TP=4 equal the replicated TP=1 run's (float32, 1e-4 of max |logit|), and
+  the expert indices NxD's MoE hands ExpertMLPsV2 (recorded by forward pre-hooks on the real module, nothing
+  patched) are identical on every rank and equal, per token, to the replicated run's. Each rank's slices are read
+  from the model's state dict after NxD's get_sharded_checkpoint, and from the files NxD's ModelBuilder pre-shards
+  (what compile() writes for trn2), which the ranks then load.
+- The options: an InferenceConfig attribute through NxDI's save/load; uneven splits refused in one line; the dry run
+  of compile_and_save.py prints them beside the NeuronConfig.
 Tiny shapes (hidden 192, q_lora_rank 160, latent 96 + 16, 8 experts): 272 / tp fused rows, 8 / tp router rows. At
 Kimi-K2's (hidden 7168, q_lora_rank 1536, latent 512 + 64, 384 experts) and TP=64 that is 2112 / 64 = 33 and
 384 / 64 = 6 rows of 7168 per rank (derived from config.json, not run here).
@@ -187,6 +191,19 @@ def test_uneven_splits_and_unbuilt_layouts_are_refused_in_one_line(converted, tm
     _one_line(lambda: KimiK2InferenceConfig.load(str(tmp_path)),
               f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among ['kv_group', "
               f"'prefill_chunk', 'shard_attn_a', 'shard_router'], got {{'shard_heads': True}}")
+
+
+def test_vllm_neuron_is_not_served_artifacts_compiled_with_the_options(converted, tmp_path):
+    """vllm-neuron builds the model from its own request, which carries no layout: artifacts compiled with one would
+    load into a replicated model; refused before it loads them (compile_and_save.py --for-vllm refuses the flags)."""
+    from kimi_k2_neuron.neuron.modeling import _check_compiled
+
+    cfg = KimiK2Config.from_file(converted[("fp8", SCHEME)])
+    KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2, shard_router=True)).save(str(tmp_path))
+    request = contract.ServingRequest(tp=2, batch=1, seq_len=16, context_length=16, dtype=torch.bfloat16)
+    with pytest.raises(KimiInputError, match="a layout vllm-neuron's request cannot carry") as e:
+        _check_compiled(str(tmp_path), request, KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2)))
+    assert "\n" not in str(e.value) and "'shard_router': True" in str(e.value)
 
 
 def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):

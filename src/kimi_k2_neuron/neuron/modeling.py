@@ -32,13 +32,13 @@ from torch import nn  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError, listing  # noqa: E402
+from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
 from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
 from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
-from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_sharding  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
@@ -144,8 +144,9 @@ def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2Infer
     except Exception as e:  # noqa: BLE001 -- anything NxDI raises on a foreign neuron_config.json
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
     bad = contract.compiled_mismatches(r, compiled.neuron_config)
-    if contract.layout_of(compiled) != contract.LayoutOptions():
-        bad.append(f"compiled with {contract.layout_of(compiled)}, which vllm-neuron's request cannot carry")
+    if contract.layout_of(compiled) != contract.LayoutOptions():  # compile_and_save.py refuses it with --for-vllm
+        bad.append(f"compiled with {contract.LAYOUT_KEY}={getattr(compiled, contract.LAYOUT_KEY)}, a layout "
+                   f"vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
         bad.append(f"compiled from another conversion than {config.neuron_config.quantized_checkpoints_path or ''}"
                    f" (its config.json's {CONVERSION_KEY} differs)")
@@ -176,7 +177,7 @@ class NxDParallelContext(ParallelContext):
 
     def attention_a(self, hidden, q_lora_rank, latent_dim, dtype):
         """--shard-attn-a: q_a_proj | kv_a_proj_with_mqa as one gathered layer, one all-gather per layer; the
-        state dict fuses the two weights (contract.to_neuron_state_dict)."""
+        state dict fuses the two weights (contract.for_layout)."""
         if not self.shard_attn_a:
             return super().attention_a(hidden, q_lora_rank, latent_dim, dtype)
         return {formats_layout.FUSED_ATTENTION_A: self.gathered(hidden, q_lora_rank + latent_dim, dtype)}
