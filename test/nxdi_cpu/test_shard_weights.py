@@ -136,6 +136,26 @@ def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted
         assert tag == tag1 and torch.equal(ids.sort(-1).values, ids1.sort(-1).values), tag
 
 
+def test_in_bfloat16_the_router_linear_stays_float32(converted, replicated):
+    """As on trn2 (bf16 at TP=1 here: gloo has no bf16): the gathered router linear keeps its float32 weight
+    (cast_type "as-declared") and takes the bf16 hidden state cast up; the fused q_a|kv_a layer is bf16. A sanity
+    bound against the float32 run, not parity (a near-tie routing decision may flip in bf16, as test_backend's)."""
+    o = backend.CpuOptions(model=str(converted[("fp8", SCHEME)]), dtype="bfloat16", shard_attn_a=True,
+                           shard_router=True)
+    app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
+    for wrapper in app.models:
+        state = wrapper.model.state_dict()
+        routers = [v for k, v in state.items() if k.endswith(f".{layout.ROUTER_LINEAR}.weight")]
+        fused = [v for k, v in state.items() if f".{layout.FUSED_ATTENTION_A}." in k]
+        assert routers and all(v.dtype == torch.float32 for v in routers), wrapper.tag
+        assert fused and all(v.dtype == torch.bfloat16 for v in fused), wrapper.tag
+    got = backend.teacher_forced_logits(app, ROWS, PREFILL)
+    for r, row in enumerate(ROWS):
+        ours, want = got[r, :len(row)], replicated["logits"][r, :len(row)]
+        assert (ours - want).abs().median() / want.abs().max() < 2e-2
+        assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
 # -- the options in the config, and their refusals ---------------------------------------------------------------------
 
 def _tiny_options(cfg, tp, **lay):
