@@ -311,9 +311,13 @@ class Checker:
         router_names, _, _ = self.accepted("neuronx_distributed.modules.moe.moe_configs", "RouterConfig")
         # each expert scheme a converted checkpoint may hold, and bf16 (no record)
         schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
-        for scheme, ep in [(s, 1) for s in schemes] + [(schemes[1], 16)]:
-            experts = scheme.name
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt")
+        # and with the sharded weights (--shard-attn-a --shard-router), whose layout is no NeuronConfig field
+        sharded = contract.LayoutOptions(shard_attn_a=True, shard_router=True)
+        plain = contract.LayoutOptions()
+        cases = [(s, 1, plain) for s in schemes] + [(schemes[1], 16, plain), (schemes[1], 1, sharded)]
+        for scheme, ep, layout in cases:
+            experts = scheme.name + (" sharded weights" if layout != plain else "")
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt", layout=layout)
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
                 if key in names or key in popped:

@@ -4,8 +4,9 @@ The folder gets NxDI's model.pt (context-encoding and token-generation NEFFs), n
 weights/tp{rank}_sharded_checkpoint.safetensors per rank, and kimi_k2_neuron.json (the checkpoint and options).
 The configuration is checked against the fit planner first and refused if it does not fit, unless --force, and so is
 the host: free disk in --out for the pre-sharded weights, and host RAM for NxDI's load(), which reads every rank's
-file whole. --dry-run prints the NeuronConfig it would compile, the MoE path of each submodel and the planner's
-verdict as JSON, and touches nothing (it needs NxDI importable, not the Neuron compiler).
+file whole. --dry-run prints the NeuronConfig it would compile and the weight layout saved beside it
+(--shard-attn-a, --shard-router), the MoE path of each submodel and the planner's verdict as JSON, and touches
+nothing (it needs NxDI importable, not the Neuron compiler).
 A raw HF checkpoint is first converted, once, into a sibling folder <model>-neuron-<experts> (kimi_k2_neuron.convert;
 an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
 taken is printed at the end).
@@ -32,7 +33,7 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import add_weight_sharding_args, check_out_dir, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.interrupts import run_command
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
     p.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                    help="how prefill runs the routed experts: " + moe_paths.modes_help())
+    add_weight_sharding_args(p)
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
                         "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
         # The planner applies the shell's compile rules (contract.check_compile_options) before the SDK is imported
         # or a raw checkpoint converted.
         p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, scheme, kv_slots=1,
-                 context_len=args.max_context_length, moe_prefill=args.moe_prefill)
+                 context_len=args.max_context_length, moe_prefill=args.moe_prefill, layout=_layout(args))
         if args.dry_run:
             return _dry_run(args, cfg, record, scheme, p)
         print(p.summary())
@@ -149,6 +151,16 @@ def check_for_vllm(args) -> None:
         if given:
             raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
                                  f"one call and samples on the device)")
+    for flag, given in (("--shard-attn-a", args.shard_attn_a), ("--shard-router", args.shard_router)):
+        if given:
+            raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron builds the model from its own request, "
+                                 f"which carries no weight layout)")
+
+
+def _layout(args):
+    from kimi_k2_neuron.neuron.contract import LayoutOptions
+
+    return LayoutOptions(shard_attn_a=args.shard_attn_a, shard_router=args.shard_router)
 
 
 def _options(args, scheme, checkpoint):
@@ -158,13 +170,14 @@ def _options(args, scheme, checkpoint):
         tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
         batch=args.batch, scheme=scheme, checkpoint=str(Path(checkpoint).resolve()),
         on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
-        output_logits=args.output_logits, moe_prefill=args.moe_prefill,
+        output_logits=args.output_logits, moe_prefill=args.moe_prefill, layout=_layout(args),
         continuous_batching=args.for_vllm and args.batch > 1)  # as vllm-neuron asks when --max-num-seqs > 1
 
 
 def _dry_run(args, cfg, record, scheme, p) -> int:
-    """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, the MoE path of each
-    submodel and the plan, as JSON on stdout. A raw checkpoint is planned as `convert` would write it."""
+    """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, with the weight layout saved
+    beside it there, the MoE path of each submodel and the plan, as JSON on stdout. A raw checkpoint is planned as
+    `convert` would write it."""
     try:
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron import moe_paths
@@ -182,8 +195,11 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
     decode = moe_paths.call_path(args.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
                                  moe_paths.MODES[args.moe_prefill].block_size, decode=True)
+    from kimi_k2_neuron.neuron.contract import LAYOUT_KEY
+
+    saved = json.loads(config.to_json_string())
     report = {
-        "neuron_config": json.loads(config.to_json_string())["neuron_config"],
+        "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY],
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       "token_generation": {"tokens": args.batch, "path": decode}},

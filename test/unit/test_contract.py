@@ -256,19 +256,23 @@ def test_prefill_rules_count_one_sequence_under_continuous_batching():
         contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=2, seq_len=576, continuous_batching=True))
 
 
+def chunk(n: int) -> "contract.LayoutOptions":
+    return contract.LayoutOptions(prefill_chunk=n)
+
+
 def test_a_prefill_chunk_makes_the_cte_one_row_of_the_chunk():
     """--prefill-chunk N: the CTE bucket is N, one row a call, written into its seq_id's line; decode keeps batch B."""
-    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=4, seq_len=4096, prefill_chunk=1024))
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=4, seq_len=4096, layout=chunk(1024)))
     assert (kw["max_context_length"], kw["ctx_batch_size"], kw["is_continuous_batching"]) == (1024, 1, True)
     assert (kw["seq_len"], kw["tkg_batch_size"], kw["kv_cache_batch_size"]) == (4096, 4, 4)
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(seq_len=4096, prefill_chunk=1000), "--prefill-chunk 1000: must divide --seq-len 4096"),
-    (dict(seq_len=4096, prefill_chunk=1024, max_context_length=2048),
+    (dict(seq_len=4096, layout=chunk(1000)), "--prefill-chunk 1000: must divide --seq-len 4096"),
+    (dict(seq_len=4096, layout=chunk(1024), max_context_length=2048),
      "--max-context-length 2048: with --prefill-chunk 1024 the prefill bucket is the chunk"),
     # shard-on-block, the default mode at these shapes: the kernel's 128-row output tiles, counted per chunk call
-    (dict(seq_len=1536, prefill_chunk=192), "a prefill of 192 tokens"),
+    (dict(seq_len=1536, layout=chunk(192)), "a prefill of 192 tokens"),
 ])
 def test_what_a_prefill_chunk_cannot_run_is_refused_in_one_line(over, needle, one_line_error):
     one_line_error(lambda: contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, **over)), needle)
@@ -449,6 +453,76 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     with pytest.raises(KimiInputError, match="down_proj.scale has shape"):
         contract.to_neuron_state_dict(bad_scale, cfg, nc)
 
+
+
+BOTH = contract.LayoutOptions(shard_attn_a=True, shard_router=True)
+
+
+@pytest.mark.parametrize("options", [contract.LayoutOptions(shard_attn_a=True), contract.LayoutOptions(
+    shard_router=True), BOTH], ids=["attn-a", "router", "both"])
+def test_for_layout_gives_the_sharded_layers_their_tensors(options):
+    """q_a_proj rows then kv_a_proj_with_mqa rows in the fused tensor (the order the core splits it in), the router
+    weight unchanged under its linear; nothing else moves, and the keys and shapes are layout.neuron_tensors'."""
+    cfg = tiny_cfg()
+    nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
+    tensors = _converted_tensors(cfg)
+    plain = contract.to_neuron_state_dict(tensors, cfg, nc)
+    state = contract.for_layout(dict(plain), cfg, options)
+    assert set(state) == contract.expected_keys(cfg, PER_CHANNEL, options) | {"rank_util.rank"}
+    want = layout.neuron_tensors(cfg, PER_CHANNEL, options.shard_attn_a, options.shard_router)
+    assert all(tuple(state[k].shape) == shape for k, (_, shape) in want.items())
+    L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    fused = state.get(f"layers.{L}.self_attn.q_kv_a_proj.weight")
+    q_a, kv_a = (tensors[f"model.layers.{L}.self_attn.{n}.weight"] for n in ("q_a_proj", "kv_a_proj_with_mqa"))
+    if options.shard_attn_a:
+        assert fused.dtype == torch.bfloat16 and fused.shape == (cfg.q_lora_rank + cfg.latent_dim, cfg.hidden_size)
+        assert torch.equal(fused[:cfg.q_lora_rank], q_a) and torch.equal(fused[cfg.q_lora_rank:], kv_a)
+    else:
+        assert fused is None and torch.equal(state[f"layers.{L}.self_attn.q_a_proj.weight"], q_a)
+    router = state[f"layers.{L}.mlp.router.{'linear_router.' if options.shard_router else ''}weight"]
+    assert router.dtype == torch.float32 and torch.equal(router, tensors[f"model.layers.{L}.mlp.gate.weight"])
+    assert torch.equal(state[f"layers.{L}.mlp.router.e_score_correction_bias"],
+                       tensors[f"model.layers.{L}.mlp.gate.e_score_correction_bias"])
+    untouched = {k for k in plain if "q_a_proj" not in k and "kv_a_proj" not in k and "router.weight" not in k}
+    assert all(state[k] is plain[k] for k in untouched)
+
+
+def test_the_router_linear_is_kept_out_of_quantization_with_shard_router():
+    """NxD's quantize.convert would swap the router's ColumnParallelLinear for a quantized one (quantize.py:122-123);
+    the entry matches no expert path."""
+    cfg = kimi_cfg()
+    L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    router, experts = f"layers.{L}.mlp.router.{layout.ROUTER_LINEAR}", f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj"
+    for options, kept in ((contract.LayoutOptions(), False), (BOTH, True)):
+        skip = contract.modules_to_not_convert(cfg, options)
+        assert any(key in router for key in skip) is kept
+        assert not any(key in experts for key in skip)
+    kw = contract.neuron_config_kwargs(cfg, per_channel(tp=64, layout=BOTH))
+    assert kw["modules_to_not_convert"] == contract.modules_to_not_convert(cfg, BOTH)
+
+
+def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_line_error):
+    import json
+
+    attr = json.loads(json.dumps(contract.layout_attribute(BOTH)))  # as NxDI saves and loads it
+    assert contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: attr})) == BOTH
+    assert contract.layout_of(SimpleNamespace()) == contract.LayoutOptions()
+    one_line_error(lambda: contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: {"shard_heads": True}})),
+                   f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among")
+
+
+@pytest.mark.parametrize("options,message", [
+    (contract.LayoutOptions(shard_router=True), "--shard-router --tp 4: config.json field n_routed_experts=6 is not "
+                                                "divisible by 4"),
+    (contract.LayoutOptions(shard_attn_a=True), "--shard-attn-a --tp 4: config.json field q_lora_rank=162 is not "
+                                                "divisible by 4"),
+    (contract.LayoutOptions(kv_group=4), "--kv-shard sequence: the NxDI shell does not build it yet"),
+])
+def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, options, message):
+    """Uneven splits (NxD would pad the layer), and the layout part the shell does not build yet."""
+    cfg = tiny_cfg(n_routed_experts=6, q_lora_rank=162)
+    o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
+    one_line_error(lambda: contract.neuron_config_kwargs(cfg, o), message)
 
 
 # -- the contract document ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
 from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
 from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test/data/configs"
@@ -84,13 +85,27 @@ def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path
     assert r.stderr.startswith("error: kimi_k2_neuron.neuron needs the AWS Neuron SDK"), r.stderr
 
 
-@pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"]],
-                         ids=["output-logits", "no-on-device-sampling", "max-context-length"])
+@pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"],
+                                   ["--shard-attn-a"], ["--shard-router"]],
+                         ids=["output-logits", "no-on-device-sampling", "max-context-length", "shard-attn-a",
+                              "shard-router"])
 def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny_dirs, tmp_path, one_line_error, flags):
-    """vllm-neuron prefills up to --max-model-len in one call and samples on the device: refused before anything."""
+    """vllm-neuron prefills up to --max-model-len in one call and samples on the device, and builds the model from its
+    own request, which carries no weight layout: refused before anything."""
     r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "32",
                  "--moe-prefill", "torch", "--for-vllm", *flags)
     one_line_error.exit(r.returncode, r.stderr, flags[0], "not with --for-vllm")
+
+
+@pytest.mark.parametrize("flag,field", [("--shard-router", "n_routed_experts=6"),
+                                        ("--shard-attn-a", "q_lora_rank=162")])
+def test_compile_refuses_an_uneven_weight_split_before_anything(tmp_path, one_line_error, flag, field):
+    """NxD would pad the split layer, which neither the fused split nor the planner models (parallel.py)."""
+    name, value = field.split("=")
+    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict("fp8"), name: int(value)}))
+    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "4", "--moe-prefill", "torch", flag)
+    one_line_error.exit(r.returncode, r.stderr, f"{flag} --tp 4: config.json field {field} is not divisible by 4")
+    assert not (tmp_path / "c").exists() and not any(tmp_path.parent.glob(f"{tmp_path.name}-neuron-*"))
 
 
 def _compile_script(monkeypatch):

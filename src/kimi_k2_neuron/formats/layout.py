@@ -129,6 +129,35 @@ def module_key(key: str) -> str:
     return key.removeprefix("model.").replace("." + _ROUTER, ".mlp.router.")
 
 
-def neuron_tensors(cfg: KimiK2Config, scheme: ExpertScheme) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """What the Neuron model's loader must deliver: full tensors, which NxD shards per rank."""
-    return {module_key(k): v for k, v in converted_tensors(cfg, scheme).items()}
+# The Neuron shell's layers that exist under one serving option only (neuron.contract.LayoutOptions); the converted
+# checkpoint keeps its own names and the shell's state dict maps them (neuron/NXDI_CONTRACT.md: gathered-linear).
+ATTENTION_A = ("q_a_proj", "kv_a_proj_with_mqa")  # fused in this order (the core's split [q_lora_rank | latent])
+FUSED_ATTENTION_A = "q_kv_a_proj"  # --shard-attn-a: one column-parallel layer, one all-gather
+ROUTER_LINEAR = "linear_router"  # --shard-router: the router's column-parallel linear, named as NxD's own router's
+
+
+def attention_a_keys(layer: int) -> tuple[str, ...]:
+    return tuple(module_key(f"{layer_prefix(layer)}self_attn.{name}.weight") for name in ATTENTION_A)
+
+
+def fused_attention_a_key(layer: int) -> str:
+    return module_key(f"{layer_prefix(layer)}self_attn.{FUSED_ATTENTION_A}.weight")
+
+
+def router_weight_key(layer: int, linear: bool = False) -> str:
+    return module_key(f"{layer_prefix(layer)}{_ROUTER}{ROUTER_LINEAR + '.' if linear else ''}weight")
+
+
+def neuron_tensors(cfg: KimiK2Config, scheme: ExpertScheme, fuse_attention_a: bool = False,
+                   router_linear: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What the Neuron model's loader must deliver: full tensors, which NxD shards per rank. fuse_attention_a:
+    q_a_proj and kv_a_proj_with_mqa as one [q_lora_rank + latent, hidden] tensor; router_linear: the router weight
+    under its linear."""
+    out = {module_key(k): v for k, v in converted_tensors(cfg, scheme).items()}
+    for layer in range(cfg.num_hidden_layers):
+        if fuse_attention_a:
+            parts = [out.pop(k) for k in attention_a_keys(layer)]
+            out[fused_attention_a_key(layer)] = (parts[0][0], (sum(s[0] for _, s in parts), cfg.hidden_size))
+        if router_linear and cfg.is_moe_layer(layer):
+            out[router_weight_key(layer, linear=True)] = out.pop(router_weight_key(layer))
+    return out

@@ -13,6 +13,8 @@ import copy
 
 import torch
 
+from .contract import layout_of
+
 CHUNK_MODEL_TAG = "chunked_prefill_model"
 
 
@@ -86,7 +88,7 @@ def enable_chunked_prefill(app, **model_init_kwargs) -> None:
     config = copy.deepcopy(app.config)
     nc = config.neuron_config
     nc.batch_size = 1
-    nc.n_active_tokens = app.config.prefill_chunk
+    nc.n_active_tokens = layout_of(app.config).prefill_chunk
     nc.bucket_n_active_tokens = False
     nc.is_prefill_stage = True
     nc.sequence_parallel_enabled = False
@@ -128,14 +130,14 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
 
 def takes(app, input_ids, position_ids) -> bool:
     """A prefill wider than the chunk; anything else is NxDI's own dispatch."""
-    chunk = getattr(app.config, "prefill_chunk", None)
+    chunk = layout_of(app.config).prefill_chunk
     return bool(chunk) and input_ids.shape[-1] > chunk and app._is_prefill(position_ids)
 
 
 def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_params):
     """Row by row: the CTE on the first N tokens, then the chunk submodel; the KV shared after every call in CPU mode.
     -> (NxDI's outputs of a prefill: each row's last output, then the cache; is_run_on_neuron)."""
-    chunk = app.config.prefill_chunk
+    chunk = layout_of(app.config).prefill_chunk
     lengths = attention_mask.sum(-1).tolist()
     on_neuron = app.context_encoding_model.is_neuron()
     nc = app.neuron_config

@@ -5,6 +5,7 @@ Needs torch and the core, not the Neuron SDK. Each rule cites by name the NxDI/N
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -118,6 +119,33 @@ def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, lay
     check_weight_sharding(cfg, tp, layout.shard_attn_a, layout.shard_router)
 
 
+# The InferenceConfig attribute holding the layout, which survives NxDI's save and load where an unknown NeuronConfig
+# field would not (NXDI_CONTRACT.md: layout-attribute).
+LAYOUT_KEY = "kimi_k2_layout"
+
+
+def layout_attribute(layout: LayoutOptions) -> dict[str, Any]:
+    return dataclasses.asdict(layout)
+
+
+def layout_of(config) -> LayoutOptions:
+    """The LayoutOptions an InferenceConfig (or a reload of one) carries; none: the replicated default."""
+    value = getattr(config, LAYOUT_KEY, None)
+    if value is None:
+        return LayoutOptions()
+    names = {f.name for f in dataclasses.fields(LayoutOptions)}
+    if not isinstance(value, dict) or set(value) - names:
+        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}: expected an object with fields among "
+                             f"{sorted(names)}, got {value!r}")
+    return LayoutOptions(**value)
+
+
+def check_shell_layout(layout: LayoutOptions) -> None:
+    """What of the long-context layout the Neuron shell builds: the sharded weights and chunks, not yet the cache."""
+    if layout.sequence_sharded:
+        raise KimiInputError("--kv-shard sequence: the NxDI shell does not build it yet (the core backend does)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
@@ -140,23 +168,20 @@ class ServeOptions:
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
-    # tokens per prefill call: the CTE bucket, then the chunk submodel (neuron/chunked_prefill.py), one row a call
-    prefill_chunk: int | None = None
+    # the long-context layout; an InferenceConfig attribute (LAYOUT_KEY), not a NeuronConfig field. Its prefill_chunk
+    # is the CTE bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
+    layout: LayoutOptions = LayoutOptions()
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
     @property
     def context_length(self) -> int:
         if self.max_context_length is None:
-            return self.prefill_chunk or self.seq_len
+            return self.layout.prefill_chunk or self.seq_len
         return self.max_context_length
 
     @property
     def prefill_batch(self) -> int:
-        return 1 if self.continuous_batching or self.prefill_chunk else self.batch
-
-    @property
-    def layout(self) -> LayoutOptions:
-        return LayoutOptions(prefill_chunk=self.prefill_chunk)
+        return 1 if self.continuous_batching or self.layout.prefill_chunk else self.batch
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
@@ -185,7 +210,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
         # as NxDI's Qwen3-MoE: we all-gather in the embedding (NXDI_CONTRACT.md: numeric-cc-token)
         disable_numeric_cc_token=True,
     )
-    if o.continuous_batching or o.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
+    if o.continuous_batching or o.layout.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
         kw["is_continuous_batching"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
@@ -199,16 +224,18 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
                                                temperature=o.temperature, dynamic=True, global_topk=o.global_topk)
     if o.scheme.quantized:
         kw.update({k: v for k, v in o.scheme.nxd(cfg.moe_intermediate_size).items() if k in QUANT_FIELDS})
-        kw.update(quantized_checkpoints_path=o.checkpoint, modules_to_not_convert=modules_to_not_convert(cfg))
+        kw.update(quantized_checkpoints_path=o.checkpoint,
+                  modules_to_not_convert=modules_to_not_convert(cfg, o.layout))
     kw.update(o.extra)
     return kw
 
 
-def modules_to_not_convert(cfg: KimiK2Config) -> list[str]:
+def modules_to_not_convert(cfg: KimiK2Config, layout: LayoutOptions = LayoutOptions()) -> list[str]:
     """Every non-expert parallel linear: expert-wise per-channel raises on any other
-    (NXDI_CONTRACT.md: modules-to-not-convert)."""
+    (NXDI_CONTRACT.md: modules-to-not-convert); the router's with --shard-router (NXDI_CONTRACT.md: router-linear)."""
     dense = [f"layers.{i}.mlp." for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
-    return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense]
+    return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense,
+            *(["mlp.router"] if layout.shard_router else [])]
 
 
 # -- the parallel layout and the MoE prefill --------------------------------------------------------------------------
@@ -272,6 +299,7 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
+    check_shell_layout(o.layout)
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill, o.layout,
                           prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
@@ -535,15 +563,16 @@ def compiler_args(nxdi_args: str) -> str:
 
 # -- the checkpoint in the model's state dict -------------------------------------------------------------------------
 
-def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme) -> set[str]:
+def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme, options: LayoutOptions = LayoutOptions()) -> set[str]:
     """No spmd_rank tensor: NxD generates it (NXDI_CONTRACT.md: spmd-rank)."""
-    return set(layout.neuron_tensors(cfg, scheme))
+    return set(layout.neuron_tensors(cfg, scheme, options.shard_attn_a, options.shard_router))
 
 
 def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Config, nc,
                          where: str = "checkpoint") -> dict[str, torch.Tensor]:
     """Strict both ways, unlike NxD (NXDI_CONTRACT.md: sharding-not-strict); shapes and FP8 dtypes checked before NxD
-    shards or casts them (NXDI_CONTRACT.md: checkpoint-dtype-cast)."""
+    shards or casts them (NXDI_CONTRACT.md: checkpoint-dtype-cast). The replicated layout's keys: see
+    for_layout."""
     scheme = ExpertScheme.from_nxd(vars(nc))
     experts = scheme.name
     want = layout.neuron_tensors(cfg, scheme)
@@ -568,6 +597,18 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
         _check_tensor(out[name], name, dtype, shape, scheme.quantized, where, experts)
     out["rank_util.rank"] = torch.arange(nc.tp_degree, dtype=torch.int32)
     return out
+
+
+def for_layout(state: dict[str, torch.Tensor], cfg: KimiK2Config, options: LayoutOptions) -> dict[str, torch.Tensor]:
+    """to_neuron_state_dict's tensors in the layers the sharded weights build (NXDI_CONTRACT.md: gathered-linear):
+    q_a_proj | kv_a_proj_with_mqa concatenated by rows (bf16 both, unquantized: only the routed experts are FP8, so
+    there is no scale to fuse), the router weight under its linear. In place; the converted checkpoint is unchanged."""
+    for i in range(cfg.num_hidden_layers):
+        if options.shard_attn_a:
+            state[layout.fused_attention_a_key(i)] = torch.cat([state.pop(k) for k in layout.attention_a_keys(i)])
+        if options.shard_router and cfg.is_moe_layer(i):
+            state[layout.router_weight_key(i, linear=True)] = state.pop(layout.router_weight_key(i))
+    return state
 
 
 def _check_tensor(t: torch.Tensor, name: str, dtype, shape, fp8: bool, where: str, experts: str) -> None:

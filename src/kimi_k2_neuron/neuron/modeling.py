@@ -32,13 +32,14 @@ from torch import nn  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError, listing  # noqa: E402
+from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
 from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
 from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
-from kimi_k2_neuron.parallel import ParallelContext  # noqa: E402
+from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_sharding  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
 from . import chunked_prefill, contract  # noqa: E402
@@ -72,8 +73,8 @@ class KimiK2InferenceConfig(InferenceConfig):
 
     @classmethod
     def for_serving(cls, cfg: KimiK2Config, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
-        chunk = {"prefill_chunk": options.prefill_chunk} if options.prefill_chunk else {}  # saved, so reloaded
-        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)), **chunk)
+        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)),
+                             **{contract.LAYOUT_KEY: contract.layout_attribute(options.layout)})
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
@@ -107,7 +108,12 @@ class KimiK2InferenceConfig(InferenceConfig):
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
                                        getattr(self, "num_experts_per_tok", None))
-        contract.check_chunked_prefill(self.neuron_config, getattr(self, "prefill_chunk", None))
+        layout = contract.layout_of(self)  # a reload's too (NXDI_CONTRACT.md: config-construction)
+        contract.check_shell_layout(layout)
+        contract.check_chunked_prefill(self.neuron_config, layout.prefill_chunk)
+        if layout.shard_attn_a or layout.shard_router:
+            check_weight_sharding(self.core_config(), self.neuron_config.tp_degree, layout.shard_attn_a,
+                                  layout.shard_router)
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",
@@ -139,6 +145,9 @@ def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2Infer
     except Exception as e:  # noqa: BLE001 -- anything NxDI raises on a foreign neuron_config.json
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
     bad = contract.compiled_mismatches(r, compiled.neuron_config)
+    if contract.layout_of(compiled) != contract.LayoutOptions():  # compile_and_save.py refuses it with --for-vllm
+        bad.append(f"compiled with {contract.LAYOUT_KEY}={getattr(compiled, contract.LAYOUT_KEY)}, a layout "
+                   f"vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
         bad.append(f"compiled from another conversion than {config.neuron_config.quantized_checkpoints_path or ''}"
                    f" (its config.json's {CONVERSION_KEY} differs)")
@@ -162,6 +171,18 @@ class NxDParallelContext(ParallelContext):
         # q_a_proj / kv_a_proj_with_mqa: small and shared by all heads, so every rank holds them whole.
         return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
 
+    def gathered(self, in_features, out_features, dtype):
+        # out_features % tp == 0 is checked (check_weight_sharding), so NxD pads nothing (NXDI_CONTRACT.md:
+        # gathered-linear)
+        return ColumnParallelLinear(in_features, out_features, bias=False, gather_output=True, dtype=dtype)
+
+    def attention_a(self, hidden, q_lora_rank, latent_dim, dtype):
+        """--shard-attn-a: q_a_proj | kv_a_proj_with_mqa as one gathered layer, one all-gather per layer; the
+        state dict fuses the two weights (contract.for_layout)."""
+        if not self.shard_attn_a:
+            return super().attention_a(hidden, q_lora_rank, latent_dim, dtype)
+        return {formats_layout.FUSED_ATTENTION_A: self.gathered(hidden, q_lora_rank + latent_dim, dtype)}
+
     def column(self, in_features, out_features, dtype):
         return ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False, dtype=dtype)
 
@@ -177,7 +198,7 @@ class NxDParallelContext(ParallelContext):
         return ColumnParallelLinear(dim, vocab, bias=False, gather_output=self.gather_logits, dtype=dtype)
 
     def moe(self, cfg, dtype):
-        return build_moe(cfg, dtype, self.config)
+        return build_moe(cfg, dtype, self.config, self)
 
     # -- the KV group: fetched at each call, since under ModelBuilder it exists only inside initialize_kv_group's
     # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
@@ -205,12 +226,25 @@ class NxDParallelContext(ParallelContext):
 
 
 class NxDRouter(NoAuxTcRouter):
-    """-> (logits, final weights [T, E] in the hidden dtype, ids [T, k]) (NXDI_CONTRACT.md: router-contract)."""
+    """-> (logits, final weights [T, E] in the hidden dtype, ids [T, k]) (NXDI_CONTRACT.md: router-contract).
+    With shard_router its float32 weight is a gathered column-parallel linear: each rank computes its experts' logits
+    and every rank selects from the same gathered float32 [T, E]."""
 
-    def __init__(self, cfg: KimiK2Config):
-        super().__init__(cfg)
+    def __init__(self, cfg: KimiK2Config, ctx: ParallelContext = SINGLE):
+        super().__init__(cfg, ctx)
         self.num_experts, self.hidden_size = cfg.n_routed_experts, cfg.hidden_size
         self.sequence_parallel_enabled, self.sequence_dimension = False, None
+
+    def _init_logits(self, cfg, ctx):
+        if not ctx.shard_router:
+            return super()._init_logits(cfg, SINGLE)  # a replicated float32 weight, whole on every rank
+        self.ctx, self.shard_dim = ctx, None
+        # float32, unquantized, named as NxD's own router names its linear (NXDI_CONTRACT.md: router-linear)
+        setattr(self, formats_layout.ROUTER_LINEAR, ctx.gathered(cfg.hidden_size, cfg.n_routed_experts, torch.float32))
+
+    def logits(self, x):
+        linear = getattr(self, formats_layout.ROUTER_LINEAR, None)
+        return super().logits(x) if linear is None else linear(x.float())
 
     def forward(self, hidden_states: torch.Tensor):
         flat = hidden_states.reshape(-1, self.hidden_size)
@@ -220,7 +254,8 @@ class NxDRouter(NoAuxTcRouter):
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 
 
-def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig) -> NxDMoE:
+def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
+              ctx: NxDParallelContext) -> NxDMoE:
     """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
     (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
@@ -256,7 +291,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
         shared = SharedExperts(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
                                num_shared_experts=cfg.n_shared_experts, hidden_act="silu", dtype=dtype,
                                reduce_dtype=nc.rpl_reduce_dtype)
-    moe = NxDMoE(router=NxDRouter(cfg), expert_mlps=experts, shared_experts=shared,
+    moe = NxDMoE(router=NxDRouter(cfg, ctx), expert_mlps=experts, shared_experts=shared,
                  sequence_parallel_enabled=False, sequence_dimension=1)
     moe.eval()  # ExpertMLPsV2 takes its training path otherwise (NXDI_CONTRACT.md: moe-eval)
     return moe
@@ -344,8 +379,10 @@ class NeuronKimiK2Model(NeuronBaseModel):
         cfg, dtype = config.core_config(), config.neuron_config.torch_dtype
         # NXDI_CONTRACT.md: cpu-sampler
         gather = not self.on_device_sampling or config.neuron_config.on_cpu
+        layout = contract.layout_of(config)
         ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=gather,
-                                 reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config)
+                                 reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config,
+                                 shard_attn_a=layout.shard_attn_a, shard_router=layout.shard_router)
         self.embed_tokens = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryTable(cfg)
         self.layers = nn.ModuleList(KimiK2DecoderLayer(cfg, i, dtype, ctx, rotary)
@@ -397,11 +434,13 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
         """Renames for NxDI's default get_state_dict path, strict both ways (NXDI_CONTRACT.md: state-dict-prefix)."""
-        return contract.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
+        state = contract.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
+        return contract.for_layout(state, config.core_config(), contract.layout_of(config))
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
-        return load_neuron_state_dict(path, self.config)
+        state = load_neuron_state_dict(path, self.config)
+        return contract.for_layout(state, self.config.core_config(), contract.layout_of(self.config))
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
         """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""
@@ -427,7 +466,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
         _add_compiler_args(self.token_generation_model)
-        if getattr(self.config, "prefill_chunk", None):
+        if contract.layout_of(self.config).prefill_chunk:
             chunked_prefill.enable_chunked_prefill(self, **model_init_kwargs)
 
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):

@@ -123,7 +123,7 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
     # cache and the next step raises.
     # chunked (chunked_prefill.py), a prompt may fill the cache
-    longest = nc.seq_len if getattr(app.config, "prefill_chunk", None) else nc.max_context_length
+    longest = nc.seq_len if contract.layout_of(app.config).prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
     limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone

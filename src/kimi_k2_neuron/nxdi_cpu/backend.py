@@ -73,7 +73,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
         moe_prefill=prefill_mode(o.config, o, (o.prefill_chunk or seq_len) * prefill_rows(o, batch)),
-        continuous_batching=o.continuous_batching, prefill_chunk=o.prefill_chunk,
+        continuous_batching=o.continuous_batching, layout=o.layout,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
@@ -188,7 +188,7 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[in
         finally:
             for handle in handles:
                 handle.remove()
-        for r, h in enumerate(hidden_rows(calls, k, getattr(app.config, "prefill_chunk", None))):
+        for r, h in enumerate(hidden_rows(calls, k, contract.layout_of(app.config).prefill_chunk)):
             out[r, :k[r]] = cte.lm_head(h[None]).float()[0]
         picked = out[torch.arange(b), torch.tensor(k) - 1]
         if not torch.allclose(picked, last[:, -1], rtol=1e-4, atol=1e-4 * picked.abs().max().item()):

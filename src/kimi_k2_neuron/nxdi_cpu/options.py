@@ -24,9 +24,17 @@ class CpuOptions:
     moe_prefill: str | None = None
     continuous_batching: bool = False
     prefill_chunk: int | None = None  # tokens per prefill call (neuron/chunked_prefill.py); one row a call
+    # --shard-attn-a, --shard-router (contract.LayoutOptions)
+    shard_attn_a: bool = False
+    shard_router: bool = False
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
+
+    @property
+    def layout(self) -> contract.LayoutOptions:
+        return contract.LayoutOptions(prefill_chunk=self.prefill_chunk, shard_attn_a=self.shard_attn_a,
+                                      shard_router=self.shard_router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +84,7 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     rows, seq_len = prefill_rows(o, batch), padded_seq_len(o, seq_len)
     context = context_length(o, seq_len)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, context, batch,
-                                   prefill_mode(cfg, o, context * rows), contract.LayoutOptions(
-                                       prefill_chunk=o.prefill_chunk), prefill_rows=rows)
+                                   prefill_mode(cfg, o, context * rows), o.layout, prefill_rows=rows)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
