@@ -105,6 +105,10 @@ def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, lay
         if seq_len % g:
             raise KimiInputError(f"--seq-len {seq_len}: with --kv-shard sequence must be a multiple of --kv-group {g} "
                                  f"(NxDI's get_cache_size divides it; its cache manager would pad it silently)")
+        # rank r keeps prefill positions r, r + G, ...; a chunk's own rule below (NXDI_CONTRACT.md: fd-cte-filter)
+        if n is None and context_len % g:
+            raise KimiInputError(f"--max-context-length {context_len}: with --kv-shard sequence must be a multiple of "
+                                 f"--kv-group {g} (each rank writes every G-th position of a prefill)")
     if n is not None:
         if seq_len % n:
             raise KimiInputError(f"--prefill-chunk {n}: must divide --seq-len {seq_len} (the last chunk would write "
@@ -140,6 +144,9 @@ class ServeOptions:
     moe_prefill: str = moe_paths.DEFAULT_MODE  # how prefill runs the routed experts (moe_paths.MODES)
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
+    # --kv-shard sequence: G ranks split every sequence, position p on rank p % G (LayoutOptions.kv_group); None: every
+    # rank holds the whole cache
+    kv_group: int | None = None
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
     @property
@@ -179,6 +186,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     )
     if o.continuous_batching:
         kw["is_continuous_batching"] = True
+    if o.kv_group is not None:  # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+        kw["flash_decoding_enabled"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
     if o.ep > 1:
@@ -265,7 +274,7 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill,
-                          prefill_rows=o.prefill_batch)
+                          LayoutOptions(kv_group=o.kv_group), prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
     if o.scheme.quantized and not o.checkpoint:
         raise KimiInputError(f"--experts {o.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "
@@ -283,7 +292,6 @@ def check_top_k(top_k: int, global_topk: int = ServeOptions.global_topk) -> None
 # (attribute, allowed values, why)
 UNSUPPORTED = (
     ("sequence_parallel_enabled", (False,), "MLA attention here has no sequence-parallel path"),
-    ("flash_decoding_enabled", (False,), "the latent cache is not split across cores"),
     ("attention_dp_degree", (1,), "attention data parallel needs DataParallelKVCacheManager"),
     ("cp_degree", (1,), "context parallel attention is not implemented for MLA"),
     ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
@@ -314,8 +322,15 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None) -> None:
-    """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload)."""
+# The InferenceConfig attribute holding ServeOptions.kv_group: NxDI saves and reloads every config attribute, and
+# add_derived_config sets num_cores_per_group from it (NXDI_CONTRACT.md: fd-config).
+KV_GROUP_ATTR = "kimi_kv_group"
+
+
+def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None,
+                          kv_group: int | None = None) -> None:
+    """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload). kv_group:
+    the config's KV_GROUP_ATTR."""
     bad = [f"{name}={getattr(nc, name)!r} ({why})" for name, ok, why in UNSUPPORTED
            if hasattr(nc, name) and getattr(nc, name) not in ok]
     if getattr(nc, "capacity_factor", None) != MOE_SETTINGS["capacity_factor"]:
@@ -330,6 +345,7 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
     bad += _moe_ep_problems(nc, n_experts, top_k)
+    bad += _flash_decoding_problems(nc, kv_group)
     bmm = getattr(nc, "blockwise_matmul_config", None)
     if bmm is not None:
         _restore_block_sharding_strategy(bmm)
@@ -359,6 +375,28 @@ def _restore_block_sharding_strategy(bmm) -> None:
 def _blockwise_fields(bmm) -> dict:
     keys = {k for m in moe_paths.MODES.values() for k in m.blockwise}
     return {k: getattr(getattr(bmm, k, None), "name", getattr(bmm, k, None)) for k in sorted(keys)}
+
+
+def _flash_decoding_problems(nc, kv_group: int | None) -> list[str]:
+    """check_layout's rules for the sequence-sharded cache on any NeuronConfig (NXDI_CONTRACT.md: fd-config,
+    fd-cache-size, kv-group, fd-cte-filter)."""
+    fd = bool(getattr(nc, "flash_decoding_enabled", False))
+    if fd != (kv_group is not None):
+        return [f"flash_decoding_enabled={fd} with {KV_GROUP_ATTR}={kv_group} (the sequence-sharded latent cache "
+                f"needs both; --kv-shard sequence sets them)"]
+    if not fd:
+        return []
+    tp = getattr(nc, "tp_degree", None)
+    if isinstance(kv_group, bool) or not isinstance(kv_group, int) or kv_group < 1 or (tp and tp % kv_group):
+        return [f"{KV_GROUP_ATTR}={kv_group!r} (a KV group is G adjacent ranks: G must divide tp_degree={tp})"]
+    lengths = {"max_length": getattr(nc, "max_length", None), "max_context_length": getattr(nc, "max_context_length",
+                                                                                              None)}
+    for name in ("context_encoding_buckets", "token_generation_buckets"):
+        lengths |= {f"{name}[{i}]": b for i, b in enumerate(getattr(nc, name, None) or ())}
+    # get_cache_size divides each length by G (the manager pads max_length silently), and a context bucket's
+    # owned positions are every G-th (NXDI_CONTRACT.md: fd-cache-size, fd-cte-filter)
+    return [f"{name}={n} (not a multiple of {KV_GROUP_ATTR}={kv_group})" for name, n in lengths.items()
+            if isinstance(n, int) and n % kv_group]
 
 
 def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:

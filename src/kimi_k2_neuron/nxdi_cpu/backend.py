@@ -31,8 +31,8 @@ from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
-from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
-                                             check_request, prefill_mode, prefill_rows)
+from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, cache_length, check,  # noqa: E402,F401
+                                             check_layout, check_request, prefill_mode, prefill_rows)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -68,10 +68,11 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     """As compile_and_save builds it, nothing built yet. on_cpu False: NxDI's device sampler branches."""
     if o.config is None:
         o = prepare(o, seq_len, batch, sampling)
+    seq_len = cache_length(o, seq_len)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
         moe_prefill=prefill_mode(o.config, o, seq_len * prefill_rows(o, batch)),
-        continuous_batching=o.continuous_batching,
+        continuous_batching=o.continuous_batching, kv_group=o.kv_group,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
@@ -165,11 +166,13 @@ def padded_prefill(rows: list[list[int]], lengths: list[int]):
     return ids, mask, (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
-    """float32 logits [B, max row length, V]; NaN beyond a row's end. NxDI returns only the last prefill position's
+def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[int] | None = None) -> torch.Tensor:
+    """float32 logits [B, max row length, V]; NaN beyond a row's end. prefill_len: tokens each row prefills (one for
+    all or one per row; None: the whole row). NxDI returns only the last prefill position's
     (NXDI_CONTRACT.md: last-position-logits), so the rest come from a hook on the norm, checked against it."""
     b, longest = len(rows), max(len(r) for r in rows)
-    k = [len(r) if prefill_len is None else min(prefill_len, len(r)) for r in rows]
+    per_row = prefill_len if isinstance(prefill_len, list) else [prefill_len] * b
+    k = [len(r) if p is None else min(p, len(r)) for r, p in zip(rows, per_row)]
     out = torch.full((b, longest, app.config.vocab_size), float("nan"))
     cte = app.context_encoding_model.model
     captured = {}
@@ -253,7 +256,8 @@ def library_output_to_stderr():
         os.close(saved)
 
 
-def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
+def logits(o: CpuOptions, rows: list[list[int]],
+           prefill_len: int | list[int] | None = None) -> tuple[torch.Tensor, str]:
     return run(prepare(o, max(len(r) for r in rows), len(rows)), _logits_job, rows, prefill_len)
 
 

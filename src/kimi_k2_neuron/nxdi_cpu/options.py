@@ -23,6 +23,7 @@ class CpuOptions:
     # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
     continuous_batching: bool = False
+    kv_group: int | None = None  # --kv-shard sequence: contract.ServeOptions.kv_group
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -73,13 +74,22 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     """Everything config.json and the flags alone refuse; returns the config read."""
     cfg = check_layout(o)
     rows = prefill_rows(o, batch)
+    seq_len = cache_length(o, seq_len)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, seq_len, batch,
-                                   prefill_mode(cfg, o, seq_len * rows), prefill_rows=rows)
+                                   prefill_mode(cfg, o, seq_len * rows), contract.LayoutOptions(kv_group=o.kv_group),
+                                   prefill_rows=rows)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:
         contract.check_prompt_lengths([len(r) for r in prompts])
     return cfg
+
+
+def cache_length(o: CpuOptions, tokens: int) -> int:
+    """seq_len (and the one context bucket) for runs of up to `tokens` positions: rounded up to a multiple of the KV
+    group, which the sequence-sharded cache needs (contract.check_layout)."""
+    g = o.kv_group or 1
+    return -(-tokens // g) * g
 
 
 def prefill_rows(o: CpuOptions, batch: int) -> int:
