@@ -4,7 +4,8 @@ Given checkouts of neuronx-distributed-inference and neuronx-distributed (git di
 HEAD or --rev; or work trees), it parses our files with `ast` and the libraries' source with `ast` and checks:
 
 1. imports: every `from neuronx_distributed[_inference]... import X` in src/kimi_k2_neuron/neuron/, scripts/,
-   test/integration/ and contrib/ names a module that exists and an X defined there (or a submodule);
+   test/integration/ and contrib/ names a module that exists and an X defined there (or a submodule), and every
+   `X.name` used of an imported submodule X is defined in it;
 2. calls: keyword arguments we pass to an imported NxD/NxDI class or function exist in its signature (through
    the class's bases); when the signature takes **kwargs, in the `kwargs.pop("...")` names of the class chain;
 3. NeuronConfig: every key contract.neuron_config_kwargs produces (for each expert format), and the keys of its
@@ -271,6 +272,19 @@ class Checker:
                 for a in node.names:
                     if a.name in self.subclasses:
                         local[a.asname or a.name] = self.subclasses[a.name]
+        # names used through an imported library module (`mappings._reduce`, `parallel_state.initialize_kv_group`)
+        modules = {}
+        for alias, (mod, name) in local.items():
+            found = self.lookup(mod, name)
+            if found and found[0] == "module":
+                modules[alias] = found[1]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                module = modules[node.value.id]
+                if self.lookup(module, node.attr) is None:
+                    self.fail(f"{rel}:{node.lineno}: {module} defines no {node.attr}")
+                else:
+                    self.ok(f"use {module}.{node.attr}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in local:
                 mod, name = local[node.func.id]
@@ -310,7 +324,8 @@ class Checker:
         schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
         for scheme, ep in [(s, 1) for s in schemes] + [(schemes[1], 16)]:
             experts = scheme.name
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt")
+            # with the sequence-sharded cache: its kwargs are a superset
+            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt", kv_group=64)
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
                 if key in names or key in popped:
@@ -346,6 +361,10 @@ class Checker:
                         used.add(node.attr)
         for attr in sorted(used):
             (self.ok if attr in known else self.fail)(f"NeuronConfig attribute {attr}")
+        # InferenceConfig attributes NxDI reads that add_derived_config sets (`self.x`, NXDI_CONTRACT.md: fd-config).
+        inference = self.attrs_assigned(mod, "InferenceConfig")
+        for attr in ("num_cores_per_group",):
+            (self.ok if attr in inference else self.fail)(f"InferenceConfig attribute {attr}")
         # The ModelBuilder rank window NeuronKimiK2ForCausalLM.shard_weights narrows (`builder.x`).
         builder = self.attrs_assigned("neuronx_distributed.trace.model_builder", "ModelBuilder")
         for attr in sorted({n.attr for _, tree in trees for n in ast.walk(tree) if isinstance(n, ast.Attribute)

@@ -7,6 +7,7 @@ before any model is loaded wherever config.json alone can tell.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -57,7 +58,7 @@ def cmd_logits(a) -> int:
     if a.backend == NXDI_CPU:
         from .nxdi_cpu.options import check_request
 
-        o = cpu_options(a)
+        o = dataclasses.replace(cpu_options(a), kv_group=_layout(a).kv_group)
         check_request(o, max(len(r) for r in a.input_ids), len(a.input_ids))  # before NxD's import
         logits, paths = _nxdi_cpu().logits(o, a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
@@ -93,8 +94,7 @@ def _check_backend(a) -> None:
         if getattr(a, "prefill_len", None) == 0:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
-        for flag, given in (("--kv-shard sequence", getattr(a, "kv_shard", "none") == "sequence"),
-                            (f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None),
+        for flag, given in ((f"--prefill-chunk {a.prefill_chunk}", a.prefill_chunk is not None),
                             ("--shard-attn-a", getattr(a, "shard_attn_a", False)),
                             ("--shard-router", getattr(a, "shard_router", False))):
             if given:

@@ -12,6 +12,9 @@ The collectives are gloo's, not Neuron's; tracing is not covered here.
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.runtime.runner import CpuRunner
 
 # rows of 20 and 17 tokens prefilling 7 and 4, then 13 teacher-forced decode steps each (>= 3 x TP at TP=4)
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 33, 2, 90, 61, 400, 7, 12, 250, 19, 3],
@@ -78,3 +82,92 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
                 positions = torch.arange(k, len(row), g)
                 torch.testing.assert_close(kc[b, 0, :len(positions)], full[f"kv{2 * layer}"][b, 0, positions],
                                            rtol=1e-5, atol=1e-5 * full[f"kv{2 * layer}"].abs().max().item())
+
+
+def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
+    """`kimi-k2-neuron logits --backend nxdi-cpu --tp 2 --kv-shard sequence`, in a user's environment, against the
+    core runner (an independent implementation)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE")}
+    out = tmp_path / "l.safetensors"
+    ids = ";".join(",".join(map(str, r)) for r in ROWS)
+    r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--tp", "2",
+                        "--kv-shard", "sequence", "--model", ckpt, "--input-ids", ids, "--prefill-len", "7",
+                        "--out", str(out)], capture_output=True, text=True, env={**env, "KIMI_K2_NEURON_CACHE":
+                                                                                  str(tmp_path / "cache")},
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(ROWS, 7)
+    for i, row in enumerate(ROWS):
+        assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
+
+
+# -- the config through NxDI's save and load; refusals ---------------------------------------------------------------
+
+def _serving(ckpt, **over):
+    from kimi_k2_neuron.config import KimiK2Config
+    from kimi_k2_neuron.formats.record import ConversionRecord
+
+    cfg = KimiK2Config.from_file(ckpt)
+    opts = dict(tp=4, lnc=None, seq_len=64, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
+                moe_prefill="torch", kv_group=4, extra={"on_cpu": True, "torch_dtype": torch.float32})
+    return KimiK2InferenceConfig.for_serving(cfg, contract.ServeOptions(**{**opts, **over}))
+
+
+def test_the_kv_group_survives_nxdis_save_and_load(ckpt, tmp_path):
+    """G is our config attribute, which NxDI saves with the config; add_derived_config sets num_cores_per_group
+    from it again on reload, and NxDI's cache manager sizes each rank's cache from that."""
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+
+    config = _serving(ckpt)
+    config.save(str(tmp_path))
+    again = KimiK2InferenceConfig.load(str(tmp_path))
+    for c in (config, again):
+        assert (c.num_cores_per_group, c.kimi_kv_group, c.neuron_config.flash_decoding_enabled) == (4, 4, True)
+    assert isinstance(again.neuron_config, MoENeuronConfig)
+    plain = _serving(ckpt, kv_group=None)
+    assert (plain.num_cores_per_group, plain.neuron_config.flash_decoding_enabled) == (1, False)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(kimi_kv_group=3), "kimi_kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=4)"),
+    (dict(kimi_kv_group=None), "flash_decoding_enabled=True with kimi_kv_group=None"),
+    ({"neuron_config": {"seq_len": 66, "max_length": 66}}, "max_length=66 (not a multiple of kimi_kv_group=4)"),
+    ({"neuron_config": {"speculation_length": 2}}, "speculation_length=2"),
+    # NxDI itself refuses k_cache_transposed and attn_block_tkg_nki_kernel_enabled with flash decoding, by an
+    # assertion when the NeuronConfig is built, before our check (models/config.py:525-540)
+])
+def test_a_reloaded_sharded_config_is_checked_again(ckpt, tmp_path, edit, needle):
+    import json
+
+    _serving(ckpt).save(str(tmp_path))
+    path = tmp_path / "neuron_config.json"
+    saved = json.loads(path.read_text())
+    saved["neuron_config"].update(edit.pop("neuron_config", {}))
+    path.write_text(json.dumps({**saved, **edit}))
+    with pytest.raises(ValueError, match="unsupported NeuronConfig") as e:
+        KimiK2InferenceConfig.load(str(tmp_path))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(tp=4, kv_group=3), "--kv-group 3: must divide --tp 4"),
+    (dict(tp=2, kv_group=4), "--kv-group 4: must divide --tp 2"),
+])
+def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(ckpt, over, needle):
+    with pytest.raises(KimiInputError) as e:
+        backend.prepare(backend.CpuOptions(model=ckpt, **over), 20, 2)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_seq_len_the_group_does_not_divide_is_refused(ckpt):
+    with pytest.raises(KimiInputError, match="--seq-len 66: with --kv-shard sequence must be a multiple of "
+                                             "--kv-group 4") as e:
+        _serving(ckpt, seq_len=66)
+    assert "\n" not in str(e.value)
+
+
+def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(ckpt):
+    o = backend.CpuOptions(model=ckpt, tp=4, kv_group=4)
+    assert [backend.cache_length(o, n) for n in (17, 20, 21)] == [20, 20, 24]
+    assert backend.cache_length(dataclasses.replace(o, kv_group=None), 17) == 17
