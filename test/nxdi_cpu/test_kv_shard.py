@@ -20,10 +20,11 @@ import pytest
 import torch
 from nxdi_support import rel_err
 from safetensors.torch import load_file, save_file
+from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; importing it also enables the sync log)
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
-from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 # rows of 20 and 17 tokens prefilling 7 and 4, then 13 teacher-forced decode steps each (>= 3 x TP at TP=4)
@@ -100,6 +101,18 @@ def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
     got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(ROWS, 7)
     for i, row in enumerate(ROWS):
         assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
+
+
+@pytest.mark.parametrize("submodel", ["context", "token"])
+def test_the_flash_decoding_graphs_trace_clean_at_one_rank(ckpt, torch_fill_prefix, submodel):  # noqa: F811
+    """At TP=1 (G=1: torch_xla's CPU device runs one process) the flash-decoding submodels trace to one clean graph
+    equal to eager: NxDI's mask_util masks and 128-slot window, the garbage-slot K write, the CTE filter indexed by
+    SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives. TP > 1: test_xla_trace.py's
+    refusal says what it would take."""
+    o = backend.CpuOptions(model=ckpt, dtype="float32", kv_group=1)
+    r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=2))
+    assert r.stopped is None and r.clean, r.format()
+    assert r.max_rel_diff_vs_eager < 1e-5 and r.argmax_equal, r.format()
 
 
 # -- the config through NxDI's save and load; refusals ---------------------------------------------------------------
