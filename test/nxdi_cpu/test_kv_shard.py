@@ -184,3 +184,12 @@ def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(ckpt):
     o = backend.CpuOptions(model=ckpt, tp=4, kv_group=4)
     assert [backend.cache_length(o, n) for n in (17, 20, 21)] == [20, 20, 24]
     assert backend.cache_length(dataclasses.replace(o, kv_group=None), 17) == 17
+
+
+def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(ckpt):
+    """NxDI's generation adapter and on-device sampler (greedy) over the sharded cache at TP=2: the tokens of the
+    replicated cache at TP=1, prompts of different lengths."""
+    g = backend.Generation(rows=[ROWS[0][:9], ROWS[1][:5]], stop_ids=(), max_new_tokens=7)
+    sharded, _ = backend.generate(backend.CpuOptions(model=ckpt, tp=2, kv_group=2), g)
+    replicated, _ = backend.generate(backend.CpuOptions(model=ckpt), g)
+    assert sharded == replicated and [len(r) for r in sharded] == [7, 7]
