@@ -3,12 +3,13 @@ NxD's CPU mode: NxDI's flash_decoding_enabled / num_cores_per_group, its get_cac
 and its context-encoding write; NxD's initialize_kv_group and CPU-mode collectives over gloo; our context-encoding
 filter, decode through MLAttention.attend_sharded and the K-only decode write (modeling.py).
 
-- Logits: two rows prefilling different lengths in one context-encoding call, then one token per token-generation
-  call for more than 3 x TP steps (every rank owns several decoded tokens), at TP=2 and TP=4 (one KV group of all
-  ranks, and two groups of 2) against NxDI's replicated cache at TP=1 (float32, 1e-4 of max |logit|).
+- Logits: two rows prefilling different lengths in one context-encoding call (one per row under continuous
+  batching), then one token per token-generation call for more than 3 x TP steps (every rank owns several decoded
+  tokens), at TP=2 and TP=4 (one KV group of all ranks, and two groups of 2) against NxDI's replicated cache at TP=1
+  (float32, 1e-4 of max |logit|); the logits command and greedy generation end to end.
 - The cache: each rank's real buffers (kv_mgr.past_key_values) after the run are [B, 1, S/G + 128, latent] with the
   1-wide V slot, and rank r's slot j equals the TP=1 cache at position j * G + r % G of every row.
-The collectives are gloo's, not Neuron's; tracing is not covered here.
+- The graphs: traced at TP=1 only (G=1), as test_xla_trace.py traces. The collectives are gloo's, not Neuron's.
 """
 
 import dataclasses
@@ -38,12 +39,36 @@ pytestmark = pytest.mark.fp8_selective_cpu
 def _dump_job(rank: int, o, rows, prefill, out_dir: str):
     """backend._logits_job, plus this rank's cache buffers as the model holds them."""
     app = backend.build(o, seq_len=max(len(r) for r in rows), batch=len(rows))
-    logits = backend.teacher_forced_logits(app, rows, prefill)
+    logits = (_one_row_prefills if o.continuous_batching else backend.teacher_forced_logits)(app, rows, prefill)
     mgr = app.token_generation_model.model.kv_mgr
     rank_util = app.token_generation_model.model.rank_util.get_rank()
     cache = {f"kv{i}": t.data.clone() for i, t in enumerate(mgr.past_key_values)}
     save_file({**cache, "rank_util": rank_util.clone()}, f"{out_dir}/rank{rank}.safetensors")
     return logits
+
+
+def _one_row_prefills(app, rows, prefill):
+    """NxDI's continuous batching as vllm-neuron drives it: each row prefilled alone into its seq_id's cache line
+    (the last row first), then all rows decoded together, teacher-forced. Logits [B, T, V] where computed (each
+    prefill's last position, every decoded one), NaN elsewhere."""
+    out = torch.full((len(rows), max(map(len, rows)), app.config.vocab_size), float("nan"))
+    with torch.no_grad():
+        for r in reversed(range(len(rows))):
+            ids = torch.tensor([rows[r][:prefill[r]]])
+            got = app.forward(input_ids=ids, attention_mask=torch.ones_like(ids),
+                              position_ids=torch.arange(prefill[r])[None], seq_ids=torch.tensor([r]))
+            out[r, prefill[r] - 1] = got.logits[0, -1].float()
+        cur = torch.tensor(prefill)
+        for step in range(max(len(row) - k for row, k in zip(rows, prefill))):
+            tok = torch.tensor([[row[k + step] if k + step < len(row) else 0] for row, k in zip(rows, prefill)])
+            mask = (torch.arange(int(cur.max()))[None] < cur[:, None]).long()
+            got = app.forward(input_ids=tok, attention_mask=mask, position_ids=cur[:, None],
+                              seq_ids=torch.arange(len(rows)))
+            for r, (row, k) in enumerate(zip(rows, prefill)):
+                if k + step < len(row):
+                    out[r, k + step] = got.logits[r, -1].float()
+            cur = cur + 1
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +85,20 @@ def replicated(ckpt, tmp_path_factory):
     return logits, load_file(out / "rank0.safetensors")
 
 
-@pytest.mark.parametrize("tp,g", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "tp4-two-groups"])
+@pytest.mark.parametrize("tp,g,cb", [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)],
+                         ids=["tp2", "tp4", "tp4-two-groups", "tp2-continuous-batching"])
 def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_position(ckpt, replicated, tmp_path,
-                                                                                      tp, g):
+                                                                                      tp, g, cb):
+    """cb: NxDI's continuous batching, each row's prefill written at its seq_id (the flash-decoding CTE write at a
+    cache line, NXDI_CONTRACT.md: fd-cte-filter)."""
     want, full = replicated
-    o = backend.prepare(backend.CpuOptions(model=ckpt, tp=tp, kv_group=g), max(map(len, ROWS)), len(ROWS))
+    o = backend.CpuOptions(model=ckpt, tp=tp, kv_group=g, continuous_batching=cb)
+    o = backend.prepare(o, max(map(len, ROWS)), len(ROWS))
     got = backend.run(o, _dump_job, ROWS, PREFILL, str(tmp_path))
-    for r, row in enumerate(ROWS):
-        assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r}"
+    for r, (row, k) in enumerate(zip(ROWS, PREFILL)):
+        computed = ~got[r, :len(row), 0].isnan()  # every position, or each prefill's last under continuous batching
+        assert int(computed.sum()) == (len(row) - k + 1 if cb else len(row))
+        assert rel_err(got[r, :len(row)][computed], want[r, :len(row)][computed]) < 1e-4, f"row {r}"
     seq_len = backend.cache_length(o, max(map(len, ROWS)))
     slots = contract.cache_slots(seq_len, contract.LayoutOptions(kv_group=g))
     assert slots == seq_len // g + contract.FD_RESERVED_SLOTS
