@@ -6,7 +6,8 @@ filter, decode through MLAttention.attend_sharded and the K-only decode write (m
 - Logits: two rows prefilling different lengths in one context-encoding call (one per row under continuous
   batching), then one token per token-generation call for more than 3 x TP steps (every rank owns several decoded
   tokens), at TP=2 and TP=4 (one KV group of all ranks, and two groups of 2) against NxDI's replicated cache at TP=1
-  (float32, 1e-4 of max |logit|); the logits command and greedy generation end to end.
+  (float32, 1e-4 of max |logit|), and transformers on an exact conversion (1e-3); the logits command and greedy
+  generation end to end.
 - The cache: each rank's real buffers (kv_mgr.past_key_values) after the run are [B, 1, S/G + 128, latent] with the
   1-wide V slot, and rank r's slot j equals the TP=1 cache at position j * G + r % G of every row.
 - The graphs: traced at TP=1 only (G=1), as test_xla_trace.py traces. The collectives are gloo's, not Neuron's.
@@ -19,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from nxdi_support import rel_err
+from nxdi_support import oracle_logits, rel_err
 from safetensors.torch import load_file, save_file
 from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; importing it also enables the sync log)
 
@@ -114,6 +115,15 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
                 positions = torch.arange(k, len(row), g)
                 torch.testing.assert_close(kc[b, 0, :len(positions)], full[f"kv{2 * layer}"][b, 0, positions],
                                            rtol=1e-5, atol=1e-5 * full[f"kv{2 * layer}"].abs().max().item())
+
+
+def test_the_sharded_cache_matches_transformers_on_an_exact_conversion(converted, tiny, tmp_path):
+    """INT4 -> fp8-blockwise is lossless (test_backend.py's exact conversion): TP=2, G=2 against transformers'
+    DeepseekV3 within 1e-3 of max |logit|."""
+    o = backend.CpuOptions(model=str(converted[("int4", "fp8-blockwise")]), tp=2, kv_group=2)
+    got, _ = backend.logits(o, ROWS, 7)
+    for r, want in enumerate(oracle_logits(tiny["int4"], ROWS, 7, bf16_non_experts=True, tmp_path=tmp_path)):
+        assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
 
 
 def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
