@@ -111,6 +111,9 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
         for layer in range(len(full) // 2):
             kc, vc = cache[f"kv{2 * layer}"], cache[f"kv{2 * layer + 1}"]
             assert kc.shape == (len(ROWS), 1, slots, latent) and vc.shape == (len(ROWS), 1, slots, 1)
+            # every rank was a non-owner at some decode step: NxDI's garbage slot took that token (and the logits
+            # above show no mask exposed it)
+            assert kc[:, 0, -1].abs().amax() > 0
             for b, row in enumerate(ROWS):
                 positions = torch.arange(k, len(row), g)
                 torch.testing.assert_close(kc[b, 0, :len(positions)], full[f"kv{2 * layer}"][b, 0, positions],
