@@ -514,6 +514,9 @@ def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
     if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
         bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
                    f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
+    if getattr(nc, "flash_decoding_enabled", False):  # vllm-neuron drives the prefills; not tested with it
+        bad.append("compiled with the sequence-sharded cache (--kv-shard sequence), which serving through vllm-neuron "
+                   "does not take yet")
     ods = nc.on_device_sampling_config
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
