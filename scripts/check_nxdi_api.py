@@ -4,7 +4,8 @@ Given checkouts of neuronx-distributed-inference and neuronx-distributed (git di
 HEAD or --rev; or work trees), it parses our files with `ast` and the libraries' source with `ast` and checks:
 
 1. imports: every `from neuronx_distributed[_inference]... import X` in src/kimi_k2_neuron/neuron/, scripts/,
-   test/integration/ and contrib/ names a module that exists and an X defined there (or a submodule);
+   test/integration/ and contrib/ names a module that exists and an X defined there (or a submodule), and every
+   `X.name` used of an imported submodule X is defined in it;
 2. calls: keyword arguments we pass to an imported NxD/NxDI class or function exist in its signature (through
    the class's bases); when the signature takes **kwargs, in the `kwargs.pop("...")` names of the class chain;
 3. NeuronConfig: every key contract.neuron_config_kwargs produces (for each expert format), and the keys of its
@@ -274,6 +275,19 @@ class Checker:
                 for a in node.names:
                     if a.name in self.subclasses:
                         local[a.asname or a.name] = self.subclasses[a.name]
+        # names used through an imported library module (`mappings._reduce`, `parallel_state.initialize_kv_group`)
+        modules = {}
+        for alias, (mod, name) in local.items():
+            found = self.lookup(mod, name)
+            if found and found[0] == "module":
+                modules[alias] = found[1]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                module = modules[node.value.id]
+                if self.lookup(module, node.attr) is None:
+                    self.fail(f"{rel}:{node.lineno}: {module} defines no {node.attr}")
+                else:
+                    self.ok(f"use {module}.{node.attr}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in local:
                 mod, name = local[node.func.id]
@@ -311,12 +325,13 @@ class Checker:
         router_names, _, _ = self.accepted("neuronx_distributed.modules.moe.moe_configs", "RouterConfig")
         # each expert scheme a converted checkpoint may hold, and bf16 (no record)
         schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
-        # and with the sharded weights (--shard-attn-a --shard-router), whose layout is no NeuronConfig field
-        sharded = contract.LayoutOptions(shard_attn_a=True, shard_router=True)
+        # and with the long-context layout (--kv-shard sequence, --shard-attn-a --shard-router), whose options are no
+        # NeuronConfig fields; the sequence-sharded cache adds flash_decoding_enabled
+        sharded = contract.LayoutOptions(kv_group=64, shard_attn_a=True, shard_router=True)
         plain = contract.LayoutOptions()
         cases = [(s, 1, plain) for s in schemes] + [(schemes[1], 16, plain), (schemes[1], 1, sharded)]
         for scheme, ep, layout in cases:
-            experts = scheme.name + (" sharded weights" if layout != plain else "")
+            experts = scheme.name + (" long-context layout" if layout != plain else "")
             o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt", layout=layout)
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
@@ -353,6 +368,10 @@ class Checker:
                         used.add(node.attr)
         for attr in sorted(used):
             (self.ok if attr in known else self.fail)(f"NeuronConfig attribute {attr}")
+        # InferenceConfig attributes NxDI reads that add_derived_config sets (`self.x`, NXDI_CONTRACT.md: fd-config).
+        inference = self.attrs_assigned(mod, "InferenceConfig")
+        for attr in ("num_cores_per_group",):
+            (self.ok if attr in inference else self.fail)(f"InferenceConfig attribute {attr}")
         # The ModelBuilder rank window NeuronKimiK2ForCausalLM.shard_weights narrows (`builder.x`).
         builder = self.attrs_assigned("neuronx_distributed.trace.model_builder", "ModelBuilder")
         for attr in sorted({n.attr for _, tree in trees for n in ast.walk(tree) if isinstance(n, ast.Attribute)

@@ -87,22 +87,16 @@ def _check_backend(a) -> None:
     from .parallel import check_kv_group
 
     check_kv_group(a.tp, kv_group_of(a))
+    for flag in ("--shard-attn-a", "--shard-router"):
+        if getattr(a, flag[2:].replace("-", "_"), False) and a.tp == 1:
+            raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
     if a.backend == NXDI_CPU:
         if a.layer_streamed:
             raise KimiInputError("--layer-streamed: only with --backend core (NxDI builds the whole model)")
         if getattr(a, "prefill_len", None) == 0:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
-        for flag, given in (("--kv-shard sequence", getattr(a, "kv_shard", "none") == "sequence"),
-                            ("--shard-attn-a", getattr(a, "shard_attn_a", False)),
-                            ("--shard-router", getattr(a, "shard_router", False))):
-            if given:
-                raise KimiInputError(f"{flag}: only with --backend core for now (the NxDI shell does not build it "
-                                     f"yet)")
         return
-    for flag in ("--shard-attn-a", "--shard-router"):
-        if getattr(a, flag[2:].replace("-", "_"), False) and a.tp == 1:
-            raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
     if a.fn is cmd_generate and a.tp > 1:
         raise KimiInputError(f"--tp {a.tp}: the core runner generates in one process (--backend {NXDI_CPU} runs "
                              f"ranks, and so does `logits --tp`)")
@@ -249,13 +243,10 @@ def cmd_plan(a) -> int:
 
 
 def _layout(a):
-    """plan's layout flags (arguments.add_kv_layout_args, add_weight_sharding_args) as contract.LayoutOptions."""
-    from .neuron.contract import LayoutOptions
+    """plan's layout flags as contract.LayoutOptions (launch.layout_options)."""
+    from .launch import layout_options
 
-    group = kv_group_of(a)  # refuses --kv-group without --kv-shard sequence
-    group = group if a.kv_shard == "sequence" else None
-    return LayoutOptions(kv_group=group, prefill_chunk=a.prefill_chunk, shard_attn_a=a.shard_attn_a,
-                         shard_router=a.shard_router)
+    return layout_options(a)
 
 
 def _max_batch_line(p, found: int | None) -> str:

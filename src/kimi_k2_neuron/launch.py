@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 
-from .arguments import Parser, cache_dir, fail, integer, sampling_values
+from .arguments import Parser, cache_dir, fail, integer, kv_group_of, sampling_values
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
@@ -64,9 +64,23 @@ def cpu_options(args: argparse.Namespace):
     kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK."""
     from .nxdi_cpu.options import CpuOptions
 
+    layout = layout_options(args)
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
                       dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
-                      prefill_chunk=getattr(args, "prefill_chunk", None))
+                      kv_group=layout.kv_group, prefill_chunk=layout.prefill_chunk, shard_attn_a=layout.shard_attn_a,
+                      shard_router=layout.shard_router)
+
+
+def layout_options(args: argparse.Namespace):
+    """The long-context flags (arguments.add_kv_layout_args, add_weight_sharding_args; absent ones are their
+    defaults) as contract.LayoutOptions. Refuses --kv-group without --kv-shard sequence."""
+    from .neuron.contract import LayoutOptions
+
+    group = kv_group_of(args)
+    return LayoutOptions(kv_group=group if getattr(args, "kv_shard", "none") == "sequence" else None,
+                         prefill_chunk=getattr(args, "prefill_chunk", None),
+                         shard_attn_a=getattr(args, "shard_attn_a", False),
+                         shard_router=getattr(args, "shard_router", False))
 
 
 def cpu_backend(flag: str = "--cpu"):

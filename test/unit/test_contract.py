@@ -39,6 +39,10 @@ def kimi_cfg() -> KimiK2Config:
 PER_CHANNEL = ExpertScheme("fp8-per-channel", None)
 
 
+def group(g: int) -> "contract.LayoutOptions":
+    return contract.LayoutOptions(kv_group=g)
+
+
 def per_channel(**opts) -> "contract.ServeOptions":
     """Serving options for a converted fp8-per-channel checkpoint."""
     return contract.ServeOptions(**{"scheme": PER_CHANNEL, "checkpoint": "/c", **opts})
@@ -173,11 +177,41 @@ def test_modules_to_not_convert_covers_every_non_expert_parallel_linear_and_no_e
     (dict(tp=64, seq_len=512, max_context_length=1024), "--max-context-length 1024"),
     (dict(tp=64, ep=3, batch=48), "--ep 3: must divide --tp 64"),
     (dict(tp=64, ep=4, batch=48, scheme=ExpertScheme("fp8-blockwise", (256, 32))), "experts split 16 ways (tp / ep)"),
+    (dict(tp=64, layout=group(3)), "--kv-group 3: must divide --tp 64"),
+    (dict(tp=64, layout=group(64), seq_len=1056, max_context_length=1024), "--seq-len 1056: with --kv-shard sequence"),
+    (dict(tp=64, layout=group(64), max_context_length=1000, moe_prefill="torch"),
+     "--max-context-length 1000: with --kv-shard"),
 ])
 def test_neuron_config_kwargs_refuse_bad_configurations(opts, needle):
     with pytest.raises(KimiInputError) as e:
         contract.neuron_config_kwargs(kimi_cfg(), per_channel(**opts))
     assert needle in str(e.value)
+
+
+def test_the_sequence_sharded_cache_is_nxdis_flash_decoding():
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, layout=group(64)))
+    assert kw["flash_decoding_enabled"] is True
+    assert "flash_decoding_enabled" not in contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64))
+
+
+FD_NC = dict(flash_decoding_enabled=True, tp_degree=8, max_length=1024, max_context_length=512,
+             context_encoding_buckets=None, token_generation_buckets=None)
+
+
+@pytest.mark.parametrize("nc_over,group,needle", [
+    (dict(flash_decoding_enabled=False), 4, "flash_decoding_enabled=False with kimi_k2_layout.kv_group=4"),
+    ({}, None, "flash_decoding_enabled=True with kimi_k2_layout.kv_group=None"),
+    ({}, 3, "kimi_k2_layout.kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=8)"),
+    (dict(max_length=1020), 8, "max_length=1020 (not a multiple of kimi_k2_layout.kv_group=8)"),
+    (dict(max_context_length=502), 4, "max_context_length=502 (not a multiple"),
+    (dict(token_generation_buckets=[512, 1022]), 4, "token_generation_buckets[1]=1022 (not a multiple"),
+])
+def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, group, needle):
+    """enforce_neuron_config on a NeuronConfig's fields (emulated; the real one: test/nxdi_cpu/test_kv_shard.py)."""
+    with pytest.raises(KimiInputError, match="unsupported NeuronConfig") as e:
+        contract.enforce_neuron_config(SimpleNamespace(**{**FD_NC, **nc_over}), kv_group=group)
+    assert needle in str(e.value)
+    contract.enforce_neuron_config(SimpleNamespace(**FD_NC), kv_group=4)  # accepted
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 47])
@@ -305,6 +339,7 @@ COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=1024, max_context_length
     (dict(seq_len=1024, max_context_length=1024), dict(max_context_length=256),
      "prompts that long need a prefill of 1024 tokens, compiled for 256"),
     (dict(tp_degree=32, seq_len=1024, max_context_length=1024), {}, "--tensor-parallel-size 32, compiled for TP 64"),
+    (dict(seq_len=1024, max_context_length=1024), dict(flash_decoding_enabled=True), "the sequence-sharded cache"),
     (dict(seq_len=1024, max_context_length=1024), dict(is_continuous_batching=False, ctx_batch_size=4),
      "runs NxDI's continuous batching, compiled without it"),
     (dict(seq_len=1024, max_context_length=1024), dict(on_device_sampling_config=SimpleNamespace(dynamic=False)),
@@ -516,10 +551,11 @@ def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_li
                                                 "divisible by 4"),
     (contract.LayoutOptions(shard_attn_a=True), "--shard-attn-a --tp 4: config.json field q_lora_rank=162 is not "
                                                 "divisible by 4"),
-    (contract.LayoutOptions(kv_group=4), "--kv-shard sequence: the NxDI shell does not build it yet"),
+    (contract.LayoutOptions(kv_group=4, prefill_chunk=8), "--prefill-chunk 8 with --kv-shard sequence: the NxDI "
+                                                          "shell's chunk submodel reads a replicated cache"),
 ])
 def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, options, message):
-    """Uneven splits (NxD would pad the layer), and the layout part the shell does not build yet."""
+    """Uneven splits (NxD would pad the layer), and the part of the layout not built yet."""
     cfg = tiny_cfg(n_routed_experts=6, q_lora_rank=162)
     o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
     one_line_error(lambda: contract.neuron_config_kwargs(cfg, o), message)

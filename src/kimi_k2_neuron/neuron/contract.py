@@ -106,6 +106,10 @@ def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, lay
         if seq_len % g:
             raise KimiInputError(f"--seq-len {seq_len}: with --kv-shard sequence must be a multiple of --kv-group {g} "
                                  f"(NxDI's get_cache_size divides it; its cache manager would pad it silently)")
+        # rank r keeps prefill positions r, r + G, ...; a chunk's own rule below (NXDI_CONTRACT.md: fd-cte-filter)
+        if n is None and context_len % g:
+            raise KimiInputError(f"--max-context-length {context_len}: with --kv-shard sequence must be a multiple of "
+                                 f"--kv-group {g} (each rank writes every G-th position of a prefill)")
     if n is not None:
         if seq_len % n:
             raise KimiInputError(f"--prefill-chunk {n}: must divide --seq-len {seq_len} (the last chunk would write "
@@ -141,9 +145,10 @@ def layout_of(config) -> LayoutOptions:
 
 
 def check_shell_layout(layout: LayoutOptions) -> None:
-    """What of the long-context layout the Neuron shell builds: the sharded weights and chunks, not yet the cache."""
-    if layout.sequence_sharded:
-        raise KimiInputError("--kv-shard sequence: the NxDI shell does not build it yet (the core backend does)")
+    """What of the layout the NxDI shell does not build yet: its chunk submodel reads a replicated cache."""
+    if layout.sequence_sharded and layout.prefill_chunk:
+        raise KimiInputError(f"--prefill-chunk {layout.prefill_chunk} with --kv-shard sequence: the NxDI shell's "
+                             f"chunk submodel reads a replicated cache (not built yet; the core backend runs both)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,6 +217,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     )
     if o.continuous_batching or o.layout.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
         kw["is_continuous_batching"] = True
+    if o.layout.sequence_sharded:  # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+        kw["flash_decoding_enabled"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
     if o.ep > 1:
@@ -319,7 +326,6 @@ def check_top_k(top_k: int, global_topk: int = ServeOptions.global_topk) -> None
 # (attribute, allowed values, why)
 UNSUPPORTED = (
     ("sequence_parallel_enabled", (False,), "MLA attention here has no sequence-parallel path"),
-    ("flash_decoding_enabled", (False,), "the latent cache is not split across cores"),
     ("attention_dp_degree", (1,), "attention data parallel needs DataParallelKVCacheManager"),
     ("cp_degree", (1,), "context parallel attention is not implemented for MLA"),
     ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
@@ -350,8 +356,10 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None) -> None:
-    """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload)."""
+def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = None,
+                          kv_group: int | None = None) -> None:
+    """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload). kv_group:
+    the config's layout's (layout_of)."""
     bad = [f"{name}={getattr(nc, name)!r} ({why})" for name, ok, why in UNSUPPORTED
            if hasattr(nc, name) and getattr(nc, name) not in ok]
     if getattr(nc, "capacity_factor", None) != MOE_SETTINGS["capacity_factor"]:
@@ -366,6 +374,7 @@ def enforce_neuron_config(nc, n_experts: int | None = None, top_k: int | None = 
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
     bad += _moe_ep_problems(nc, n_experts, top_k)
+    bad += _flash_decoding_problems(nc, kv_group)
     bmm = getattr(nc, "blockwise_matmul_config", None)
     if bmm is not None:
         _restore_block_sharding_strategy(bmm)
@@ -414,6 +423,28 @@ def _restore_block_sharding_strategy(bmm) -> None:
 def _blockwise_fields(bmm) -> dict:
     keys = {k for m in moe_paths.MODES.values() for k in m.blockwise}
     return {k: getattr(getattr(bmm, k, None), "name", getattr(bmm, k, None)) for k in sorted(keys)}
+
+
+def _flash_decoding_problems(nc, kv_group: int | None) -> list[str]:
+    """check_layout's rules for the sequence-sharded cache on any NeuronConfig (NXDI_CONTRACT.md: fd-config,
+    fd-cache-size, kv-group, fd-cte-filter)."""
+    fd = bool(getattr(nc, "flash_decoding_enabled", False))
+    if fd != (kv_group is not None):
+        return [f"flash_decoding_enabled={fd} with {LAYOUT_KEY}.kv_group={kv_group} (the sequence-sharded latent cache "
+                f"needs both; --kv-shard sequence sets them)"]
+    if not fd:
+        return []
+    tp = getattr(nc, "tp_degree", None)
+    if isinstance(kv_group, bool) or not isinstance(kv_group, int) or kv_group < 1 or (tp and tp % kv_group):
+        return [f"{LAYOUT_KEY}.kv_group={kv_group!r} (a KV group is G adjacent ranks: G must divide tp_degree={tp})"]
+    lengths = {"max_length": getattr(nc, "max_length", None), "max_context_length": getattr(nc, "max_context_length",
+                                                                                              None)}
+    for name in ("context_encoding_buckets", "token_generation_buckets"):
+        lengths |= {f"{name}[{i}]": b for i, b in enumerate(getattr(nc, name, None) or ())}
+    # get_cache_size divides each length by G (the manager pads max_length silently), and a context bucket's
+    # owned positions are every G-th (NXDI_CONTRACT.md: fd-cache-size, fd-cte-filter)
+    return [f"{name}={n} (not a multiple of {LAYOUT_KEY}.kv_group={kv_group})" for name, n in lengths.items()
+            if isinstance(n, int) and n % kv_group]
 
 
 def _moe_ep_problems(nc, n_experts: int | None, top_k: int | None) -> list[str]:
@@ -531,6 +562,9 @@ def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
     if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
         bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
                    f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
+    if getattr(nc, "flash_decoding_enabled", False):  # vllm-neuron drives the prefills; not tested with it
+        bad.append("compiled with the sequence-sharded cache (--kv-shard sequence), which serving through vllm-neuron "
+                   "does not take yet")
     ods = nc.on_device_sampling_config
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")

@@ -103,12 +103,13 @@ class KimiK2InferenceConfig(InferenceConfig):
         # The latent [c_kv | k_pe] as one KV head (NXDI_CONTRACT.md: latent-kv-head).
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
         self.num_local_experts = self.n_routed_experts
-        self.num_cores_per_group = 1  # no flash decoding (NXDI_CONTRACT.md: cores-per-group)
+        layout = contract.layout_of(self)  # a reload's too (NXDI_CONTRACT.md: config-construction, layout-attribute)
+        # G of the sequence-sharded cache; 1 is no flash decoding (NXDI_CONTRACT.md: cores-per-group, fd-config)
+        self.num_cores_per_group = layout.kv_group or 1
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
-                                       getattr(self, "num_experts_per_tok", None))
-        layout = contract.layout_of(self)  # a reload's too (NXDI_CONTRACT.md: config-construction)
+                                       getattr(self, "num_experts_per_tok", None), layout.kv_group)
         contract.check_shell_layout(layout)
         contract.check_chunked_prefill(self.neuron_config, layout.prefill_chunk)
         if layout.shard_attn_a or layout.shard_router:
@@ -166,6 +167,7 @@ class NxDParallelContext(ParallelContext):
     # None reduces in the layer dtype, not NxD's float32 default (NXDI_CONTRACT.md: reduce-dtype).
     reduce_dtype: torch.dtype | None = None
     config: Any = field(default=None, compare=False)
+    rank_util: Any = field(default=None, compare=False)  # the model's SPMDRank (NXDI_CONTRACT.md: fd-rank)
 
     def replicated(self, in_features, out_features, dtype):
         # q_a_proj / kv_a_proj_with_mqa: small and shared by all heads, so every rank holds them whole.
@@ -204,8 +206,12 @@ class NxDParallelContext(ParallelContext):
     # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
 
     def kv_rank(self):
-        # right only in CPU mode; a traced graph would need SPMDRank (so the shell refuses --kv-shard sequence)
-        return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
+        """A tensor from the model's SPMDRank, as right in a traced graph as in CPU mode. Without a model (the
+        seam alone) NxD's process rank, right in CPU mode only: ModelBuilder traces every rank as rank 0
+        (NXDI_CONTRACT.md: fd-rank)."""
+        if self.rank_util is None:
+            return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
+        return torch.remainder(self.rank_util.get_rank(), self.kv_group).to(torch.int64)
 
     def gather_kv_heads(self, x):
         if self.kv_group == 1:
@@ -306,24 +312,35 @@ def decode_masks(prior_mask: torch.Tensor, s: int):
 
 
 class KimiK2DecoderLayer(DecoderLayer):
-    """K is the latent [B, 1, S, latent], V 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call, kv-writes)."""
+    """K is the latent [B, 1, S, latent], V 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call, kv-writes).
+    Sequence-sharded (flash decoding): prefill attends as replicated and returns only this rank's positions; decode
+    merges the KV group's partial attention under NxDI's masks (NXDI_CONTRACT.md: fd-cte-filter, fd-masks) in
+    MLAttention.attend_sharded, not NxDI's GQA attention (NXDI_CONTRACT.md: fd-attention-xla-only)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
         self.rotary = rotary
+        self.flash_decoding = bool(ctx.config.neuron_config.flash_decoding_enabled)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, cos_cache=None,
-                sin_cache=None, padding_mask=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, active_mask=None,
+                cos_cache=None, sin_cache=None, padding_mask=None, **kwargs):
         if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
         attn = self.self_attn
         q_nope, q_pe, entries = attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
         if past_key_value is None:
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
+            if self.flash_decoding:
+                entries = self._owned(entries)
         elif kwargs.get("kimi_chunk"):  # chunked_prefill.chunk_forward's masks: the cache before the chunk, causal
             past = past_key_value[0][:, 0]
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
                                                                 [attention_mask, kwargs["active_mask"]])
+        elif self.flash_decoding:
+            # the rank's slots [B, cache_size, latent] and the step's entry, each under mask_util's mask
+            past = past_key_value[0][:, 0]
+            hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
+                                                                [attention_mask, active_mask])
         else:
             past = past_key_value[0][:, 0]
             prior, active = decode_masks(attention_mask, entries.shape[1])
@@ -335,6 +352,13 @@ class KimiK2DecoderLayer(DecoderLayer):
         k_new = entries.unsqueeze(1)
         return hidden_states, (k_new, k_new.new_zeros(*k_new.shape[:-1], 1)), cos_cache, sin_cache, None
 
+    def _owned(self, entries):
+        """[B, S, latent] -> the positions r, r + G, ... this rank keeps, [B, S / G, latent]: NxDI's context-encoding
+        filter, which the manager writes from slot 0 (NXDI_CONTRACT.md: fd-cte-filter)."""
+        ctx = self.self_attn.ctx
+        owned = torch.arange(0, entries.shape[1], ctx.kv_group, dtype=torch.int64, device=entries.device)
+        return torch.index_select(entries, 1, owned + ctx.kv_rank())
+
 
 class LatentKVCacheManager(KVCacheManager):
     """A 1-wide V, not a copy of K that doubles the cache (NXDI_CONTRACT.md: latent-v-slot)."""
@@ -345,11 +369,30 @@ class LatentKVCacheManager(KVCacheManager):
             raise ValueError("Kimi-K2 has one cache length for every layer (no layer_to_cache_size_mapping)")
         if self.is_kv_cache_tiled or self.k_cache_transposed:
             raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
+        max_len, g = config.neuron_config.max_length, self.num_cores_per_group
+        if self.flash_decoding_enabled and max_len % g:  # NxDI pads it, warning only (NXDI_CONTRACT.md: fd-cache-size)
+            raise ValueError(f"the sequence-sharded cache needs max_length={max_len} to be a multiple of "
+                             f"num_cores_per_group={g}")
         self.v_shape = (*self.v_shape[:-1], 1)
         # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
         if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):
             raise ValueError("NEURON_COMBINE_KV_ALLOCATIONS=1 needs K and V of one shape; the latent cache's V slot "
                              "is 1 wide. Unset it.")
+
+    def update_kv_by_layer_id(self, idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer, seq_len,
+                              scatter_index=None, kv_active_mask=None, kvcache_buffer=None, **kwargs):
+        """The flash-decoding decode write scatters V with K's index, which the 1-wide V slot cannot take: here K
+        alone, at NxDI's slot (NXDI_CONTRACT.md: fd-write); the rest is NxDI's."""
+        if is_for_context_encoding or not self.flash_decoding_enabled:
+            return super().update_kv_by_layer_id(idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer,
+                                                 seq_len, scatter_index=scatter_index, kv_active_mask=kv_active_mask,
+                                                 kvcache_buffer=kvcache_buffer, **kwargs)
+        k_cache, v_cache = self._fetch_cache(idx, kvcache_buffer)
+        latest_k = kv_per_layer[0]
+        # the owner writes position p at slot p // G; the others into the last slot, which no mask exposes
+        slot = torch.where(kv_active_mask == 1, position_ids // self.num_cores_per_group, seq_len - 1)
+        index = slot.view(-1, 1, slot.shape[-1], 1).expand_as(latest_k).to(torch.int64)
+        return torch.scatter(k_cache, 2, index, latest_k.to(k_cache.dtype)), v_cache
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
@@ -380,9 +423,10 @@ class NeuronKimiK2Model(NeuronBaseModel):
         # NXDI_CONTRACT.md: cpu-sampler
         gather = not self.on_device_sampling or config.neuron_config.on_cpu
         layout = contract.layout_of(config)
-        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, gather_logits=gather,
-                                 reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config,
-                                 shard_attn_a=layout.shard_attn_a, shard_router=layout.shard_router)
+        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, kv_group=config.num_cores_per_group,
+                                 gather_logits=gather, reduce_dtype=config.neuron_config.rpl_reduce_dtype,
+                                 config=config, rank_util=self.rank_util, shard_attn_a=layout.shard_attn_a,
+                                 shard_router=layout.shard_router)
         self.embed_tokens = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryTable(cfg)
         self.layers = nn.ModuleList(KimiK2DecoderLayer(cfg, i, dtype, ctx, rotary)
@@ -487,7 +531,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         nc = self.neuron_config
         contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
-        rank = _init_cpu_process_groups(nc)
+        rank = _init_cpu_process_groups(nc, self.config.num_cores_per_group)
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)
@@ -531,8 +575,9 @@ def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
         raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
 
 
-def _init_cpu_process_groups(nc) -> int:
-    """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process; returns this rank."""
+def _init_cpu_process_groups(nc, kv_group: int) -> int:
+    """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process, and the KV group as
+    ModelBuilder makes it (NXDI_CONTRACT.md: kv-group); returns this rank."""
     if not torch.distributed.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world != nc.world_size:
@@ -547,4 +592,6 @@ def _init_cpu_process_groups(nc) -> int:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
                                                  pipeline_model_parallel_size=nc.pp_degree,
                                                  expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
+    if kv_group > 1:
+        parallel_state.initialize_kv_group(kv_group, sequential_ranks_in_group=True)
     return torch.distributed.get_rank()

@@ -262,7 +262,8 @@ def library_output_to_stderr():
         os.close(saved)
 
 
-def logits(o: CpuOptions, rows: list[list[int]], prefill_len: int | None = None) -> tuple[torch.Tensor, str]:
+def logits(o: CpuOptions, rows: list[list[int]],
+           prefill_len: int | list[int] | None = None) -> tuple[torch.Tensor, str]:
     return run(prepare(o, max(len(r) for r in rows), len(rows)), _logits_job, rows, prefill_len)
 
 

@@ -24,6 +24,7 @@ class CpuOptions:
     moe_prefill: str | None = None
     continuous_batching: bool = False
     prefill_chunk: int | None = None  # tokens per prefill call (neuron/chunked_prefill.py); one row a call
+    kv_group: int | None = None  # --kv-shard sequence: G ranks split every sequence (contract.LayoutOptions)
     # --shard-attn-a, --shard-router (contract.LayoutOptions)
     shard_attn_a: bool = False
     shard_router: bool = False
@@ -33,8 +34,8 @@ class CpuOptions:
 
     @property
     def layout(self) -> contract.LayoutOptions:
-        return contract.LayoutOptions(prefill_chunk=self.prefill_chunk, shard_attn_a=self.shard_attn_a,
-                                      shard_router=self.shard_router)
+        return contract.LayoutOptions(kv_group=self.kv_group, prefill_chunk=self.prefill_chunk,
+                                      shard_attn_a=self.shard_attn_a, shard_router=self.shard_router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,11 @@ def prefill_rows(o: CpuOptions, batch: int) -> int:
 
 
 def padded_seq_len(o: CpuOptions, needed: int) -> int:
-    """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots)."""
-    n = o.prefill_chunk
-    return needed if not n else -(-needed // n) * n
+    """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), else of
+    the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the group:
+    contract.check_layout)."""
+    step = o.prefill_chunk or o.kv_group or 1
+    return -(-needed // step) * step
 
 
 def context_length(o: CpuOptions, seq_len: int) -> int:
