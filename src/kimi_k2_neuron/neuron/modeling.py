@@ -335,7 +335,7 @@ class KimiK2DecoderLayer(DecoderLayer):
         elif kwargs.get("kimi_chunk"):  # chunked_prefill.chunk_forward's masks: the cache before the chunk, causal
             past = past_key_value[0][:, 0]
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
-                                                                [attention_mask, kwargs["active_mask"]])
+                                                                [attention_mask, active_mask])
         elif self.flash_decoding:
             # the rank's slots [B, cache_size, latent] and the step's entry, each under mask_util's mask
             past = past_key_value[0][:, 0]
