@@ -304,8 +304,8 @@ def _run(a: argparse.Namespace) -> None:
               f"start-up); / plain copy with fsync {copy_gbs:.3f} GB/s = {res['convert_vs_copy']:.2f} (goal >= 0.8); "
               f"/ raw safetensors read {raw_gbs:.3f} GB/s = {res['throughput_ratio']:.2f}; sequential read() "
               f"{seq_gbs:.3f} GB/s; peak RSS {peak / 1e9:.2f} GB / largest shard {max(shard_sizes) / 1e9:.2f} GB = "
-              f"{res['rss_ratio']:.2f} (goal <= 1.6); page cache {res['page_cache']}; load average {load[0]:.1f} before "
-              f"and {load[1]:.1f} after the conversion, {os.cpu_count()} CPUs")
+              f"{res['rss_ratio']:.2f} (goal <= 1.6); page cache {res['page_cache']}; load average {load[0]:.1f} "
+              f"before and {load[1]:.1f} after the conversion, {os.cpu_count()} CPUs")
         print(json.dumps(res))
     finally:
         if not a.keep:

@@ -1,7 +1,7 @@
 """How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
 code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
-write_atomically: temp file, fsync, rename; atomic_folder: a hidden folder, renamed); and a conversion that did not finish is recognised, with the command
-that resumes it (unfinished_conversion).
+write_atomically: temp file, fsync, rename; atomic_folder: a hidden folder, renamed); and a conversion that did not
+finish is recognised, with the command that resumes it (unfinished_conversion).
 
 Stdlib only: every command and script installs its signal handling before importing torch.
 """

@@ -26,26 +26,7 @@ PAUSED = "test pause: inside "
 
 pytestmark = pytest.mark.fp8_selective_cpu
 
-# The script run as from a shell, with `target` (module:Class.method) made to print PAUSED and sleep on its nth call.
-_PAUSING = r"""
-import importlib, runpy, sys, time
-target, nth, script, *argv = sys.argv[1:]
-module, _, attr = target.partition(":")
-owner = importlib.import_module(module)
-*path, name = attr.split(".")
-for part in path:
-    owner = getattr(owner, part)
-original, calls = getattr(owner, name), [0]
-def paused(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == int(nth):
-        print(f"PAUSED{target}", file=sys.stderr, flush=True)
-        time.sleep(300)
-    return original(*args, **kwargs)
-setattr(owner, name, paused)
-sys.argv = [script, *argv]
-runpy.run_path(script, run_name="__main__")
-""".replace("PAUSED", PAUSED)
+PAUSE_CHILD = REPO / "test" / "pause_child.py"  # pauses the script inside a function's nth call, saying PAUSED
 
 
 @pytest.fixture
@@ -92,7 +73,7 @@ def script(name: str, *argv: str) -> list[str]:
 
 
 def paused_script(target: str, nth: int, name: str, *argv: str) -> list[str]:
-    return [sys.executable, "-c", _PAUSING, target, str(nth), str(SCRIPTS / name), *argv]
+    return [sys.executable, str(PAUSE_CHILD), "-", target, str(nth), str(SCRIPTS / name), *argv]
 
 
 def leftovers(folder: Path) -> list[str]:
