@@ -275,7 +275,9 @@ def _run(a: argparse.Namespace) -> None:
         cold()
         cmd = [sys.executable, "-m", "kimi_k2_neuron.cli", "convert", str(src), str(dst),
                "--experts", "fp8-blockwise", "--workers", str(a.workers)]
+        load = [os.getloadavg()[0]]  # other work on the machine, reported beside the times it skews
         summary, conv_s, peak, cpu_s = run_child(cmd)
+        load.append(os.getloadavg()[0])
         source_gb = sum(shard_sizes) / 1e9
         conv_gbs = source_gb / conv_s
         cold()
@@ -293,7 +295,8 @@ def _run(a: argparse.Namespace) -> None:
                "convert_cpu_seconds_per_gb_after_startup": round((cpu_s - start_cpu) / source_gb, 2),
                "sequential_read_gb_s": round(seq_gbs, 3), "copy_gb_s": round(copy_gbs, 3),
                "throughput_ratio": round(conv_gbs / raw_gbs, 3), "convert_vs_copy": round(conv_gbs / copy_gbs, 3),
-               "peak_rss_gb": round(peak / 1e9, 3), "rss_ratio": round(peak / max(shard_sizes), 3)}
+               "peak_rss_gb": round(peak / 1e9, 3), "rss_ratio": round(peak / max(shard_sizes), 3),
+               "load_average_1min_before_after_convert": load, "cpus": os.cpu_count()}
         print(summary.strip())
         print(f"conversion: {conv_gbs:.3f} GB/s (wall, with process start), {res['convert_cpu_seconds_per_gb']} "
               f"CPU s/GB "
@@ -301,7 +304,8 @@ def _run(a: argparse.Namespace) -> None:
               f"start-up); / plain copy with fsync {copy_gbs:.3f} GB/s = {res['convert_vs_copy']:.2f} (goal >= 0.8); "
               f"/ raw safetensors read {raw_gbs:.3f} GB/s = {res['throughput_ratio']:.2f}; sequential read() "
               f"{seq_gbs:.3f} GB/s; peak RSS {peak / 1e9:.2f} GB / largest shard {max(shard_sizes) / 1e9:.2f} GB = "
-              f"{res['rss_ratio']:.2f} (goal <= 1.6); page cache {res['page_cache']}")
+              f"{res['rss_ratio']:.2f} (goal <= 1.6); page cache {res['page_cache']}; load average {load[0]:.1f} "
+              f"before and {load[1]:.1f} after the conversion, {os.cpu_count()} CPUs")
         print(json.dumps(res))
     finally:
         if not a.keep:

@@ -166,8 +166,8 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     `steps` decode steps, greedy, no stop token. One generation first at the shortest length, untimed
     (benchmark_sampling's warm-up); the hooks are NxDI's own, registered after it."""
     import torch
-    from neuronx_distributed_inference.utils.benchmark import (LatencyCollector, create_submodule_latency_collectors,
-                                                               generate_report, register_latency_collectors)
+    from neuronx_distributed_inference.utils.benchmark import (create_submodule_latency_collectors,
+                                                               register_latency_collectors)
     from tqdm import tqdm
 
     from kimi_k2_neuron.neuron.serving import generate_ids
@@ -183,22 +183,31 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     generate(min(lengths), 2)
     collectors = create_submodule_latency_collectors(app)
     register_latency_collectors(collectors, app)
-    reports = []
-    for n in tqdm(lengths, desc="context lengths", unit="length", disable=not progress):
-        for c in collectors.values():
-            c.latency_list.clear()
-        e2e = LatencyCollector()
-        e2e.pre_hook()
-        out = generate(n, steps + 1)  # the prefill gives the first new token, each decode step one more
-        e2e.hook()
-        if any(len(row) != steps + 1 for row in out):
-            raise RuntimeError(f"context {n}: generated {[len(r) for r in out]} tokens, expected {steps + 1} per row")
-        tokens = {"context_encoding_model": n, "token_generation_model": steps}
-        report = {k: generate_report(c.latency_list, tokens.get(k, 0), batch, n_runs=1) for k, c in collectors.items()}
-        report["e2e_model"] = generate_report(e2e.latency_list, n + steps + 1, batch, n_runs=1)
-        report["timed_calls"] = {k: len(c.latency_list) for k, c in collectors.items()}
-        reports.append(report)
-    return reports
+    with tqdm(lengths, desc="context lengths", unit="length", disable=not progress) as bar:
+        try:
+            return [_timed(generate, collectors, n, steps, batch) for n in bar]
+        except BaseException:
+            bar.leave = False  # the stop's (or error's) one line takes the bar's place
+            raise
+
+
+def _timed(generate, collectors: dict, n: int, steps: int, batch: int) -> dict:
+    """One generation at prompt length n, timed by the submodels' collectors and end to end."""
+    from neuronx_distributed_inference.utils.benchmark import LatencyCollector, generate_report
+
+    for c in collectors.values():
+        c.latency_list.clear()
+    e2e = LatencyCollector()
+    e2e.pre_hook()
+    out = generate(n, steps + 1)  # the prefill gives the first new token, each decode step one more
+    e2e.hook()
+    if any(len(row) != steps + 1 for row in out):
+        raise RuntimeError(f"context {n}: generated {[len(r) for r in out]} tokens, expected {steps + 1} per row")
+    tokens = {"context_encoding_model": n, "token_generation_model": steps}
+    report = {k: generate_report(c.latency_list, tokens.get(k, 0), batch, n_runs=1) for k, c in collectors.items()}
+    report["e2e_model"] = generate_report(e2e.latency_list, n + steps + 1, batch, n_runs=1)
+    report["timed_calls"] = {k: len(c.latency_list) for k, c in collectors.items()}
+    return report
 
 
 def _compiled(args) -> tuple[dict | list[dict], dict]:

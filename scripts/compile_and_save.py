@@ -36,7 +36,7 @@ from pathlib import Path
 from kimi_k2_neuron.arguments import add_weight_sharding_args, check_out_dir, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
-from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import add_verbose, check_host_resources, script_parser, sdk_missing, set_fp8_env, start
 
 
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
                                                   "HF folder is converted first, once, into <model>-neuron-<experts>")
-    p.add_argument("--out", required=True, help="compiled folder to write")
+    p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
+                                                "replaced once the new one is complete")
     p.add_argument("--tp", type=integer(1), required=True,
                    help="tensor-parallel degree (logical cores per model replica)")
     p.add_argument("--ep", type=integer(1), default=1,
@@ -117,21 +118,26 @@ def main(argv=None) -> int:
 
     try:
         from kimi_k2_neuron.convert import ensure_converted
-        from kimi_k2_neuron.neuron.serving import compile_model
+        from kimi_k2_neuron.neuron.serving import RECORD, compile_model
     except ImportError as e:
         return sdk_missing(e)
 
     try:
+        check_replaceable(Path(args.out), RECORD)
         t0 = time.monotonic()
         checkpoint = Path(args.model)
         if record is None:  # once, up front
             checkpoint, record = ensure_converted(args.model, scheme.name, workers=args.convert_workers)
             cfg = KimiK2Config.from_file(checkpoint)  # the converted checkpoint's, a new file
         options = _options(args, record.scheme, checkpoint)
-        if not _compile(compile_model, cfg, checkpoint, args.out, options, p.summary(), advice):
-            return 1
+        # Compiled beside --out and renamed once complete: an interrupted or failed compile leaves the earlier
+        # folder (or none), never NEFFs and a partial set of pre-sharded weights that vllm-neuron would try to load.
+        with atomic_folder(args.out) as folder:
+            _compile(compile_model, cfg, checkpoint, folder, options, p.summary(), advice)
     except KimiInputError as e:
         return fail(e)
+    except _CompileFailed:
+        return 1
     print(f"compiled to {args.out} in {(time.monotonic() - t0) / 60:.1f} min")
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
@@ -212,7 +218,18 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
     return 0
 
 
-def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice: str) -> bool:
+class _CompileFailed(Exception):
+    """Compiling failed and has said why (a traceback and the planner's advice)."""
+
+
+def check_replaceable(out: Path, record: str) -> None:
+    """--out is absent, empty or an earlier compile (holding `record`), which a finished compile replaces."""
+    if out.is_dir() and any(out.iterdir()) and not (out / record).is_file():
+        raise KimiInputError(f"--out {out}: not empty and not a finished compile (no {record} in it); give a new or "
+                             f"empty folder (the compile is written beside it and renamed once complete)")
+
+
+def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice: str) -> None:
     """compile_model; when a kernel prefill mode fails, NxDI's traceback and then the planner's fallback advice."""
     from kimi_k2_neuron.neuron import moe_paths
 
@@ -226,8 +243,7 @@ def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice:
         traceback.print_exc()
         print(f"error: compiling with --moe-prefill {options.moe_prefill} failed (traceback above)\n{advice}",
               file=sys.stderr)
-        return False
-    return True
+        raise _CompileFailed() from None
 
 
 if __name__ == "__main__":

@@ -20,15 +20,13 @@ made earlier (in an NxDI checkout, say) is still what an export writes.
 from __future__ import annotations
 
 import ast
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from kimi_k2_neuron.arguments import check_out_dir, fail
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX, run_command
+from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import script_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,24 +121,10 @@ def export(dest: Path) -> dict[str, Path]:
     none), never a folder that looks like an export and is not one."""
     check_dest(dest)
     modules = needed_modules()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=PARTIAL_SUFFIX, dir=dest.parent))
-    old = tmp.with_name(tmp.name + ".old")
-    try:
+    with atomic_folder(dest) as tmp:
         for rel, src in planned_files(modules).items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, tmp / rel)
-        if dest.exists():  # an earlier export (or an empty folder): stale modules must not survive
-            os.replace(dest, old)
-        try:
-            os.replace(tmp, dest)
-        except BaseException:
-            if old.exists() and not dest.exists():  # the earlier export back, rather than no export at all
-                os.replace(old, dest)
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
     return modules
 
 

@@ -57,7 +57,13 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
     streams = len(args.prompt) == 1 and not args.stop and not (args.cpu and args.tp > 1)
-    stream = (lambda s: print(s, end="", flush=True)) if streams else None
+    streamed = []  # text shown so far: a stop mid-stream ends its line before the stop's own line
+
+    def show(text: str) -> None:
+        streamed.append(text)
+        print(text, end="", flush=True)
+
+    stream = show if streams else None
     t0 = time.monotonic()
     try:
         checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
@@ -68,6 +74,10 @@ def main(argv=None) -> int:
         return fail(e)
     except RanksError as e:
         return fail(e, e.exit_code)
+    except KeyboardInterrupt:
+        if streamed:
+            print(flush=True)
+        raise
     seconds = time.monotonic() - t0
     if stream:
         print()

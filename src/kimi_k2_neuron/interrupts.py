@@ -1,7 +1,7 @@
 """How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
-code 130 / 143 (run_command); output files appear under their name only when complete (atomic_output,
-write_atomically: temp file, fsync, rename); and a conversion that did not finish is recognised, with the command
-that resumes it (unfinished_conversion).
+code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
+write_atomically: temp file, fsync, rename; atomic_folder: a hidden folder, renamed); and a conversion that did not
+finish is recognised, with the command that resumes it (unfinished_conversion).
 
 Stdlib only: every command and script installs its signal handling before importing torch.
 """
@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import threading
@@ -124,6 +125,34 @@ def atomic_output(path: str | Path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_folder(dest: str | Path):
+    """Yields a new hidden folder beside `dest` to fill; once the block ends without an error it takes `dest`'s
+    name (an earlier `dest` is removed, or put back if the rename fails), else it is removed. An interrupted run
+    therefore leaves the earlier folder or none, never one that looks complete and is not."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}{PARTIAL_SUFFIX}")
+    old = tmp.with_name(tmp.name + ".old")
+    for stale in (tmp, old):  # left by a killed process of the same id
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()  # the umask's mode, as a plain mkdir of `dest` would have (mkdtemp's 0700 would stay)
+    try:
+        yield tmp
+        if dest.exists():
+            os.replace(dest, old)
+        try:
+            os.replace(tmp, dest)
+        except BaseException:
+            if old.exists() and not dest.exists():
+                os.replace(old, dest)
+            raise
+        fsync_path(dest.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_atomically(path: str | Path, data: bytes | str) -> None:

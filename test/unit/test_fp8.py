@@ -124,3 +124,21 @@ def test_dequantize_refuses_nan_codes(code, one_line_error):
     w[2, 3] = code
     one_line_error(lambda: fp8.dequantize_blockwise(w.view(torch.float8_e4m3fn), torch.ones(1, 1), name="x.q_proj"),
                    "x.q_proj.weight", "NaN FP8 codes")
+
+
+@pytest.mark.parametrize("step", [1, 300, 1 << 18])  # one block row per step, a step inside a row, one step
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_in_steps_equals_one_pass(step, dtype, monkeypatch):
+    """dequantize_blockwise works a few block rows at a time: every code (and partial edge blocks) gives the bits
+    of torch's float8 conversion times its block's scale in float32, then cast, wherever the steps fall."""
+    monkeypatch.setattr(fp8, "_DEQUANT_STEP", step)
+    g = torch.Generator().manual_seed(step)
+    codes = torch.randint(0, 256, (300, 200), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x42  # no NaN
+    codes[:2, :128] = torch.arange(256, dtype=torch.uint8).view(2, 128)
+    codes[:2, :128][(codes[:2, :128] & 0x7F) == 0x7F] = 0
+    w = codes.view(torch.float8_e4m3fn)
+    s = torch.rand(3, 2, generator=g) * 1e-2 + 1e-3
+    want = w.float() * s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
+    got = fp8.dequantize_blockwise(w, s, (128, 128), out_dtype=dtype)
+    assert got.dtype == dtype and torch.equal(got, want.to(dtype))

@@ -24,39 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
 CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
-# The child: `target` (module:Class.method or module:function) patched to stop, on its nth call, inside the work: it
-# touches `marker` (the test then sends the signal) and sleeps. Then the command or script runs as from a shell.
-_CHILD = r"""
-import importlib, pathlib, runpy, sys, time
-marker, target, nth, what, *argv = sys.argv[1:]
-module, _, attr = target.partition(":")
-owner = importlib.import_module(module)
-*path, name = attr.split(".")
-for part in path:
-    owner = getattr(owner, part)
-original, calls = getattr(owner, name), [0]
-def paused(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == int(nth):
-        result = original(*args, **kwargs) if target.endswith("save_file") else None  # the file fully written
-        pathlib.Path(marker).touch()
-        time.sleep(120)
-        return result
-    return original(*args, **kwargs)
-setattr(owner, name, paused)
-sys.argv = [what, *argv]
-if what.endswith(".py"):
-    runpy.run_path(what, run_name="__main__")
-else:
-    runpy.run_module(what, run_name="__main__", alter_sys=True)
-"""
+# The child: test/pause_child.py, which pauses the command or script inside `target`'s nth call and touches a marker.
+PAUSE_CHILD = REPO / "test" / "pause_child.py"
 
 
 def interrupt(tmp_path: Path, sig: int, target: str, nth: int, what: str, *argv: str, env=None, times: int = 1):
     """Run `what` (kimi_k2_neuron.cli or a script's path) with argv, send `sig` (`times` times, back to back) once it
     is inside `target`'s nth call; returns (exit code, stdout, stderr)."""
     marker = tmp_path / f"marker-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(marker), target, str(nth), what, *argv],
+    proc = subprocess.Popen([sys.executable, str(PAUSE_CHILD), str(marker), target, str(nth), what, *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,  # bytes: keep the bars' \r
                             env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})})
     deadline = time.monotonic() + 120

@@ -120,3 +120,63 @@ def test_block_flags_of_a_block_too_large_for_carry_free_lane_counts():
     x[:32, 7::8] = 0x78
     flags, nan = block_flags(x, (64, 64))
     assert flags.tolist() == [[True]] and not nan
+
+
+def _simple_flags(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, bool]:
+    """The check block_flags makes, by comparisons: a block holds |code| beyond +-240; any code is NaN."""
+    (rows, cols), (br, bc) = x.shape, block
+    m = x & 0x7F
+    return (m > 0x77).view(rows // br, br, cols // bc, bc).any(3).any(1), bool((m == 0x7F).any())
+
+
+@pytest.mark.parametrize("shape, block", [((32, 32), (32, 32)), ((64, 96), (32, 32)), ((96, 40), (32, 8)),
+                                          ((40, 416), (8, 32)), ((24, 36), (8, 12))],
+                         ids=["one block", "lanes", "narrow blocks", "416 wide", "no lanes"])
+def test_block_flags_flag_exactly_what_comparisons_flag_for_every_code(shape, block):
+    """All 256 codes, one at a time, at the corners of blocks, at the first and last byte of an 8-byte lane and
+    at the matrix's edges, over a background of both signs just inside +-240: the lane arithmetic flags exactly
+    the blocks, and finds exactly the NaNs, that byte comparisons do."""
+    (rows, cols), (br, bc) = shape, block
+    g = torch.Generator().manual_seed(rows * cols)
+    background = torch.randint(0, 0x78, shape, generator=g, dtype=torch.uint8)
+    background |= torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+    places = {(0, 0), (0, cols - 1), (rows - 1, 0), (rows - 1, cols - 1), (br - 1, bc - 1), (br % rows, bc % cols),
+              (rows // 2, 7), (rows // 2, 8), (1, cols - 8)}
+    for code in range(256):
+        for r, c in places:
+            x = background.clone()
+            x[r, c] = code
+            flags, nan = block_flags(x, block)
+            want_flags, want_nan = _simple_flags(x, block)
+            assert torch.equal(flags, want_flags) and nan == want_nan, (code, r, c)
+    assert not block_flags(background, block)[0].any()
+
+
+@pytest.mark.parametrize("offset", [0, 3, 4])  # lanes, bytes (not 8-aligned), int32 but not int64 aligned
+def test_rescale_blocks_at_any_alignment_equals_the_float_reference(offset):
+    g = torch.Generator().manual_seed(offset)
+    w, s = quantize_blockwise(torch.randn(128, 256, generator=g), (128, 128))
+    buf = torch.empty(w.numel() + offset, dtype=torch.uint8)
+    codes = buf[offset:].view(128, 256)
+    codes.copy_(w.view(torch.uint8))
+    codes[5, 9] = 0x01  # a subnormal in a halved block
+    dst = torch.empty(256, 128, dtype=torch.uint8)
+    scale, st = fp8_to_blockwise(codes.view(torch.float8_e4m3fn), s, (128, 128), (32, 32), dst, "w", inplace=True)
+    want, want_scale, rescaled, inexact = _reference_blockwise(w.view(torch.uint8).clone().index_put_(
+        (torch.tensor([5]), torch.tensor([9])), torch.tensor([1], dtype=torch.uint8)).view(torch.float8_e4m3fn),
+        s, (128, 128), (32, 32))
+    assert torch.equal(dst, want) and torch.equal(scale, want_scale) and (st.rescaled, st.inexact) == (rescaled,
+                                                                                                       inexact)
+
+
+@pytest.mark.parametrize("rows, cols, offset", [(300, 256, 0), (257, 260, 0), (256, 258, 0), (300, 256, 1),
+                                                (300, 256, 4), (16, 16, 0)])
+def test_transpose_into_is_the_transpose(rows, cols, offset):
+    """The two-step transpose (int32 lanes, then 4-byte groups) and its fallbacks (columns not a multiple of 4,
+    an unaligned start, a small matrix) all give src.T."""
+    g = torch.Generator().manual_seed(rows + cols + offset)
+    buf = torch.randint(0, 256, (rows * cols + offset,), generator=g, dtype=torch.uint8)
+    src = buf[offset:].view(rows, cols)
+    dst = torch.empty(cols, rows, dtype=torch.uint8)
+    nxd_fp8.transpose_into(dst, src)
+    assert torch.equal(dst, src.t())

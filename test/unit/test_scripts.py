@@ -126,15 +126,15 @@ def test_a_failed_kernel_compile_prints_the_planners_fallback_advice(capsys, mon
 
     advice = "if neuronx-cc fails in the --moe-prefill shard-on-block kernel, these fit by the planner: ..."
     kernel_mode = SimpleNamespace(moe_prefill="shard-on-block")
-    assert script._compile(fails, None, "/c", "/out", kernel_mode, "s", advice) is False
+    with pytest.raises(script._CompileFailed):  # exit code 1; the compiled folder is not renamed into place
+        script._compile(fails, None, "/c", "/out", kernel_mode, "s", advice)
     err = capsys.readouterr().err
     assert "RuntimeError: neuronx-cc: compilation failed" in err  # NxDI's traceback first
     assert err.endswith("error: compiling with --moe-prefill shard-on-block failed (traceback above)\n" + advice
                         + "\n")
     with pytest.raises(RuntimeError):  # a mode with no kernel: the error as it is
         script._compile(fails, None, "/c", "/out", SimpleNamespace(moe_prefill="torch"), "s", advice)
-    assert script._compile(lambda *a, **k: None, None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s",
-                           advice) is True
+    script._compile(lambda *a, **k: None, None, "/c", "/out", SimpleNamespace(moe_prefill="shard-on-block"), "s", advice)
 
 
 # -- run_inference.py: the generation flags, checked before the Neuron SDK is imported ---------------------------------

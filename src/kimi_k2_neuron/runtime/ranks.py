@@ -68,7 +68,7 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
                 read, write = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_rank_main, args=(target, rank, env, os.getpid(), write, args),
                                 name=f"rank-{rank}")
-                with _deferred(_STOPPING):
+                with _deferred(_STOPPING), _rank_environment():
                     starting[0] = True
                     try:
                         p.start()
@@ -83,6 +83,23 @@ def run_ranks(target, nprocs: int, args: tuple = ()) -> None:
     finally:
         with _signals(signal.SIG_IGN):  # a second Ctrl-C must not cut the clean-up short (it ends within seconds)
             _stop(procs)
+
+
+@contextmanager
+def _rank_environment():
+    """What a rank must have in its environment from its start (torch reads it when the rank unpickles its target):
+    c10's log level ERROR unless set. When the ranks are stopped, one still blocked in a store or gloo call (where its
+    Python handler cannot run) sees its peer gone and logs a C++ warning with a stack dump; errors still print."""
+    before = os.environ.get(_LOG_LEVEL)
+    os.environ[_LOG_LEVEL] = before or "ERROR"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_LOG_LEVEL]
+
+
+_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
 def free_port() -> int:
