@@ -33,11 +33,12 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import add_weight_sharding_args, check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import add_kv_layout_args, add_weight_sharding_args, check_out_dir, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
-from kimi_k2_neuron.launch import add_verbose, check_host_resources, script_parser, sdk_missing, set_fp8_env, start
+from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, script_parser,
+                                  sdk_missing, set_fp8_env, start)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
     p.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                    help="how prefill runs the routed experts: " + moe_paths.modes_help())
+    add_kv_layout_args(p)
     add_weight_sharding_args(p)
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks
 
     try:
+        check_layout_flags(args)
         check_for_vllm(args)
         if not args.dry_run:
             check_out_dir(args.out, "--out")  # before hours of conversion and compilation
@@ -157,16 +160,16 @@ def check_for_vllm(args) -> None:
         if given:
             raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
                                  f"one call and samples on the device)")
-    for flag, given in (("--shard-attn-a", args.shard_attn_a), ("--shard-router", args.shard_router)):
-        if given:
-            raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron builds the model from its own request, "
-                                 f"which carries no weight layout)")
+    given = _layout(args).flags
+    if given:
+        raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
+                             f"request, which carries no layout, and drives the prefills itself)")
 
 
 def _layout(args):
-    from kimi_k2_neuron.neuron.contract import LayoutOptions
+    from kimi_k2_neuron.launch import layout_options
 
-    return LayoutOptions(shard_attn_a=args.shard_attn_a, shard_router=args.shard_router)
+    return layout_options(args)
 
 
 def _options(args, scheme, checkpoint):

@@ -21,7 +21,7 @@ from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_wei
                         sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, atomic_output, resume_hint, run_command
-from .launch import cpu_backend, cpu_generate, cpu_options
+from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime.ranks import RanksError
 
@@ -84,12 +84,7 @@ NXDI_CPU = "nxdi-cpu"
 
 def _check_backend(a) -> None:
     """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
-    from .parallel import check_kv_group
-
-    check_kv_group(a.tp, kv_group_of(a))
-    for flag in ("--shard-attn-a", "--shard-router"):
-        if getattr(a, flag[2:].replace("-", "_"), False) and a.tp == 1:
-            raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
+    check_layout_flags(a)
     if a.backend == NXDI_CPU:
         if a.layer_streamed:
             raise KimiInputError("--layer-streamed: only with --backend core (NxDI builds the whole model)")
@@ -453,7 +448,7 @@ def _model_opts(s, core_tp: bool = True):
     s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
-    add_kv_layout_args(s, sharded_cache=core_tp)  # the sharded cache needs ranks: not the one-process generate
+    add_kv_layout_args(s)
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,8 @@ import logging
 import os
 import sys
 
-from .arguments import Parser, cache_dir, fail, integer, kv_group_of, sampling_values
+from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, cache_dir, fail, integer,
+                        kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
@@ -34,6 +35,9 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=integer(1), default=1, metavar="N", help="with --cpu: tensor-parallel CPU ranks")
     p.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"with --cpu: the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
+    layout = p.add_argument_group("with --cpu, the long-context layout (a compiled folder has its own)")
+    add_kv_layout_args(layout)
+    add_weight_sharding_args(layout)
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:
@@ -44,6 +48,7 @@ def check_compiled_args(args: argparse.Namespace) -> None:
             raise KimiInputError("--cpu: needs --model DIR and no --compiled (it builds the model from the checkpoint)")
         from .nxdi_cpu.options import check_layout
 
+        check_layout_flags(args)
         check_layout(cpu_options(args))
         return
     if not args.compiled:
@@ -54,9 +59,23 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         from .config import KimiK2Config
 
         KimiK2Config.from_file(args.model)
+    given = layout_options(args).flags
+    if given:
+        raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
     for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
         if given:
             raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
+
+
+def check_layout_flags(args: argparse.Namespace) -> None:
+    """The layout flags' rules that --tp decides, before any work: the KV group divides it, and a weight split needs
+    two ranks or more."""
+    from .parallel import check_kv_group
+
+    check_kv_group(args.tp, kv_group_of(args))
+    for flag in ("--shard-attn-a", "--shard-router"):
+        if getattr(args, flag[2:].replace("-", "_"), False) and args.tp == 1:
+            raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
 
 
 def cpu_options(args: argparse.Namespace):

@@ -76,6 +76,26 @@ def test_generate_equals_the_core_runners_tokens(tiny, env):
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["backend"] == "nxdi-cpu"
 
 
+def test_generate_and_run_inference_with_the_long_context_layout_give_the_core_runners_tokens(tiny, env):
+    """The layout flags end to end at TP=2 (issue 17): the sequence-sharded cache with the sharded q_a|kv_a and
+    router through `generate --backend nxdi-cpu`, the sharded cache through run_inference.py --cpu; greedy tokens
+    equal the core runner's replicated one-process run."""
+    model = tiny["fp8"]
+    args = ["generate", "--model", str(model), "--prompt", "Hello, Kimi!", "--prompt", "Bye", "--max-new-tokens", "6",
+            "--json"]
+    nxdi = _run(args + ["--backend", "nxdi-cpu", "--tp", "2", "--kv-shard", "sequence", "--shard-attn-a",
+                        "--shard-router"], env)
+    core = _run(args, env)
+    assert nxdi.returncode == 0 and core.returncode == 0, nxdi.stderr[-3000:] + core.stderr[-3000:]
+    got, want = json.loads(nxdi.stdout), json.loads(core.stdout)
+    assert got["tokens"] == want["tokens"] and got["text"] == want["text"]
+    tok = KimiTokenizer.from_dir(model)
+    r = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "6", "--tp", "2",
+              "--kv-shard", "sequence"], env, "run_inference.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout == tok.decode(want["tokens"][0], skip_special=True) + "\n"
+
+
 def test_run_inference_cpu_is_the_runner_end_to_end(tiny, env):
     """Chat template, streamed text (one prompt), both stop ids, sampling flags: the tokens the core runner picks."""
     model = tiny["fp8"]
@@ -172,6 +192,22 @@ def test_a_folder_compile_and_save_did_not_write_is_one_line(script, env, tmp_pa
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert r.stderr.strip().splitlines()[-1] == (f"error: --compiled {tmp_path}: not a folder written by "
                                                  f"scripts/compile_and_save.py (no kimi_k2_neuron.json in it)")
+
+
+def test_compile_dry_run_with_the_sequence_sharded_cache(tmp_path, env):
+    """--kv-shard sequence at TP=64: NxDI's flash decoding on, the KV group (all 64 ranks) in the saved layout, and
+    the plan's cache at 8,192 / 64 + 128 slots per rank."""
+    model = tmp_path / "k2"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "test/data/configs/kimi-k2-instruct-0905.json").read_text())
+    r = _run(["--model", str(model), "--out", str(tmp_path / "out"), "--tp", "64", "--seq-len", "8192",
+              "--max-context-length", "1024", "--kv-shard", "sequence", "--dry-run"], env,
+             script="compile_and_save.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["neuron_config"]["flash_decoding_enabled"] is True and got["neuron_config"]["seq_len"] == 8192
+    assert got["kimi_k2_layout"]["kv_group"] == 64 and got["plan"]["layout"]["kv_group"] == 64
+    assert not (tmp_path / "out").exists()
 
 
 def test_compile_dry_run_prints_the_neuron_config_and_touches_nothing(tmp_path, env):

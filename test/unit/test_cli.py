@@ -51,7 +51,7 @@ BAD_ARGS = [
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "2", "--kv-group", "2"],
      "--kv-group 2: only with --kv-shard sequence"),
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence"],
-     "unrecognized arguments: --kv-shard sequence"),  # generate runs one rank: nothing to shard the cache over
+     "--kv-shard sequence: a KV group of 1 rank holds the whole cache"),  # the core generates in one process
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "rows"],
      "--kv-shard: invalid choice: 'rows'"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--prefill-chunk", "0"],

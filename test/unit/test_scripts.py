@@ -86,9 +86,10 @@ def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path
 
 
 @pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"],
-                                   ["--shard-attn-a"], ["--shard-router"]],
+                                   ["--shard-attn-a"], ["--shard-router"], ["--kv-shard", "sequence"],
+                                   ["--prefill-chunk", "16"]],
                          ids=["output-logits", "no-on-device-sampling", "max-context-length", "shard-attn-a",
-                              "shard-router"])
+                              "shard-router", "kv-shard", "prefill-chunk"])
 def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny_dirs, tmp_path, one_line_error, flags):
     """vllm-neuron prefills up to --max-model-len in one call and samples on the device, and builds the model from its
     own request, which carries no weight layout: refused before anything."""
@@ -334,14 +335,22 @@ SCRIPT_BAD_ARGS = [
     ("run_inference", ["--cpu", "--prompt", "hi"], "--cpu: needs --model DIR"),
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty"),
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
+    # a compiled folder carries its own layout; with --cpu the flags follow the CLI's rules
+    ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--prefill-chunk", "8"],
+     "--prefill-chunk 8: only with --cpu (a compiled folder has its own layout)"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--shard-router"], "--shard-router: only with --cpu"),
+    ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--tp", "4", "--kv-shard", "sequence",
+                       "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
+    ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--shard-attn-a"],
+     "--shard-attn-a: splits a layer across ranks; give --tp 2 or more"),
 ]
 
 
 @pytest.mark.parametrize("name, argv, words", SCRIPT_BAD_ARGS,
                          ids=[f"{n} {' '.join(a)}"[:60] for n, a, _ in SCRIPT_BAD_ARGS])
 def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tmp_path, capsys, monkeypatch,
-                                                           one_line_error):
+                                                           one_line_error, tiny_dirs):
     _parser(name, monkeypatch)
-    rc, out, err = _run_script(name, [a.format(tmp=tmp_path) for a in argv], capsys)
+    rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny_dirs["fp8"]) for a in argv], capsys)
     one_line_error.exit(rc, err, words)
     assert out == "" and list(tmp_path.iterdir()) == []

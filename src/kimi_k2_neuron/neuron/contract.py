@@ -79,6 +79,14 @@ class LayoutOptions:
     def sequence_sharded(self) -> bool:
         return self.kv_group is not None
 
+    @property
+    def flags(self) -> list[str]:
+        """The command-line flags that ask for this layout (none for the default)."""
+        given = ((f"--kv-shard sequence --kv-group {self.kv_group}", self.sequence_sharded),
+                 (f"--prefill-chunk {self.prefill_chunk}", self.prefill_chunk is not None),
+                 ("--shard-attn-a", self.shard_attn_a), ("--shard-router", self.shard_router))
+        return [flag for flag, on in given if on]
+
 
 # NxDI's flash-decoding cache keeps this many slots per rank beyond seq_len / G: non-owners of a decoded token write
 # it into the last one, which no mask exposes (NXDI_CONTRACT.md: fd-cache-size).
