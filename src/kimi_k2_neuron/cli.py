@@ -338,7 +338,6 @@ def _logits_parser(sub) -> None:
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
-    add_weight_sharding_args(s)
 
 
 def _generate_parser(sub) -> None:
@@ -449,6 +448,7 @@ def _model_opts(s, core_tp: bool = True):
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
     add_kv_layout_args(s)
+    add_weight_sharding_args(s)
 
 
 def main(argv=None) -> int:
