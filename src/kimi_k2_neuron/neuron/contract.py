@@ -144,13 +144,6 @@ def layout_of(config) -> LayoutOptions:
     return LayoutOptions(**value)
 
 
-def check_shell_layout(layout: LayoutOptions) -> None:
-    """What of the layout the NxDI shell does not build yet: its chunk submodel reads a replicated cache."""
-    if layout.sequence_sharded and layout.prefill_chunk:
-        raise KimiInputError(f"--prefill-chunk {layout.prefill_chunk} with --kv-shard sequence: the NxDI shell's "
-                             f"chunk submodel reads a replicated cache (not built yet; the core backend runs both)")
-
-
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
@@ -306,7 +299,6 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    check_shell_layout(o.layout)
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill, o.layout,
                           prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)
