@@ -18,7 +18,8 @@ MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), t
   groups of 2): two ragged prompts, each longer than 2.5 chunks, then >= 3 x TP decode steps == NxDI's replicated
   one-shot run at TP=1 (1e-4 of the largest |logit|); each rank's cache slot j == the TP=1 cache at position
   j * G + rank % G; a rank attending every chunk entry (each counted G times in the merge) fails that comparison;
-  NxDI's generation over it gives the core runner's greedy tokens.
+  NxDI's generation over it, and `logits --backend nxdi-cpu --tp 2 --kv-shard sequence --prefill-chunk N`, give the
+  core runner's greedy tokens and logits.
 Not covered: the trn2 graph (neuronx-cc, NKI kernels).
 """
 
@@ -234,3 +235,17 @@ def test_generation_with_chunks_over_the_sharded_cache_gives_the_core_runners_to
     runner = CpuRunner(ckpt)
     assert tokens == [runner.generate([row], 6, stop_ids=set()).tokens[0] for row in RAGGED]
     assert "chunked_prefill_model" in report
+
+
+def test_the_logits_command_runs_chunks_over_the_sharded_cache_end_to_end(ckpt, env, tmp_path):
+    """`kimi-k2-neuron logits --backend nxdi-cpu --tp 2 --kv-shard sequence --prefill-chunk 8`, prompts of 2.6-2.9
+    chunks then 7 teacher-forced steps, against the core runner (an independent implementation)."""
+    out = tmp_path / "l.safetensors"
+    ids = ";".join(",".join(map(str, r)) for r in RAGGED)
+    r = _cli(["logits", "--backend", "nxdi-cpu", "--tp", "2", "--kv-shard", "sequence", "--prefill-chunk", str(N),
+              "--model", ckpt, "--input-ids", ids, "--prefill-len", str(RAGGED_PREFILL[0]), "--out", str(out)], env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "chunked_prefill_model" in r.stderr
+    got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(RAGGED, RAGGED_PREFILL[0])
+    for i, row in enumerate(RAGGED):
+        assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
