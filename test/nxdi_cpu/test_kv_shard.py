@@ -163,12 +163,12 @@ def test_the_flash_decoding_graphs_trace_clean_at_one_rank(ckpt, torch_fill_pref
 
 # -- the config through NxDI's save and load; refusals ---------------------------------------------------------------
 
-def _serving(ckpt, kv_group=4):
+def _serving(ckpt, kv_group=4, seq_len=64):
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.formats.record import ConversionRecord
 
     cfg = KimiK2Config.from_file(ckpt)
-    opts = dict(tp=4, lnc=None, seq_len=64, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
+    opts = dict(tp=4, lnc=None, seq_len=seq_len, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
                 moe_prefill="torch", layout=contract.LayoutOptions(kv_group=kv_group),
                 extra={"on_cpu": True, "torch_dtype": torch.float32})
     return KimiK2InferenceConfig.for_serving(cfg, contract.ServeOptions(**opts))

@@ -1,8 +1,10 @@
 """The chunked-prefill submodel and its driver (--prefill-chunk N). A prompt longer than N is prefilled one row at a
 time: NxDI's context-encoding submodel (bucket N, batch 1, continuous batching) on its first N tokens, then a third
 submodel, `chunked_prefill_model`, on each further N tokens, attending to the row's cache plus causally within the
-chunk through MLAttention.attend_sharded (the one multi-token path; at a KV group of 1 the cache is replicated). The
-graph's size does not grow with the prompt (NXDI_CONTRACT.md: chunk-submodel).
+chunk through MLAttention.attend_sharded (the one multi-token path). With the replicated cache that is a KV group of
+1; with the sequence-sharded one each rank attends its slots and the chunk entries it owns, merged across the group,
+and writes those (NXDI_CONTRACT.md: fd-chunk). The graph's size does not grow with the prompt (NXDI_CONTRACT.md:
+chunk-submodel).
 
 Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
 """
