@@ -127,7 +127,8 @@ def test_async_mode_is_refused_with_chunks(ckpt):
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
-                                 moe_prefill="torch", layout=contract.LayoutOptions(prefill_chunk=N), extra={"on_cpu": True, "async_mode": True})
+                                 moe_prefill="torch", layout=contract.LayoutOptions(prefill_chunk=N),
+                                 extra={"on_cpu": True, "async_mode": True})
     with pytest.raises(KimiInputError) as info:
         KimiK2InferenceConfig.for_serving(o.config, opts)
     assert "\n" not in str(info.value) and "prefill_chunk=8: async_mode=True" in str(info.value)

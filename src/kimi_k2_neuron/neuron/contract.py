@@ -210,7 +210,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     )
     if o.continuous_batching or o.layout.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
         kw["is_continuous_batching"] = True
-    if o.layout.sequence_sharded:  # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+    # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+    if o.layout.sequence_sharded:
         kw["flash_decoding_enabled"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
