@@ -19,7 +19,7 @@ MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), t
   one-shot run at TP=1 (1e-4 of the largest |logit|); each rank's cache slot j == the TP=1 cache at position
   j * G + rank % G; a rank attending every chunk entry (each counted G times in the merge) fails that comparison;
   NxDI's generation over it, and `logits --backend nxdi-cpu --tp 2 --kv-shard sequence --prefill-chunk N`, give the
-  core runner's greedy tokens and logits.
+  core runner's greedy tokens and logits. The chunk's masks are NxDI's mask_util (speculation's) on the owned entries.
 Not covered: the trn2 graph (neuronx-cc, NKI kernels).
 """
 
@@ -250,3 +250,26 @@ def test_the_logits_command_runs_chunks_over_the_sharded_cache_end_to_end(ckpt, 
     got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(RAGGED, RAGGED_PREFILL[0])
     for i, row in enumerate(RAGGED):
         assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_sharded_chunk_masks_are_nxdis_speculation_masks_over_the_owned_entries(group):
+    """NxDI's multi-token flash-decoding masks (mask_util, as for speculation; NXDI_CONTRACT.md: fd-chunk): its prior
+    mask is ours, and its active mask over all N entries is ours on the owned ones and False on the others."""
+    from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size, mask_util
+
+    from kimi_k2_neuron.neuron import chunked_prefill as cp
+
+    cache = get_cache_size(64, group)
+    for start in (8, 16, 40):
+        positions = torch.arange(start, start + N)[None]
+        for r in range(group):
+            rank = torch.tensor([r])
+            active_all, prior_all = mask_util(positions, rank, group, cache)
+            prior, active = cp.chunk_masks(positions, cache, group, rank)
+            assert torch.equal(prior[:, 0], prior_all.bool())
+            owned = cp.owned_index(N, group, r)
+            assert torch.equal(active[:, 0], active_all[:, :, owned].bool())
+            others = torch.ones(N, dtype=torch.bool)
+            others[owned] = False
+            assert not active_all[:, :, others].any()
