@@ -14,16 +14,24 @@ MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), t
   (its path bypasses the driver). The contract's refusals (N not dividing seq_len, another --max-context-length,
   N % 128 on shard-on-block) are test/unit/test_contract.py's, trace-cpu's chunk without --prefill-chunk
   test/unit/test_cli.py's.
-Not covered: the trn2 graph (neuronx-cc, NKI kernels), a sequence-sharded cache (the chunk masks are the G=1 case).
+- With the sequence-sharded cache (`--kv-shard sequence`, NxDI's flash decoding) at TP=2 (G=2) and TP=4 (G=4, and two
+  groups of 2): two ragged prompts, each longer than 2.5 chunks, then >= 3 x TP decode steps == NxDI's replicated
+  one-shot run at TP=1 (1e-4 of the largest |logit|); each rank's cache slot j == the TP=1 cache at position
+  j * G + rank % G; a rank attending every chunk entry (each counted G times in the merge) fails that comparison;
+  NxDI's generation over it, and `logits --backend nxdi-cpu --tp 2 --kv-shard sequence --prefill-chunk N`, give the
+  core runner's greedy tokens and logits. The chunk's masks are NxDI's mask_util (speculation's) on the owned entries.
+Not covered: the trn2 graph (neuronx-cc, NKI kernels).
 """
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from nxdi_support import rel_err
+from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import contract
@@ -119,7 +127,8 @@ def test_async_mode_is_refused_with_chunks(ckpt):
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
-                                 moe_prefill="torch", layout=contract.LayoutOptions(prefill_chunk=N), extra={"on_cpu": True, "async_mode": True})
+                                 moe_prefill="torch", layout=contract.LayoutOptions(prefill_chunk=N),
+                                 extra={"on_cpu": True, "async_mode": True})
     with pytest.raises(KimiInputError) as info:
         KimiK2InferenceConfig.for_serving(o.config, opts)
     assert "\n" not in str(info.value) and "prefill_chunk=8: async_mode=True" in str(info.value)
@@ -138,3 +147,129 @@ def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     assert contract.layout_of(KimiK2InferenceConfig.load(str(tmp_path))).prefill_chunk == N
+
+
+# -- the sequence-sharded cache ----------------------------------------------------------------------------------------
+
+# > 2.5 chunks of prefill each, then 13 and 12 decode steps (>= 3 x TP at TP=4)
+LONG = [[(13 * i + 7) % 500 + 3 for i in range(36)], [(29 * i + 1) % 500 + 9 for i in range(33)]]
+LONG_PREFILL = [23, 21]
+
+
+def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False):
+    """Teacher-forced logits and the number of chunk-submodel calls; this rank's K cache buffers saved to out_dir.
+    attend_every_chunk_entry: the mutation, every rank attending all N chunk entries causally (each counted G times
+    in attend_sharded's merge), its writes kept right."""
+    from kimi_k2_neuron.neuron import chunked_prefill as cp
+
+    app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
+    calls = []
+    if o.prefill_chunk:
+        app.chunked_prefill_model.model.register_forward_pre_hook(lambda *_: calls.append(1))
+    if attend_every_chunk_entry:
+        g, r = o.kv_group, rank % o.kv_group
+        for layer in app.chunked_prefill_model.model.layers:
+            layer.flash_decoding = False  # no owner filter in the chunk branch
+        write = cp.write_rows
+        cp.owned_positions = lambda pos, group=1, rank=0: pos
+        cp.write_rows = lambda cache, update, seq_ids, slots: write(
+            cache, update[:, :, cp.owned_index(update.shape[2], g, r)], seq_ids, slots)
+    logits = backend.teacher_forced_logits(app, rows, prefill)
+    cache = app.token_generation_model.model.kv_mgr.past_key_values
+    save_file({f"k{i}": t.data.clone() for i, t in enumerate(cache[0::2])}, f"{out_dir}/rank{rank}.safetensors")
+    return logits, len(calls)
+
+
+@pytest.fixture(scope="module")
+def per_channel(converted):
+    return str(converted[("fp8", "fp8-per-channel")])  # its scales shard 4 ways; blockwise only 2
+
+
+@pytest.fixture(scope="module")
+def one_shot(per_channel, tmp_path_factory):
+    """TP=1, NxDI's replicated cache, the whole prompt in one context-encoding call: logits and K cache."""
+    out = tmp_path_factory.mktemp("one_shot")
+    o = backend.prepare(backend.CpuOptions(model=per_channel), max(map(len, LONG)), len(LONG))
+    logits, _ = backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out))
+    return logits, load_file(out / "rank0.safetensors")
+
+
+def run_sharded(ckpt, tp, g, out_dir, mutate=False):
+    o = backend.CpuOptions(model=ckpt, tp=tp, kv_group=g, prefill_chunk=N)
+    o = backend.prepare(o, max(map(len, LONG)), len(LONG))
+    return o, backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out_dir), mutate)
+
+
+@pytest.mark.parametrize("tp,g", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "tp4-two-groups"])
+def test_chunks_over_the_sharded_cache_give_the_one_shot_logits_and_cache(per_channel, one_shot, tmp_path, tp, g):
+    assert all(p > 2.5 * N and len(r) - p >= 3 * tp for r, p in zip(LONG, LONG_PREFILL))
+    want, full = one_shot
+    o, (got, calls) = run_sharded(per_channel, tp, g, tmp_path)
+    assert calls == 2 + 2  # rows of 23 and 21 prompt tokens: 2 chunks after the CTE's each
+    for r, row in enumerate(LONG):
+        assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r}"
+    slots = contract.cache_slots(backend.padded_seq_len(o, max(map(len, LONG))), o.layout)
+    for rank in range(tp):
+        cache = load_file(Path(tmp_path) / f"rank{rank}.safetensors")
+        for layer, name in enumerate(sorted(full, key=lambda k: int(k[1:]))):
+            kc, kf = cache[name], full[name]
+            assert kc.shape == (len(LONG), 1, slots, kf.shape[-1])
+            for b, row in enumerate(LONG):
+                positions = torch.arange(rank % g, len(row), g)  # every prompt and decoded position rank r owns
+                torch.testing.assert_close(kc[b, 0, :len(positions)], kf[b, 0, positions], rtol=1e-5,
+                                           atol=1e-5 * kf.abs().max().item(), msg=f"rank {rank} layer {layer}")
+
+
+def test_counting_every_chunk_entry_on_every_rank_is_caught(per_channel, one_shot, tmp_path):
+    """The mutation the owner filter prevents: the chunk's keys visible on all G ranks are counted G times."""
+    want, _ = one_shot
+    _, (got, _) = run_sharded(per_channel, 2, 2, tmp_path, mutate=True)
+    after_cte = [rel_err(got[r, N:len(row)], want[r, N:len(row)]) for r, row in enumerate(LONG)]
+    assert min(after_cte) > 1e-2, after_cte
+    for r in range(len(LONG)):  # the context-encoding call (positions < N) is untouched
+        assert rel_err(got[r, :N], want[r, :N]) < 1e-4
+
+
+def test_generation_with_chunks_over_the_sharded_cache_gives_the_core_runners_tokens(ckpt):
+    g = backend.Generation(rows=RAGGED, stop_ids=(), max_new_tokens=6)
+    tokens, report = backend.generate(backend.CpuOptions(model=ckpt, tp=2, kv_group=2, prefill_chunk=N), g)
+    runner = CpuRunner(ckpt)
+    assert tokens == [runner.generate([row], 6, stop_ids=set()).tokens[0] for row in RAGGED]
+    assert "chunked_prefill_model" in report
+
+
+def test_the_logits_command_runs_chunks_over_the_sharded_cache_end_to_end(ckpt, env, tmp_path):
+    """`kimi-k2-neuron logits --backend nxdi-cpu --tp 2 --kv-shard sequence --prefill-chunk 8`, prompts of 2.6-2.9
+    chunks then 7 teacher-forced steps, against the core runner (an independent implementation)."""
+    out = tmp_path / "l.safetensors"
+    ids = ";".join(",".join(map(str, r)) for r in RAGGED)
+    r = _cli(["logits", "--backend", "nxdi-cpu", "--tp", "2", "--kv-shard", "sequence", "--prefill-chunk", str(N),
+              "--model", ckpt, "--input-ids", ids, "--prefill-len", str(RAGGED_PREFILL[0]), "--out", str(out)], env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "chunked_prefill_model" in r.stderr
+    got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(RAGGED, RAGGED_PREFILL[0])
+    for i, row in enumerate(RAGGED):
+        assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_the_sharded_chunk_masks_are_nxdis_speculation_masks_over_the_owned_entries(group):
+    """NxDI's multi-token flash-decoding masks (mask_util, as for speculation; NXDI_CONTRACT.md: fd-chunk): its prior
+    mask is ours, and its active mask over all N entries is ours on the owned ones and False on the others."""
+    from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size, mask_util
+
+    from kimi_k2_neuron.neuron import chunked_prefill as cp
+
+    cache = get_cache_size(64, group)
+    for start in (8, 16, 40):
+        positions = torch.arange(start, start + N)[None]
+        for r in range(group):
+            rank = torch.tensor([r])
+            active_all, prior_all = mask_util(positions, rank, group, cache)
+            prior, active = cp.chunk_masks(positions, cache, group, rank)
+            assert torch.equal(prior[:, 0], prior_all.bool())
+            owned = cp.owned_index(N, group, r)
+            assert torch.equal(active[:, 0], active_all[:, :, owned].bool())
+            others = torch.ones(N, dtype=torch.bool)
+            others[owned] = False
+            assert not active_all[:, :, others].any()

@@ -147,14 +147,16 @@ def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
         assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
 
 
-@pytest.mark.parametrize("submodel", ["context", "token"])
-def test_the_flash_decoding_graphs_trace_clean_at_one_rank(ckpt, torch_fill_prefix, submodel):  # noqa: F811
+@pytest.mark.parametrize("submodel,chunk,batch", [("context", None, 2), ("token", None, 2), ("chunk", 4, 1)])
+def test_the_flash_decoding_graphs_trace_clean_at_one_rank(ckpt, torch_fill_prefix, submodel, chunk,  # noqa: F811
+                                                           batch):
     """At TP=1 (G=1: torch_xla's CPU device runs one process) the flash-decoding submodels trace to one clean graph
     equal to eager: NxDI's mask_util masks and 128-slot window, the garbage-slot K write, the CTE filter indexed by
-    SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives. TP > 1: test_xla_trace.py's
-    refusal says what it would take."""
-    o = backend.CpuOptions(model=ckpt, dtype="float32", kv_group=1)
-    r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=2))
+    SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
+    masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
+    what it would take."""
+    o = backend.CpuOptions(model=ckpt, dtype="float32", kv_group=1, prefill_chunk=chunk)
+    r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
     assert r.stopped is None and r.clean, r.format()
     assert r.max_rel_diff_vs_eager < 1e-5 and r.argmax_equal, r.format()
 

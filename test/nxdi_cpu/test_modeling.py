@@ -392,7 +392,7 @@ def test_the_kv_group_seam_through_nxds_collectives_is_the_cores(tmp_path, g):
     _reduce_scatter_along_dim over the group initialize_kv_group makes; NXDI_CONTRACT.md: cpu-collectives) at TP=4,
     one group of 4 and two groups of 2, give the core seam's results (its sharded attention is checked against
     transformers in test/unit/test_tp.py), and attend_sharded through either seam gives the same output. The model
-    does not use this yet: the shell refuses --kv-shard sequence until its cache manager and masks are built."""
+    uses it with --kv-shard sequence (test_kv_shard.py, test_chunk_submodel.py)."""
     from safetensors.torch import load_file
 
     from kimi_k2_neuron.runtime.ranks import run_ranks

@@ -36,6 +36,61 @@ def test_prior_then_active_mask_is_the_one_shot_causal_mask(start, n, cache):
     assert torch.equal(torch.cat([prior[0, 0, :, :start], active[0, 0]], dim=-1), want)
 
 
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("start,n", [(0, 8), (8, 8), (16, 4), (24, 8)])
+def test_sharded_chunk_masks_element_by_element(group, start, n):
+    """Rank r of a KV group of G: slot s holds position s*G + r; of the chunk it keeps entries r, r + G, ... Every
+    (query, key) pair is checked against positions: the prior mask shows the slots whose position precedes the
+    chunk, the active one the owned entries at or before the query. At G = 1 they are the replicated masks."""
+    cache = 32 // group + 3  # a few reserve slots past the row
+    positions = torch.arange(start, start + n)[None]
+    for r in range(group):
+        prior, active = cp.chunk_masks(positions, cache, group, torch.tensor([r]))
+        assert prior.shape == (1, 1, n, cache) and active.shape == (1, 1, n, n // group)
+        owned = cp.owned_positions(positions, group, torch.tensor([r]))
+        assert owned.tolist() == [[p for p in range(start, start + n) if p % group == r]]
+        for i in range(n):
+            q = start + i
+            for s in range(cache):
+                assert bool(prior[0, 0, i, s]) == (s * group + r < start), (r, i, s)
+            for j, k in enumerate(owned[0].tolist()):
+                assert bool(active[0, 0, i, j]) == (k <= q), (r, i, j)
+        if group == 1:
+            want_prior, want_active = cp.chunk_masks(positions, cache)
+            assert torch.equal(prior, want_prior) and torch.equal(active, want_active)
+            assert torch.equal(active[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_every_key_is_visible_on_exactly_one_rank(group):
+    """attend_sharded's contract: over the group's ranks, each query sees each earlier-or-equal position once, as
+    the one-shot causal mask does."""
+    start, n, cache = 16, 8, 32 // group + 2
+    positions = torch.arange(start, start + n)[None]
+    seen = torch.zeros(n, start + n, dtype=torch.int64)
+    for r in range(group):
+        prior, active = cp.chunk_masks(positions, cache, group, r)
+        held = torch.arange(cache) * group + r
+        for s in range(cache):
+            if held[s] < start + n:
+                seen[:, held[s]] += prior[0, 0, :, s].long()
+        for j, k in enumerate(cp.owned_positions(positions, group, r)[0].tolist()):
+            seen[:, k] += active[0, 0, :, j].long()
+    want = (torch.arange(start + n)[None, :] <= positions[0, :, None]).long()
+    assert torch.equal(seen, want)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_owned_slots_are_the_owned_positions_over_the_group(group):
+    """Every rank writes its j-th owned entry (position start + r + G*j) at slot position // G."""
+    positions = torch.arange(24, 32)[None]
+    slots = cp.owned_slots(positions, group)
+    for r in range(group):
+        owned = cp.owned_positions(positions, group, r)
+        assert torch.equal(slots, owned // group)
+        assert cp.owned_index(8, group, r).tolist() == list(range(r, 8, group))
+
+
 def test_last_real_index():
     pos = torch.tensor([[16, 17, 18, 19, 20, 21, 22, 23]])
     assert cp.last_real_index(torch.ones(1, 21), pos).tolist() == [[4]]  # position 20 is slot 4

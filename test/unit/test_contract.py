@@ -551,15 +551,24 @@ def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_li
                                                 "divisible by 4"),
     (contract.LayoutOptions(shard_attn_a=True), "--shard-attn-a --tp 4: config.json field q_lora_rank=162 is not "
                                                 "divisible by 4"),
-    (contract.LayoutOptions(kv_group=4, prefill_chunk=8), "--prefill-chunk 8 with --kv-shard sequence: the NxDI "
-                                                          "shell's chunk submodel reads a replicated cache"),
 ])
 def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, options, message):
-    """Uneven splits (NxD would pad the layer), and the part of the layout not built yet."""
+    """Uneven splits (NxD would pad the layer)."""
     cfg = tiny_cfg(n_routed_experts=6, q_lora_rank=162)
     o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
     one_line_error(lambda: contract.neuron_config_kwargs(cfg, o), message)
 
+
+
+def test_the_chunk_with_the_sharded_cache_is_built():
+    """--prefill-chunk with --kv-shard sequence: a batch-1 context-encoding bucket of N written at the row's line, and
+    NxDI's flash decoding (the chunk submodel then reads the sharded cache: chunked_prefill.chunk_masks)."""
+    o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch",
+                              layout=contract.LayoutOptions(kv_group=4, prefill_chunk=8))
+    kwargs = contract.neuron_config_kwargs(tiny_cfg(), o)
+    got = [kwargs[k] for k in ("max_context_length", "ctx_batch_size", "is_continuous_batching",
+                               "flash_decoding_enabled")]
+    assert got == [8, 1, True, True]
 
 # -- the contract document ---------------------------------------------------------------------------------------------
 

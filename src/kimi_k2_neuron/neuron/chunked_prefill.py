@@ -1,8 +1,10 @@
 """The chunked-prefill submodel and its driver (--prefill-chunk N). A prompt longer than N is prefilled one row at a
 time: NxDI's context-encoding submodel (bucket N, batch 1, continuous batching) on its first N tokens, then a third
 submodel, `chunked_prefill_model`, on each further N tokens, attending to the row's cache plus causally within the
-chunk through MLAttention.attend_sharded (the one multi-token path; at a KV group of 1 the cache is replicated). The
-graph's size does not grow with the prompt (NXDI_CONTRACT.md: chunk-submodel).
+chunk through MLAttention.attend_sharded (the one multi-token path). With the replicated cache that is a KV group of
+1; with the sequence-sharded one each rank attends its slots and the chunk entries it owns, merged across the group,
+and writes those (NXDI_CONTRACT.md: fd-chunk). The graph's size does not grow with the prompt (NXDI_CONTRACT.md:
+chunk-submodel).
 
 Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
 """
@@ -37,13 +39,37 @@ def chunk_inputs(ids: torch.Tensor, start: int, length: int, chunk: int, pad_id:
     return padded[None], positions[None], torch.ones(1, end, dtype=ids.dtype)
 
 
-def chunk_masks(position_ids: torch.Tensor, cache_len: int):
-    """-> prior [B, 1, N, cache_len] (the cache before the chunk's first position), active [B, 1, N, N] (causal)."""
+def owned_index(n: int, group: int, rank, device=None) -> torch.Tensor:
+    """[n / G]: the indices r, r + G, ... of n new entries that rank r of the KV group keeps (NxDI's context-encoding
+    filter, NXDI_CONTRACT.md: fd-cte-filter; a chunk starts at a multiple of G, so these are positions p % G == r).
+    `rank` is r = rank % G, an int or a one-element tensor (the SPMD rank in a traced graph)."""
+    return torch.arange(0, n, group, dtype=torch.int64, device=device) + rank
+
+
+def owned_positions(position_ids: torch.Tensor, group: int = 1, rank=0) -> torch.Tensor:
+    """[B, N] -> [B, N / G]: the chunk's positions this rank keeps, start + r, start + r + G, ... G = 1: all."""
+    return torch.index_select(position_ids, 1, owned_index(position_ids.shape[1], group, rank, position_ids.device))
+
+
+def owned_slots(position_ids: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """[B, N] -> [B, N / G]: the cache slots of the owned positions, p // G, the same on every rank of the group
+    (start // G + j for the j-th owned entry, as r < G). G = 1: the positions."""
+    return position_ids[:, ::group] // group
+
+
+def chunk_masks(position_ids: torch.Tensor, cache_len: int, group: int = 1, rank=0):
+    """-> prior [B, 1, N, cache_len], active [B, 1, N, N / G]; True = visible on this rank.
+    prior: slot s holds position s * G + r, visible when before the chunk's first position (so never a reserve slot);
+    active: the owned chunk entries (owned_positions), causal by position. Each key is then visible on exactly one
+    rank of the group (MLAttention.attend_sharded's contract). G = 1, r = 0: the replicated cache before the chunk,
+    and tril."""
     b, n = position_ids.shape
     start = position_ids[:, :1]
-    prior = torch.arange(cache_len, device=position_ids.device)[None, :] < start  # [B, cache_len]
-    active = torch.ones(n, n, dtype=torch.bool, device=position_ids.device).tril()
-    return prior[:, None, None, :].expand(b, 1, n, cache_len), active[None, None].expand(b, 1, n, n)
+    held = torch.arange(cache_len, device=position_ids.device) * group + rank  # [cache_len]
+    prior = held[None, :] < start  # [B, cache_len]
+    keys = owned_positions(position_ids, group, rank)
+    active = keys[:, None, :] <= position_ids[:, :, None]  # [B, N, N / G]
+    return prior[:, None, None, :].expand(b, 1, n, cache_len), active[:, None]
 
 
 def last_real_index(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -55,7 +81,7 @@ def last_real_index(attention_mask: torch.Tensor, position_ids: torch.Tensor) ->
 
 def write_rows(cache: torch.Tensor, update: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache [lines, heads, T, D] with update [B, heads, N, D] written at lines seq_ids [B], slots [B, N]: the
-    chunk's write into its row's line. (A sequence-sharded cache passes the owned slots, the others the reserve.)"""
+    chunk's write into its row's line (sequence-sharded: the owned entries at owned_slots)."""
     b, heads, n, _ = update.shape
     lines = seq_ids.view(b, 1, 1).expand(b, heads, n).long()
     head = torch.arange(heads, device=cache.device).view(1, heads, 1).expand(b, heads, n)
@@ -103,18 +129,29 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     """NeuronKimiK2Model.forward of the chunk submodel: NxDI's get_model_output over the row's cached line
     (is_for_speculation reads line seq_ids when the batch is below the cache's), the decoder layers' chunk branch,
     the write into line seq_ids, then the last real token's logits or sample, in NxDI's output order
-    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs)."""
+    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs). Sequence-sharded, each rank attends its slots before the
+    chunk and the chunk entries it owns, merged across the KV group, and writes those entries at p // G
+    (NXDI_CONTRACT.md: fd-chunk)."""
     from neuronx_distributed.parallel_layers.mappings import _gather_along_dim
+    from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
     from neuronx_distributed_inference.utils.distributed import get_tp_group
 
-    prior, active = chunk_masks(position_ids, model.n_positions)
+    # the slots get_model_output reads: NxDI's flash-decoding cache size, else the bucket (model_base.py)
+    if model.neuron_config.flash_decoding_enabled:
+        ctx = model.layers[0].self_attn.ctx
+        group, rank = ctx.kv_group, ctx.kv_rank()
+        cache_len = get_cache_size(model.n_positions, group)
+    else:
+        group, rank, cache_len = 1, 0, model.n_positions
+    prior, active = chunk_masks(position_ids, cache_len, group, rank)
     hidden, new_kv = model.get_model_output(
         input_ids=input_ids, seq_ids=seq_ids, attention_mask=prior, position_ids=position_ids, active_mask=active,
         is_for_context_encoding=False, is_for_speculation=True, update_cache=False, kimi_chunk=True)
     cache = model.kv_mgr.past_key_values  # K of layer i at 2i, V at 2i + 1 (NXDI_CONTRACT.md: chunk-submodel)
     if 2 * len(new_kv) != len(cache):
         raise RuntimeError(f"{len(new_kv)} layers' entries, the manager holds {len(cache)} cache tensors")
-    updated = [write_rows(cache[2 * i + j], kv[j], seq_ids, position_ids)
+    slots = owned_slots(position_ids, group)
+    updated = [write_rows(cache[2 * i + j], kv[j], seq_ids, slots)
                for i, kv in enumerate(new_kv) for j in (0, 1)]
     index = last_real_index(attention_mask, position_ids)
     hidden = torch.gather(hidden, 1, index[:, :, None].expand(-1, 1, hidden.shape[-1]))

@@ -152,13 +152,6 @@ def layout_of(config) -> LayoutOptions:
     return LayoutOptions(**value)
 
 
-def check_shell_layout(layout: LayoutOptions) -> None:
-    """What of the layout the NxDI shell does not build yet: its chunk submodel reads a replicated cache."""
-    if layout.sequence_sharded and layout.prefill_chunk:
-        raise KimiInputError(f"--prefill-chunk {layout.prefill_chunk} with --kv-shard sequence: the NxDI shell's "
-                             f"chunk submodel reads a replicated cache (not built yet; the core backend runs both)")
-
-
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """One compiled configuration: the arguments of scripts/compile_and_save.py."""
@@ -225,7 +218,8 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     )
     if o.continuous_batching or o.layout.prefill_chunk:  # the CTE writes chunk 0 into its row's line, one row a call
         kw["is_continuous_batching"] = True
-    if o.layout.sequence_sharded:  # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+    # NxDI's cache sizing, masks and KV group; G: the config's (NXDI_CONTRACT.md: fd-config)
+    if o.layout.sequence_sharded:
         kw["flash_decoding_enabled"] = True
     if o.lnc is not None:
         kw["logical_nc_config"] = o.lnc
@@ -314,7 +308,6 @@ def check_moe_tp(scheme: ExpertScheme, cfg: KimiK2Config, tp: int, ep: int) -> N
 # -- what this port refuses ------------------------------------------------------------------------------------------
 
 def check_serve_options(cfg: KimiK2Config, o: ServeOptions) -> None:
-    check_shell_layout(o.layout)
     check_compile_options(cfg, o.tp, o.ep, o.lnc, o.seq_len, o.context_length, o.batch, o.moe_prefill, o.layout,
                           prefill_rows=o.prefill_batch)
     check_moe_tp(o.scheme, cfg, o.tp, o.ep)

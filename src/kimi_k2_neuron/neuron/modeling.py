@@ -110,7 +110,6 @@ class KimiK2InferenceConfig(InferenceConfig):
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
                                        getattr(self, "num_experts_per_tok", None), layout.kv_group)
-        contract.check_shell_layout(layout)
         contract.check_chunked_prefill(self.neuron_config, layout.prefill_chunk)
         if layout.shard_attn_a or layout.shard_router:
             check_weight_sharding(self.core_config(), self.neuron_config.tp_degree, layout.shard_attn_a,
@@ -315,7 +314,8 @@ class KimiK2DecoderLayer(DecoderLayer):
     """K is the latent [B, 1, S, latent], V 1-wide zeros (NXDI_CONTRACT.md: decoder-layer-call, kv-writes).
     Sequence-sharded (flash decoding): prefill attends as replicated and returns only this rank's positions; decode
     merges the KV group's partial attention under NxDI's masks (NXDI_CONTRACT.md: fd-cte-filter, fd-masks) in
-    MLAttention.attend_sharded, not NxDI's GQA attention (NXDI_CONTRACT.md: fd-attention-xla-only)."""
+    MLAttention.attend_sharded, not NxDI's GQA attention (NXDI_CONTRACT.md: fd-attention-xla-only); a prefill chunk
+    attends and returns the chunk entries this rank owns (NXDI_CONTRACT.md: fd-chunk)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
@@ -334,6 +334,8 @@ class KimiK2DecoderLayer(DecoderLayer):
                 entries = self._owned(entries)
         elif kwargs.get("kimi_chunk"):  # chunked_prefill.chunk_forward's masks: the cache before the chunk, causal
             past = past_key_value[0][:, 0]
+            if self.flash_decoding:  # the chunk entries this rank keeps: attended and written here only
+                entries = self._owned(entries)
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
                                                                 [attention_mask, active_mask])
         elif self.flash_decoding:
@@ -356,8 +358,8 @@ class KimiK2DecoderLayer(DecoderLayer):
         """[B, S, latent] -> the positions r, r + G, ... this rank keeps, [B, S / G, latent]: NxDI's context-encoding
         filter, which the manager writes from slot 0 (NXDI_CONTRACT.md: fd-cte-filter)."""
         ctx = self.self_attn.ctx
-        owned = torch.arange(0, entries.shape[1], ctx.kv_group, dtype=torch.int64, device=entries.device)
-        return torch.index_select(entries, 1, owned + ctx.kv_rank())
+        owned = chunked_prefill.owned_index(entries.shape[1], ctx.kv_group, ctx.kv_rank(), entries.device)
+        return torch.index_select(entries, 1, owned)
 
 
 class LatentKVCacheManager(KVCacheManager):
