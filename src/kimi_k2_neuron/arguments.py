@@ -192,16 +192,15 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
 KV_SHARDS = ("none", "sequence")
 
 
-def add_kv_layout_args(p: argparse.ArgumentParser, sharded_cache: bool = True) -> None:
+def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
     """--kv-shard, --kv-group and --prefill-chunk: how the latent cache and the prefill are laid over the ranks
-    (neuron.contract.LayoutOptions). sharded_cache False: --prefill-chunk only (a command that runs one rank)."""
-    if sharded_cache:
-        p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
-                       help="none: every rank holds the whole latent KV cache; sequence: the ranks of a KV group "
-                            "split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and "
-                            "decode merges their partial attention")
-        p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
-                       help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp, one group)")
+    (neuron.contract.LayoutOptions)."""
+    p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
+                   help="none: every rank holds the whole latent KV cache; sequence: the ranks of a KV group "
+                        "split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and "
+                        "decode merges their partial attention")
+    p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
+                   help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp, one group)")
     p.add_argument("--prefill-chunk", type=integer(1), default=None, metavar="N",
                    help="tokens per prefill call: a longer prompt runs as successive chunks, each attending to the "
                         "cache written so far (default: the prompt in one call)")
@@ -217,16 +216,17 @@ def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
                         "collective per MoE layer); every rank still selects from the same float32 logits")
 
 
-def kv_group_of(a: argparse.Namespace) -> int:
+def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:
     """The KV group size the long-context flags ask for: 1 with --kv-shard none (every rank holds the whole cache),
-    else --kv-group, or every rank (--tp). Whether it divides --tp is parallel.check_kv_group's rule."""
+    else --kv-group, or every rank (--tp). Whether it divides --tp is parallel.check_kv_group's rule. one_rank: a
+    group of 1 is what is asked for (trace-cpu traces one rank of the sharded graph), not a mistake."""
     if getattr(a, "kv_shard", "none") != "sequence":
         if getattr(a, "kv_group", None) is not None:
             raise KimiInputError(f"--kv-group {a.kv_group}: only with --kv-shard sequence (a replicated cache has no "
                                  f"KV group)")
         return 1
     group = a.tp if a.kv_group is None else a.kv_group
-    if group == 1:
+    if group == 1 and not one_rank:
         raise KimiInputError(f"--kv-shard sequence: a KV group of 1 rank holds the whole cache; give --tp (and "
                              f"--kv-group) of 2 or more, or --kv-shard none")
     return group

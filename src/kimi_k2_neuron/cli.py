@@ -288,7 +288,9 @@ def cmd_trace_cpu(a) -> int:
     from .nxdi_cpu.options import check_request, check_submodel
 
     check_submodel(a.submodel, a.seq_len, a.prefill_chunk)
-    check_request(cpu_options(a), a.seq_len, a.batch)  # what config.json decides, before NxD and torch_xla
+    # one rank traces here: --kv-shard sequence is a KV group of 1, NxDI's flash-decoding graph without a collective
+    options = cpu_options(a, one_rank_group=True)
+    check_request(options, a.seq_len, a.batch)  # what config.json decides, before NxD and torch_xla
     try:
         import torch_xla  # noqa: F401
 
@@ -296,7 +298,7 @@ def cmd_trace_cpu(a) -> int:
     except ImportError as e:
         raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
     with backend.library_output_to_stderr():
-        report = xla_trace.trace(xla_trace.TraceOptions(cpu_options(a), a.submodel, a.seq_len, a.batch))
+        report = xla_trace.trace(xla_trace.TraceOptions(options, a.submodel, a.seq_len, a.batch))
     print(report.to_json() if a.json else report.format())
     return 0 if report.clean else 1
 
@@ -422,7 +424,7 @@ def _trace_cpu_parser(sub) -> None:
     s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
     s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
     s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (bfloat16: the device's)")
-    add_kv_layout_args(s, sharded_cache=False)
+    add_kv_layout_args(s)  # --kv-shard sequence at the one rank traced here: NxDI's flash-decoding graph at G = 1
     s.add_argument("--json", action="store_true", help="print the report as JSON")
 
 

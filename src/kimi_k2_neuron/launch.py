@@ -78,24 +78,25 @@ def check_layout_flags(args: argparse.Namespace) -> None:
             raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
 
 
-def cpu_options(args: argparse.Namespace):
+def cpu_options(args: argparse.Namespace, one_rank_group: bool = False):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
     kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK."""
     from .nxdi_cpu.options import CpuOptions
 
-    layout = layout_options(args)
+    layout = layout_options(args, one_rank_group)
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
                       dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
                       kv_group=layout.kv_group, prefill_chunk=layout.prefill_chunk, shard_attn_a=layout.shard_attn_a,
                       shard_router=layout.shard_router)
 
 
-def layout_options(args: argparse.Namespace):
+def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
     """The long-context flags (arguments.add_kv_layout_args, add_weight_sharding_args; absent ones are their
-    defaults) as contract.LayoutOptions. Refuses --kv-group without --kv-shard sequence."""
+    defaults) as contract.LayoutOptions. Refuses --kv-group without --kv-shard sequence, and a KV group of 1 unless
+    one_rank_group (arguments.kv_group_of)."""
     from .neuron.contract import LayoutOptions
 
-    group = kv_group_of(args)
+    group = kv_group_of(args, one_rank_group)
     return LayoutOptions(kv_group=group if getattr(args, "kv_shard", "none") == "sequence" else None,
                          prefill_chunk=getattr(args, "prefill_chunk", None),
                          shard_attn_a=getattr(args, "shard_attn_a", False),

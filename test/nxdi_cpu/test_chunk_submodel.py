@@ -122,6 +122,18 @@ def test_trace_cpu_traces_the_chunk_graph_clean(ckpt, env):
     assert report["argmax_equal"]
 
 
+@pytest.mark.parametrize("submodel,flags", [("token", []), ("chunk", ["--prefill-chunk", "4"])])
+def test_trace_cpu_traces_the_sequence_sharded_graphs_clean_at_one_rank(ckpt, env, submodel, flags):
+    """trace-cpu --kv-shard sequence at the one rank traced here: a KV group of 1, so NxDI's flash-decoding masks, the
+    128-slot reserve and the owned-slot writes are traced, without a collective (TP=2 tracing: docs/nxdi_on_cpu.md)."""
+    r = _cli(["trace-cpu", "--model", ckpt, "--submodel", submodel, "--kv-shard", "sequence", "--seq-len", "16",
+              "--json", *flags], {**env, "PJRT_DEVICE": "CPU"})
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["clean"], r.stdout + r.stderr[-3000:]
+    assert report["submodel"] == submodel and report["host_syncs"] == 0 and not report["aten_fallbacks"]
+    assert report["argmax_equal"]
+
+
 def test_async_mode_is_refused_with_chunks(ckpt):
     o = backend.prepare(backend.CpuOptions(model=ckpt, prefill_chunk=N), 32, 1)
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig

@@ -77,14 +77,15 @@ def test_generate_equals_the_core_runners_tokens(tiny, env):
 
 
 def test_generate_and_run_inference_with_the_long_context_layout_give_the_core_runners_tokens(tiny, env):
-    """The layout flags end to end at TP=2 (issue 17): the sequence-sharded cache with the sharded q_a|kv_a and
-    router through `generate --backend nxdi-cpu`, the sharded cache through run_inference.py --cpu; greedy tokens
-    equal the core runner's replicated one-process run."""
+    """The layout flags end to end at TP=2 (issue 17): the sequence-sharded cache, chunked prefill and the sharded
+    q_a|kv_a and router through `generate --backend nxdi-cpu`, the sharded cache through run_inference.py --cpu;
+    greedy tokens equal the core runner's replicated one-shot one-process run."""
     model = tiny["fp8"]
     args = ["generate", "--model", str(model), "--prompt", "Hello, Kimi!", "--prompt", "Bye", "--max-new-tokens", "6",
             "--json"]
-    nxdi = _run(args + ["--backend", "nxdi-cpu", "--tp", "2", "--kv-shard", "sequence", "--shard-attn-a",
-                        "--shard-router"], env)
+    # prompts of several 4-token chunks (the chat template's tokens around them)
+    nxdi = _run(args + ["--backend", "nxdi-cpu", "--tp", "2", "--kv-shard", "sequence", "--prefill-chunk", "4",
+                        "--shard-attn-a", "--shard-router"], env)
     core = _run(args, env)
     assert nxdi.returncode == 0 and core.returncode == 0, nxdi.stderr[-3000:] + core.stderr[-3000:]
     got, want = json.loads(nxdi.stdout), json.loads(core.stdout)
