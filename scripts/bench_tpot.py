@@ -2,13 +2,16 @@
 
 Runs NxDI's benchmark_sampling (NXDI_CONTRACT.md: benchmark-sampling): end-to-end generations with latency hooks on the
 context-encoding and token-generation submodels. TPOT is the per-call latency of the token-generation model (one
-decode step for the whole batch) and TTFT the per-call latency of the context-encoding model, each as p50/p90/p99.
-Nothing here divides a total time by a token count. Writes a JSON report.
+decode step for the whole batch) and TTFT the per-call latency of the context-encoding model, each as p50/p90/p99
+(with --prefill-chunk that call is a row's first chunk: the sweep below times every prefill call). Nothing here
+divides a total time by a token count. Writes a JSON report.
 
 --context-lengths L,L,... measures decode latency at each filled context length instead: per L, one generation of
 --decode-steps tokens after a prefill of L tokens, timed with the same NxDI latency hooks on the submodels (one warm-up
-generation first, as benchmark_sampling does); the report holds one entry per L. benchmark_sampling itself cannot do
-this: it takes its prompt length from the config (max_context_length, or half of it).
+generation first, as benchmark_sampling does); the report holds one entry per L, with prefill_ms, the sum of every
+prefill call (context encoding and, with --prefill-chunk, each chunk: the time to the first token).
+benchmark_sampling itself cannot do this: it takes its prompt length from the config (max_context_length, or half of
+it).
 
 --cpu runs the same benchmark on the NxDI model in NxD's CPU mode, built from --model for --seq-len and --batch: it
 exercises the runner end to end, and its report says `"device": "cpu"`; its latencies say nothing about trn2.
@@ -70,7 +73,10 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
     tpot = pct(nxdi_report.get("token_generation_model"))
     out = {
         "tpot_ms": tpot,  # one decode step (batch rows, one token each)
-        "ttft_ms": pct(nxdi_report.get("context_encoding_model")),  # one prefill call
+        # one context-encoding call: with --prefill-chunk, a row's first chunk (the sweep adds prefill_ms, all calls)
+        "ttft_ms": pct(nxdi_report.get("context_encoding_model")),
+        "chunk_ms": pct(nxdi_report.get("chunked_prefill_model")),  # one further chunk of one row
+        "prefill_ms": nxdi_report.get("prefill_ms"),
         "decode_tokens_per_s_per_sequence_p50": 1000 / tpot["p50"] if tpot else None,
         "decode_tokens_per_s_p50": batch * 1000 / tpot["p50"] if tpot else None,
         "e2e_generation_ms": pct(nxdi_report.get("e2e_model")),
@@ -93,21 +99,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         from kimi_k2_neuron.nxdi_cpu.options import check_request
 
         seq_len, batch = _cpu_shape(args)
-        # a CPU run compiles one prefill bucket of seq_len (kimi_k2_neuron.nxdi_cpu.backend)
+        # a CPU run prefills up to seq_len: one bucket of seq_len, or chunks (kimi_k2_neuron.nxdi_cpu.backend)
         _check_lengths(args, seq_len, seq_len, f"--seq-len {seq_len}")
         check_request(cpu_options(args), seq_len, batch)
 
 
 def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str) -> None:
-    """Each --context-lengths L prefilled in one call (L <= the prefill bucket) and followed by --decode-steps steps
-    inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len."""
+    """Each --context-lengths L prefilled (L <= context_len: the prefill bucket, or seq_len with chunks) and followed
+    by --decode-steps steps inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len."""
     if args.context_lengths is None:
         return
     steps = _decode_steps(args)
     for n in args.context_lengths:
         if n > context_len:
             raise KimiInputError(f"--context-lengths {n}: above the prefill bucket of {context_len} tokens "
-                                 f"({source}); a one-shot prefill holds at most {context_len}")
+                                 f"({source}); a one-shot prefill holds at most {context_len} (compile with "
+                                 f"--prefill-chunk for longer prompts)")
         if n + steps + 1 > seq_len:
             raise KimiInputError(f"--context-lengths {n}: with --decode-steps {steps} at most {seq_len - steps - 1} "
                                  f"(seq_len {seq_len}, {source}, holds the prompt, the prefill's token and the steps)")
@@ -152,8 +159,9 @@ def main(argv=None) -> int:
 
 def _line(report: dict, batch: int, where: str) -> str:
     t = report["tpot_ms"]
-    return (f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {batch}); "
-            f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms{where}")
+    first = (f"prefill {report['prefill_ms']:.1f} ms" if report.get("prefill_ms") is not None else
+             f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms")
+    return f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {batch}); {first}{where}"
 
 
 SWEEP_METHOD = ("per context length: one generation of a prefill and --decode-steps decode steps, NxDI's latency hooks "
@@ -166,7 +174,8 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     `steps` decode steps, greedy, no stop token. One generation first at the shortest length, untimed
     (benchmark_sampling's warm-up); the hooks are NxDI's own, registered after it."""
     import torch
-    from neuronx_distributed_inference.utils.benchmark import (create_submodule_latency_collectors,
+    from neuronx_distributed_inference.utils.benchmark import (LatencyCollector, create_submodule_latency_collectors,
+                                                               register_forward_latency_collector,
                                                                register_latency_collectors)
     from tqdm import tqdm
 
@@ -183,6 +192,10 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     generate(min(lengths), 2)
     collectors = create_submodule_latency_collectors(app)
     register_latency_collectors(collectors, app)
+    chunked = getattr(app, "chunked_prefill_model", None)
+    if chunked is not None:  # NxDI's collectors know only its own submodels
+        collectors[chunked.tag] = LatencyCollector()
+        register_forward_latency_collector(collectors[chunked.tag], chunked)
     with tqdm(lengths, desc="context lengths", unit="length", disable=not progress) as bar:
         try:
             return [_timed(generate, collectors, n, steps, batch) for n in bar]
@@ -206,6 +219,9 @@ def _timed(generate, collectors: dict, n: int, steps: int, batch: int) -> dict:
     tokens = {"context_encoding_model": n, "token_generation_model": steps}
     report = {k: generate_report(c.latency_list, tokens.get(k, 0), batch, n_runs=1) for k, c in collectors.items()}
     report["e2e_model"] = generate_report(e2e.latency_list, n + steps + 1, batch, n_runs=1)
+    # the time to the first token: every prefill call, the chunk submodel's too (one row a call with chunks)
+    prefill = [t for k, c in collectors.items() if k != "token_generation_model" for t in c.latency_list]
+    report["prefill_ms"] = 1000 * sum(prefill)
     report["timed_calls"] = {k: len(c.latency_list) for k, c in collectors.items()}
     return report
 
@@ -218,8 +234,13 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
     from kimi_k2_neuron.neuron.serving import load_compiled, read_compiled_record
 
     record = read_compiled_record(args.compiled)
-    compiled = KimiK2InferenceConfig.load(str(args.compiled)).neuron_config  # its lengths, before the load
-    _check_lengths(args, compiled.seq_len, compiled.max_context_length, f"the compiled {args.compiled}")
+    from kimi_k2_neuron.neuron.contract import layout_of
+
+    config = KimiK2InferenceConfig.load(str(args.compiled))  # its lengths, before the load
+    compiled = config.neuron_config
+    # with chunks a prompt up to seq_len is prefilled, N tokens a call
+    longest = compiled.seq_len if layout_of(config).prefill_chunk else compiled.max_context_length
+    _check_lengths(args, compiled.seq_len, longest, f"the compiled {args.compiled}")
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
     if args.context_lengths is not None:
@@ -247,7 +268,7 @@ def _cpu(args) -> tuple[dict, dict]:
         raw = backend.benchmark(cpu_options(args), seq_len, batch, args.num_runs or DEFAULT_NUM_RUNS)
     return raw, {"device": "cpu", "note": "NxD's CPU mode on this host: exercises the runner, not a trn2 latency",
                  "model": str(args.model), "tp": args.tp, "batch": batch, "seq_len": seq_len,
-                 "max_context_length": seq_len}
+                 "max_context_length": args.prefill_chunk or seq_len}
 
 
 def _sweep_job(rank: int, o, seq_len: int, batch: int, lengths: list[int], steps: int) -> list[dict]:

@@ -145,6 +145,22 @@ def test_bench_tpot_cpu_sweeps_context_lengths(tiny, env, tmp_path):
     assert all("in NxD's CPU mode, not a trn2 number" in line for line in lines)
 
 
+def test_bench_tpot_cpu_sweep_times_every_chunk_of_a_chunked_prefill(tiny, env, tmp_path):
+    """--prefill-chunk 8: a 24-token prompt is one context-encoding call and two chunk calls, each timed (NxDI's hooks
+    know only its own submodels; the chunk submodel's is ours), and prefill_ms sums them."""
+    r = _run(["--cpu", "--model", str(tiny["fp8"]), "--seq-len", "32", "--prefill-chunk", "8", "--context-lengths",
+              "8,24", "--decode-steps", "4", "--report", str(tmp_path / "b.json")], env, "bench_tpot.py")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert report["max_context_length"] == 8
+    calls = [e["nxdi_report"]["timed_calls"] for e in report["context_lengths"]]
+    assert calls == [{"context_encoding_model": 1, "token_generation_model": 4, "chunked_prefill_model": n}
+                     for n in (0, 2)]
+    longest = report["context_lengths"][1]
+    assert longest["chunk_ms"]["p50"] > 0 and longest["prefill_ms"] > longest["ttft_ms"]["p50"]
+    assert all("prefill " in line for line in r.stdout.strip().splitlines())
+
+
 def test_bench_tpot_refuses_a_context_length_the_cache_cannot_hold(tiny, env, tmp_path):
     r = _run(["--cpu", "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths", "8,28", "--decode-steps",
               "4", "--report", str(tmp_path / "b.json")], env, "bench_tpot.py")
