@@ -59,7 +59,7 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         from .config import KimiK2Config
 
         KimiK2Config.from_file(args.model)
-    given = layout_options(args).flags
+    given = layout_options(args, one_rank_group=True).flags  # the rank count is the compiled folder's, not --tp's
     if given:
         raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
     for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):

@@ -211,17 +211,20 @@ def test_uneven_splits_are_refused_in_one_line(converted, tmp_path):
               f"'prefill_chunk', 'shard_attn_a', 'shard_router'], got {{'shard_heads': True}}")
 
 
-def test_vllm_neuron_is_not_served_artifacts_compiled_with_the_options(converted, tmp_path):
-    """vllm-neuron builds the model from its own request, which carries no layout: artifacts compiled with one would
-    load into a replicated model; refused before it loads them (compile_and_save.py --for-vllm refuses the flags)."""
+@pytest.mark.parametrize("layout,flags", [(dict(shard_router=True), "--shard-router"),
+                                          (dict(kv_group=2), "--kv-shard sequence --kv-group 2")])
+def test_vllm_neuron_is_not_served_artifacts_compiled_with_the_options(converted, tmp_path, layout, flags):
+    """vllm-neuron builds the model from its own request, which carries no layout, and drives the prefills itself:
+    artifacts compiled with one would load into a replicated model; refused before it loads them
+    (compile_and_save.py --for-vllm refuses the flags)."""
     from kimi_k2_neuron.neuron.modeling import _check_compiled
 
     cfg = KimiK2Config.from_file(converted[("fp8", SCHEME)])
-    KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2, shard_router=True)).save(str(tmp_path))
+    KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2, **layout)).save(str(tmp_path))
     request = contract.ServingRequest(tp=2, batch=1, seq_len=16, context_length=16, dtype=torch.bfloat16)
     with pytest.raises(KimiInputError, match="a layout vllm-neuron's request cannot carry") as e:
         _check_compiled(str(tmp_path), request, KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2)))
-    assert "\n" not in str(e.value) and "'shard_router': True" in str(e.value)
+    assert "\n" not in str(e.value) and f"compiled with {flags}, a layout" in str(e.value)
 
 
 def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):

@@ -339,7 +339,6 @@ COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=1024, max_context_length
     (dict(seq_len=1024, max_context_length=1024), dict(max_context_length=256),
      "prompts that long need a prefill of 1024 tokens, compiled for 256"),
     (dict(tp_degree=32, seq_len=1024, max_context_length=1024), {}, "--tensor-parallel-size 32, compiled for TP 64"),
-    (dict(seq_len=1024, max_context_length=1024), dict(flash_decoding_enabled=True), "the sequence-sharded cache"),
     (dict(seq_len=1024, max_context_length=1024), dict(is_continuous_batching=False, ctx_batch_size=4),
      "runs NxDI's continuous batching, compiled without it"),
     (dict(seq_len=1024, max_context_length=1024), dict(on_device_sampling_config=SimpleNamespace(dynamic=False)),

@@ -200,7 +200,8 @@ def test_bench_tpot_refuses_context_lengths_the_compiled_lengths_cannot_hold():
                                              r"8192, the compiled c,"):
         check(args, 8192, 8192, "the compiled c")
     with pytest.raises(KimiInputError, match=r"^--context-lengths 8192: above the prefill bucket of 4096 tokens \(the "
-                                             r"compiled c\); a one-shot prefill holds at most 4096$"):
+                                             r"compiled c\); a one-shot prefill holds at most 4096 \(compile with "
+                                             r"--prefill-chunk for longer prompts\)$"):
         check(args, 65536, 4096, "the compiled c")
     check(SimpleNamespace(context_lengths=None, decode_steps=None), 2, 2, "x")  # nothing to check without the flag
 

@@ -100,9 +100,15 @@ def cache_slots(seq_len: int, layout: LayoutOptions) -> int:
     return seq_len // layout.kv_group + FD_RESERVED_SLOTS
 
 
-def prefill_batch(batch: int, layout: LayoutOptions) -> int:
-    """One row per chunk: a batch-B chunk graph would hold B x chunk tokens of activations."""
-    return 1 if layout.prefill_chunk else batch
+def context_bucket(seq_len: int, layout: LayoutOptions, max_context_length: int | None = None) -> int:
+    """The context-encoding bucket: --max-context-length, else the chunk, else the whole cache."""
+    return max_context_length or layout.prefill_chunk or seq_len
+
+
+def prefill_batch(batch: int, layout: LayoutOptions, continuous_batching: bool = False) -> int:
+    """Rows of one prefill call. One per chunk: a batch-B chunk graph would hold B x chunk tokens of activations; one
+    under continuous batching: each sequence into its own cache line (NXDI_CONTRACT.md: continuous-batching)."""
+    return 1 if layout.prefill_chunk or continuous_batching else batch
 
 
 def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, layout: LayoutOptions) -> None:
@@ -181,13 +187,11 @@ class ServeOptions:
 
     @property
     def context_length(self) -> int:
-        if self.max_context_length is None:
-            return self.layout.prefill_chunk or self.seq_len
-        return self.max_context_length
+        return context_bucket(self.seq_len, self.layout, self.max_context_length)
 
     @property
     def prefill_batch(self) -> int:
-        return 1 if self.continuous_batching or self.layout.prefill_chunk else self.batch
+        return prefill_batch(self.batch, self.layout, self.continuous_batching)
 
 
 def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
@@ -563,9 +567,6 @@ def compiled_mismatches(r: ServingRequest, nc) -> list[str]:
     if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
         bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
                    f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
-    if getattr(nc, "flash_decoding_enabled", False):  # vllm-neuron drives the prefills; not tested with it
-        bad.append("compiled with the sequence-sharded cache (--kv-shard sequence), which serving through vllm-neuron "
-                   "does not take yet")
     ods = nc.on_device_sampling_config
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")

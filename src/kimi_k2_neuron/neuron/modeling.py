@@ -145,9 +145,9 @@ def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2Infer
     except Exception as e:  # noqa: BLE001 -- anything NxDI raises on a foreign neuron_config.json
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
     bad = contract.compiled_mismatches(r, compiled.neuron_config)
-    if contract.layout_of(compiled) != contract.LayoutOptions():  # compile_and_save.py refuses it with --for-vllm
-        bad.append(f"compiled with {contract.LAYOUT_KEY}={getattr(compiled, contract.LAYOUT_KEY)}, a layout "
-                   f"vllm-neuron's request cannot carry")
+    layout = contract.layout_of(compiled)  # compile_and_save.py refuses these flags with --for-vllm
+    if layout.flags:  # vllm-neuron drives the prefills itself and builds the model from its request
+        bad.append(f"compiled with {' '.join(layout.flags)}, a layout vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
         bad.append(f"compiled from another conversion than {config.neuron_config.quantized_checkpoints_path or ''}"
                    f" (its config.json's {CONVERSION_KEY} differs)")
@@ -371,10 +371,6 @@ class LatentKVCacheManager(KVCacheManager):
             raise ValueError("Kimi-K2 has one cache length for every layer (no layer_to_cache_size_mapping)")
         if self.is_kv_cache_tiled or self.k_cache_transposed:
             raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
-        max_len, g = config.neuron_config.max_length, self.num_cores_per_group
-        if self.flash_decoding_enabled and max_len % g:  # NxDI pads it, warning only (NXDI_CONTRACT.md: fd-cache-size)
-            raise ValueError(f"the sequence-sharded cache needs max_length={max_len} to be a multiple of "
-                             f"num_cores_per_group={g}")
         self.v_shape = (*self.v_shape[:-1], 1)
         # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
         if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):

@@ -33,7 +33,8 @@ from kimi_k2_neuron.neuron.chunked_prefill import hidden_rows  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
 from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
-                                             check_request, padded_seq_len, prefill_mode, prefill_rows)
+                                             check_request, context_length, padded_seq_len, prefill_mode,
+                                             prefill_rows)
 
 
 def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
@@ -72,7 +73,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
     seq_len = padded_seq_len(o, seq_len)
     opts = contract.ServeOptions(
         tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
-        moe_prefill=prefill_mode(o.config, o, (o.prefill_chunk or seq_len) * prefill_rows(o, batch)),
+        moe_prefill=prefill_mode(o.config, o, context_length(o, seq_len) * prefill_rows(o, batch)),
         continuous_batching=o.continuous_batching, layout=o.layout,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})

@@ -94,8 +94,8 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
 
 
 def prefill_rows(o: CpuOptions, batch: int) -> int:
-    """Rows of one prefill call: one under continuous batching or chunks (contract.ServeOptions.prefill_batch)."""
-    return 1 if o.continuous_batching or o.prefill_chunk else batch
+    """Rows of one prefill call (contract.prefill_batch)."""
+    return contract.prefill_batch(batch, o.layout, o.continuous_batching)
 
 
 def padded_seq_len(o: CpuOptions, needed: int) -> int:
@@ -107,8 +107,8 @@ def padded_seq_len(o: CpuOptions, needed: int) -> int:
 
 
 def context_length(o: CpuOptions, seq_len: int) -> int:
-    """The context-encoding bucket: the chunk, else the whole cache (one bucket: NXDI_CONTRACT.md: bucket-positions)."""
-    return o.prefill_chunk or seq_len
+    """The context-encoding bucket (one bucket: NXDI_CONTRACT.md: bucket-positions)."""
+    return contract.context_bucket(seq_len, o.layout)
 
 
 def check_submodel(submodel: str, seq_len: int, prefill_chunk: int | None) -> None:
