@@ -332,15 +332,13 @@ class KimiK2DecoderLayer(DecoderLayer):
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
             if self.flash_decoding:
                 entries = self._owned(entries)
-        elif kwargs.get("kimi_chunk"):  # chunked_prefill.chunk_forward's masks: the cache before the chunk, causal
+        elif kwargs.get("kimi_chunk") or self.flash_decoding:
+            # A chunk (chunked_prefill.chunk_forward's masks: the cache before it, causal within it), or a
+            # flash-decoding step (the rank's slots and the step's entry under mask_util's masks): each segment
+            # under its own mask
             past = past_key_value[0][:, 0]
-            if self.flash_decoding:  # the chunk entries this rank keeps: attended and written here only
+            if self.flash_decoding and kwargs.get("kimi_chunk"):  # the chunk entries this rank keeps and writes
                 entries = self._owned(entries)
-            hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
-                                                                [attention_mask, active_mask])
-        elif self.flash_decoding:
-            # the rank's slots [B, cache_size, latent] and the step's entry, each under mask_util's mask
-            past = past_key_value[0][:, 0]
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
                                                                 [attention_mask, active_mask])
         else:
