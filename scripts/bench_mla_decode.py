@@ -24,10 +24,10 @@ from kimi_k2_neuron.arguments import fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import host_memory_available, script_parser
+from kimi_k2_neuron.runtime import DTYPE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
-DTYPES = ("float32", "bfloat16")  # names of kimi_k2_neuron.runtime.runner.DTYPES this benchmark offers
 
 
 
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="FILE", help="Kimi-K2 config.json")
     p.add_argument("--contexts", type=integers(1), default=[4096, 32768], metavar="T,T,...",
                    help="comma-separated cached lengths (default: 4096,32768)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="weights/cache/compute")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights/cache/compute")
     p.add_argument("--repeats", type=integer(1), default=5, metavar="N", help="timed runs per path, median reported")
     p.add_argument("--warmup", type=integer(0), default=1, metavar="N", help="untimed runs per path before timing")
     p.add_argument("--threads", type=integer(1), default=None, metavar="N",

@@ -23,6 +23,7 @@ from .errors import KimiInputError
 from .interrupts import Interrupted, atomic_output, resume_hint, run_command
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
+from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
 
 
@@ -270,10 +271,22 @@ def _max_seq_len_line(cfg, p, found: int | None) -> str:
     return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"
 
 
-def cmd_convert(a) -> int:
+def load_converter():
+    """The convert command's start-up: its imports, the fixed cost that scripts/bench_convert.py measures apart."""
+    import gc
+    import os
+
+    # Before numpy's first import (through torch): its OpenBLAS thread pool, unused here, spins ~0.15 CPU-s at start
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from .convert import convert
 
+    gc.freeze()  # torch's ~10^5 import-time objects out of the collector's full passes (~5% of a conversion's CPU)
+    return convert
+
+
+def cmd_convert(a) -> int:
     check_out_dir(a.dst, "DST")
+    convert = load_converter()
     try:
         res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
     except Interrupted as e:
@@ -410,8 +423,6 @@ def _plan_parser(sub) -> None:
 
 
 def _trace_cpu_parser(sub) -> None:
-    from .runtime.runner import DTYPES
-
     s = _command(sub, "trace-cpu", "trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces it "
                                    "for neuronx-cc (exit 0: one clean graph, 1: not)", cmd_trace_cpu)
     s.add_argument("--model", required=True, metavar="DIR",
@@ -423,15 +434,13 @@ def _trace_cpu_parser(sub) -> None:
                    help="which graph to trace (chunk: the chunked-prefill submodel, with --prefill-chunk)")
     s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
     s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="compute dtype (bfloat16: the device's)")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="compute dtype (bfloat16: the device's)")
     add_kv_layout_args(s)  # --kv-shard sequence at the one rank traced here: NxDI's flash-decoding graph at G = 1
     s.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _model_opts(s, core_tp: bool = True):
     """The model flags of logits and generate; core_tp False: the core backend refuses --tp (generate)."""
-    from .runtime.runner import DTYPES
-
     s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
                    help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
                         "real NxD/NxDI in NxD's CPU mode, needs them importable (docs/nxdi_on_cpu.md)")
@@ -446,7 +455,7 @@ def _model_opts(s, core_tp: bool = True):
                    help=f"{ranks}; nxdi-cpu: bfloat16 only at 1 rank" if core_tp else
                    f"--backend nxdi-cpu only (the core runner generates in one process): {ranks}, bfloat16 only "
                    f"at 1 rank")
-    s.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="compute dtype")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
     add_kv_layout_args(s)

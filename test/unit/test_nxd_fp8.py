@@ -1,5 +1,7 @@
 """NxD's FP8 expert layout (quant/nxd_fp8.py): halving e4m3 codes byte-exactly, source FP8 blocks rescaled to +-240
-and transposed, against float references and by hand; a NaN code refused in one line."""
+and transposed, against float references and by hand; a NaN code refused in one line. The rescale-and-transpose
+tests run each implementation: the C kernel (_fp8_bytes.c) with its AVX2 tiles and with its SSE2 ones, and the
+torch fallback used where the kernel is not built."""
 
 import pytest
 import torch
@@ -7,6 +9,27 @@ import torch
 from kimi_k2_neuron.quant import nxd_fp8
 from kimi_k2_neuron.quant.fp8 import dequantize_blockwise, quantize_blockwise
 from kimi_k2_neuron.quant.nxd_fp8 import block_flags, fp8_to_blockwise, halve_codes, inexact_halves
+
+IMPLS = ["avx2", "sse2", "torch"]
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request, monkeypatch):
+    """Which implementation nxd_fp8 runs (AVX2 where this CPU has it; the test is skipped where it does not)."""
+    kernel = nxd_fp8._kernel
+    if request.param == "torch":
+        monkeypatch.setattr(nxd_fp8, "_kernel", None)
+    elif kernel.use_avx2(request.param == "avx2") != (request.param == "avx2"):
+        pytest.skip("this CPU has no AVX2")
+    yield request.param
+    if kernel is not None:
+        kernel.use_avx2(True)
+
+
+def test_the_c_kernel_is_built():
+    """setup.py builds it (an optional extension: without a C compiler the install goes on, and the converter runs
+    the torch fallback at about twice the CPU time); CI and every machine with gcc must have it."""
+    assert nxd_fp8._kernel is not None, "quant/_fp8_bytes.c was not built: pip install -e . with a C compiler"
 
 
 def test_halve_codes_exact_rne_on_every_code():
@@ -20,7 +43,7 @@ def test_halve_codes_exact_rne_on_every_code():
 
 
 @pytest.mark.parametrize("src_max", [448.0, 250.0])  # nearly every block vs a few blocks beyond 240
-def test_fp8_to_blockwise_exact_up_to_counted_codes(src_max):
+def test_fp8_to_blockwise_exact_up_to_counted_codes(src_max, impl):
     g = torch.Generator().manual_seed(0)
     w, s = quantize_blockwise(torch.randn(192, 320, generator=g), (128, 128), fp8_max=src_max)
     dst = torch.empty(320, 192, dtype=torch.uint8)
@@ -61,7 +84,7 @@ def _reference_blockwise(w: torch.Tensor, s: torch.Tensor, src_block, block):
 @pytest.mark.parametrize("over", [0.0, 0.02, 0.5, 0.97, 1.0])  # share of blocks holding a code beyond +-240
 @pytest.mark.parametrize("chunk", [None, 1])  # whole matrix in one step, or one block row per step
 @pytest.mark.parametrize("in_f", [384, 416])  # 8-code lanes, or byte by byte (416 = 13 blocks of 32)
-def test_fp8_to_blockwise_matches_float_reference(over, chunk, in_f, monkeypatch):
+def test_fp8_to_blockwise_matches_float_reference(over, chunk, in_f, monkeypatch, impl):
     """The vectorized rescale against _reference_blockwise on codes that cover every non-NaN byte, subnormals
     included (positive ones below 0x08 borrow from their lane's next byte when 8 is subtracted lane-wide), the
     +-240 edge (0x77/0xF7 stay, 0x78/0xF8 trigger a halving), and chunk boundaries."""
@@ -94,7 +117,7 @@ def test_fp8_to_blockwise_matches_float_reference(over, chunk, in_f, monkeypatch
 
 
 @pytest.mark.parametrize("nan", [0x7F, 0xFF])
-def test_fp8_to_blockwise_refuses_nan(nan, one_line_error):
+def test_fp8_to_blockwise_refuses_nan(nan, one_line_error, impl):
     w = torch.full((64, 64), 0x30, dtype=torch.uint8)
     w[40, 7] = nan
     name = "model.layers.1.mlp.experts.0.up_proj"
@@ -153,7 +176,7 @@ def test_block_flags_flag_exactly_what_comparisons_flag_for_every_code(shape, bl
 
 
 @pytest.mark.parametrize("offset", [0, 3, 4])  # lanes, bytes (not 8-aligned), int32 but not int64 aligned
-def test_rescale_blocks_at_any_alignment_equals_the_float_reference(offset):
+def test_rescale_blocks_at_any_alignment_equals_the_float_reference(offset, impl):
     g = torch.Generator().manual_seed(offset)
     w, s = quantize_blockwise(torch.randn(128, 256, generator=g), (128, 128))
     buf = torch.empty(w.numel() + offset, dtype=torch.uint8)
@@ -170,13 +193,42 @@ def test_rescale_blocks_at_any_alignment_equals_the_float_reference(offset):
 
 
 @pytest.mark.parametrize("rows, cols, offset", [(300, 256, 0), (257, 260, 0), (256, 258, 0), (300, 256, 1),
-                                                (300, 256, 4), (16, 16, 0)])
-def test_transpose_into_is_the_transpose(rows, cols, offset):
-    """The two-step transpose (int32 lanes, then 4-byte groups) and its fallbacks (columns not a multiple of 4,
-    an unaligned start, a small matrix) all give src.T."""
+                                                (300, 256, 4), (16, 16, 0), (4096, 7168, 0), (7168, 2048, 3)])
+def test_transpose_into_is_the_transpose(rows, cols, offset, impl):
+    """Every path gives src.T: the kernel's 16-row strips and its scalar rest (rows or columns not multiples of 16),
+    unaligned source and destination (no non-temporal stores then), Kimi-K2's gate_up and down shapes; the torch
+    two-step transpose (int32 lanes, then 4-byte groups) and its fallbacks (columns not a multiple of 4, an
+    unaligned start, a small matrix)."""
     g = torch.Generator().manual_seed(rows + cols + offset)
     buf = torch.randint(0, 256, (rows * cols + offset,), generator=g, dtype=torch.uint8)
     src = buf[offset:].view(rows, cols)
-    dst = torch.empty(cols, rows, dtype=torch.uint8)
+    out = torch.empty(rows * cols + offset, dtype=torch.uint8)
+    dst = out[offset:].view(cols, rows)
     nxd_fp8.transpose_into(dst, src)
     assert torch.equal(dst, src.t())
+
+
+@pytest.mark.parametrize("rows, cols, block", [(2 * 2048, 7168, (32, 32)), (7168, 2048, (32, 32)),
+                                               (4096, 7168, (128, 128)), (96, 80, (24, 40)), (48, 40, (8, 8))],
+                         ids=["gate_up", "down", "128 blocks", "blocks not of 16", "small"])
+def test_rescale_transposed_at_kimi_shapes_equals_the_float_reference(rows, cols, block, impl):
+    """Kimi-K2's per-expert [out, in] gate_up and down codes quantized like its checkpoint (amax -> 448 per 128 x 128
+    block, so nearly every 32 x 32 block holds a code beyond +-240), a quarter of the blocks kept within +-240, into
+    the scheme's 32 x 32 blocks; and the kernel's scalar path (blocks not multiples of 16): dst, flags and the count
+    of rounded codes equal the float reference's."""
+    g = torch.Generator().manual_seed(rows)
+    w, _ = quantize_blockwise(torch.randn(rows, cols, generator=g), (128, 128))
+    codes = w.view(torch.uint8).clone()
+    br, bc = block
+    keep = torch.rand(rows // br, cols // bc, generator=g) < 0.25
+    within = codes.view(rows // br, br, cols // bc, bc).permute(0, 2, 1, 3)
+    within[keep.nonzero(as_tuple=True)] &= 0xF7  # magnitudes 0x78.. lose bit 3: all <= 0x77
+    codes[0, 0], codes[1, 1] = 0x01, 0x83  # subnormals (0x01 rounds) in a block that halves
+    codes[0, 2] = 0x78
+    dst = torch.empty(cols, rows, dtype=torch.uint8)
+    flags, inexact = nxd_fp8.rescale_transposed(dst, codes.clone(), (br, bc), "w")
+    w = codes.view(torch.float8_e4m3fn)
+    want, _, rescaled, want_inexact = _reference_blockwise(w, torch.ones(1, 1), (rows, cols), (bc, br))
+    assert torch.equal(dst, want)
+    assert int(flags.sum()) == rescaled and inexact == want_inexact > 0
+    assert torch.equal(flags, (codes & 0x7F).view(rows // br, br, cols // bc, bc).amax(dim=(1, 3)) > 0x77)

@@ -82,10 +82,10 @@ def _substantial(path: Path) -> bool:
 
 def test_the_code_layout_page_names_every_module_of_the_tree():
     block = (REPO / "docs/code_layout.md").read_text().split("```")[1]
-    listed = re.findall(r"^  (\S+\.(?:py|md)) ", block, re.MULTILINE)
-    files = [p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".md") and "__pycache__" not in p.parts]
+    listed = re.findall(r"^  (\S+\.(?:py|md|c)) ", block, re.MULTILINE)
+    files = [p for p in PACKAGE.rglob("*") if p.suffix in (".py", ".md", ".c") and "__pycache__" not in p.parts]
     every = {str(p.relative_to(PACKAGE)) for p in files}
-    must = {str(p.relative_to(PACKAGE)) for p in files if p.suffix == ".md" or _substantial(p)}
+    must = {str(p.relative_to(PACKAGE)) for p in files if p.suffix in (".md", ".c") or _substantial(p)}
     assert must - set(listed) == set(), "modules docs/code_layout.md does not name"
     assert set(listed) - every == set(), "named in docs/code_layout.md, not in the tree"
     assert len(listed) == len(set(listed))

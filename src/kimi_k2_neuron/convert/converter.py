@@ -296,7 +296,7 @@ class _Job:
 
     def _fp8_expert(self, names: list[str], shape: tuple[int, int]):
         """FP8 source codes kept: the projections' [out, in] codes read one after another along out (gate then up)
-        into this worker's own buffer, rescaled there in place, and laid side by side by one transposed copy."""
+        into this worker's own buffer, then rescaled and laid side by side in one transposed copy."""
         ckpt, q, block = self.src.ckpt, self.cfg.quant, self.scheme.block
         raw = [self.src.weights[n].raw for n in names]
         infos = [ckpt.info(w) for w, _ in raw]
@@ -308,19 +308,19 @@ class _Job:
             buf = self._local.buf = aligned_empty(nbytes + 2 * PAGE)
         codes = ckpt.read_bytes([w for w, _ in raw], buf)
         rows = [i.shape[0] for i in infos]
+        codes = codes.view(sum(rows), infos[0].shape[1])
+        dst = self._slabs.take(shape[0] * shape[1]).view(shape)
         try:
-            flag, inexact = nxd_fp8.rescale_blocks(codes.view(sum(rows), infos[0].shape[1]), block[::-1], "")
+            flag, inexact = nxd_fp8.rescale_transposed(dst, codes, block[::-1], "")
         except KimiInputError:  # NaN codes: say in which projection
-            for n, part in zip(names, codes.split([r * infos[0].shape[1] for r in rows])):
+            self._slabs.give(dst.view(-1))
+            for n, part in zip(names, codes.view(-1).split([r * infos[0].shape[1] for r in rows])):
                 check_finite(part.view(torch.float8_e4m3fn), f"{self.src.described(n)}.weight")
             raise
-        codes = codes.view(sum(rows), infos[0].shape[1])
         scale = torch.cat([nxd_fp8.blockwise_scale(ckpt.get(s), tuple(i.shape), q.weight_block_size, block, f,
                                                    self.src.described(n))
                            for n, (_, s), i, f in zip(names, raw, infos, flag.split([r // block[1] for r in rows]))],
                           dim=1)
-        dst = self._slabs.take(shape[0] * shape[1]).view(shape)
-        nxd_fp8.transpose_into(dst, codes)
         return dst, scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
 
     def _proj(self, name: str, dst: torch.Tensor) -> tuple[torch.Tensor, Stats]:

@@ -1,7 +1,6 @@
 """The NxDI shell around the core. modeling.py's names resolve on first use, so the pure modules import without the
-SDK; without it those names raise the ImportError naming the missing Neuron packages."""
-
-from .contract import missing_neuron_packages
+SDK; without it those names raise the ImportError naming the missing Neuron packages. contract's too (it imports
+torch): the command line's parser reads moe_paths, and builds without torch."""
 
 _MODELING = ("NeuronKimiK2ForCausalLM", "NeuronKimiK2Model", "KimiK2InferenceConfig", "KimiK2DecoderLayer",
              "NxDParallelContext")
@@ -14,4 +13,8 @@ def __getattr__(name: str):
         from . import modeling
 
         return getattr(modeling, name)
+    if name == "missing_neuron_packages":
+        from .contract import missing_neuron_packages
+
+        return missing_neuron_packages
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,6 +14,11 @@ from . import check_finite
 from .fp8 import check_fp8_weight, check_scales, fp8_values, scale_grid_shape
 from .int4 import check_group_scale, unpack_int4
 
+try:  # the C kernel (setup.py builds it at install); without it the torch steps below, ~2x the converter's CPU time
+    from . import _fp8_bytes as _kernel
+except ImportError:
+    _kernel = None
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 240.0
 FP8_MAX_BYTE = 0x77
@@ -57,6 +62,9 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     ~0.8 CPU-s/GB here): an int32 transpose, whose lanes hold 4 consecutive columns of a row, then each group of 4
     output rows pulled out of those lanes (a copy with a 4-byte input stride)."""
     rows, cols = src.shape
+    if _kernel is not None and _bytes_pair(dst, src):
+        _kernel.transpose(src.data_ptr(), dst.data_ptr(), rows, cols)
+        return
     if not (dst.is_contiguous() and src.is_contiguous() and src.element_size() == dst.element_size() == 1
             and cols % 4 == 0 and src.storage_offset() % 4 == 0 and rows * cols >= 1 << 16):
         dst.copy_(src.t() if dst.is_contiguous() else src.t().contiguous())
@@ -71,6 +79,28 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     out.copy_(buf[:n].view(cols // 4, rows, 4).transpose(1, 2))
 
 
+def _bytes_pair(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """What the C kernel takes: contiguous byte matrices, dst shaped as src's transpose."""
+    return (dst.is_contiguous() and src.is_contiguous() and src.element_size() == dst.element_size() == 1
+            and src.dim() == 2 and tuple(dst.shape) == tuple(src.shape[::-1]))
+
+
+def rescale_transposed(dst: torch.Tensor, u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
+    """dst[:, :] = u.T, every [br, bc] block of u holding a code beyond +-240 halved -> (flags [rows/br, cols/bc],
+    codes rounded). The C kernel does it in one pass per strip of blocks; the torch fallback halves u in place."""
+    rows, cols = u.shape
+    br, bc = block
+    if _kernel is None or not _bytes_pair(dst, u) or rows % br or cols % bc:
+        flag, inexact = rescale_blocks(u, block, name)
+        transpose_into(dst, u)
+        return flag, inexact
+    flags = torch.empty(rows // br, cols // bc, dtype=torch.uint8)
+    inexact = _kernel.expert(u.data_ptr(), dst.data_ptr(), rows, cols, br, bc, flags.data_ptr())
+    if inexact < 0:
+        raise KimiInputError(_NAN.format(name))
+    return flags.bool(), inexact
+
+
 def _i64(pattern: str) -> int:
     """A byte repeated over an int64 lane, as the signed value torch needs."""
     x = int(pattern * 8, 16)
@@ -78,6 +108,7 @@ def _i64(pattern: str) -> int:
 
 
 _L01, _L08, _L7F, _H80 = (_i64(b) for b in ("01", "08", "7f", "80"))
+_NAN = "{}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights"
 
 
 def halve_codes(b: torch.Tensor) -> torch.Tensor:
@@ -143,15 +174,15 @@ def _grid(n: int, block: int, what: str) -> int:
 
 def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int], block: tuple[int, int],
                      dst: torch.Tensor, name: str, inplace: bool = False) -> tuple[torch.Tensor, Stats]:
-    """HF FP8 [out, in] + scale_inv -> dst[in, out] codes, scale [in/bi, out/bo]; inplace rescales w's own bytes."""
+    """HF FP8 [out, in] + scale_inv -> dst[in, out] codes, scale [in/bi, out/bo]; inplace lets the torch fallback
+    rescale w's own bytes."""
     check_fp8_weight(w, name)  # the rescale below works on the e4m3 bit pattern
     out_f, in_f = w.shape
     bi, bo = block
     _grid(out_f, bo, name), _grid(in_f, bi, name)
-    u = w.view(torch.uint8) if inplace else w.view(torch.uint8).clone()
-    flag, inexact = rescale_blocks(u, (bo, bi), name)
+    u = w.view(torch.uint8) if inplace or _kernel is not None else w.view(torch.uint8).clone()
+    flag, inexact = rescale_transposed(dst, u, (bo, bi), name)
     scale = blockwise_scale(s, (out_f, in_f), src_block, block, flag, name)
-    transpose_into(dst, u)
     return scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
 
 
@@ -181,7 +212,7 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
     largest, smallest = _magnitudes(u, br, lanes_fit)
     flag, nan = _flags(largest, bc)
     if nan:
-        raise KimiInputError(f"{name}.weight: holds NaN FP8 codes (0x7f/0xff); expected finite weights")
+        raise KimiInputError(_NAN.format(name))
     n_flag = int(flag.sum())
     if not n_flag:
         return flag, 0

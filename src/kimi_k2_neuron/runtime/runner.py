@@ -24,14 +24,14 @@ from ..errors import KimiInputError
 from ..model.model import KimiK2ForCausalLM
 from ..parallel import SINGLE, ParallelContext
 from ..weights import load_weights
+from . import DTYPE_NAMES
 from .kv_cache import LatentCache
 from .sampling import SamplingParams, sample
 
 _TOP_LEVEL = ("model.embed_tokens.", "model.norm.", "lm_head.")
 
 
-# The compute dtypes the CPU paths take, by their --dtype names.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 @dataclass
 class GenerationResult:
