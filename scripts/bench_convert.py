@@ -73,17 +73,17 @@ from pathlib import Path
 runpy.run_path(sys.argv[1])["build"](Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
 """
 _COPY = r"""
-import os, sys, time
+import os, shutil, sys, time
 from pathlib import Path
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 dst.mkdir()
 t0, n = time.perf_counter(), 0
 for f in sorted(src.glob("*.safetensors")):
-    with open(f, "rb", buffering=0) as fi, open(dst / f.name, "wb", buffering=0) as fo:
-        while b := fi.read(16 << 20):
-            fo.write(b)
-            n += len(b)
-        os.fsync(fo.fileno())
+    shutil.copyfile(f, dst / f.name)  # in the kernel (sendfile), as cp copies; a read()/write() loop ran ~2x slower
+    fd = os.open(dst / f.name, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    n += f.stat().st_size
 print(n, time.perf_counter() - t0)
 """
 
