@@ -40,6 +40,7 @@ BAD_ARGS = [
     (["make-tiny"], "required: OUT"),
     (["make-tiny", "/proc/foo"], "OUT /proc/foo: expected a writable folder"),
     (["make-tiny", "{tmp}/t", "--shards", "0"], "--shards: expected an integer >= 1, got '0'"),
+    (["make-tiny", "{tmp}/t", "--shards", "1000"], "--shards 1000: expected 1.."),  # (it wrote 53 files for 100)
     (["make-tiny", "{tmp}/t", "--quant", "int8"], "--quant: invalid choice: 'int8'"),
     (["make-tiny", "{tmp}/t", "--seed", "-1"], "--seed: expected an integer >= 0"),
     (["make-tiny", "{model}/config.json/t"], "is a file"),

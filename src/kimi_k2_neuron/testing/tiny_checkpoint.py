@@ -132,8 +132,6 @@ def stray_buffer(name: str, cfg: KimiK2Config) -> dict[str, torch.Tensor]:
 def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
     """Split names (in order) into n_shards; the first cut falls in the middle of the first MoE layer's experts,
     so that layer's experts span two files, as they do in the real 62-shard checkpoints."""
-    if n_shards < 1 or n_shards > len(names):
-        raise KimiInputError(f"--shards {n_shards}: expected 1..{len(names)}")
     if n_shards == 1:
         return [names]
     experts = [i for i, n in enumerate(names) if is_routed_expert(n)]
@@ -143,8 +141,12 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
     while ".experts.0." not in names[cut] and not names[cut].endswith("gate_proj.weight"):
         cut -= 1  # start the second shard at an expert boundary
     rest = names[cut:]
-    step = -(-len(rest) // (n_shards - 1))
-    return [names[:cut]] + [rest[i:i + step] for i in range(0, len(rest), step)]
+    if n_shards > 1 + len(rest):
+        raise KimiInputError(f"--shards {n_shards}: expected 1..{1 + len(rest)} (every file holds a tensor at least)")
+    # exactly n_shards - 1 files after the first, their sizes differing by one tensor at most
+    size, extra = divmod(len(rest), n_shards - 1)
+    bounds = [k * size + min(k, extra) for k in range(n_shards)]
+    return [names[:cut]] + [rest[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def make_tiny(out: str | Path, quant: str = "fp8", shards: int = 3, seed: int = 0,
