@@ -11,8 +11,8 @@ Then, in one run, each phase in its own process:
 1. raw read: every tensor of every shard read with safetensors (get_tensor, then every byte touched);
 2. the conversion (`python -m kimi_k2_neuron.cli convert SRC DST --experts fp8-blockwise`), with its peak RSS
    and its CPU time (user + system of the whole process, all threads) from wait4();
-3. for context, a plain sequential read() of the same files, and a plain copy of them (read, write, fsync: what
-   any converter that leaves durable output pays in I/O alone);
+3. for context, a plain sequential read() of the same files, and a plain copy of them (copied in the kernel, as
+   cp does, then fsync: what any converter that leaves durable output pays in I/O alone);
 4. the start-up alone (`kimi_k2_neuron.cli.load_converter()`, the convert command's imports): the fixed part of the
    conversion's wall and CPU time, reported so that the per-GB cost of a 1 TB conversion can be read off.
 Prints CPU seconds per GB converted (goal <= 1.2), the conversion's speed over the plain copy's (goal >= 0.8) and

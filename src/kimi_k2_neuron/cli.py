@@ -276,10 +276,12 @@ def load_converter():
     import gc
     import os
 
-    # Before numpy's first import (through torch): its OpenBLAS thread pool, unused here, spins ~0.15 CPU-s at start
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if "numpy" not in sys.modules:  # (a process that already has it, e.g. a test run, keeps its environment)
+        # numpy's OpenBLAS thread pool, unused here, spins ~0.15 CPU-s at start-up
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     from .convert import convert
 
+    gc.collect()
     gc.freeze()  # torch's ~10^5 import-time objects out of the collector's full passes (~5% of a conversion's CPU)
     return convert
 

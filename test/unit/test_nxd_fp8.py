@@ -19,6 +19,8 @@ def impl(request, monkeypatch):
     kernel = nxd_fp8._kernel
     if request.param == "torch":
         monkeypatch.setattr(nxd_fp8, "_kernel", None)
+    elif kernel is None:
+        pytest.skip("quant/_fp8_bytes.c is not built (test_the_c_kernel_is_built says so)")
     elif kernel.use_avx2(request.param == "avx2") != (request.param == "avx2"):
         pytest.skip("this CPU has no AVX2")
     yield request.param
@@ -29,7 +31,8 @@ def impl(request, monkeypatch):
 def test_the_c_kernel_is_built():
     """setup.py builds it (an optional extension: without a C compiler the install goes on, and the converter runs
     the torch fallback at about twice the CPU time); CI and every machine with gcc must have it."""
-    assert nxd_fp8._kernel is not None, "quant/_fp8_bytes.c was not built: pip install -e . with a C compiler"
+    assert nxd_fp8._kernel is not None, ("quant/_fp8_bytes.c was not built: pip install -e . with a C compiler (in a "
+                                         "worktree on PYTHONPATH: python setup.py build_ext --inplace)")
 
 
 def test_halve_codes_exact_rne_on_every_code():
@@ -70,8 +73,7 @@ def _reference_blockwise(w: torch.Tensor, s: torch.Tensor, src_block, block):
     rounding (round to nearest even) and its scale doubled; returns (dst codes, scale, rescaled, inexact)."""
     bi, bo = block
     out_f, in_f = w.shape
-    mag = (w.view(torch.uint8) & 0x7F).view(out_f // bo, bo, in_f // bi, bi).amax(dim=(1, 3))
-    flag = mag > 0x77
+    flag = w.float().abs().view(out_f // bo, bo, in_f // bi, bi).amax(dim=(1, 3)) > 240
     halved = (w.float() * 0.5).to(torch.float8_e4m3fn).view(torch.uint8)
     per_code = flag.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
     codes = torch.where(per_code, halved, w.view(torch.uint8))
@@ -114,6 +116,18 @@ def test_fp8_to_blockwise_matches_float_reference(over, chunk, in_f, monkeypatch
     assert (st.rescaled, st.inexact, st.blocks) == (rescaled, inexact, 8 * in_f // 32)
     blocks[0, 0] = True  # it holds every byte, 0x78-0x7E and 0xF8-0xFE included
     assert rescaled == int(blocks.sum()) and inexact > 0  # that block's odd small codes round
+
+
+def test_fp8_to_blockwise_leaves_its_source_alone_unless_inplace(impl):
+    """A destination the kernel does not take (here a transposed view) sends the work to the torch fallback, which
+    halves in place: on a copy, unless inplace."""
+    g = torch.Generator().manual_seed(2)
+    w, s = quantize_blockwise(torch.randn(192, 320, generator=g), (128, 128))
+    before = w.view(torch.uint8).clone()
+    for dst in (torch.empty(320, 192, dtype=torch.uint8), torch.empty(192, 320, dtype=torch.uint8).t()):
+        fp8_to_blockwise(w, s, (128, 128), (32, 32), dst, "w")
+        assert torch.equal(w.view(torch.uint8), before)
+        assert torch.equal(dst, _reference_blockwise(w, s, (128, 128), (32, 32))[0])
 
 
 @pytest.mark.parametrize("nan", [0x7F, 0xFF])
@@ -208,10 +222,13 @@ def test_transpose_into_is_the_transpose(rows, cols, offset, impl):
     assert torch.equal(dst, src.t())
 
 
-@pytest.mark.parametrize("rows, cols, block", [(2 * 2048, 7168, (32, 32)), (7168, 2048, (32, 32)),
-                                               (4096, 7168, (128, 128)), (96, 80, (24, 40)), (48, 40, (8, 8))],
-                         ids=["gate_up", "down", "128 blocks", "blocks not of 16", "small"])
-def test_rescale_transposed_at_kimi_shapes_equals_the_float_reference(rows, cols, block, impl):
+@pytest.mark.parametrize("rows, cols, block, offset", [
+    (2 * 2048, 7168, (32, 32), 0), (7168, 2048, (32, 32), 0), (4096, 7168, (128, 128), 3),
+    (512, 64, (256, 32), 0), (1024, 64, (512, 32), 0), (64, 96, (16, 48), 0), (96, 64, (32, 32), 0),
+    (96, 80, (24, 40), 0), (48, 40, (8, 8), 5)],
+    ids=["gate_up", "down", "128 blocks, dst unaligned", "strips of 256 rows", "512-row blocks",
+         "16x48 blocks", "rows not of 64", "blocks not of 16", "small, dst unaligned"])
+def test_rescale_transposed_at_kimi_shapes_equals_the_float_reference(rows, cols, block, offset, impl):
     """Kimi-K2's per-expert [out, in] gate_up and down codes quantized like its checkpoint (amax -> 448 per 128 x 128
     block, so nearly every 32 x 32 block holds a code beyond +-240), a quarter of the blocks kept within +-240, into
     the scheme's 32 x 32 blocks; and the kernel's scalar path (blocks not multiples of 16): dst, flags and the count
@@ -225,10 +242,27 @@ def test_rescale_transposed_at_kimi_shapes_equals_the_float_reference(rows, cols
     within[keep.nonzero(as_tuple=True)] &= 0xF7  # magnitudes 0x78.. lose bit 3: all <= 0x77
     codes[0, 0], codes[1, 1] = 0x01, 0x83  # subnormals (0x01 rounds) in a block that halves
     codes[0, 2] = 0x78
-    dst = torch.empty(cols, rows, dtype=torch.uint8)
+    dst = torch.empty(rows * cols + offset, dtype=torch.uint8)[offset:].view(cols, rows)
     flags, inexact = nxd_fp8.rescale_transposed(dst, codes.clone(), (br, bc), "w")
     w = codes.view(torch.float8_e4m3fn)
     want, _, rescaled, want_inexact = _reference_blockwise(w, torch.ones(1, 1), (rows, cols), (bc, br))
     assert torch.equal(dst, want)
     assert int(flags.sum()) == rescaled and inexact == want_inexact > 0
-    assert torch.equal(flags, (codes & 0x7F).view(rows // br, br, cols // bc, bc).amax(dim=(1, 3)) > 0x77)
+    assert torch.equal(flags, w.float().abs().view(rows // br, br, cols // bc, bc).amax(dim=(1, 3)) > 240)
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (64, 0)])
+def test_rescale_transposed_of_an_empty_matrix(shape, impl):
+    codes = torch.zeros(shape, dtype=torch.uint8)
+    dst = torch.empty(shape[::-1], dtype=torch.uint8)
+    flags, inexact = nxd_fp8.rescale_transposed(dst, codes, (32, 32), "w")
+    assert flags.shape == (shape[0] // 32, shape[1] // 32) and inexact == 0
+
+
+@pytest.mark.parametrize("row", [0, 200, 255])  # the first strip, a later one, the last row
+def test_rescale_transposed_refuses_a_nan_in_any_strip(row, one_line_error, impl):
+    codes = torch.full((256, 64), 0x30, dtype=torch.uint8)
+    codes[row, 40] = 0xFF
+    one_line_error(lambda: nxd_fp8.rescale_transposed(torch.empty(64, 256, dtype=torch.uint8), codes, (32, 32),
+                                                      "model.layers.3.mlp.experts.7.up_proj"),
+                   "model.layers.3.mlp.experts.7.up_proj.weight", "NaN")

@@ -1,6 +1,6 @@
 /* The converter's per-byte work on FP8 expert codes, in one pass per strip of blocks: the +-240 / NaN scan, the
  * halving of flagged blocks and the [out, in] -> [in, out] byte transpose (torch has no fast byte transpose: its
- * strided copy costs ~0.75 CPU-s/GB here, this ~0.1). Semantics are quant/nxd_fp8.py's (rescale_blocks,
+ * strided copy costs ~0.75 CPU-s/GB here, this ~0.15). Semantics are quant/nxd_fp8.py's (rescale_blocks,
  * halve_codes, transpose_into), which stay as the fallback where this module is not built; the tests hold the two
  * to the same bytes. Called with the GIL released, so the converter's worker threads run it side by side.
  *
@@ -29,38 +29,53 @@ static inline uint8_t halve(uint8_t b) {
     return (uint8_t)((b & 0x80) | ((m >> 1) + (m & (m >> 1) & 1)));
 }
 
-/* The blocks of rows [r0, r0 + br) and columns [c0, c0 + w): whether a magnitude exceeds 0x77 (flags[c / bc]) and
- * whether one is 0x7F (the return value). */
-#if AVX2_TILES
-__attribute__((target_clones("avx2", "default")))
-#endif
-static int scan_blocks(const uint8_t *src, idx cols, idx r0, idx br, idx c0, idx w, idx bc, uint8_t *colmax,
-                       uint8_t *flags) {
-    memset(colmax, 0, (size_t)w);
+/* The blocks of rows [r0, r0 + br): whether a magnitude exceeds 0x77 (flags[c / bc]) and whether one is 0x7F (the
+ * return value). Compiled twice, for the baseline and for AVX2 (the byte max vectorizes either way). */
+static inline __attribute__((always_inline)) int scan_body(const uint8_t *src, idx cols, idx r0, idx br, idx bc,
+                                                           uint8_t *colmax, uint8_t *flags) {
+    memset(colmax, 0, (size_t)cols);
     for (idx r = r0; r < r0 + br; r++) {
-        const uint8_t *row = src + r * cols + c0;
-        for (idx c = 0; c < w; c++) {  /* vectorized by the compiler (byte max) */
+        const uint8_t *row = src + r * cols;
+        for (idx c = 0; c < cols; c++) {
             uint8_t m = row[c] & 0x7F;
             colmax[c] = m > colmax[c] ? m : colmax[c];
         }
     }
     int nan = 0;
-    for (idx j = 0; j < w; j += bc) {
+    for (idx j = 0; j < cols; j += bc) {
         uint8_t most = 0;
         for (idx c = j; c < j + bc; c++) most = colmax[c] > most ? colmax[c] : most;
-        flags[(c0 + j) / bc] = most > 0x77;
+        flags[j / bc] = most > 0x77;
         nan |= most == 0x7F;
     }
     return nan;
 }
 
+static int scan_plain(const uint8_t *src, idx cols, idx r0, idx br, idx bc, uint8_t *colmax, uint8_t *flags) {
+    return scan_body(src, cols, r0, br, bc, colmax, flags);
+}
+
+#ifdef AVX2_TILES
+__attribute__((target("avx2"))) static int scan_avx2(const uint8_t *src, idx cols, idx r0, idx br, idx bc,
+                                                     uint8_t *colmax, uint8_t *flags) {
+    return scan_body(src, cols, r0, br, bc, colmax, flags);
+}
+#endif
+
+static int scan_blocks(const uint8_t *src, idx cols, idx r0, idx br, idx bc, uint8_t *colmax, uint8_t *flags) {
+#ifdef AVX2_TILES
+    if (have_avx2) return scan_avx2(src, cols, r0, br, bc, colmax, flags);
+#endif
+    return scan_plain(src, cols, r0, br, bc, colmax, flags);
+}
+
 /* flags (may be NULL): [rows/br, cols/bc], 1 where the block is halved. */
-static idx scalar_part(const uint8_t *src, uint8_t *dst, idx rows, idx cols, idx r0, idx n, idx c0, idx w,
-                       idx br, idx bc, const uint8_t *flags) {
+static idx scalar_part(const uint8_t *src, uint8_t *dst, idx rows, idx cols, idx r0, idx n, idx br, idx bc,
+                       const uint8_t *flags) {
     idx inexact = 0;
     for (idx r = r0; r < r0 + n; r++) {
         const uint8_t *f = flags ? flags + (r / br) * (cols / bc) : NULL;
-        for (idx c = c0; c < c0 + w; c++) {
+        for (idx c = 0; c < cols; c++) {
             uint8_t b = src[r * cols + c];
             if (f && f[c / bc]) {
                 uint8_t m = b & 0x7F;
@@ -118,7 +133,7 @@ static inline void tile16(const uint8_t *in, idx si, uint8_t *out, idx so, int f
     }
 }
 
-#if AVX2_TILES
+#ifdef AVX2_TILES
 /* tile16 on two tiles side by side (columns c .. c+31), as two 128-bit lanes: AVX2's unpacks stay within a lane,
  * so the same network transposes both; lane 0 gives output rows c .., lane 1 rows c+16 ... Halved whole when
  * `flagged` (both tiles in one block: bc % 32 == 0). */
@@ -172,21 +187,21 @@ __attribute__((target("avx2"))) static void tile16x32(const uint8_t *in, idx si,
 #define STRIP_MAX 256 /* rows per strip at most (the local buffer below) */
 #define SQUARE 64     /* columns per square */
 
-/* Rows [r0, r0 + n) x columns [c0, c0 + w) (n, w multiples of 16, n at most STRIP_MAX), read while in cache (the
- * caller has just scanned them: a strided read straight from memory runs ~2x slower here), in squares of n x 64
+/* Rows [r0, r0 + n) (n a multiple of 16, at most STRIP_MAX; cols a multiple of 16), read while in cache (the caller
+ * has just scanned or touched them: a strided read straight from memory runs ~2x slower here), in squares of n x 64
  * through a local buffer, each finished output line written once with a non-temporal store (no read for ownership). */
-static idx sse2_part(const uint8_t *src, uint8_t *dst, idx rows, idx cols, idx r0, idx n, idx c0, idx cw, idx br,
-                     idx bc, const uint8_t *flags) {
+static idx sse2_part(const uint8_t *src, uint8_t *dst, idx rows, idx cols, idx r0, idx n, idx br, idx bc,
+                     const uint8_t *flags) {
     uint8_t buf[STRIP_MAX * SQUARE] __attribute__((aligned(64)));
     idx inexact = 0;
     int stream = ((uintptr_t)dst % 16 == 0) && rows % 16 == 0;
-    for (idx cs = c0; cs < c0 + cw; cs += SQUARE) {
-        idx w = c0 + cw - cs < SQUARE ? c0 + cw - cs : SQUARE;
+    for (idx cs = 0; cs < cols; cs += SQUARE) {
+        idx w = cols - cs < SQUARE ? cols - cs : SQUARE;
         for (idx r = 0; r < n; r += 16) {
             const uint8_t *f = flags ? flags + ((r0 + r) / br) * (cols / bc) : NULL;
             idx c = 0;
-#if AVX2_TILES
-            if (have_avx2 && bc % 32 == 0)
+#ifdef AVX2_TILES
+            if (have_avx2 && (!f || bc % 32 == 0))
                 for (; c + 32 <= w; c += 32)
                     tile16x32(src + (r0 + r) * cols + cs + c, cols, buf + c * n + r, n, f && f[(cs + c) / bc],
                               &inexact);
@@ -215,11 +230,11 @@ static void touch(const uint8_t *p, idx n) {  /* bring n bytes into cache, one l
 }
 #endif
 
-/* Parts of about 128 rows (each output line then gets 128 bytes: two whole cache lines) x 1024 columns (128 KB: in
- * cache from the scan to the transpose), in whole blocks. */
-static idx whole(idx b, idx about) {
-    idx n = b;
-    while (n + b <= about) n += b;
+/* Strips of whole blocks, about 128 rows: each output line then gets 128 bytes, two whole cache lines. (Narrower
+ * parts, 1024 or 2048 columns, ran 15-25% slower here.) */
+static idx strip_rows(idx br) {
+    idx n = br;
+    while (n + br <= 128) n += br;
     return n;
 }
 
@@ -242,24 +257,21 @@ static PyObject *expert(PyObject *self, PyObject *args) {
     idx rows, cols, br, bc, inexact = 0;
     int nan = 0;
     if (!parse(args, &src, &dst, &rows, &cols, &br, &bc, &flags)) return NULL;
-    uint8_t *colmax = PyMem_RawMalloc(cols ? (size_t)cols : 1);  /* (a part's width at most) */
+    uint8_t *colmax = PyMem_RawMalloc(cols ? (size_t)cols : 1);
     if (!colmax) return PyErr_NoMemory();
-    idx h = whole(br, 128), pw = whole(bc, 1 << 20), nb = cols / bc;
+    idx h = strip_rows(br), nb = cols / bc;
     Py_BEGIN_ALLOW_THREADS
     for (idx rs = 0; rs < rows && !nan; rs += h) {
         idx n = rows - rs < h ? rows - rs : h;
-        for (idx cs = 0; cs < cols && !nan; cs += pw) {
-            idx w = cols - cs < pw ? cols - cs : pw;
-            for (idx rb = rs; rb < rs + n; rb += br)
-                nan |= scan_blocks(src, cols, rb, br, cs, w, bc, colmax, flags + rb / br * nb);
-            if (nan) break;
+        for (idx rb = rs; rb < rs + n; rb += br)  /* the scan also brings the strip into cache for the transpose */
+            nan |= scan_blocks(src, cols, rb, br, bc, colmax, flags + rb / br * nb);
+        if (nan) break;
 #if defined(__SSE2__)
-            if (br % 16 == 0 && bc % 16 == 0 && n <= STRIP_MAX)
-                inexact += sse2_part(src, dst, rows, cols, rs, n, cs, w, br, bc, flags);
-            else
+        if (br % 16 == 0 && bc % 16 == 0 && n <= STRIP_MAX)
+            inexact += sse2_part(src, dst, rows, cols, rs, n, br, bc, flags);
+        else
 #endif
-                inexact += scalar_part(src, dst, rows, cols, rs, n, cs, w, br, bc, flags);
-        }
+            inexact += scalar_part(src, dst, rows, cols, rs, n, br, bc, flags);
     }
 #if defined(__SSE2__)
     _mm_sfence(); /* the non-temporal stores are visible before another thread reads dst */
@@ -283,16 +295,13 @@ static PyObject *transpose(PyObject *self, PyObject *args) {
         body = rows - rows % 16;
         for (idx rs = 0; rs < body; rs += 128) {
             idx n = body - rs < 128 ? body - rs : 128;
-            for (idx cs = 0; cs < cols; cs += 1024) {
-                idx w = cols - cs < 1024 ? cols - cs : 1024;
-                for (idx r = rs; r < rs + n; r++) touch(src + r * cols + cs, w);
-                sse2_part(src, dst, rows, cols, rs, n, cs, w, 1, 1, NULL);
-            }
+            touch(src + rs * cols, n * cols);
+            sse2_part(src, dst, rows, cols, rs, n, 1, 1, NULL);
         }
         _mm_sfence();
     }
 #endif
-    scalar_part(src, dst, rows, cols, body, rows - body, 0, cols, 1, 1, NULL);
+    scalar_part(src, dst, rows, cols, body, rows - body, 1, 1, NULL);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -302,7 +311,7 @@ static PyObject *transpose(PyObject *self, PyObject *args) {
 static PyObject *use_avx2(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-#if AVX2_TILES
+#ifdef AVX2_TILES
     have_avx2 = on && __builtin_cpu_supports("avx2");
     return PyBool_FromLong(have_avx2);
 #else
@@ -320,7 +329,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fp8_bytes", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__fp8_bytes(void) {
-#if AVX2_TILES
+#ifdef AVX2_TILES
     have_avx2 = __builtin_cpu_supports("avx2");
 #endif
     return PyModule_Create(&module);

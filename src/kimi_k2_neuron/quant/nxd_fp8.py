@@ -14,8 +14,8 @@ from . import check_finite
 from .fp8 import check_fp8_weight, check_scales, fp8_values, scale_grid_shape
 from .int4 import check_group_scale, unpack_int4
 
-try:  # the C kernel (setup.py builds it at install); without it the torch steps below, ~2x the converter's CPU time
-    from . import _fp8_bytes as _kernel
+try:  # the C kernel (setup.py builds it at install); without it the torch steps below (the benchmark's conversion:
+    from . import _fp8_bytes as _kernel  # 2.03 against 1.24 CPU-s/GB, docs/converter.md)
 except ImportError:
     _kernel = None
 
@@ -58,9 +58,9 @@ _work = threading.local()  # each thread's int32 staging buffer for transpose_in
 
 
 def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[:, :] = src.T for byte matrices. In two steps, each faster than torch's byte transpose (~0.6 against
-    ~0.8 CPU-s/GB here): an int32 transpose, whose lanes hold 4 consecutive columns of a row, then each group of 4
-    output rows pulled out of those lanes (a copy with a 4-byte input stride)."""
+    """dst[:, :] = src.T for byte matrices: the C kernel, else in two torch steps, each faster than torch's byte
+    transpose (~0.6 against ~0.8 CPU-s/GB here): an int32 transpose, whose lanes hold 4 consecutive columns of a row,
+    then each group of 4 output rows pulled out of those lanes (a copy with a 4-byte input stride)."""
     rows, cols = src.shape
     if _kernel is not None and _bytes_pair(dst, src):
         _kernel.transpose(src.data_ptr(), dst.data_ptr(), rows, cols)
@@ -80,17 +80,24 @@ def transpose_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _bytes_pair(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """What the C kernel takes: contiguous byte matrices, dst shaped as src's transpose."""
-    return (dst.is_contiguous() and src.is_contiguous() and src.element_size() == dst.element_size() == 1
-            and src.dim() == 2 and tuple(dst.shape) == tuple(src.shape[::-1]))
+    """What the C kernel takes: contiguous byte matrices in CPU memory, dst shaped as src's transpose."""
+    return (dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
+            and src.element_size() == dst.element_size() == 1 and src.dim() == 2
+            and tuple(dst.shape) == tuple(src.shape[::-1]))
 
 
-def rescale_transposed(dst: torch.Tensor, u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[torch.Tensor, int]:
+def _kernel_takes(dst: torch.Tensor, u: torch.Tensor, block: tuple[int, int]) -> bool:
+    return _kernel is not None and _bytes_pair(dst, u) and u.shape[0] % block[0] == 0 and u.shape[1] % block[1] == 0
+
+
+def rescale_transposed(dst: torch.Tensor, u: torch.Tensor, block: tuple[int, int],
+                       name: str) -> tuple[torch.Tensor, int]:
     """dst[:, :] = u.T, every [br, bc] block of u holding a code beyond +-240 halved -> (flags [rows/br, cols/bc],
-    codes rounded). The C kernel does it in one pass per strip of blocks; the torch fallback halves u in place."""
+    codes rounded). The C kernel does it in one pass per strip of blocks, leaving u as it is; the torch fallback
+    halves u in place."""
     rows, cols = u.shape
     br, bc = block
-    if _kernel is None or not _bytes_pair(dst, u) or rows % br or cols % bc:
+    if not _kernel_takes(dst, u, block):
         flag, inexact = rescale_blocks(u, block, name)
         transpose_into(dst, u)
         return flag, inexact
@@ -180,7 +187,9 @@ def fp8_to_blockwise(w: torch.Tensor, s: torch.Tensor, src_block: tuple[int, int
     out_f, in_f = w.shape
     bi, bo = block
     _grid(out_f, bo, name), _grid(in_f, bi, name)
-    u = w.view(torch.uint8) if inplace or _kernel is not None else w.view(torch.uint8).clone()
+    u = w.view(torch.uint8)
+    if not (inplace or _kernel_takes(dst, u, (bo, bi))):
+        u = u.clone()
     flag, inexact = rescale_transposed(dst, u, (bo, bi), name)
     scale = blockwise_scale(s, (out_f, in_f), src_block, block, flag, name)
     return scale, Stats(blocks=flag.numel(), rescaled=int(flag.sum()), inexact=inexact)
@@ -208,6 +217,8 @@ def rescale_blocks(u: torch.Tensor, block: tuple[int, int], name: str) -> tuple[
     one are redone byte by byte. Work is per matrix, not per chunk: torch's ~10 us per call would dominate."""
     br, bc = block
     rows, cols = u.shape
+    if not u.numel():
+        return torch.zeros(rows // br, cols // bc, dtype=torch.bool), 0
     lanes_fit = _lanes_fit(u, bc) and br % 8 == 0  # else lanes or 8-row groups straddle blocks
     largest, smallest = _magnitudes(u, br, lanes_fit)
     flag, nan = _flags(largest, bc)
