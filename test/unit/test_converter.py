@@ -425,6 +425,9 @@ NON_FINITE = {
     "NaN in an expert's bf16 weight": ("bf16", EXPERT + ".weight", (11, float("nan")), ["NaN or inf"]),
     "FP8 NaN code 0x7f in an expert": ("fp8", EXPERT + ".weight", (7, 0x7F), ["NaN FP8 codes"]),
     "FP8 NaN code 0xff in an expert": ("fp8", EXPERT + ".weight", (700, 0xFF), ["NaN FP8 codes"]),
+    # gate and up are read, scanned and transposed as one matrix: the line must still name the projection
+    "FP8 NaN code in an expert's up_proj": ("fp8", "model.layers.2.mlp.experts.5.up_proj.weight", (900, 0xFF),
+                                            ["NaN FP8 codes"]),
     "FP8 NaN code in attention": ("fp8", "model.layers.0.self_attn.o_proj.weight", (0, 0xFF), ["NaN FP8 codes"]),
 }
 
