@@ -43,7 +43,7 @@ from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_shardi
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
 from . import chunked_prefill, contract  # noqa: E402
-from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters  # noqa: E402
+from .loader import load_neuron_state_dict, model_state_dict, read_presharded, unloaded_parameters  # noqa: E402
 
 # == the config ==================================================================================================
 
@@ -474,13 +474,11 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
         """Renames for NxDI's default get_state_dict path, strict both ways (NXDI_CONTRACT.md: state-dict-prefix)."""
-        state = contract.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
-        return contract.for_layout(state, config.core_config(), contract.layout_of(config))
+        return model_state_dict(state_dict, config)
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
-        state = load_neuron_state_dict(path, self.config)
-        return contract.for_layout(state, self.config.core_config(), contract.layout_of(self.config))
+        return load_neuron_state_dict(path, self.config)
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
         """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""
