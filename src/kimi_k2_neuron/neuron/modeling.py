@@ -205,11 +205,8 @@ class NxDParallelContext(ParallelContext):
     # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
 
     def kv_rank(self):
-        """A tensor from the model's SPMDRank, as right in a traced graph as in CPU mode. Without a model (the
-        seam alone) NxD's process rank, right in CPU mode only: ModelBuilder traces every rank as rank 0
-        (NXDI_CONTRACT.md: fd-rank)."""
-        if self.rank_util is None:
-            return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
+        """A tensor from the model's SPMDRank (NxDI's NeuronBaseModel makes it before init_model builds this context),
+        not NxD's process rank, which ModelBuilder traces as 0 on every rank (NXDI_CONTRACT.md: fd-rank)."""
         return torch.remainder(self.rank_util.get_rank(), self.kv_group).to(torch.int64)
 
     def gather_kv_heads(self, x):
