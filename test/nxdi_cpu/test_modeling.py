@@ -322,6 +322,23 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     torch.testing.assert_close(state[f"layers.{layer}.mlp.router.weight"], core.model.layers[layer].mlp.gate.weight)
 
 
+def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
+    """NxDI's default get_state_dict (through convert_hf_to_neuron_state_dict; NXDI_CONTRACT.md: state-dict-prefix)
+    and checkpoint_loader_fn give the same state dict, with q_a | kv_a fused and the router under its linear."""
+    from kimi_k2_neuron.formats import layout
+
+    path = str(converted[("fp8", "fp8-blockwise")])
+    app = backend.application(backend.CpuOptions(model=path, tp=2, shard_attn_a=True, shard_router=True), 8, 1)
+    want = app.checkpoint_loader_fn()
+    got = type(app).get_state_dict(path, app.config)
+    cfg = app.config.core_config()
+    moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    assert layout.fused_attention_a_key(0) in got and layout.router_weight_key(moe, linear=True) in got
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
 def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
     """Its scales have another shape than the NeuronConfig's scheme gives them: named, with both shapes."""
     app = backend.application(backend.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
