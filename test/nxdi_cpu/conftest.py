@@ -91,3 +91,9 @@ def converted(tiny, tmp_path_factory):
             out[(q, scheme)] = root / f"{q}-{scheme}"
             convert(src, out[(q, scheme)], scheme, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def per_channel(converted) -> str:
+    """The FP8 source converted to fp8-per-channel: its scales shard 4 ways (blockwise's only 2), as TP=4 needs."""
+    return str(converted[("fp8", "fp8-per-channel")])

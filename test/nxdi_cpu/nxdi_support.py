@@ -31,3 +31,12 @@ def oracle_logits(model_dir: Path, rows, prefill_len, bf16_non_experts: bool, tm
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
+
+
+def replicated_run(model: str, job, rows, prefill, out_dir: Path):
+    """job(0, o, rows, prefill, str(out_dir)) at TP=1 over NxDI's replicated cache, for the reference the sharded
+    caches are compared with; the job saves its cache to out_dir/rank0.safetensors -> (its result, that cache)."""
+    from kimi_k2_neuron.nxdi_cpu import backend  # NxD/NxDI at import: only where a test runs the model
+
+    o = backend.prepare(backend.CpuOptions(model=model), max(map(len, rows)), len(rows))
+    return backend.run(o, job, rows, prefill, str(out_dir)), load_file(Path(out_dir) / "rank0.safetensors")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nxdi_support import rel_err
+from nxdi_support import rel_err, replicated_run
 from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.errors import KimiInputError
@@ -193,17 +193,11 @@ def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False)
 
 
 @pytest.fixture(scope="module")
-def per_channel(converted):
-    return str(converted[("fp8", "fp8-per-channel")])  # its scales shard 4 ways; blockwise only 2
-
-
-@pytest.fixture(scope="module")
 def one_shot(per_channel, tmp_path_factory):
     """TP=1, NxDI's replicated cache, the whole prompt in one context-encoding call: logits and K cache."""
     out = tmp_path_factory.mktemp("one_shot")
-    o = backend.prepare(backend.CpuOptions(model=per_channel), max(map(len, LONG)), len(LONG))
-    logits, _ = backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out))
-    return logits, load_file(out / "rank0.safetensors")
+    (logits, _), cache = replicated_run(per_channel, sharded_job, LONG, LONG_PREFILL, out)
+    return logits, cache
 
 
 def run_sharded(ckpt, tp, g, out_dir, mutate=False):

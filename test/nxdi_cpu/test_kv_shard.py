@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from nxdi_support import oracle_logits, rel_err
+from nxdi_support import oracle_logits, rel_err, replicated_run
 from safetensors.torch import load_file, save_file
 from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; importing it also enables the sync log)
 
@@ -73,27 +73,19 @@ def _one_row_prefills(app, rows, prefill):
 
 
 @pytest.fixture(scope="module")
-def ckpt(converted):
-    return str(converted[("fp8", "fp8-per-channel")])  # its scales shard 4 ways; blockwise only 2
-
-
-@pytest.fixture(scope="module")
-def replicated(ckpt, tmp_path_factory):
+def replicated(per_channel, tmp_path_factory):
     """TP=1, NxDI's replicated cache: the logits and the cache."""
-    out = tmp_path_factory.mktemp("tp1")
-    o = backend.prepare(backend.CpuOptions(model=ckpt), max(map(len, ROWS)), len(ROWS))
-    logits = backend.run(o, _dump_job, ROWS, PREFILL, str(out))
-    return logits, load_file(out / "rank0.safetensors")
+    return replicated_run(per_channel, _dump_job, ROWS, PREFILL, tmp_path_factory.mktemp("tp1"))
 
 
 @pytest.mark.parametrize("tp,g,cb", [(2, 2, False), (4, 4, False), (4, 2, False), (2, 2, True)],
                          ids=["tp2", "tp4", "tp4-two-groups", "tp2-continuous-batching"])
-def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_position(ckpt, replicated, tmp_path,
-                                                                                      tp, g, cb):
+def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_position(per_channel, replicated,
+                                                                                      tmp_path, tp, g, cb):
     """cb: NxDI's continuous batching, each row's prefill written at its seq_id (the flash-decoding CTE write at a
     cache line, NXDI_CONTRACT.md: fd-cte-filter)."""
     want, full = replicated
-    o = backend.CpuOptions(model=ckpt, tp=tp, kv_group=g, continuous_batching=cb)
+    o = backend.CpuOptions(model=per_channel, tp=tp, kv_group=g, continuous_batching=cb)
     o = backend.prepare(o, max(map(len, ROWS)), len(ROWS))
     got = backend.run(o, _dump_job, ROWS, PREFILL, str(tmp_path))
     for r, (row, k) in enumerate(zip(ROWS, PREFILL)):
@@ -129,7 +121,7 @@ def test_the_sharded_cache_matches_transformers_on_an_exact_conversion(converted
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
 
 
-def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
+def test_the_logits_command_runs_the_sharded_cache_end_to_end(per_channel, tmp_path):
     """`kimi-k2-neuron logits --backend nxdi-cpu --tp 2 --kv-shard sequence`, in a user's environment, against the
     core runner (an independent implementation)."""
     env = {k: v for k, v in os.environ.items()
@@ -137,25 +129,25 @@ def test_the_logits_command_runs_the_sharded_cache_end_to_end(ckpt, tmp_path):
     out = tmp_path / "l.safetensors"
     ids = ";".join(",".join(map(str, r)) for r in ROWS)
     r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--backend", "nxdi-cpu", "--tp", "2",
-                        "--kv-shard", "sequence", "--model", ckpt, "--input-ids", ids, "--prefill-len", "7",
+                        "--kv-shard", "sequence", "--model", per_channel, "--input-ids", ids, "--prefill-len", "7",
                         "--out", str(out)], capture_output=True, text=True, env={**env, "KIMI_K2_NEURON_CACHE":
                                                                                   str(tmp_path / "cache")},
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    got, want = load_file(out)["logits"], CpuRunner(ckpt).logits(ROWS, 7)
+    got, want = load_file(out)["logits"], CpuRunner(per_channel).logits(ROWS, 7)
     for i, row in enumerate(ROWS):
         assert rel_err(got[i, :len(row)], want[i, :len(row)]) < 1e-4, f"row {i}"
 
 
 @pytest.mark.parametrize("submodel,chunk,batch", [("context", None, 2), ("token", None, 2), ("chunk", 4, 1)])
-def test_the_flash_decoding_graphs_trace_clean_at_one_rank(ckpt, torch_fill_prefix, submodel, chunk,  # noqa: F811
-                                                           batch):
+def test_the_flash_decoding_graphs_trace_clean_at_one_rank(per_channel, torch_fill_prefix,  # noqa: F811
+                                                           submodel, chunk, batch):
     """At TP=1 (G=1: torch_xla's CPU device runs one process) the flash-decoding submodels trace to one clean graph
     equal to eager: NxDI's mask_util masks and 128-slot window, the garbage-slot K write, the CTE filter indexed by
     SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
     masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
     what it would take."""
-    o = backend.CpuOptions(model=ckpt, dtype="float32", kv_group=1, prefill_chunk=chunk)
+    o = backend.CpuOptions(model=per_channel, dtype="float32", kv_group=1, prefill_chunk=chunk)
     r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
     assert r.stopped is None and r.clean, r.format()
     assert r.max_rel_diff_vs_eager < 1e-5 and r.argmax_equal, r.format()
@@ -174,19 +166,19 @@ def _serving(ckpt, kv_group=4, seq_len=64):
     return KimiK2InferenceConfig.for_serving(cfg, contract.ServeOptions(**opts))
 
 
-def test_the_kv_group_survives_nxdis_save_and_load(ckpt, tmp_path):
+def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
     """G is our config attribute, which NxDI saves with the config; add_derived_config sets num_cores_per_group
     from it again on reload, and NxDI's cache manager sizes each rank's cache from that."""
     from neuronx_distributed_inference.models.config import MoENeuronConfig
 
-    config = _serving(ckpt)
+    config = _serving(per_channel)
     config.save(str(tmp_path))
     again = KimiK2InferenceConfig.load(str(tmp_path))
     for c in (config, again):
         got = (c.num_cores_per_group, contract.layout_of(c).kv_group, c.neuron_config.flash_decoding_enabled)
         assert got == (4, 4, True)
     assert isinstance(again.neuron_config, MoENeuronConfig)
-    plain = _serving(ckpt, kv_group=None)
+    plain = _serving(per_channel, kv_group=None)
     assert (plain.num_cores_per_group, plain.neuron_config.flash_decoding_enabled) == (1, False)
 
 
@@ -200,10 +192,10 @@ def test_the_kv_group_survives_nxdis_save_and_load(ckpt, tmp_path):
     # NxDI itself refuses k_cache_transposed and attn_block_tkg_nki_kernel_enabled with flash decoding, by an
     # assertion when the NeuronConfig is built, before our check (models/config.py:525-540)
 ])
-def test_a_reloaded_sharded_config_is_checked_again(ckpt, tmp_path, edit, needle):
+def test_a_reloaded_sharded_config_is_checked_again(per_channel, tmp_path, edit, needle):
     import json
 
-    _serving(ckpt).save(str(tmp_path))
+    _serving(per_channel).save(str(tmp_path))
     path = tmp_path / "neuron_config.json"
     saved = json.loads(path.read_text())
     saved["neuron_config"].update(edit.pop("neuron_config", {}))
@@ -217,29 +209,29 @@ def test_a_reloaded_sharded_config_is_checked_again(ckpt, tmp_path, edit, needle
     (dict(tp=4, kv_group=3), "--kv-group 3: must divide --tp 4"),
     (dict(tp=2, kv_group=4), "--kv-group 4: must divide --tp 2"),
 ])
-def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(ckpt, over, needle):
+def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(per_channel, over, needle):
     with pytest.raises(KimiInputError) as e:
-        backend.prepare(backend.CpuOptions(model=ckpt, **over), 20, 2)
+        backend.prepare(backend.CpuOptions(model=per_channel, **over), 20, 2)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_seq_len_the_group_does_not_divide_is_refused(ckpt):
+def test_a_seq_len_the_group_does_not_divide_is_refused(per_channel):
     with pytest.raises(KimiInputError, match="--seq-len 66: with --kv-shard sequence must be a multiple of "
                                              "--kv-group 4") as e:
-        _serving(ckpt, seq_len=66)
+        _serving(per_channel, seq_len=66)
     assert "\n" not in str(e.value)
 
 
-def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(ckpt):
-    o = backend.CpuOptions(model=ckpt, tp=4, kv_group=4)
+def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(per_channel):
+    o = backend.CpuOptions(model=per_channel, tp=4, kv_group=4)
     assert [backend.padded_seq_len(o, n) for n in (17, 20, 21)] == [20, 20, 24]
     assert backend.padded_seq_len(dataclasses.replace(o, kv_group=None), 17) == 17
 
 
-def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(ckpt):
+def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_channel):
     """NxDI's generation adapter and on-device sampler (greedy) over the sharded cache at TP=2: the tokens of the
     replicated cache at TP=1, prompts of different lengths."""
     g = backend.Generation(rows=[ROWS[0][:9], ROWS[1][:5]], stop_ids=(), max_new_tokens=7)
-    sharded, _ = backend.generate(backend.CpuOptions(model=ckpt, tp=2, kv_group=2), g)
-    replicated, _ = backend.generate(backend.CpuOptions(model=ckpt), g)
+    sharded, _ = backend.generate(backend.CpuOptions(model=per_channel, tp=2, kv_group=2), g)
+    replicated, _ = backend.generate(backend.CpuOptions(model=per_channel), g)
     assert sharded == replicated and [len(r) for r in sharded] == [7, 7]

@@ -322,6 +322,23 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     torch.testing.assert_close(state[f"layers.{layer}.mlp.router.weight"], core.model.layers[layer].mlp.gate.weight)
 
 
+def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
+    """NxDI's default get_state_dict (through convert_hf_to_neuron_state_dict; NXDI_CONTRACT.md: state-dict-prefix)
+    and checkpoint_loader_fn give the same state dict, with q_a | kv_a fused and the router under its linear."""
+    from kimi_k2_neuron.formats import layout
+
+    path = str(converted[("fp8", "fp8-blockwise")])
+    app = backend.application(backend.CpuOptions(model=path, tp=2, shard_attn_a=True, shard_router=True), 8, 1)
+    want = app.checkpoint_loader_fn()
+    got = type(app).get_state_dict(path, app.config)
+    cfg = app.config.core_config()
+    moe = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    assert layout.fused_attention_a_key(0) in got and layout.router_weight_key(moe, linear=True) in got
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)), k
+
+
 def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
     """Its scales have another shape than the NeuronConfig's scheme gives them: named, with both shapes."""
     app = backend.application(backend.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
@@ -351,6 +368,8 @@ def _kv_seam_rank(rank: int, tp: int, g: int, out_dir: str) -> None:
 
     import torch.distributed as dist
     from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.parallel_layers.layers import SPMDRank
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
     from safetensors.torch import save_file
 
     from kimi_k2_neuron.model.mla import MLAttention
@@ -363,10 +382,15 @@ def _kv_seam_rank(rank: int, tp: int, g: int, out_dir: str) -> None:
     parallel_state.initialize_kv_group(g, sequential_ranks_in_group=True)
     groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
     core = ParallelContext(tp, rank, g, groups[rank // g])
-    nxd = modeling.NxDParallelContext(tp_size=tp, kv_group=g)
+    # the model's SPMDRank, its rank_util.rank (contract.to_neuron_state_dict) sharded as NxDI's to_cpu() shards it
+    rank_util = SPMDRank(world_size=tp)
+    state = {"rank": torch.arange(tp, dtype=torch.int32)}
+    get_sharded_checkpoint(state, rank_util, rank, tp)
+    rank_util.load_state_dict(state)
+    nxd = modeling.NxDParallelContext(tp_size=tp, kv_group=g, rank_util=rank_util)
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(2, 3, 5, 7, generator=gen), torch.randn(2, 3 * g, 5, 9, generator=gen)
-    out = {"kv_rank": torch.tensor([nxd.kv_rank(), core.kv_rank()])}
+    out = {"kv_rank": torch.cat([nxd.kv_rank(), torch.tensor([core.kv_rank()])])}
     for name, ctx in (("nxd", nxd), ("core", core)):
         out |= {f"{name}.gather": ctx.gather_kv_heads(x), f"{name}.max": ctx.max_over_kv_group(x),
                 f"{name}.reduce_scatter": ctx.reduce_scatter_kv_heads(y)}
@@ -391,8 +415,9 @@ def test_the_kv_group_seam_through_nxds_collectives_is_the_cores(tmp_path, g):
     """NxDParallelContext's KV-group collectives (NxD's _gather_along_dim, _reduce with max and
     _reduce_scatter_along_dim over the group initialize_kv_group makes; NXDI_CONTRACT.md: cpu-collectives) at TP=4,
     one group of 4 and two groups of 2, give the core seam's results (its sharded attention is checked against
-    transformers in test/unit/test_tp.py), and attend_sharded through either seam gives the same output. The model
-    uses it with --kv-shard sequence (test_kv_shard.py, test_chunk_submodel.py)."""
+    transformers in test/unit/test_tp.py), its kv_rank from an SPMDRank loaded as the model's is the core's rank in
+    its group, and attend_sharded through either seam gives the same output. The model uses it with --kv-shard
+    sequence (test_kv_shard.py, test_chunk_submodel.py)."""
     from safetensors.torch import load_file
 
     from kimi_k2_neuron.runtime.ranks import run_ranks

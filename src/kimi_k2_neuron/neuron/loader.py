@@ -22,17 +22,23 @@ logger = logging.getLogger(__name__)
 
 def load_neuron_state_dict(path: str | Path, config) -> dict[str, torch.Tensor]:
     """`config`: a KimiK2InferenceConfig; to_neuron_state_dict refuses tensors not in its expert format by name."""
-    nc = config.neuron_config
-    if not ExpertScheme.from_nxd(vars(nc)).quantized:
+    if not ExpertScheme.from_nxd(vars(config.neuron_config)).quantized:
         raise KimiInputError("unquantized (bf16) experts: the converter writes FP8 experts only; compile with "
                              "--experts fp8-per-channel or fp8-blockwise")
     t0 = time.monotonic()
-    tensors = mmap_checkpoint(path)
-    state = contract.to_neuron_state_dict(tensors, config.core_config(), nc, where=str(path))
+    state = model_state_dict(mmap_checkpoint(path), config, where=str(path))
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     logger.info("mapped %d tensors (%.1f GiB) from %s in %.1f s", len(state), nbytes / 2**30, path,
                 time.monotonic() - t0)
     return state
+
+
+def model_state_dict(tensors: dict[str, torch.Tensor], config, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Tensors under the converted checkpoint's names -> the model's state dict in NxD's names (checked strictly),
+    fitted to the config's layout (contract.for_layout). `config`: a KimiK2InferenceConfig."""
+    cfg = config.core_config()
+    state = contract.to_neuron_state_dict(tensors, cfg, config.neuron_config, where=where)
+    return contract.for_layout(state, cfg, contract.layout_of(config))
 
 
 # The KV cache: no checkpoint holds it (NxD's StateInitializer zero-fills it on device).

@@ -43,7 +43,7 @@ from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_shardi
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
 from . import chunked_prefill, contract  # noqa: E402
-from .loader import load_neuron_state_dict, read_presharded, unloaded_parameters  # noqa: E402
+from .loader import load_neuron_state_dict, model_state_dict, read_presharded, unloaded_parameters  # noqa: E402
 
 # == the config ==================================================================================================
 
@@ -205,11 +205,8 @@ class NxDParallelContext(ParallelContext):
     # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
 
     def kv_rank(self):
-        """A tensor from the model's SPMDRank, as right in a traced graph as in CPU mode. Without a model (the
-        seam alone) NxD's process rank, right in CPU mode only: ModelBuilder traces every rank as rank 0
-        (NXDI_CONTRACT.md: fd-rank)."""
-        if self.rank_util is None:
-            return parallel_state.get_tensor_model_parallel_rank() % self.kv_group
+        """A tensor from the model's SPMDRank (NxDI's NeuronBaseModel makes it before init_model builds this context),
+        not NxD's process rank, which ModelBuilder traces as 0 on every rank (NXDI_CONTRACT.md: fd-rank)."""
         return torch.remainder(self.rank_util.get_rank(), self.kv_group).to(torch.int64)
 
     def gather_kv_heads(self, x):
@@ -474,13 +471,11 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     @staticmethod
     def convert_hf_to_neuron_state_dict(state_dict: dict, config) -> dict:
         """Renames for NxDI's default get_state_dict path, strict both ways (NXDI_CONTRACT.md: state-dict-prefix)."""
-        state = contract.to_neuron_state_dict(state_dict, config.core_config(), config.neuron_config)
-        return contract.for_layout(state, config.core_config(), contract.layout_of(config))
+        return model_state_dict(state_dict, config)
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
-        state = load_neuron_state_dict(path, self.config)
-        return contract.for_layout(state, self.config.core_config(), contract.layout_of(self.config))
+        return load_neuron_state_dict(path, self.config)
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
         """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""
