@@ -21,7 +21,7 @@ from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_wei
                         sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, atomic_output, resume_hint, run_command
-from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options
+from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
@@ -216,7 +216,7 @@ def cmd_plan(a) -> int:
     if a.max_batch and (a.seq_len is None or a.batch is not None):
         raise KimiInputError("--max-batch: searches the batch at --seq-len; give --seq-len and leave out --batch and "
                              "--max-seq-len")
-    layout = _layout(a)
+    layout = layout_options(a)
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
     # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
     scheme = expert_scheme(cfg, ConversionRecord.of(cfg), a.experts)
@@ -236,13 +236,6 @@ def cmd_plan(a) -> int:
     found = p.seq_len if p.fits else None
     print(plan_json(p, max_seq_len=found) if a.json else f"{_max_seq_len_line(cfg, p, found)}\n{format_plan(p)}")
     return 0 if p.fits else 1
-
-
-def _layout(a):
-    """plan's layout flags as contract.LayoutOptions (launch.layout_options)."""
-    from .launch import layout_options
-
-    return layout_options(a)
 
 
 def _max_batch_line(p, found: int | None) -> str:

@@ -33,6 +33,7 @@ _TOP_LEVEL = ("model.embed_tokens.", "model.norm.", "lm_head.")
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
+
 @dataclass
 class GenerationResult:
     tokens: list[list[int]]  # new tokens per row, stop token included when one was hit
