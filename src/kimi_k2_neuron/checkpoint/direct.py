@@ -11,19 +11,42 @@ some network filesystems: EINVAL) the same calls fall back to ordinary reads and
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 
 import torch
 
 PAGE = 4096
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 _DIRECT = getattr(os, "O_DIRECT", 0)
+_HUGE_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None) if hasattr(mmap, "MAP_ANONYMOUS") else None
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor of nbytes whose data starts on a page boundary."""
+    """An uninitialized uint8 tensor of nbytes whose data starts on a page boundary; from `nbytes` >= 2 MB, on a
+    2 MB boundary in memory the kernel is asked to back with transparent huge pages (see `_huge_empty`)."""
+    if nbytes >= HUGE_PAGE and _HUGE_ADVICE is not None:
+        return _huge_empty(nbytes)
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
     skip = -raw.data_ptr() % PAGE
+    return raw[skip: skip + nbytes]
+
+
+def _huge_empty(nbytes: int) -> torch.Tensor:
+    """Why huge pages: the kernel builds an O_DIRECT request from the buffer's physically contiguous runs, and a
+    disk takes a bounded number of them per request (this VM's virtio disk: 254). On 4 KB pages that caps a
+    request at ~0.5 MB; on 2 MB pages it reaches the disk's 4 MB maximum. Measured here with 32 MB preadv/pwrite
+    calls: reads 1.18 -> 3.29 GB/s, writes 2.0 -> 3.3-3.9 GB/s. A private anonymous mapping (a shared one is shmem,
+    which MADV_HUGEPAGE does not cover), unmapped when the last tensor viewing it is freed; where the kernel has no
+    THP the advice fails and the buffer is an ordinary one."""
+    m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(_HUGE_ADVICE)
+    except OSError:
+        pass
+    raw = torch.frombuffer(m, dtype=torch.uint8)  # holds the mapping alive
+    skip = -raw.data_ptr() % HUGE_PAGE
     return raw[skip: skip + nbytes]
 
 
