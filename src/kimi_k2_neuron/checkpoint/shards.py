@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,7 @@ class ShardedCheckpoint:
         self.unindexed.sort()
         self._handles: dict[str, object] = {}
         self._read_fds: dict[str, tuple[int, int | None]] = {}
+        self._opening = threading.Lock()  # the converter's workers open shards concurrently: each opened once
 
     def _weight_map(self) -> dict[str, str]:
         if not self.model_dir.is_dir():
@@ -270,8 +272,11 @@ class ShardedCheckpoint:
         """(buffered, O_DIRECT or None) read descriptors of a shard, opened on first use and kept until close()."""
         fds = self._read_fds.get(shard)
         if fds is None:
-            path = self.model_dir / shard
-            fds = self._read_fds[shard] = (os.open(path, os.O_RDONLY), open_direct(path, os.O_RDONLY))
+            with self._opening:
+                fds = self._read_fds.get(shard)
+                if fds is None:
+                    path = self.model_dir / shard
+                    fds = self._read_fds[shard] = (os.open(path, os.O_RDONLY), open_direct(path, os.O_RDONLY))
         return fds
 
     def get_slice(self, name: str):
@@ -281,9 +286,12 @@ class ShardedCheckpoint:
     def _handle(self, shard: str):
         handle = self._handles.get(shard)
         if handle is None:
-            handle = safe_open(str(self.model_dir / shard), framework="pt")
-            handle.__enter__()  # entered so that close() can release the mmap deterministically via __exit__
-            self._handles[shard] = handle
+            with self._opening:
+                handle = self._handles.get(shard)
+                if handle is None:
+                    handle = safe_open(str(self.model_dir / shard), framework="pt")
+                    handle.__enter__()  # entered so that close() can release the mmap deterministically (__exit__)
+                    self._handles[shard] = handle
         return handle
 
     def close(self) -> None:
