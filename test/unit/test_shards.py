@@ -153,3 +153,45 @@ def test_empty_directory(tmp_path, one_line_error):
 def test_get_unknown_name(ckpt_dir, one_line_error):
     with ShardedCheckpoint(ckpt_dir) as ck:
         one_line_error(lambda: ck.get("model.layers.99.nope"), "model.layers.99.nope", str(ckpt_dir))
+
+
+def test_threads_reaching_a_shard_together_open_it_once(ckpt_dir, monkeypatch):
+    """The converter's workers read the same new shard at once: one mmap handle and one descriptor pair, all closed
+    by close() (without the lock each thread opened its own, and all but one leaked)."""
+    import os
+    import threading
+    import time
+
+    from kimi_k2_neuron.checkpoint import shards
+
+    real_open, real_safe_open = os.open, shards.safe_open
+
+    def slow(fn):
+        def opener(*a, **kw):
+            time.sleep(0.05)  # every thread is past the "not open yet" check before the first one finishes
+            return fn(*a, **kw)
+        return opener
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(shards.os, "open", slow(real_open))
+    monkeypatch.setattr(shards, "safe_open", slow(real_safe_open))
+    ckpt = ShardedCheckpoint(ckpt_dir)
+    name = "model.layers.0.mlp.experts.0.up_proj.weight"
+    want = _tensors()[S1][name].view(torch.uint8).reshape(-1)
+    got, start = [], threading.Barrier(8)
+
+    def reader():
+        start.wait()
+        buf = torch.empty(3 * 4096, dtype=torch.uint8)
+        got.append((ckpt.get(name).view(torch.uint8).reshape(-1).clone(), ckpt.read_bytes([name], buf).clone()))
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(torch.equal(a, want) and torch.equal(b, want) for a, b in got)
+    assert len(ckpt._handles) == 1 and len(ckpt._read_fds) == 1
+    ckpt.close()
+    monkeypatch.undo()
+    assert set(os.listdir("/proc/self/fd")) <= before
