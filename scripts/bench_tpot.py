@@ -177,7 +177,7 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     from neuronx_distributed_inference.utils.benchmark import (LatencyCollector, create_submodule_latency_collectors,
                                                                register_forward_latency_collector,
                                                                register_latency_collectors)
-    from tqdm import tqdm
+    from kimi_k2_neuron.progress import bar as bar_of
 
     from kimi_k2_neuron.neuron.serving import generate_ids
 
@@ -196,7 +196,7 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     if chunked is not None:  # NxDI's collectors know only its own submodels
         collectors[chunked.tag] = LatencyCollector()
         register_forward_latency_collector(collectors[chunked.tag], chunked)
-    with tqdm(lengths, desc="context lengths", unit="length", disable=not progress) as bar:
+    with bar_of(lengths, desc="context lengths", unit="length", disable=not progress) as bar:
         try:
             return [_timed(generate, collectors, n, steps, batch) for n in bar]
         except BaseException:

@@ -8,10 +8,10 @@ copied, then dropped, so peak memory is the model plus one weight.
 from __future__ import annotations
 
 from torch import nn
-from tqdm import tqdm
 
 from .checkpoint.source import WeightSource
 from .errors import KimiInputError, listing
+from .progress import bar as progress_bar
 
 
 def owned_params(model: nn.Module, prefix: str = ""):
@@ -41,7 +41,7 @@ def load_weights(model: nn.Module, source: WeightSource, prefix: str = "", progr
     if missing:
         raise KimiInputError(f"{source.dir}: {len(missing)} tensor(s) missing from the checkpoint: "
                              f"{listing(missing)}")
-    for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+    for name in progress_bar(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         mod, param = params[name]
         _check_shape(source, name, mod, param)
         full = source.get(name, param.dtype)

@@ -7,6 +7,7 @@ rank), no rank left running, and no output that looks complete (report, compiled
 from __future__ import annotations
 
 import os
+import pty
 import select
 import shutil
 import signal
@@ -37,28 +38,59 @@ def env(tmp_path):
     return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
-def signal_after(marker: str, where: str, sig: int, cmd: list[str], env: dict) -> tuple[int, str, str]:
+def signal_after(marker: str, where: str, sig: int, cmd: list[str], env: dict,
+                 terminal: bool = False) -> tuple[int, str, str]:
     """Run cmd, send `sig` once `marker` shows in its `where` ("stdout" or "stderr"; "" on stdout: any text), wait
-    for it to end; (exit code, stdout, stderr), after checking that no process it started outlived it."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    got = {p.stdout: b"", p.stderr: b""}
-    watched = p.stdout if where == "stdout" else p.stderr
+    for it to end; (exit code, stdout, stderr), after checking that no process it started outlived it. terminal:
+    stderr is a pseudo-terminal, as in a user's interactive run (progress bars draw there; on a pipe, a log, they
+    wait progress.LOG_SECONDS)."""
+    master = slave = None
+    if terminal:
+        master, slave = pty.openpty()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=slave if terminal else subprocess.PIPE, env=env)
+    if terminal:
+        os.close(slave)
+    err_fd = master if terminal else p.stderr.fileno()
+    got = {p.stdout.fileno(): b"", err_fd: b""}
+    watched = p.stdout.fileno() if where == "stdout" else err_fd
+
+    def read_some(timeout: float) -> bool:
+        """Read what is ready; False once both streams are at their end."""
+        ready, _, _ = select.select(list(got), [], [], timeout)
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # a pseudo-terminal whose other side has closed: its end
+                chunk = b""
+            if chunk:
+                got[fd] += chunk
+            else:
+                ended.add(fd)
+        return len(ended) < len(got)
+
+    ended: set = set()
     children, deadline = [], time.monotonic() + 600
-    while not children and time.monotonic() < deadline:
-        ready, _, _ = select.select(list(got), [], [], 1.0)
-        for f in ready:
-            got[f] += os.read(f.fileno(), 1 << 16)
-        if got[watched] and marker.encode() in got[watched]:
-            children = psutil.Process(p.pid).children(recursive=True) or [None]
-            p.send_signal(sig)
-        elif p.poll() is not None:
-            out, err = (b.decode(errors="replace") for b in got.values())
-            pytest.fail(f"ended (exit code {p.returncode}) before {marker!r} showed: {err[-3000:]}")
-    assert children, f"{marker!r} did not show within 600 s"
-    out, err = p.communicate(timeout=120)
+    try:
+        while not children and time.monotonic() < deadline:
+            read_some(1.0)
+            if got[watched] and marker.encode() in got[watched]:
+                children = psutil.Process(p.pid).children(recursive=True) or [None]
+                p.send_signal(sig)
+            elif p.poll() is not None:
+                out, err = (b.decode(errors="replace") for b in got.values())
+                pytest.fail(f"ended (exit code {p.returncode}) before {marker!r} showed: {err[-3000:]}")
+        assert children, f"{marker!r} did not show within 600 s"
+        end = time.monotonic() + 120
+        while time.monotonic() < end and (p.poll() is None or read_some(0.2)):
+            if p.poll() is None:
+                read_some(0.5)
+        p.wait(timeout=max(0.0, end - time.monotonic()))
+    finally:
+        if master is not None:
+            os.close(master)
     _, alive = psutil.wait_procs([c for c in children if c is not None], timeout=30)
     assert not alive, f"left running: {[c.cmdline() for c in alive]}"
-    return p.returncode, (got[p.stdout] + out).decode(errors="replace"), (got[p.stderr] + err).decode(errors="replace")
+    return (p.returncode, got[p.stdout.fileno()].decode(errors="replace"), got[err_fd].decode(errors="replace"))
 
 
 def stopped(sig: int, rc: int, err: str, line: str = "") -> None:
@@ -110,7 +142,7 @@ def test_bench_tpot_interrupted_mid_sweep_writes_no_report(sig, tp, tiny, env, t
     report.parent.mkdir()
     rc, out, err = signal_after("| 1/40 [", "stderr", sig, script(
         "bench_tpot.py", "--cpu", "--tp", tp, "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths",
-        ",".join(["8"] * 40), "--decode-steps", "20", "--report", str(report)), env)
+        ",".join(["8"] * 40), "--decode-steps", "20", "--report", str(report)), env, terminal=True)
     stopped(sig, rc, err, "; terminated every rank" if tp == "2" else "")
     assert out == "" and list(report.parent.iterdir()) == []
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import threading
 import time
 from collections import deque
@@ -29,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .. import __version__
+from ..progress import bar as progress_bar
 from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
@@ -116,8 +115,8 @@ class _Job:
         if todo:  # a finished DST being redone in part (a file lost, --verify) must not look finished meanwhile
             for f in ("config.json", INDEX_NAME):  # the last two written, first to go
                 (self.dst / f).unlink(missing_ok=True)
-        bar = tqdm(total=sum(u.src_bytes for u in todo), unit="B", unit_scale=True, desc="converting",
-                   disable=not self.progress, file=sys.stderr, dynamic_ncols=True)
+        bar = progress_bar(total=sum(u.src_bytes for u in todo), unit="B", unit_scale=True, desc="converting",
+                           disable=not self.progress)
         with bar, _torch_threads(), ThreadPoolExecutor(self.workers) as pool:
             self.bar, self.pool = bar, pool
             pending = deque()  # committed files whose writes, hash and fsync may still be running

@@ -9,15 +9,14 @@ alone, so the CLI refuses them before it loads anything.
 from __future__ import annotations
 
 import numbers
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from tqdm import tqdm
 
+from ..progress import bar as progress_bar
 from ..checkpoint.source import WeightSource
 from ..config import KimiK2Config
 from ..errors import KimiInputError
@@ -60,7 +59,7 @@ class CpuRunner:
         self.ctx, self.prefill_chunk = ctx, prefill_chunk
         self.source = WeightSource(model_dir, cfg)
         self.cfg, self.dtype, self.layer_streamed, self.progress = self.source.cfg, dtype, layer_streamed, progress
-        self._bar = tqdm(disable=True)  # the running request's bar (_passes); a no-op outside requests
+        self._bar = progress_bar(disable=True)  # the running request's bar (_passes); a no-op outside requests
         if layer_streamed:
             self._check_streamable_names()
             with torch.device("meta"):
@@ -105,13 +104,12 @@ class CpuRunner:
         """The bar of one request of `passes` forward passes, counted in decoder layers."""
         n = self.cfg.num_hidden_layers
         desc = f"{what}: {passes} pass{'es' * (passes != 1)} x {n} layers"
-        self._bar = tqdm(total=passes * n, unit="layer", desc=desc,
-                         disable=not self.progress, file=sys.stderr, dynamic_ncols=True, leave=False)
+        self._bar = progress_bar(total=passes * n, unit="layer", desc=desc, disable=not self.progress, leave=False)
         try:
             yield
         finally:
             self._bar.close()
-            self._bar = tqdm(disable=True)
+            self._bar = progress_bar(disable=True)
 
     def forward(self, ids, positions, cache_layers, absorbed=None) -> torch.Tensor:
         return self.model(ids, positions, cache_layers, absorbed=absorbed, layer_hook=self._around_layer)
