@@ -85,6 +85,13 @@ NXDI_CPU = "nxdi-cpu"
 
 def _check_backend(a) -> None:
     """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
+    if a.fn is cmd_generate and a.backend != NXDI_CPU:  # first: the layout rules' advice (--tp 2) would not help
+        for flag, given in (("--tp", a.tp > 1), ("--kv-shard sequence", a.kv_shard == "sequence"),
+                            ("--shard-attn-a", a.shard_attn_a), ("--shard-router", a.shard_router)):
+            if given:
+                shown = f"--tp {a.tp}" if flag == "--tp" else flag
+                raise KimiInputError(f"{shown}: the core runner generates in one process; give --backend "
+                                     f"{NXDI_CPU} --tp N for ranks (`logits --tp N` runs them on the core runner)")
     check_layout_flags(a)
     if a.backend == NXDI_CPU:
         if a.layer_streamed:
@@ -93,9 +100,6 @@ def _check_backend(a) -> None:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
         return
-    if a.fn is cmd_generate and a.tp > 1:
-        raise KimiInputError(f"--tp {a.tp}: the core runner generates in one process (--backend {NXDI_CPU} runs "
-                             f"ranks, and so does `logits --tp`)")
     for flag, given in (("--ep", a.ep != 1), ("--experts", a.experts is not None)):
         if given:
             raise KimiInputError(f"{flag}: only with --backend {NXDI_CPU} (the core runner reads any checkpoint "

@@ -51,8 +51,13 @@ BAD_ARGS = [
       "sequence", "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "2", "--kv-group", "2"],
      "--kv-group 2: only with --kv-shard sequence"),
+    # the core generates in one process: the advice names the backend that runs ranks (it said --tp 2, refused next)
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence"],
-     "--kv-shard sequence: a KV group of 1 rank holds the whole cache"),  # the core generates in one process
+     "--kv-shard sequence: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2", "--shard-router"],
+     "--shard-router: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2", "--tp", "2", "--shard-attn-a"],
+     "--tp 2: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "rows"],
      "--kv-shard: invalid choice: 'rows'"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--prefill-chunk", "0"],
