@@ -313,6 +313,8 @@ def _run(a: argparse.Namespace) -> None:
               f"{res['rss_ratio']:.2f} (goal <= 1.6); page cache {res['page_cache']}; load average {load[0]:.1f} "
               f"before and {load[1]:.1f} after the conversion, {os.cpu_count()} CPUs")
         print(json.dumps(res))
+        if a.keep:
+            print(f"kept: the source, the converted copy and the plain copy under {root}")
     finally:
         if not a.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -549,3 +549,15 @@ def test_same_bytes_without_o_direct(converted, tiny_dirs, tmp_path, monkeypatch
     dst = tmp_path / "buffered"
     convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
     assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_a_conversion_without_the_c_kernel_says_so_first(tiny_dirs, tmp_path, monkeypatch, capsys, built):
+    """On a host where setup.py found no C compiler the torch steps take ~1.6x the CPU: the user hears it before the
+    run, not from a benchmark; the files are the same either way (test_nxd_fp8 holds both paths to one reference)."""
+    from kimi_k2_neuron.quant import nxd_fp8
+
+    monkeypatch.setattr(nxd_fp8, "KERNEL_BUILT", built)
+    convert(tiny_dirs["fp8"], tmp_path / "d", "fp8-blockwise", progress=True)
+    err = capsys.readouterr().err
+    assert ("note: FP8 expert codes go through the torch steps" in err) != built, err

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from collections import deque
@@ -79,6 +80,8 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
     try:
         scheme = converted_scheme(source.cfg, experts)
         units = schedule.build(source, scheme)  # every input check that needs no tensor data happens here
+        if progress and source.format == "fp8" and scheme.block is not None and not nxd_fp8.KERNEL_BUILT:
+            print(f"note: {nxd_fp8.NO_KERNEL}", file=sys.stderr, flush=True)  # before a long run, not after
         job = _Job(source, scheme, dst, workers, verify, progress)
         return job.run(units)
     finally:

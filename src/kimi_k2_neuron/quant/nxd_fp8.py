@@ -18,6 +18,9 @@ try:  # the C kernel (setup.py builds it at install); without it the torch steps
     from . import _fp8_bytes as _kernel  # 2.03 against 1.24 CPU-s/GB, docs/converter.md)
 except ImportError:
     _kernel = None
+KERNEL_BUILT = _kernel is not None
+NO_KERNEL = ("FP8 expert codes go through the torch steps: the C kernel quant/_fp8_bytes.c is not built (about 1.6x "
+             "the CPU time; reinstall the package where a C compiler is installed)")
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 240.0
