@@ -182,6 +182,9 @@ def cmd_demo(a) -> int:
     model_dir = cache_dir() / "tiny-fp8"
     if not (model_dir / "config.json").exists():
         check_out_dir(model_dir, "demo folder (KIMI_K2_NEURON_CACHE)")
+        if model_dir.exists():  # ours, left unfinished (make-tiny stopped part way): not the user's to explain
+            raise KimiInputError(f"{model_dir}: the demo's cached checkpoint is incomplete (no config.json): delete "
+                                 f"that folder and the demo makes it again")
         make_tiny(model_dir, quant="fp8")
         print(f"made a tiny FP8 Kimi-K2-format checkpoint in {model_dir}")
     try:
@@ -221,6 +224,9 @@ def cmd_plan(a) -> int:
         raise KimiInputError("--max-batch: searches the batch at --seq-len; give --seq-len and leave out --batch and "
                              "--max-seq-len")
     layout = layout_options(a)
+    if a.model and Path(a.model).is_file():
+        raise KimiInputError(f"--model {a.model}: is a file; --model takes a checkpoint folder, --config a "
+                             f"config.json file")
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
     # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
     scheme = expert_scheme(cfg, ConversionRecord.of(cfg), a.experts)
@@ -322,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_make_tiny_parser, _logits_parser, _generate_parser, _convert_parser, _demo_parser, _plan_parser,
                 _trace_cpu_parser):
         add(sub)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # what a missing command's error names (not `cmd`)
     return p
 
 
@@ -393,7 +400,7 @@ def _plan_parser(sub) -> None:
     s.add_argument("--tp", type=integer(1), required=True, help="tensor-parallel degree (ranks = logical cores used)")
     s.add_argument("--ep", type=integer(1), default=1, help="expert parallelism inside the tp ranks: experts split ep "
                                                             "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
-    s.add_argument("--lnc", type=integer(1), default=2, help="physical cores per logical core (trn2 default 2)")
+    s.add_argument("--lnc", type=integer(1), default=2, help="physical cores per logical core (default: 2, trn2's)")
     seq = s.add_mutually_exclusive_group(required=True)
     seq.add_argument("--seq-len", type=integer(1), help="KV cache length (prompt + generated tokens)")
     seq.add_argument("--max-seq-len", action="store_true",

@@ -116,7 +116,10 @@ class KimiK2Config:
             path = path / "config.json"
         if not path.is_file():
             unfinished = unfinished_conversion(path.parent) if path.name == "config.json" else None
-            raise KimiInputError(unfinished or f"{path}: config.json not found")
+            # a folder's config.json, or a missing folder; else a file named directly (plan --config)
+            what = "not found (expected a config.json)" if path.suffix == ".json" and path.name != "config.json" \
+                else "config.json not found"
+            raise KimiInputError(unfinished or f"{path}: {what}")
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

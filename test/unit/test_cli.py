@@ -136,7 +136,11 @@ BAD_ARGS = [
      "--tp: expected an integer >= 1, got '0'"),
     (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
      "one of the arguments --seq-len --max-seq-len is required"),
-    (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"], "not found"),
+    (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"],
+     "nope.json: not found (expected a config.json)"),
+    (["plan", "--model", "{model}/config.json", "--tp", "2", "--seq-len", "8"],
+     "config.json: is a file; --model takes a checkpoint folder, --config a config.json file"),
+    ([], "required: {make-tiny,logits,generate,convert,demo,plan,trace-cpu}"),
     # generate
     (["generate", "--model", "{model}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty string"),
     # convert: DST apart from SRC, or it writes among (or, redone, deletes) the files it reads
@@ -170,6 +174,14 @@ def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny_dirs, tmp_
     rc, out, err = run_cli(argv, capsys)
     one_line_error.exit(rc, err, words)
     assert out == ""
+
+
+def test_demo_with_an_incomplete_cached_checkpoint(monkeypatch, tmp_path, capsys, one_line_error):
+    (tmp_path / "tiny-fp8").mkdir()
+    (tmp_path / "tiny-fp8" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
+    rc, _, err = run_cli(["demo"], capsys)
+    one_line_error.exit(rc, err, "tiny-fp8: the demo's cached checkpoint is incomplete", "delete that folder")
 
 
 def test_demo_with_an_impossible_cache_folder(monkeypatch, capsys, one_line_error):

@@ -91,7 +91,7 @@ def test_truncated_shard(ckpt_dir, one_line_error):
 def test_shard_truncated_inside_header(ckpt_dir, one_line_error):
     path = ckpt_dir / S1
     path.write_bytes(path.read_bytes()[:40])
-    one_line_error(lambda: ShardedCheckpoint(ckpt_dir), S1, "truncated", "header needs")
+    one_line_error(lambda: ShardedCheckpoint(ckpt_dir), S1, "truncated inside its header", "the file has 40")
 
 
 def test_missing_shard(ckpt_dir, one_line_error):

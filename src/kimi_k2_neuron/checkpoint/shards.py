@@ -104,7 +104,8 @@ def _read_header_json(path: Path) -> tuple[dict, int, int]:
                 f"then a JSON object, got length {header_len}"
             )
         if 8 + header_len > size:
-            raise KimiInputError(f"{fname} is truncated: header needs {8 + header_len} bytes, file has {size}")
+            raise KimiInputError(f"{fname} is truncated inside its header: the header is {8 + header_len} bytes, "
+                                  f"the file has {size} (an interrupted download?)")
         raw = prefix[8:] + f.read(header_len - 1)
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -163,7 +164,8 @@ def read_shard_header(path: Path) -> dict[str, TensorInfo]:
         max_end = max(max_end, end)
     needed = 8 + header_len + max_end
     if needed > size:
-        raise KimiInputError(f"{path.name} is truncated: header needs {needed} bytes, file has {size}")
+        raise KimiInputError(f"{path.name} is truncated: its header lays out {needed} bytes (header and tensors), "
+                              f"the file has {size} (an interrupted download?)")
     return infos
 
 
