@@ -26,6 +26,7 @@ from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.convert import writer
 from kimi_k2_neuron.convert.converter import MANIFEST, convert
+from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord
 from kimi_k2_neuron.formats.scheme import NXD_TYPE, scheme_for
@@ -518,6 +519,76 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_
     monkeypatch.setattr(writer, "_write_bytes", real)
     convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
     assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])
+
+
+def _writes_of_a_conversion(src, tmp_path, monkeypatch) -> int:
+    calls = {"n": 0}
+    real = writer._write_bytes
+
+    def counting(f, buf, *offset):
+        calls["n"] += 1
+        real(f, buf, *offset)
+
+    monkeypatch.setattr(writer, "_write_bytes", counting)
+    convert(src, tmp_path / "count", "fp8-blockwise", progress=False)
+    monkeypatch.setattr(writer, "_write_bytes", real)
+    return calls["n"]
+
+
+def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny_dirs, tmp_path, monkeypatch,
+                                                              one_line_error):
+    """Every write of a conversion in turn fails with a full disk: each run ends in the one `disk full` line (a
+    failure while a file was being finished -- its last slab's write in flight, the last partial page, the fsync --
+    once left the file's thread waiting for an item that never came, and the conversion hung), leaves no partial
+    file, and a rerun gives the uninterrupted conversion's files. The run has a watchdog: a hang fails the test."""
+    import threading
+
+    want = _files(converted[("fp8", "fp8-blockwise")][0])
+    real = writer._write_bytes
+    total = _writes_of_a_conversion(tiny_dirs["fp8"], tmp_path, monkeypatch)
+    assert total > 20
+    for k in range(1, total + 1):
+        calls = {"n": 0}
+
+        def full_at_k(f, buf, *offset):
+            calls["n"] += 1
+            if calls["n"] == k:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real(f, buf, *offset)
+
+        dst, outcome = tmp_path / f"k{k}", {}
+
+        def run():
+            try:
+                convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+            except BaseException as e:  # noqa: BLE001 -- inspected below
+                outcome["error"] = e
+
+        monkeypatch.setattr(writer, "_write_bytes", full_at_k)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(60)
+        monkeypatch.setattr(writer, "_write_bytes", real)
+        assert not t.is_alive(), f"the conversion hung after write {k} of {total} failed"
+        assert isinstance(outcome.get("error"), KimiInputError), (k, outcome)
+        one_line_error.message(str(outcome["error"]), "disk full", "free space and rerun to resume")
+        _not_finished(dst)
+        if k in (1, total // 2, total - 1, total):
+            convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+            assert {n: b for n, b in _files(dst).items() if n != MANIFEST} == \
+                {n: b for n, b in want.items() if n != MANIFEST}, k
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def test_an_interrupt_while_a_file_opens_leaves_no_partial_file(tmp_path, monkeypatch):
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer.threading.Thread, "start", interrupted)
+    final = tmp_path / "model-00001-of-00001.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        writer.ShardWriter(final, [("x", torch.bfloat16, (4,))])
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_destinations(converted, tiny_dirs, tmp_path, one_line_error):

@@ -209,7 +209,7 @@ class _Job:
 
     # -- one output file ------------------------------------------------------------------------------------------
     def _convert_unit(self, u: schedule.Unit) -> tuple[ShardWriter, Stats]:
-        w = ShardWriter(self.dst / u.file, u.entries)
+        w = ShardWriter(self.dst / u.file, u.entries)  # interrupted while it opens, it removes its file itself
         try:
             stats = Stats()
             if u.moe_layer is not None:  # first: their big slabs start page-aligned (O_DIRECT)

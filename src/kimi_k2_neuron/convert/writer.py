@@ -109,16 +109,21 @@ class ShardWriter:
         self.size = len(header) + (max(e for _, e in self.spans.values()) if self.spans else 0)
         self._cur, self._pos = 0, 0  # index into order, data bytes queued so far
         self._written = self._flushed = 0  # file bytes taken / handed to writeback (the file's thread)
-        self._f = open(self.tmp, "wb", buffering=0)
-        self._direct = open_direct_file(self.tmp, "r+b")  # same file, whole pages from page-aligned memory
+        self._f = self._direct = None
         self._stage: torch.Tensor | None = None  # pages gathered from unaligned pieces, for the O_DIRECT descriptor
         self._staged = self._stage_at = 0
         self._queue: queue.Queue = queue.Queue(_QUEUED)
         self._error: Exception | None = None
         self._digest: str | None = None
         self._thread = threading.Thread(target=self._run, name=f"write {self.final.name}", daemon=True)
-        self._thread.start()
-        self._queue.put((memoryview(header), False, None, False))  # a whole number of pages, staged
+        try:  # a Ctrl-C in here must not leave the partial file behind
+            self._f = open(self.tmp, "wb", buffering=0)
+            self._direct = open_direct_file(self.tmp, "r+b")  # same file, whole pages from page-aligned memory
+            self._thread.start()
+            self._queue.put((memoryview(header), False, None, False))  # a whole number of pages, staged
+        except BaseException:
+            self.abort()
+            raise
 
     def add(self, name: str, data: torch.Tensor, release=None) -> None:
         """Queue `data` (a tensor whose bytes continue tensor `name`); it must not be modified afterwards, until
@@ -200,6 +205,8 @@ class ShardWriter:
                         inflight.clear()
                         self._close()
                         self.tmp.unlink(missing_ok=True)
+                        if item is _COMMIT:  # the last item: result() waits for this thread (it hung here)
+                            return
             finally:
                 wait([f for f, *_ in inflight if f is not None])
 
@@ -294,6 +301,8 @@ class ShardWriter:
             os.replace(self.tmp, self.final)
             fsync_path(self.final.parent)
         except OSError as e:
+            if is_disk_full(e):
+                raise self._write_error(e) from None
             raise KimiInputError(f"{self.final}: cannot finish writing ({write_error(e)})") from None
 
     def _close(self) -> None:
