@@ -83,11 +83,9 @@ def cpu_options(args: argparse.Namespace, one_rank_group: bool = False):
     kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK."""
     from .nxdi_cpu.options import CpuOptions
 
-    layout = layout_options(args, one_rank_group)
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
                       dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
-                      kv_group=layout.kv_group, prefill_chunk=layout.prefill_chunk, shard_attn_a=layout.shard_attn_a,
-                      shard_router=layout.shard_router)
+                      layout=layout_options(args, one_rank_group))
 
 
 def layout_options(args: argparse.Namespace, one_rank_group: bool = False):

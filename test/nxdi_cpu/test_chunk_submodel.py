@@ -65,7 +65,7 @@ def prefill_job(rank, o, rows, prefill):
 
 
 def run(ckpt, rows, prefill=None, tp=1, chunk=N):
-    o = backend.CpuOptions(model=ckpt, tp=tp, prefill_chunk=chunk)
+    o = backend.CpuOptions(model=ckpt, tp=tp, layout=contract.LayoutOptions(prefill_chunk=chunk))
     return backend.run(backend.prepare(o, max(map(len, rows)), len(rows)), prefill_job, rows, prefill)
 
 
@@ -135,7 +135,7 @@ def test_trace_cpu_traces_the_sequence_sharded_graphs_clean_at_one_rank(ckpt, en
 
 
 def test_async_mode_is_refused_with_chunks(ckpt):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, prefill_chunk=N), 32, 1)
+    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=contract.LayoutOptions(prefill_chunk=N)), 32, 1)
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
@@ -147,7 +147,7 @@ def test_async_mode_is_refused_with_chunks(ckpt):
 
 
 def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, prefill_chunk=N), 32, 2)
+    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=contract.LayoutOptions(prefill_chunk=N)), 32, 2)
     app = backend.application(o, 32, 2)
     assert [m.tag for m in app.models][-1] == "chunked_prefill_model"
     chunk_nc = app.chunked_prefill_model.neuron_config
@@ -176,10 +176,10 @@ def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False)
 
     app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
     calls = []
-    if o.prefill_chunk:
+    if o.layout.prefill_chunk:
         app.chunked_prefill_model.model.register_forward_pre_hook(lambda *_: calls.append(1))
     if attend_every_chunk_entry:
-        g, r = o.kv_group, rank % o.kv_group
+        g, r = o.layout.kv_group, rank % o.layout.kv_group
         for layer in app.chunked_prefill_model.model.layers:
             layer.flash_decoding = False  # no owner filter in the chunk branch
         write = cp.write_rows
@@ -201,7 +201,7 @@ def one_shot(per_channel, tmp_path_factory):
 
 
 def run_sharded(ckpt, tp, g, out_dir, mutate=False):
-    o = backend.CpuOptions(model=ckpt, tp=tp, kv_group=g, prefill_chunk=N)
+    o = backend.CpuOptions(model=ckpt, tp=tp, layout=contract.LayoutOptions(kv_group=g, prefill_chunk=N))
     o = backend.prepare(o, max(map(len, LONG)), len(LONG))
     return o, backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out_dir), mutate)
 
@@ -238,7 +238,8 @@ def test_counting_every_chunk_entry_on_every_rank_is_caught(per_channel, one_sho
 
 def test_generation_with_chunks_over_the_sharded_cache_gives_the_core_runners_tokens(ckpt):
     g = backend.Generation(rows=RAGGED, stop_ids=(), max_new_tokens=6)
-    tokens, report = backend.generate(backend.CpuOptions(model=ckpt, tp=2, kv_group=2, prefill_chunk=N), g)
+    o = backend.CpuOptions(model=ckpt, tp=2, layout=contract.LayoutOptions(kv_group=2, prefill_chunk=N))
+    tokens, report = backend.generate(o, g)
     runner = CpuRunner(ckpt)
     assert tokens == [runner.generate([row], 6, stop_ids=set()).tokens[0] for row in RAGGED]
     assert "chunked_prefill_model" in report

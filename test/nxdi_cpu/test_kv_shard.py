@@ -85,7 +85,7 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
     """cb: NxDI's continuous batching, each row's prefill written at its seq_id (the flash-decoding CTE write at a
     cache line, NXDI_CONTRACT.md: fd-cte-filter)."""
     want, full = replicated
-    o = backend.CpuOptions(model=per_channel, tp=tp, kv_group=g, continuous_batching=cb)
+    o = backend.CpuOptions(model=per_channel, tp=tp, layout=contract.LayoutOptions(kv_group=g), continuous_batching=cb)
     o = backend.prepare(o, max(map(len, ROWS)), len(ROWS))
     got = backend.run(o, _dump_job, ROWS, PREFILL, str(tmp_path))
     for r, (row, k) in enumerate(zip(ROWS, PREFILL)):
@@ -115,7 +115,8 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
 def test_the_sharded_cache_matches_transformers_on_an_exact_conversion(converted, tiny, tmp_path):
     """INT4 -> fp8-blockwise is lossless (test_backend.py's exact conversion): TP=2, G=2 against transformers'
     DeepseekV3 within 1e-3 of max |logit|."""
-    o = backend.CpuOptions(model=str(converted[("int4", "fp8-blockwise")]), tp=2, kv_group=2)
+    o = backend.CpuOptions(model=str(converted[("int4", "fp8-blockwise")]), tp=2,
+                           layout=contract.LayoutOptions(kv_group=2))
     got, _ = backend.logits(o, ROWS, 7)
     for r, want in enumerate(oracle_logits(tiny["int4"], ROWS, 7, bf16_non_experts=True, tmp_path=tmp_path)):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
@@ -147,7 +148,8 @@ def test_the_flash_decoding_graphs_trace_clean_at_one_rank(per_channel, torch_fi
     SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
     masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
     what it would take."""
-    o = backend.CpuOptions(model=per_channel, dtype="float32", kv_group=1, prefill_chunk=chunk)
+    o = backend.CpuOptions(model=per_channel, dtype="float32",
+                           layout=contract.LayoutOptions(kv_group=1, prefill_chunk=chunk))
     r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
     assert r.stopped is None and r.clean, r.format()
     assert r.max_rel_diff_vs_eager < 1e-5 and r.argmax_equal, r.format()
@@ -206,8 +208,8 @@ def test_a_reloaded_sharded_config_is_checked_again(per_channel, tmp_path, edit,
 
 
 @pytest.mark.parametrize("over,needle", [
-    (dict(tp=4, kv_group=3), "--kv-group 3: must divide --tp 4"),
-    (dict(tp=2, kv_group=4), "--kv-group 4: must divide --tp 2"),
+    (dict(tp=4, layout=contract.LayoutOptions(kv_group=3)), "--kv-group 3: must divide --tp 4"),
+    (dict(tp=2, layout=contract.LayoutOptions(kv_group=4)), "--kv-group 4: must divide --tp 2"),
 ])
 def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(per_channel, over, needle):
     with pytest.raises(KimiInputError) as e:
@@ -223,15 +225,16 @@ def test_a_seq_len_the_group_does_not_divide_is_refused(per_channel):
 
 
 def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(per_channel):
-    o = backend.CpuOptions(model=per_channel, tp=4, kv_group=4)
+    o = backend.CpuOptions(model=per_channel, tp=4, layout=contract.LayoutOptions(kv_group=4))
     assert [backend.padded_seq_len(o, n) for n in (17, 20, 21)] == [20, 20, 24]
-    assert backend.padded_seq_len(dataclasses.replace(o, kv_group=None), 17) == 17
+    assert backend.padded_seq_len(dataclasses.replace(o, layout=contract.LayoutOptions()), 17) == 17
 
 
 def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_channel):
     """NxDI's generation adapter and on-device sampler (greedy) over the sharded cache at TP=2: the tokens of the
     replicated cache at TP=1, prompts of different lengths."""
     g = backend.Generation(rows=[ROWS[0][:9], ROWS[1][:5]], stop_ids=(), max_new_tokens=7)
-    sharded, _ = backend.generate(backend.CpuOptions(model=per_channel, tp=2, kv_group=2), g)
+    sharded, _ = backend.generate(backend.CpuOptions(model=per_channel, tp=2,
+                                                     layout=contract.LayoutOptions(kv_group=2)), g)
     replicated, _ = backend.generate(backend.CpuOptions(model=per_channel), g)
     assert sharded == replicated and [len(r) for r in sharded] == [7, 7]

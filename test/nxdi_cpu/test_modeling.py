@@ -328,7 +328,8 @@ def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
     from kimi_k2_neuron.formats import layout
 
     path = str(converted[("fp8", "fp8-blockwise")])
-    app = backend.application(backend.CpuOptions(model=path, tp=2, shard_attn_a=True, shard_router=True), 8, 1)
+    o = backend.CpuOptions(model=path, tp=2, layout=contract.LayoutOptions(shard_attn_a=True, shard_router=True))
+    app = backend.application(o, 8, 1)
     want = app.checkpoint_loader_fn()
     got = type(app).get_state_dict(path, app.config)
     cfg = app.config.core_config()

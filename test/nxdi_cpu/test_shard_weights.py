@@ -42,8 +42,8 @@ from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
 PREFILL = 4
 SCHEME = "fp8-per-channel"
-OPTIONS = {"attn-a": dict(shard_attn_a=True), "router": dict(shard_router=True),
-           "both": dict(shard_attn_a=True, shard_router=True)}
+OPTIONS = {"attn-a": contract.LayoutOptions(shard_attn_a=True), "router": contract.LayoutOptions(shard_router=True),
+           "both": contract.LayoutOptions(shard_attn_a=True, shard_router=True)}
 
 pytestmark = pytest.mark.fp8_selective_cpu
 
@@ -88,7 +88,7 @@ def replicated(converted, tmp_path_factory):
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted, replicated, tmp_path, tp, option):
     ckpt = converted[("fp8", SCHEME)]
-    o = backend.CpuOptions(model=str(ckpt), tp=tp, **OPTIONS[option])
+    o = backend.CpuOptions(model=str(ckpt), tp=tp, layout=OPTIONS[option])
     ranks = _run(o, tmp_path / "ranks")
     cfg = KimiK2Config.from_file(ckpt)
     want = replicated["logits"]
@@ -102,7 +102,7 @@ def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     for rank, got in enumerate(ranks):
         for tag, weights in got["weights"].items():
-            if o.shard_attn_a:
+            if o.layout.shard_attn_a:
                 assert not any(f".{n}." in k for k in weights for n in layout.ATTENTION_A)
                 rows = (cfg.q_lora_rank + cfg.latent_dim) // tp
                 for i in range(cfg.num_hidden_layers):
@@ -114,11 +114,12 @@ def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted
                 assert all(weights[k].shape[0] == full for k, full in
                            zip(layout.attention_a_keys(0), (cfg.q_lora_rank, cfg.latent_dim)))
             for i in moe_layers:
-                key = layout.router_weight_key(i, linear=o.shard_router)
+                key = layout.router_weight_key(i, linear=o.layout.shard_router)
                 w = weights[key]
-                assert w.dtype == torch.float32 and layout.router_weight_key(i, not o.shard_router) not in weights
+                other = layout.router_weight_key(i, not o.layout.shard_router)
+                assert w.dtype == torch.float32 and other not in weights
                 full = tensors[f"model.layers.{i}.mlp.gate.weight"]
-                if o.shard_router:
+                if o.layout.shard_router:
                     rows = cfg.n_routed_experts // tp
                     assert w.shape == (rows, cfg.hidden_size) == (8 // tp, 192)
                     assert torch.equal(w, full[rank * rows:(rank + 1) * rows]), (tag, i)
@@ -140,8 +141,7 @@ def test_in_bfloat16_the_router_linear_stays_float32(converted, replicated):
     """As on trn2 (bf16 at TP=1 here: gloo has no bf16): the gathered router linear keeps its float32 weight
     (cast_type "as-declared") and takes the bf16 hidden state cast up; the fused q_a|kv_a layer is bf16. A sanity
     bound against the float32 run, not parity (a near-tie routing decision may flip in bf16, as test_backend's)."""
-    o = backend.CpuOptions(model=str(converted[("fp8", SCHEME)]), dtype="bfloat16", shard_attn_a=True,
-                           shard_router=True)
+    o = backend.CpuOptions(model=str(converted[("fp8", SCHEME)]), dtype="bfloat16", layout=OPTIONS["both"])
     app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
     for wrapper in app.models:
         state = wrapper.model.state_dict()
@@ -268,8 +268,10 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
+from kimi_k2_neuron.neuron.contract import LayoutOptions
 from kimi_k2_neuron.nxdi_cpu import backend
-backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2]), shard_attn_a=True, shard_router=True),
+backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2]),
+                                    layout=LayoutOptions(shard_attn_a=True, shard_router=True)),
                  sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
 
@@ -292,8 +294,7 @@ def test_presharded_ranks_hold_their_slices_and_give_the_replicated_logits(conve
         router = ranked[layout.router_weight_key(moe, linear=True)]
         assert router.shape == (4, 192) and router.dtype == torch.float32
         assert torch.equal(router, tensors[f"model.layers.{moe}.mlp.gate.weight"][rank * 4:(rank + 1) * 4])
-    o = backend.CpuOptions(model=str(ckpt), tp=tp, shard_attn_a=True, shard_router=True,
-                           presharded=str(tmp_path / "weights"))
+    o = backend.CpuOptions(model=str(ckpt), tp=tp, layout=OPTIONS["both"], presharded=str(tmp_path / "weights"))
     got, _ = backend.logits(o, ROWS, PREFILL)
     for r, row in enumerate(ROWS):
         assert rel_err(got[r, :len(row)], replicated["logits"][r, :len(row)]) < 1e-4, f"row {r}"

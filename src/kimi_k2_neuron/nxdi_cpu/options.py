@@ -23,19 +23,11 @@ class CpuOptions:
     # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
     continuous_batching: bool = False
-    prefill_chunk: int | None = None  # tokens per prefill call (neuron/chunked_prefill.py); one row a call
-    kv_group: int | None = None  # --kv-shard sequence: G ranks split every sequence (contract.LayoutOptions)
-    # --shard-attn-a, --shard-router (contract.LayoutOptions)
-    shard_attn_a: bool = False
-    shard_router: bool = False
+    # --kv-shard/--kv-group, --prefill-chunk, --shard-attn-a, --shard-router; the default replicates all
+    layout: contract.LayoutOptions = contract.LayoutOptions()
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
-
-    @property
-    def layout(self) -> contract.LayoutOptions:
-        return contract.LayoutOptions(kv_group=self.kv_group, prefill_chunk=self.prefill_chunk,
-                                      shard_attn_a=self.shard_attn_a, shard_router=self.shard_router)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +94,7 @@ def padded_seq_len(o: CpuOptions, needed: int) -> int:
     """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), else of
     the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the group:
     contract.check_layout)."""
-    step = o.prefill_chunk or o.kv_group or 1
+    step = o.layout.prefill_chunk or o.layout.kv_group or 1
     return -(-needed // step) * step
 
 
