@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from ..progress import bar as progress_bar
 from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
@@ -40,6 +39,7 @@ from ..errors import KimiInputError
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
 from ..formats.scheme import ExpertScheme, converted_scheme
+from ..progress import bar as progress_bar
 from ..quant import check_finite, nxd_fp8
 from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
