@@ -464,8 +464,11 @@ def _model_opts(s, core_tp: bool = True):
     s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
-    add_kv_layout_args(s)
-    add_weight_sharding_args(s)
+    g = s if core_tp else s.add_argument_group(
+        "layout over ranks", "generate splits the cache or layers (--kv-shard sequence, --kv-group, --shard-*) only "
+        "with --backend nxdi-cpu --tp N; --prefill-chunk works on both backends")
+    add_kv_layout_args(g)
+    add_weight_sharding_args(g)
 
 
 def main(argv=None) -> int:
