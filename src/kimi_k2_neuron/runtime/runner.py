@@ -16,12 +16,12 @@ from typing import Callable
 
 import torch
 
-from ..progress import bar as progress_bar
 from ..checkpoint.source import WeightSource
 from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..model.model import KimiK2ForCausalLM
 from ..parallel import SINGLE, ParallelContext
+from ..progress import bar as progress_bar
 from ..weights import load_weights
 from . import DTYPE_NAMES
 from .kv_cache import LatentCache
