@@ -327,8 +327,10 @@ class Checker:
         schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
         # and with the long-context layout (--kv-shard sequence, --shard-attn-a --shard-router), whose options are no
         # NeuronConfig fields; the sequence-sharded cache adds flash_decoding_enabled
-        sharded = contract.LayoutOptions(kv_group=64, shard_attn_a=True, shard_router=True)
-        plain = contract.LayoutOptions()
+        from kimi_k2_neuron.parallel import Layout
+
+        sharded = Layout(kv_group=64, shard_attn_a=True, shard_router=True)
+        plain = Layout()
         cases = [(s, 1, plain) for s in schemes] + [(schemes[1], 16, plain), (schemes[1], 1, sharded)]
         for scheme, ep, layout in cases:
             experts = scheme.name + (" long-context layout" if layout != plain else "")

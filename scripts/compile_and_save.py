@@ -160,7 +160,9 @@ def check_for_vllm(args) -> None:
         if given:
             raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
                                  f"one call and samples on the device)")
-    given = _layout(args).flags
+    from kimi_k2_neuron.neuron.contract import layout_flags
+
+    given = layout_flags(_layout(args))
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")

@@ -194,7 +194,7 @@ KV_SHARDS = ("none", "sequence")
 
 def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
     """--kv-shard, --kv-group and --prefill-chunk: how the latent cache and the prefill are laid over the ranks
-    (neuron.contract.LayoutOptions)."""
+    (parallel.Layout)."""
     p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
                    help="none: every rank holds the whole latent KV cache; sequence: the ranks of a KV group "
                         "split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and "

@@ -73,7 +73,7 @@ def cmd_logits(a) -> int:
         check_tp_divides(cfg, a.tp)
         check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
-                           kv_group_of(a), a.prefill_chunk, shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
+                           layout_options(a))
     with atomic_output(a.out) as tmp:
         save_file({"logits": logits.contiguous()}, tmp)
     print(f"wrote logits {list(logits.shape)} to {a.out}")
@@ -264,11 +264,11 @@ def _max_seq_len_line(cfg, p, found: int | None) -> str:
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
-    from .neuron.contract import LayoutOptions
+    from .parallel import Layout
     from .plan import seq_len_step
 
     step = seq_len_step(p)
-    taken_by = "the shard-on-block kernel takes" if p.layout == LayoutOptions() else "these options take"
+    taken_by = "the shard-on-block kernel takes" if p.layout == Layout() else "these options take"
     beyond = ("= max_position_embeddings" if found == top else f"{found + 1} does not fit" if step == 1 else
               f"the next {taken_by}, {found + step}, does not fit")
     return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"

@@ -59,7 +59,7 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         from .config import KimiK2Config
 
         KimiK2Config.from_file(args.model)
-    given = layout_options(args, one_rank_group=True).flags  # the rank count is the compiled folder's, not --tp's
+    given = layout_flags_given(args)
     if given:
         raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
     for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
@@ -80,25 +80,34 @@ def check_layout_flags(args: argparse.Namespace) -> None:
 
 def cpu_options(args: argparse.Namespace, one_rank_group: bool = False):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
-    kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK."""
+    kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK.
+    one_rank_group: --kv-shard sequence at one rank is NxDI's flash-decoding graph at a group of 1 (trace-cpu)."""
     from .nxdi_cpu.options import CpuOptions
 
+    one_rank = one_rank_group and getattr(args, "kv_shard", "none") == "sequence" and kv_group_of(args, True) == 1
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
                       dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
-                      layout=layout_options(args, one_rank_group))
+                      layout=layout_options(args, one_rank_group), flash_decoding_one_rank=one_rank)
 
 
 def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
     """The long-context flags (arguments.add_kv_layout_args, add_weight_sharding_args; absent ones are their
-    defaults) as contract.LayoutOptions. Refuses --kv-group without --kv-shard sequence, and a KV group of 1 unless
+    defaults) as parallel.Layout. Refuses --kv-group without --kv-shard sequence, and a KV group of 1 unless
     one_rank_group (arguments.kv_group_of)."""
-    from .neuron.contract import LayoutOptions
+    from .parallel import Layout
 
-    group = kv_group_of(args, one_rank_group)
-    return LayoutOptions(kv_group=group if getattr(args, "kv_shard", "none") == "sequence" else None,
-                         prefill_chunk=getattr(args, "prefill_chunk", None),
-                         shard_attn_a=getattr(args, "shard_attn_a", False),
-                         shard_router=getattr(args, "shard_router", False))
+    return Layout(kv_group=kv_group_of(args, one_rank_group), prefill_chunk=getattr(args, "prefill_chunk", None),
+                  shard_attn_a=getattr(args, "shard_attn_a", False), shard_router=getattr(args, "shard_router", False))
+
+
+def layout_flags_given(args: argparse.Namespace) -> list[str]:
+    """The long-context flags given, whatever their values."""
+    group, chunk = getattr(args, "kv_group", None), getattr(args, "prefill_chunk", None)
+    given = (("--kv-shard sequence", getattr(args, "kv_shard", "none") == "sequence"),
+             (f"--kv-group {group}", group is not None), (f"--prefill-chunk {chunk}", chunk is not None),
+             ("--shard-attn-a", getattr(args, "shard_attn_a", False)),
+             ("--shard-router", getattr(args, "shard_router", False)))
+    return [flag for flag, on in given if on]
 
 
 def cpu_backend(flag: str = "--cpu"):

@@ -18,17 +18,61 @@ from .errors import KimiInputError
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How a run lays the long context over its ranks; the default replicates the cache and the small layers on every
+    rank and prefills a prompt in one call."""
+
+    # G adjacent ranks share each sequence's latent cache by the position map below; 1: every rank holds all of it
+    kv_group: int = 1
+    prefill_chunk: int | None = None  # tokens per prefill call (one row a call); None: the prompt in one call
+    shard_attn_a: bool = False  # q_a_proj + kv_a_proj_with_mqa split by output rows and all-gathered
+    shard_router: bool = False  # the router's experts split across the ranks, its float32 logits all-gathered
+
+    @property
+    def sequence_sharded(self) -> bool:
+        return self.kv_group > 1
+
+
+# -- the sequence-sharded cache's one position map: position p lives on group rank p % G, at slot p // G --------------
+# (round-robin, as NxDI's flash decoding lays it: every rank holds ~1/G of every row at every length)
+
+def owner_of(positions: torch.Tensor, group: int) -> torch.Tensor:
+    """The group rank holding each position."""
+    return positions % group
+
+
+def slot_of(positions: torch.Tensor, group: int) -> torch.Tensor:
+    """The cache slot of each position on its owner."""
+    return positions // group
+
+
+def slot_positions(slots: int, group: int, rank, device=None) -> torch.Tensor:
+    """[slots]: the position each of a group rank's slots holds; `rank` an int or a one-element tensor."""
+    return torch.arange(slots, device=device) * group + rank
+
+
+def stripe(n: int, group: int, rank, device=None) -> torch.Tensor:
+    """[n / G]: the indices of the entries a group rank keeps of n new positions starting at a multiple of G."""
+    return torch.arange(0, n, group, dtype=torch.int64, device=device) + rank
+
+
+def slots_for(positions: int, group: int) -> int:
+    """Slots a rank needs to hold its share of `positions` positions."""
+    return -(-positions // group)
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """The model asks this for its layers, never for a class, so the Neuron shell swaps in NxD's by subclassing."""
 
     tp_size: int = 1
     rank: int = 0
-    # adjacent ranks sharing the sequence of the latent cache (NxD's arrangement); 1 = not sharded
-    kv_group: int = 1
+    layout: Layout = Layout()
     kv_process_group: Any = field(default=None, compare=False)
-    # one all-gather per layer instead of the whole weight on every rank
-    shard_attn_a: bool = False
-    shard_router: bool = False
+
+    @property
+    def kv_group(self) -> int:
+        return self.layout.kv_group
 
     # -- layer factory: plain torch here ------------------------------------------------------------------
     def replicated(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
@@ -40,7 +84,7 @@ class ParallelContext:
     def attention_a(self, hidden: int, q_lora_rank: int, latent_dim: int, dtype: torch.dtype) -> dict[str, nn.Module]:
         """q_a_proj and kv_a_proj_with_mqa by name, in output order; the Neuron shell fuses them into one layer and
         one all-gather (NXDI_CONTRACT.md: gathered-linear)."""
-        make = self.gathered if self.shard_attn_a else self.replicated
+        make = self.gathered if self.layout.shard_attn_a else self.replicated
         return {"q_a_proj": make(hidden, q_lora_rank, dtype), "kv_a_proj_with_mqa": make(hidden, latent_dim, dtype)}
 
     def column(self, in_features: int, out_features: int, dtype: torch.dtype) -> nn.Module:
@@ -89,7 +133,7 @@ class ParallelContext:
     # -- the KV group of the sequence-sharded cache: identities at kv_group 1 -------------------------------------
 
     def kv_rank(self):
-        """This rank's index in its KV group: it holds the positions p with p % kv_group == kv_rank()."""
+        """This rank's index in its KV group (the position map's group rank)."""
         return self.rank % self.kv_group
 
     def gather_kv_heads(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,10 @@ from .errors import KimiInputError
 from .formats.layout import converted_tensors
 from .formats.scheme import BF16_EXPERTS, ExpertScheme
 from .neuron import moe_paths
-from .neuron.contract import (FD_RESERVED_SLOTS, LayoutOptions, cache_slots, check_compile_options, check_counts,
+from .neuron.contract import (FD_RESERVED_SLOTS, cache_slots, check_compile_options, check_counts,
                                check_moe_tp, prefill_batch)
 from .neuron.moe_paths import decodes_all_experts
+from .parallel import Layout
 
 GiB = 2**30
 MiB = 2**20
@@ -84,7 +85,7 @@ class Plan:
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
     decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
     kv_slots: int
-    layout: LayoutOptions
+    layout: Layout
     cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (contract.cache_slots)
     logical_cores: int
     capacity_bytes: int  # the logical core's HBM
@@ -144,7 +145,7 @@ def _div(n: int, parts: int) -> int:
 
 
 def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, scheme, kv_slots, moe_prefill,
-           layout: LayoutOptions) -> None:
+           layout: Layout) -> None:
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
     if lnc is None:
@@ -191,13 +192,13 @@ _ROWS = (
     ("router + bias", ("mlp.gate.",)),
     ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
 )
-# Whole on every rank, unless the layout splits them (LayoutOptions.shard_attn_a / shard_router): then each rank holds
+# Whole on every rank, unless the layout splits them (Layout.shard_attn_a / shard_router): then each rank holds
 # 1/tp of the output rows and gathers the output; the router's bias [E] stays whole (selection reads all of it).
 _ATTN_A, _ROUTER = "attention q_a+kv_a", "router + bias"
 _ROUTER_BIAS = "e_score_correction_bias"
 
 
-def _row_names(layout: LayoutOptions) -> dict[str, str]:
+def _row_names(layout: Layout) -> dict[str, str]:
     """Row -> its printed name under this layout: what is whole on every rank says replicated."""
     split = {_ATTN_A: layout.shard_attn_a, _ROUTER: layout.shard_router}
     out = {row: row for row, _ in _ROWS}
@@ -207,7 +208,7 @@ def _row_names(layout: LayoutOptions) -> dict[str, str]:
     return out
 
 
-def _split(row: str, key: str, layout: LayoutOptions) -> bool:
+def _split(row: str, key: str, layout: Layout) -> bool:
     """Whether a tensor of this row is split across the tp ranks."""
     if row == "norms (replicated)":
         return False
@@ -223,7 +224,7 @@ def _row_of(key: str) -> str:
 
 
 def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32",
-             layout: LayoutOptions = LayoutOptions()) -> list[Row]:
+             layout: Layout = Layout()) -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
     experts_dtype = "fp8" if scheme.quantized else "bf16"
@@ -304,11 +305,11 @@ QUERY_TILE = 128
 MERGE_DTYPE_BYTES = FP32
 
 
-def _gathered_heads(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> int:
-    return cfg.num_attention_heads // tp * (layout.kv_group or 1)
+def _gathered_heads(cfg: KimiK2Config, tp: int, layout: Layout) -> int:
+    return cfg.num_attention_heads // tp * layout.kv_group
 
 
-def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: LayoutOptions) -> Row | None:
+def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) -> Row | None:
     """One layer's chunk attention temporaries; None unchunked (the calibrated scratchpad holds that)."""
     n = layout.prefill_chunk
     if n is None:
@@ -326,7 +327,7 @@ def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: LayoutOptio
                q + scores + partials)
 
 
-def _collectives(cfg: KimiK2Config, tp: int, layout: LayoutOptions) -> list[Collective]:
+def _collectives(cfg: KimiK2Config, tp: int, layout: Layout) -> list[Collective]:
     """The collectives the layout adds to a decode step (not the o_proj/MoE all-reduces every layout has)."""
     layers, out = cfg.num_hidden_layers, []
     if layout.sequence_sharded:
@@ -361,7 +362,7 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[flo
 
 def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
          kv_slots: int = 1, router_dtype: str = "fp32", context_len: int | None = None,
-         moe_prefill: str = moe_paths.DEFAULT_MODE, layout: LayoutOptions = LayoutOptions()) -> Plan:
+         moe_prefill: str = moe_paths.DEFAULT_MODE, layout: Layout = Layout()) -> Plan:
     """`context_len`: the prefill bucket, default the chunk, else seq_len. `kv_slots` 2 and `router_dtype` "bf16"
     model other ports (NxDI's stock KV cache, a bf16 router)."""
     context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
@@ -398,7 +399,7 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
 
 def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, scheme: ExpertScheme,
                 context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
-                layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
+                layout: Layout = Layout(), **kw) -> Plan:
     """The plan at the largest seq_len that fits, else at the smallest tried (`fits` False). `kw` as plan()."""
     def at(seq_len: int) -> Plan:
         return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
@@ -410,7 +411,7 @@ def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, schem
                    if v is not None))  # the search ranges are computed from these
     moe_paths.mode(moe_prefill)
     fixed = layout.prefill_chunk if context_len is None else context_len
-    multiple = math.lcm(layout.kv_group or 1, layout.prefill_chunk or 1)
+    multiple = math.lcm(layout.kv_group, layout.prefill_chunk or 1)
     ranges = [(-(-lo // s) * s, hi // s * s, s) for lo, hi, step in
               _constant_path_ranges(cfg, batch, ep, fixed, moe_prefill) for s in [math.lcm(step, multiple)]]
     ranges = [r for r in ranges if r[0] <= r[1]]
@@ -451,12 +452,12 @@ def _constant_path_ranges(cfg: KimiK2Config, batch, ep, context_len, moe_prefill
 def seq_len_step(p: Plan) -> int:
     """The step between the seq_lens around p's that compile."""
     tiled = p.prefill_path == "shard-on-block" and p.context_len == p.seq_len
-    return math.lcm(_tile_step(p.batch) if tiled else 1, p.layout.kv_group or 1, p.layout.prefill_chunk or 1)
+    return math.lcm(_tile_step(p.batch) if tiled else 1, p.layout.kv_group, p.layout.prefill_chunk or 1)
 
 
 def max_batch(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, scheme: ExpertScheme,
               context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
-              layout: LayoutOptions = LayoutOptions(), **kw) -> Plan:
+              layout: Layout = Layout(), **kw) -> Plan:
     """The plan at the largest batch that fits, else at the smallest (`fits` False); the total is non-decreasing
     in batch (all-experts decode only adds temporaries). `kw` as plan()."""
     def at(batch: int) -> Plan:
@@ -528,7 +529,7 @@ def fallback_advice(plans: list[Plan], failed: str) -> str:
     return "\n".join(lines)
 
 
-def _assumptions(kv_slots: int, router_dtype: str, layout: LayoutOptions) -> tuple[str, ...]:
+def _assumptions(kv_slots: int, router_dtype: str, layout: Layout) -> tuple[str, ...]:
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "

@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import contract
 from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.parallel import Layout, stripe
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 N = 8
@@ -65,7 +66,7 @@ def prefill_job(rank, o, rows, prefill):
 
 
 def run(ckpt, rows, prefill=None, tp=1, chunk=N):
-    o = backend.CpuOptions(model=ckpt, tp=tp, layout=contract.LayoutOptions(prefill_chunk=chunk))
+    o = backend.CpuOptions(model=ckpt, tp=tp, layout=Layout(prefill_chunk=chunk))
     return backend.run(backend.prepare(o, max(map(len, rows)), len(rows)), prefill_job, rows, prefill)
 
 
@@ -135,11 +136,11 @@ def test_trace_cpu_traces_the_sequence_sharded_graphs_clean_at_one_rank(ckpt, en
 
 
 def test_async_mode_is_refused_with_chunks(ckpt):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=contract.LayoutOptions(prefill_chunk=N)), 32, 1)
+    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 1)
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
-                                 moe_prefill="torch", layout=contract.LayoutOptions(prefill_chunk=N),
+                                 moe_prefill="torch", layout=Layout(prefill_chunk=N),
                                  extra={"on_cpu": True, "async_mode": True})
     with pytest.raises(KimiInputError) as info:
         KimiK2InferenceConfig.for_serving(o.config, opts)
@@ -147,7 +148,7 @@ def test_async_mode_is_refused_with_chunks(ckpt):
 
 
 def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=contract.LayoutOptions(prefill_chunk=N)), 32, 2)
+    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 2)
     app = backend.application(o, 32, 2)
     assert [m.tag for m in app.models][-1] == "chunked_prefill_model"
     chunk_nc = app.chunked_prefill_model.neuron_config
@@ -185,7 +186,7 @@ def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False)
         write = cp.write_rows
         cp.owned_positions = lambda pos, group=1, rank=0: pos
         cp.write_rows = lambda cache, update, seq_ids, slots: write(
-            cache, update[:, :, cp.owned_index(update.shape[2], g, r)], seq_ids, slots)
+            cache, update[:, :, stripe(update.shape[2], g, r)], seq_ids, slots)
     logits = backend.teacher_forced_logits(app, rows, prefill)
     cache = app.token_generation_model.model.kv_mgr.past_key_values
     save_file({f"k{i}": t.data.clone() for i, t in enumerate(cache[0::2])}, f"{out_dir}/rank{rank}.safetensors")
@@ -201,7 +202,7 @@ def one_shot(per_channel, tmp_path_factory):
 
 
 def run_sharded(ckpt, tp, g, out_dir, mutate=False):
-    o = backend.CpuOptions(model=ckpt, tp=tp, layout=contract.LayoutOptions(kv_group=g, prefill_chunk=N))
+    o = backend.CpuOptions(model=ckpt, tp=tp, layout=Layout(kv_group=g, prefill_chunk=N))
     o = backend.prepare(o, max(map(len, LONG)), len(LONG))
     return o, backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out_dir), mutate)
 
@@ -238,7 +239,7 @@ def test_counting_every_chunk_entry_on_every_rank_is_caught(per_channel, one_sho
 
 def test_generation_with_chunks_over_the_sharded_cache_gives_the_core_runners_tokens(ckpt):
     g = backend.Generation(rows=RAGGED, stop_ids=(), max_new_tokens=6)
-    o = backend.CpuOptions(model=ckpt, tp=2, layout=contract.LayoutOptions(kv_group=2, prefill_chunk=N))
+    o = backend.CpuOptions(model=ckpt, tp=2, layout=Layout(kv_group=2, prefill_chunk=N))
     tokens, report = backend.generate(o, g)
     runner = CpuRunner(ckpt)
     assert tokens == [runner.generate([row], 6, stop_ids=set()).tokens[0] for row in RAGGED]
@@ -275,7 +276,7 @@ def test_the_sharded_chunk_masks_are_nxdis_speculation_masks_over_the_owned_entr
             active_all, prior_all = mask_util(positions, rank, group, cache)
             prior, active = cp.chunk_masks(positions, cache, group, rank)
             assert torch.equal(prior[:, 0], prior_all.bool())
-            owned = cp.owned_index(N, group, r)
+            owned = stripe(N, group, r)
             assert torch.equal(active[:, 0], active_all[:, :, owned].bool())
             others = torch.ones(N, dtype=torch.bool)
             others[owned] = False

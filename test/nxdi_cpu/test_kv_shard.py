@@ -27,6 +27,7 @@ from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; import
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 # rows of 20 and 17 tokens prefilling 7 and 4, then 13 teacher-forced decode steps each (>= 3 x TP at TP=4)
@@ -85,7 +86,7 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
     """cb: NxDI's continuous batching, each row's prefill written at its seq_id (the flash-decoding CTE write at a
     cache line, NXDI_CONTRACT.md: fd-cte-filter)."""
     want, full = replicated
-    o = backend.CpuOptions(model=per_channel, tp=tp, layout=contract.LayoutOptions(kv_group=g), continuous_batching=cb)
+    o = backend.CpuOptions(model=per_channel, tp=tp, layout=Layout(kv_group=g), continuous_batching=cb)
     o = backend.prepare(o, max(map(len, ROWS)), len(ROWS))
     got = backend.run(o, _dump_job, ROWS, PREFILL, str(tmp_path))
     for r, (row, k) in enumerate(zip(ROWS, PREFILL)):
@@ -93,7 +94,7 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
         assert int(computed.sum()) == (len(row) - k + 1 if cb else len(row))
         assert rel_err(got[r, :len(row)][computed], want[r, :len(row)][computed]) < 1e-4, f"row {r}"
     seq_len = backend.padded_seq_len(o, max(map(len, ROWS)))
-    slots = contract.cache_slots(seq_len, contract.LayoutOptions(kv_group=g))
+    slots = contract.cache_slots(seq_len, Layout(kv_group=g))
     assert slots == seq_len // g + contract.FD_RESERVED_SLOTS
     latent = full["kv0"].shape[-1]
     for rank in range(tp):
@@ -116,7 +117,7 @@ def test_the_sharded_cache_matches_transformers_on_an_exact_conversion(converted
     """INT4 -> fp8-blockwise is lossless (test_backend.py's exact conversion): TP=2, G=2 against transformers'
     DeepseekV3 within 1e-3 of max |logit|."""
     o = backend.CpuOptions(model=str(converted[("int4", "fp8-blockwise")]), tp=2,
-                           layout=contract.LayoutOptions(kv_group=2))
+                           layout=Layout(kv_group=2))
     got, _ = backend.logits(o, ROWS, 7)
     for r, want in enumerate(oracle_logits(tiny["int4"], ROWS, 7, bf16_non_experts=True, tmp_path=tmp_path)):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
@@ -148,8 +149,8 @@ def test_the_flash_decoding_graphs_trace_clean_at_one_rank(per_channel, torch_fi
     SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
     masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
     what it would take."""
-    o = backend.CpuOptions(model=per_channel, dtype="float32",
-                           layout=contract.LayoutOptions(kv_group=1, prefill_chunk=chunk))
+    o = backend.CpuOptions(model=per_channel, dtype="float32", layout=Layout(prefill_chunk=chunk),
+                           flash_decoding_one_rank=True)
     r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
     assert r.stopped is None and r.clean, r.format()
     assert r.max_rel_diff_vs_eager < 1e-5 and r.argmax_equal, r.format()
@@ -163,7 +164,7 @@ def _serving(ckpt, kv_group=4, seq_len=64):
 
     cfg = KimiK2Config.from_file(ckpt)
     opts = dict(tp=4, lnc=None, seq_len=seq_len, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
-                moe_prefill="torch", layout=contract.LayoutOptions(kv_group=kv_group),
+                moe_prefill="torch", layout=Layout(kv_group=kv_group),
                 extra={"on_cpu": True, "torch_dtype": torch.float32})
     return KimiK2InferenceConfig.for_serving(cfg, contract.ServeOptions(**opts))
 
@@ -180,14 +181,13 @@ def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
         got = (c.num_cores_per_group, contract.layout_of(c).kv_group, c.neuron_config.flash_decoding_enabled)
         assert got == (4, 4, True)
     assert isinstance(again.neuron_config, MoENeuronConfig)
-    plain = _serving(per_channel, kv_group=None)
+    plain = _serving(per_channel, kv_group=1)
     assert (plain.num_cores_per_group, plain.neuron_config.flash_decoding_enabled) == (1, False)
 
 
 @pytest.mark.parametrize("edit,needle", [
     (dict(kimi_k2_layout={"kv_group": 3}),
      "kimi_k2_layout.kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=4)"),
-    (dict(kimi_k2_layout={"kv_group": None}), "flash_decoding_enabled=True with kimi_k2_layout.kv_group=None"),
     ({"neuron_config": {"seq_len": 66, "max_length": 66}},
      "max_length=66 (not a multiple of kimi_k2_layout.kv_group=4)"),
     ({"neuron_config": {"speculation_length": 2}}, "speculation_length=2"),
@@ -207,9 +207,22 @@ def test_a_reloaded_sharded_config_is_checked_again(per_channel, tmp_path, edit,
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_reloaded_kv_group_that_is_no_group_size_is_refused(per_channel, tmp_path):
+    """kv_group is an int, 1 the replicated cache: an earlier null (or anything else) is named, not guessed."""
+    import json
+
+    _serving(per_channel).save(str(tmp_path))
+    path = tmp_path / "neuron_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "kimi_k2_layout": {"kv_group": None}}))
+    with pytest.raises(KimiInputError) as e:
+        KimiK2InferenceConfig.load(str(tmp_path))
+    assert str(e.value) == ("neuron_config.json field kimi_k2_layout.kv_group: expected an integer >= 1 (1: the "
+                            "replicated cache), got None")
+
+
 @pytest.mark.parametrize("over,needle", [
-    (dict(tp=4, layout=contract.LayoutOptions(kv_group=3)), "--kv-group 3: must divide --tp 4"),
-    (dict(tp=2, layout=contract.LayoutOptions(kv_group=4)), "--kv-group 4: must divide --tp 2"),
+    (dict(tp=4, layout=Layout(kv_group=3)), "--kv-group 3: must divide --tp 4"),
+    (dict(tp=2, layout=Layout(kv_group=4)), "--kv-group 4: must divide --tp 2"),
 ])
 def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(per_channel, over, needle):
     with pytest.raises(KimiInputError) as e:
@@ -225,9 +238,9 @@ def test_a_seq_len_the_group_does_not_divide_is_refused(per_channel):
 
 
 def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(per_channel):
-    o = backend.CpuOptions(model=per_channel, tp=4, layout=contract.LayoutOptions(kv_group=4))
+    o = backend.CpuOptions(model=per_channel, tp=4, layout=Layout(kv_group=4))
     assert [backend.padded_seq_len(o, n) for n in (17, 20, 21)] == [20, 20, 24]
-    assert backend.padded_seq_len(dataclasses.replace(o, layout=contract.LayoutOptions()), 17) == 17
+    assert backend.padded_seq_len(dataclasses.replace(o, layout=Layout()), 17) == 17
 
 
 def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_channel):
@@ -235,6 +248,6 @@ def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_chann
     replicated cache at TP=1, prompts of different lengths."""
     g = backend.Generation(rows=[ROWS[0][:9], ROWS[1][:5]], stop_ids=(), max_new_tokens=7)
     sharded, _ = backend.generate(backend.CpuOptions(model=per_channel, tp=2,
-                                                     layout=contract.LayoutOptions(kv_group=2)), g)
+                                                     layout=Layout(kv_group=2)), g)
     replicated, _ = backend.generate(backend.CpuOptions(model=per_channel), g)
     assert sharded == replicated and [len(r) for r in sharded] == [7, 7]

@@ -23,6 +23,7 @@ from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe
 from kimi_k2_neuron.neuron.loader import unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
 
@@ -229,8 +230,8 @@ def test_the_planners_sharded_cache_slots_are_nxdis_get_cache_size():
     from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
 
     for seq_len, group in ((262144, 64), (131072, 64), (1024, 64), (262144, 16), (4096, 8), (16, 2)):
-        assert contract.cache_slots(seq_len, contract.LayoutOptions(kv_group=group)) == get_cache_size(seq_len, group)
-    assert contract.cache_slots(1000, contract.LayoutOptions()) == 1000  # replicated: every position on every rank
+        assert contract.cache_slots(seq_len, Layout(kv_group=group)) == get_cache_size(seq_len, group)
+    assert contract.cache_slots(1000, Layout()) == 1000  # replicated: every position on every rank
     with pytest.raises(Exception):
         get_cache_size(1000, 64)
 
@@ -328,7 +329,7 @@ def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
     from kimi_k2_neuron.formats import layout
 
     path = str(converted[("fp8", "fp8-blockwise")])
-    o = backend.CpuOptions(model=path, tp=2, layout=contract.LayoutOptions(shard_attn_a=True, shard_router=True))
+    o = backend.CpuOptions(model=path, tp=2, layout=Layout(shard_attn_a=True, shard_router=True))
     app = backend.application(o, 8, 1)
     want = app.checkpoint_loader_fn()
     got = type(app).get_state_dict(path, app.config)
@@ -382,13 +383,13 @@ def _kv_seam_rank(rank: int, tp: int, g: int, out_dir: str) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, skip_collective_init=True)
     parallel_state.initialize_kv_group(g, sequential_ranks_in_group=True)
     groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
-    core = ParallelContext(tp, rank, g, groups[rank // g])
+    core = ParallelContext(tp, rank, Layout(kv_group=g), groups[rank // g])
     # the model's SPMDRank, its rank_util.rank (contract.to_neuron_state_dict) sharded as NxDI's to_cpu() shards it
     rank_util = SPMDRank(world_size=tp)
     state = {"rank": torch.arange(tp, dtype=torch.int32)}
     get_sharded_checkpoint(state, rank_util, rank, tp)
     rank_util.load_state_dict(state)
-    nxd = modeling.NxDParallelContext(tp_size=tp, kv_group=g, rank_util=rank_util)
+    nxd = modeling.NxDParallelContext(tp_size=tp, layout=Layout(kv_group=g), rank_util=rank_util)
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(2, 3, 5, 7, generator=gen), torch.randn(2, 3 * g, 5, 9, generator=gen)
     out = {"kv_rank": torch.cat([nxd.kv_rank(), torch.tensor([core.kv_rank()])])}

@@ -36,14 +36,15 @@ from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.neuron.loader import mmap_checkpoint
 from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.ranks import run_ranks
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
 PREFILL = 4
 SCHEME = "fp8-per-channel"
-OPTIONS = {"attn-a": contract.LayoutOptions(shard_attn_a=True), "router": contract.LayoutOptions(shard_router=True),
-           "both": contract.LayoutOptions(shard_attn_a=True, shard_router=True)}
+OPTIONS = {"attn-a": Layout(shard_attn_a=True), "router": Layout(shard_router=True),
+           "both": Layout(shard_attn_a=True, shard_router=True)}
 
 pytestmark = pytest.mark.fp8_selective_cpu
 
@@ -161,7 +162,7 @@ def test_in_bfloat16_the_router_linear_stays_float32(converted, replicated):
 def _tiny_options(cfg, tp, **lay):
     """The tiny model as the CPU harness serves it (NxD's torch MoE loop, NxDI's LNC)."""
     return contract.ServeOptions(tp=tp, lnc=None, scheme=ConversionRecord.of(cfg).scheme, seq_len=16,
-                                 checkpoint="/c", moe_prefill="torch", layout=contract.LayoutOptions(**lay))
+                                 checkpoint="/c", moe_prefill="torch", layout=Layout(**lay))
 
 
 def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
@@ -178,7 +179,7 @@ def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
     assert contract.layout_of(again) == opts.layout
     assert "mlp.router" in again.neuron_config.modules_to_not_convert  # its linear stays float32, unquantized
     default = KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2))
-    assert contract.layout_of(default) == contract.LayoutOptions()
+    assert contract.layout_of(default) == Layout()
     assert "mlp.router" not in default.neuron_config.modules_to_not_convert
 
 
@@ -268,10 +269,10 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
-from kimi_k2_neuron.neuron.contract import LayoutOptions
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.nxdi_cpu import backend
 backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2]),
-                                    layout=LayoutOptions(shard_attn_a=True, shard_router=True)),
+                                    layout=Layout(shard_attn_a=True, shard_router=True)),
                  sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
 

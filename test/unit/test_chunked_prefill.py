@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kimi_k2_neuron.neuron import chunked_prefill as cp
+from kimi_k2_neuron.parallel import stripe
 
 
 @pytest.mark.parametrize("length,chunk,starts", [(28, 8, [0, 8, 16, 24]), (8, 8, [0]), (9, 8, [0, 8]), (1, 8, [0])])
@@ -88,7 +89,7 @@ def test_owned_slots_are_the_owned_positions_over_the_group(group):
     for r in range(group):
         owned = cp.owned_positions(positions, group, r)
         assert torch.equal(slots, owned // group)
-        assert cp.owned_index(8, group, r).tolist() == list(range(r, 8, group))
+        assert stripe(8, group, r).tolist() == list(range(r, 8, group))
 
 
 def test_last_real_index():

@@ -22,6 +22,7 @@ from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
 from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +40,8 @@ def kimi_cfg() -> KimiK2Config:
 PER_CHANNEL = ExpertScheme("fp8-per-channel", None)
 
 
-def group(g: int) -> "contract.LayoutOptions":
-    return contract.LayoutOptions(kv_group=g)
+def group(g: int) -> "Layout":
+    return Layout(kv_group=g)
 
 
 def per_channel(**opts) -> "contract.ServeOptions":
@@ -200,7 +201,7 @@ FD_NC = dict(flash_decoding_enabled=True, tp_degree=8, max_length=1024, max_cont
 
 @pytest.mark.parametrize("nc_over,group,needle", [
     (dict(flash_decoding_enabled=False), 4, "flash_decoding_enabled=False with kimi_k2_layout.kv_group=4"),
-    ({}, None, "flash_decoding_enabled=True with kimi_k2_layout.kv_group=None"),
+    ({}, None, "kimi_k2_layout.kv_group=None (a KV group is G adjacent ranks"),
     ({}, 3, "kimi_k2_layout.kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=8)"),
     (dict(max_length=1020), 8, "max_length=1020 (not a multiple of kimi_k2_layout.kv_group=8)"),
     (dict(max_context_length=502), 4, "max_context_length=502 (not a multiple"),
@@ -212,6 +213,7 @@ def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, gro
         contract.enforce_neuron_config(SimpleNamespace(**{**FD_NC, **nc_over}), kv_group=group)
     assert needle in str(e.value)
     contract.enforce_neuron_config(SimpleNamespace(**FD_NC), kv_group=4)  # accepted
+    contract.enforce_neuron_config(SimpleNamespace(**FD_NC), kv_group=1)  # NxDI's graph at one rank (trace-cpu's)
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 47])
@@ -290,8 +292,8 @@ def test_prefill_rules_count_one_sequence_under_continuous_batching():
         contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, batch=2, seq_len=576, continuous_batching=True))
 
 
-def chunk(n: int) -> "contract.LayoutOptions":
-    return contract.LayoutOptions(prefill_chunk=n)
+def chunk(n: int) -> "Layout":
+    return Layout(prefill_chunk=n)
 
 
 def test_a_prefill_chunk_makes_the_cte_one_row_of_the_chunk():
@@ -489,10 +491,10 @@ def test_to_neuron_state_dict_is_strict_both_ways():
 
 
 
-BOTH = contract.LayoutOptions(shard_attn_a=True, shard_router=True)
+BOTH = Layout(shard_attn_a=True, shard_router=True)
 
 
-@pytest.mark.parametrize("options", [contract.LayoutOptions(shard_attn_a=True), contract.LayoutOptions(
+@pytest.mark.parametrize("options", [Layout(shard_attn_a=True), Layout(
     shard_router=True), BOTH], ids=["attn-a", "router", "both"])
 def test_for_layout_gives_the_sharded_layers_their_tensors(options):
     """q_a_proj rows then kv_a_proj_with_mqa rows in the fused tensor (the order the core splits it in), the router
@@ -527,7 +529,7 @@ def test_the_router_linear_is_kept_out_of_quantization_with_shard_router():
     cfg = kimi_cfg()
     L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     router, experts = f"layers.{L}.mlp.router.{layout.ROUTER_LINEAR}", f"layers.{L}.mlp.expert_mlps.mlp_op.gate_up_proj"
-    for options, kept in ((contract.LayoutOptions(), False), (BOTH, True)):
+    for options, kept in ((Layout(), False), (BOTH, True)):
         skip = contract.modules_to_not_convert(cfg, options)
         assert any(key in router for key in skip) is kept
         assert not any(key in experts for key in skip)
@@ -540,15 +542,15 @@ def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_li
 
     attr = json.loads(json.dumps(contract.layout_attribute(BOTH)))  # as NxDI saves and loads it
     assert contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: attr})) == BOTH
-    assert contract.layout_of(SimpleNamespace()) == contract.LayoutOptions()
+    assert contract.layout_of(SimpleNamespace()) == Layout()
     one_line_error(lambda: contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: {"shard_heads": True}})),
                    f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among")
 
 
 @pytest.mark.parametrize("options,message", [
-    (contract.LayoutOptions(shard_router=True), "--shard-router --tp 4: config.json field n_routed_experts=6 is not "
+    (Layout(shard_router=True), "--shard-router --tp 4: config.json field n_routed_experts=6 is not "
                                                 "divisible by 4"),
-    (contract.LayoutOptions(shard_attn_a=True), "--shard-attn-a --tp 4: config.json field q_lora_rank=162 is not "
+    (Layout(shard_attn_a=True), "--shard-attn-a --tp 4: config.json field q_lora_rank=162 is not "
                                                 "divisible by 4"),
 ])
 def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, options, message):
@@ -563,7 +565,7 @@ def test_the_chunk_with_the_sharded_cache_is_built():
     """--prefill-chunk with --kv-shard sequence: a batch-1 context-encoding bucket of N written at the row's line, and
     NxDI's flash decoding (the chunk submodel then reads the sharded cache: chunked_prefill.chunk_masks)."""
     o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch",
-                              layout=contract.LayoutOptions(kv_group=4, prefill_chunk=8))
+                              layout=Layout(kv_group=4, prefill_chunk=8))
     kwargs = contract.neuron_config_kwargs(tiny_cfg(), o)
     got = [kwargs[k] for k in ("max_context_length", "ctx_batch_size", "is_continuous_batching",
                                "flash_decoding_enabled")]

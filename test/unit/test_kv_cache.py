@@ -28,3 +28,18 @@ def test_each_rank_of_a_group_holds_every_gth_position():
 def test_a_rank_outside_its_group_is_refused():
     with pytest.raises(ValueError, match="rank 4 is not an index in a KV group of 4"):
         LatentCache(CFG, 1, 8, torch.float32, group=4, rank=4)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_the_position_map_is_one_map(group):
+    """parallel.py's owner/slot of a position, the position a rank's slot holds and the entries a rank keeps of a
+    stripe-aligned run agree: every position is held once, by its owner, at its slot."""
+    from kimi_k2_neuron.parallel import owner_of, slot_of, slot_positions, slots_for, stripe
+
+    positions = torch.arange(40)
+    owners, slots = owner_of(positions, group), slot_of(positions, group)
+    held = {r: slot_positions(slots_for(40, group), group, r) for r in range(group)}
+    for p, r, s in zip(positions.tolist(), owners.tolist(), slots.tolist()):
+        assert held[r][s] == p
+    for r in range(group):  # a run of 16 new positions from 24: rank r keeps those it owns, in order
+        assert torch.equal(positions[24:40][stripe(16, group, r)], positions[24:40][owners[24:40] == r])

@@ -11,7 +11,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import expert_scheme
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_scheme
-from kimi_k2_neuron.neuron.contract import LayoutOptions
+from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.plan import GiB, MiB, format_plan, max_batch, max_seq_len, plan
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
@@ -504,12 +504,12 @@ def test_cli_refuses_bad_counts_before_planning(flags, words, capsys, one_line_e
 # NxDI's flash-decoding cache holds get_cache_size(S, G) = S / G + 128 slots per rank (NXDI_CONTRACT.md:
 # fd-cache-size).
 
-SEQ = LayoutOptions(kv_group=64, prefill_chunk=1024)
+SEQ = Layout(kv_group=64, prefill_chunk=1024)
 SHARDED = dataclasses.replace(SEQ, shard_attn_a=True, shard_router=True)
 LATENT_TOKEN = 61 * 576 * 2  # 70,272 bytes of latent per token, all layers (68.6 KiB)
 
 
-def _at(kimi, seq_len, batch, layout=LayoutOptions(), **kw):
+def _at(kimi, seq_len, batch, layout=Layout(), **kw):
     return plan(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, batch=batch, scheme=BLOCKWISE, layout=layout, **kw)
 
 
@@ -525,7 +525,7 @@ def test_the_replicated_cache_row_is_todays(kimi):
 def test_the_sequence_sharded_cache_is_a_64th_plus_nxdis_reserve(kimi):
     """At 262,144 x 8: 4,096 positions per rank plus the 128-slot reserve = 4,224 slots (2.212 GiB), the replicated
     cache's 1/64 plus 61 x 8 x 128 reserve slots; G=16 holds 16,512."""
-    rep, seq = _at(kimi, 262144, 8, LayoutOptions(prefill_chunk=1024)), _at(kimi, 262144, 8, SEQ)
+    rep, seq = _at(kimi, 262144, 8, Layout(prefill_chunk=1024)), _at(kimi, 262144, 8, SEQ)
     assert rep.kv_cache.bytes == 8 * 262144 * LATENT_TOKEN
     assert seq.cache_slots_per_rank == 4224
     assert seq.kv_cache.bytes == rep.kv_cache.bytes // 64 + 8 * 128 * LATENT_TOKEN == 2_374_631_424
@@ -583,7 +583,7 @@ def test_a_chunked_prefill_costs_one_chunk_whatever_the_batch(kimi):
     assert _row(one, "prefill activations") == 512 * MiB
     attention = 64 * 1024 * 576 * 2 + 64 * 128 * (4224 + 16) * 8 + 64 * 1024 * 513 * 4
     assert _row(one, "prefill chunk attention") == attention
-    rep = _at(kimi, 49152, 1, LayoutOptions(prefill_chunk=1024))  # 1 head per rank over the cache and the chunk
+    rep = _at(kimi, 49152, 1, Layout(prefill_chunk=1024))  # 1 head per rank over the cache and the chunk
     assert _row(rep, "prefill chunk attention") == 1024 * (49152 + 1024) * 8
     assert _row(_at(kimi, 1024, 4), "prefill activations") == 4 * 512 * MiB  # one-shot: batch x context
 
@@ -593,7 +593,7 @@ def test_the_goals_fit_with_the_sequence_sharded_cache(kimi):
     with --kv-shard sequence --prefill-chunk 1024 (under 1 GiB of headroom), with over 3 GiB when q_a/kv_a and the
     router are split too; the replicated cache fits neither."""
     for seq_len, batch in ((262144, 8), (131072, 16)):
-        assert not _at(kimi, seq_len, batch, LayoutOptions(prefill_chunk=1024)).fits
+        assert not _at(kimi, seq_len, batch, Layout(prefill_chunk=1024)).fits
         p, s = _at(kimi, seq_len, batch, SEQ), _at(kimi, seq_len, batch, SHARDED)
         assert p.fits and 0.8 < p.headroom_bytes / GiB < 1.0
         assert s.fits and s.headroom_bytes - p.headroom_bytes == p.weight_bytes - s.weight_bytes
@@ -602,26 +602,26 @@ def test_the_goals_fit_with_the_sequence_sharded_cache(kimi):
 
 @pytest.mark.parametrize("layout, seq_len, want", [
     (SEQ, 262144, 11), (SEQ, 131072, 22), (SHARDED, 262144, 19), (SHARDED, 131072, 38),
-    (LayoutOptions(), 1024, None),
+    (Layout(), 1024, None),
 ], ids=["seq 256K", "seq 128K", "sharded 256K", "sharded 128K", "replicated 1K"])
 def test_max_batch_is_the_last_that_fits(kimi, layout, seq_len, want):
     p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, scheme=BLOCKWISE, layout=layout)
     assert p.fits and (want is None or p.batch == want)
     assert not _at(kimi, seq_len, p.batch + 1, layout).fits
-    if want is None and layout == LayoutOptions():  # one-shot prefill of batch x 1024 tokens: any batch tiles
+    if want is None and layout == Layout():  # one-shot prefill of batch x 1024 tokens: any batch tiles
         assert p.batch > 1
 
 
 def test_max_batch_when_none_fits(kimi):
     p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=262144, scheme=BLOCKWISE,
-                  layout=LayoutOptions(prefill_chunk=1024))
+                  layout=Layout(prefill_chunk=1024))
     assert p.batch == 1 and not p.fits
 
 
 def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
     """The sharded cache at batch 16 holds 185,344 tokens (181 chunks of 1,024); the replicated cache with chunked
     prefill 48,128 at batch 1. Each is the last multiple of the chunk that fits."""
-    for layout, batch, want in ((SEQ, 16, 185344), (LayoutOptions(prefill_chunk=1024), 1, 48128), (SEQ, 8, 262144)):
+    for layout, batch, want in ((SEQ, 16, 185344), (Layout(prefill_chunk=1024), 1, 48128), (SEQ, 8, 262144)):
         p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout)
         assert p.seq_len == want and p.fits and p.seq_len % 1024 == 0
         if want < kimi.max_position_embeddings:
@@ -629,15 +629,15 @@ def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
 
 
 @pytest.mark.parametrize("layout, kw, needle", [
-    (LayoutOptions(kv_group=48), {}, "--kv-group 48: must divide --tp 64"),
-    (LayoutOptions(kv_group=64), dict(seq_len=1000), "--seq-len 1000: with --kv-shard sequence must be a multiple"),
-    (LayoutOptions(prefill_chunk=768), {}, "--prefill-chunk 768: must divide --seq-len 1024"),
-    (LayoutOptions(kv_group=64, prefill_chunk=32), {}, "--prefill-chunk 32: must be a multiple of --kv-group"),
-    (LayoutOptions(prefill_chunk=512), dict(context_len=1024), "--max-context-length 1024: with --prefill-chunk 512"),
-    (LayoutOptions(prefill_chunk=1000), dict(seq_len=2000), "a prefill of 1000 tokens"),
-    (LayoutOptions(kv_group=64), dict(kv_slots=2), "--kv-slots 2: the sequence-sharded cache"),
-    (LayoutOptions(kv_group=0), {}, "--kv-group"),
-    (LayoutOptions(shard_router=True), dict(tp=256, lnc=1), "--tp 256"),
+    (Layout(kv_group=48), {}, "--kv-group 48: must divide --tp 64"),
+    (Layout(kv_group=64), dict(seq_len=1000), "--seq-len 1000: with --kv-shard sequence must be a multiple"),
+    (Layout(prefill_chunk=768), {}, "--prefill-chunk 768: must divide --seq-len 1024"),
+    (Layout(kv_group=64, prefill_chunk=32), {}, "--prefill-chunk 32: must be a multiple of --kv-group"),
+    (Layout(prefill_chunk=512), dict(context_len=1024), "--max-context-length 1024: with --prefill-chunk 512"),
+    (Layout(prefill_chunk=1000), dict(seq_len=2000), "a prefill of 1000 tokens"),
+    (Layout(kv_group=64), dict(kv_slots=2), "--kv-slots 2: the sequence-sharded cache"),
+    (Layout(kv_group=0), {}, "--kv-group"),
+    (Layout(shard_router=True), dict(tp=256, lnc=1), "--tp 256"),
 ], ids=["group not dividing tp", "seq not a multiple of G", "chunk not dividing seq", "chunk not a multiple of G",
         "bucket not the chunk", "chunk not in kernel tiles", "stock cache", "group 0", "tp past the cores"])
 def test_layouts_nxdi_cannot_run_are_refused(kimi, one_line_error, layout, kw, needle):
@@ -697,7 +697,7 @@ def test_max_batch_with_ep_starts_where_ep_decodes(capsys):
     """--ep 4 decodes only on all experts, batch x 8 >= 384: --max-batch searches from batch 48 (it refused batch 1
     before), and the batch it finds fits while one more row does not (the long-context layout, 1024-token chunks)."""
     cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
-    layout = LayoutOptions(kv_group=64, prefill_chunk=1024, shard_attn_a=True, shard_router=True)
+    layout = Layout(kv_group=64, prefill_chunk=1024, shard_attn_a=True, shard_router=True)
     found = max_batch(cfg, 64, 4, 2, 4096, BLOCKWISE, layout=layout)
     assert found.fits and found.batch >= 48
     assert not plan(cfg, 64, 4, 2, 4096, found.batch + 1, BLOCKWISE, layout=layout).fits

@@ -16,7 +16,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.model.router import NoAuxTcRouter
-from kimi_k2_neuron.parallel import ParallelContext
+from kimi_k2_neuron.parallel import Layout, ParallelContext
 from kimi_k2_neuron.runtime.ranks import run_ranks
 from kimi_k2_neuron.runtime.runner import CpuRunner
 from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
@@ -84,7 +84,8 @@ def sharded_rank(rank, tp, model_dir, rows, out_dir):
     out = {}
     for g in sorted({tp, 2}):
         groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
-        runner = CpuRunner(model_dir, ctx=ParallelContext(tp, rank, g, groups[rank // g]), prefill_chunk=CHUNK)
+        ctx = ParallelContext(tp, rank, Layout(kv_group=g), groups[rank // g])
+        runner = CpuRunner(model_dir, ctx=ctx, prefill_chunk=CHUNK)
         logits, cache = ragged_batch(runner, rows)
         out |= {f"g{g}.logits": logits} | {f"g{g}.layer{n}": t for n, t in enumerate(cache.layers)}
     save_file(out, f"{out_dir}/rank{rank}.safetensors")
@@ -153,7 +154,7 @@ def _record_routing(rank, tp, model_dir, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     try:
-        runner = CpuRunner(model_dir, ctx=ParallelContext(tp, rank, shard_router=True))
+        runner = CpuRunner(model_dir, ctx=ParallelContext(tp, rank, Layout(shard_router=True)))
         calls, shapes = _routing_calls(runner.model, NoAuxTcRouter)
         runner.logits(ROWS, 3)
         torch.save({"calls": calls, "shapes": shapes}, f"{out_dir}/rank{rank}.pt")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import KimiK2Config
-from ..parallel import ParallelContext
+from ..parallel import ParallelContext, owner_of, slot_of, slot_positions
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
@@ -59,10 +59,9 @@ class MLAttention(nn.Module):
 
     def _forward_sharded(self, q_nope, q_pe, entries, positions, latent_cache):
         g, r = self.ctx.kv_group, self.ctx.kv_rank()
-        owned = positions % g == r
-        _write_cache(latent_cache, positions // g, entries, owned)
-        t = int(positions.max()) // g + 1  # slots that can hold a position <= the latest query's
-        keys = torch.arange(t) * g + r  # the position each slot holds
+        _write_cache(latent_cache, slot_of(positions, g), entries, owner_of(positions, g) == r)
+        t = int(slot_of(positions.max(), g)) + 1  # slots that can hold a position <= the latest query's
+        keys = slot_positions(t, g, r)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, t]; all written by now
         return self.attend_sharded(q_nope, q_pe, [latent_cache[:, :t]], [mask])
 

@@ -25,9 +25,9 @@ class NoAuxTcRouter(nn.Module):
 
     def _init_logits(self, cfg: KimiK2Config, ctx: ParallelContext) -> None:
         """float32 weight [E, hidden] (E / tp rows with shard_router); ctx, shard_dim, full_shape for the loader."""
-        self.ctx, self.shard_dim = ctx, 0 if ctx.shard_router else None
+        self.ctx, self.shard_dim = ctx, 0 if ctx.layout.shard_router else None
         self.full_shape = (cfg.n_routed_experts, cfg.hidden_size)
-        rows = ctx.local(cfg.n_routed_experts, "n_routed_experts") if ctx.shard_router else cfg.n_routed_experts
+        rows = ctx.local(cfg.n_routed_experts, "n_routed_experts") if ctx.layout.shard_router else cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(rows, cfg.hidden_size, dtype=torch.float32), requires_grad=False)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ import copy
 
 import torch
 
+from kimi_k2_neuron.parallel import slot_of, slot_positions, stripe
+
 from .contract import layout_of
 
 CHUNK_MODEL_TAG = "chunked_prefill_model"
@@ -39,22 +41,17 @@ def chunk_inputs(ids: torch.Tensor, start: int, length: int, chunk: int, pad_id:
     return padded[None], positions[None], torch.ones(1, end, dtype=ids.dtype)
 
 
-def owned_index(n: int, group: int, rank, device=None) -> torch.Tensor:
-    """[n / G]: the indices r, r + G, ... of n new entries that rank r of the KV group keeps (NxDI's context-encoding
-    filter, NXDI_CONTRACT.md: fd-cte-filter; a chunk starts at a multiple of G, so these are positions p % G == r).
-    `rank` is r = rank % G, an int or a one-element tensor (the SPMD rank in a traced graph)."""
-    return torch.arange(0, n, group, dtype=torch.int64, device=device) + rank
-
-
 def owned_positions(position_ids: torch.Tensor, group: int = 1, rank=0) -> torch.Tensor:
-    """[B, N] -> [B, N / G]: the chunk's positions this rank keeps, start + r, start + r + G, ... G = 1: all."""
-    return torch.index_select(position_ids, 1, owned_index(position_ids.shape[1], group, rank, position_ids.device))
+    """[B, N] -> [B, N / G]: the chunk's positions this rank keeps, start + r, start + r + G, ... (NxDI's
+    context-encoding filter, NXDI_CONTRACT.md: fd-cte-filter; a chunk starts at a multiple of G). G = 1: all. `rank`
+    is r = rank % G, an int or a one-element tensor (the SPMD rank in a traced graph)."""
+    return torch.index_select(position_ids, 1, stripe(position_ids.shape[1], group, rank, position_ids.device))
 
 
 def owned_slots(position_ids: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """[B, N] -> [B, N / G]: the cache slots of the owned positions, p // G, the same on every rank of the group
-    (start // G + j for the j-th owned entry, as r < G). G = 1: the positions."""
-    return position_ids[:, ::group] // group
+    """[B, N] -> [B, N / G]: the cache slots of the owned positions, the same on every rank of the group (the j-th
+    owned entry's slot is start / G + j, as r < G). G = 1: the positions."""
+    return slot_of(position_ids[:, ::group], group)
 
 
 def chunk_masks(position_ids: torch.Tensor, cache_len: int, group: int = 1, rank=0):
@@ -65,7 +62,7 @@ def chunk_masks(position_ids: torch.Tensor, cache_len: int, group: int = 1, rank
     and tril."""
     b, n = position_ids.shape
     start = position_ids[:, :1]
-    held = torch.arange(cache_len, device=position_ids.device) * group + rank  # [cache_len]
+    held = slot_positions(cache_len, group, rank, position_ids.device)  # [cache_len]
     prior = held[None, :] < start  # [B, cache_len]
     keys = owned_positions(position_ids, group, rank)
     active = keys[:, None, :] <= position_ids[:, :, None]  # [B, N, N / G]

@@ -16,7 +16,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.formats import DEFAULT_SCHEME, layout
 from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
-from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
+from kimi_k2_neuron.parallel import Layout, check_tp_divides, check_weight_sharding
 
 from . import moe_paths
 from .moe_paths import ALL_EXPERTS_BLOCK_SIZE, decodes_all_experts
@@ -65,27 +65,12 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
                 "quantization_block_size", "quantization_scale_dtype")
 
 
-@dataclass(frozen=True)
-class LayoutOptions:
-    """--kv-shard/--kv-group, --prefill-chunk, --shard-attn-a, --shard-router; the default replicates all."""
-
-    # G: position p on rank p % G, slot p // G (NXDI_CONTRACT.md: fd-cache-size)
-    kv_group: int | None = None
-    prefill_chunk: int | None = None  # tokens per prefill graph call (batch 1); None: one call of the whole bucket
-    shard_attn_a: bool = False  # q_a_proj + kv_a_proj_with_mqa split by output rows, all-gathered (parallel.py)
-    shard_router: bool = False  # the router's experts split across the ranks, its float32 logits all-gathered
-
-    @property
-    def sequence_sharded(self) -> bool:
-        return self.kv_group is not None
-
-    @property
-    def flags(self) -> list[str]:
-        """The command-line flags that ask for this layout (none for the default)."""
-        given = ((f"--kv-shard sequence --kv-group {self.kv_group}", self.sequence_sharded),
-                 (f"--prefill-chunk {self.prefill_chunk}", self.prefill_chunk is not None),
-                 ("--shard-attn-a", self.shard_attn_a), ("--shard-router", self.shard_router))
-        return [flag for flag, on in given if on]
+def layout_flags(layout: Layout) -> list[str]:
+    """The command-line flags that ask for this layout (none for the default)."""
+    given = ((f"--kv-shard sequence --kv-group {layout.kv_group}", layout.sequence_sharded),
+             (f"--prefill-chunk {layout.prefill_chunk}", layout.prefill_chunk is not None),
+             ("--shard-attn-a", layout.shard_attn_a), ("--shard-router", layout.shard_router))
+    return [flag for flag, on in given if on]
 
 
 # NxDI's flash-decoding cache keeps this many slots per rank beyond seq_len / G: non-owners of a decoded token write
@@ -93,28 +78,28 @@ class LayoutOptions:
 FD_RESERVED_SLOTS = 128
 
 
-def cache_slots(seq_len: int, layout: LayoutOptions) -> int:
+def cache_slots(seq_len: int, layout: Layout) -> int:
     """Latent cache slots per rank: NxDI's get_cache_size when sequence-sharded."""
     if not layout.sequence_sharded:
         return seq_len
     return seq_len // layout.kv_group + FD_RESERVED_SLOTS
 
 
-def context_bucket(seq_len: int, layout: LayoutOptions, max_context_length: int | None = None) -> int:
+def context_bucket(seq_len: int, layout: Layout, max_context_length: int | None = None) -> int:
     """The context-encoding bucket: --max-context-length, else the chunk, else the whole cache."""
     return max_context_length or layout.prefill_chunk or seq_len
 
 
-def prefill_batch(batch: int, layout: LayoutOptions, continuous_batching: bool = False) -> int:
+def prefill_batch(batch: int, layout: Layout, continuous_batching: bool = False) -> int:
     """Rows of one prefill call. One per chunk: a batch-B chunk graph would hold B x chunk tokens of activations; one
     under continuous batching: each sequence into its own cache line (NXDI_CONTRACT.md: continuous-batching)."""
     return 1 if layout.prefill_chunk or continuous_batching else batch
 
 
-def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, layout: LayoutOptions) -> None:
+def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, layout: Layout) -> None:
     g, n = layout.kv_group, layout.prefill_chunk
-    check_counts(*((flag, v) for flag, v in (("--kv-group", g), ("--prefill-chunk", n)) if v is not None))
-    if g is not None:
+    check_counts(("--kv-group", g), *((flag, v) for flag, v in (("--prefill-chunk", n),) if v is not None))
+    if g > 1:
         if tp % g:  # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
             raise KimiInputError(f"--kv-group {g}: must divide --tp {tp} (a KV group is G adjacent ranks)")
         if seq_len % g:
@@ -128,7 +113,7 @@ def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, lay
         if seq_len % n:
             raise KimiInputError(f"--prefill-chunk {n}: must divide --seq-len {seq_len} (the last chunk would write "
                                  f"past the cache)")
-        if g is not None and n % g:
+        if n % g:
             raise KimiInputError(f"--prefill-chunk {n}: must be a multiple of --kv-group {g} (a chunk writes whole "
                                  f"stripes of positions, N / G slots on every rank)")
         if context_len != n:
@@ -142,20 +127,24 @@ def check_layout(cfg: KimiK2Config, tp: int, seq_len: int, context_len: int, lay
 LAYOUT_KEY = "kimi_k2_layout"
 
 
-def layout_attribute(layout: LayoutOptions) -> dict[str, Any]:
+def layout_attribute(layout: Layout) -> dict[str, Any]:
     return dataclasses.asdict(layout)
 
 
-def layout_of(config) -> LayoutOptions:
-    """The LayoutOptions an InferenceConfig (or a reload of one) carries; none: the replicated default."""
+def layout_of(config) -> Layout:
+    """The Layout an InferenceConfig (or a reload of one) carries; none: the replicated default."""
     value = getattr(config, LAYOUT_KEY, None)
     if value is None:
-        return LayoutOptions()
-    names = {f.name for f in dataclasses.fields(LayoutOptions)}
+        return Layout()
+    names = {f.name for f in dataclasses.fields(Layout)}
     if not isinstance(value, dict) or set(value) - names:
         raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}: expected an object with fields among "
                              f"{sorted(names)}, got {value!r}")
-    return LayoutOptions(**value)
+    group = value.get("kv_group", 1)
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.kv_group: expected an integer >= 1 (1: the "
+                             f"replicated cache), got {group!r}")
+    return Layout(**value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,7 +171,7 @@ class ServeOptions:
     continuous_batching: bool = False
     # the long-context layout; an InferenceConfig attribute (LAYOUT_KEY), not a NeuronConfig field. Its prefill_chunk
     # is the CTE bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
-    layout: LayoutOptions = LayoutOptions()
+    layout: Layout = Layout()
     extra: dict = field(default_factory=dict)  # passed through as further NeuronConfig kwargs (checked by NxDI)
 
     @property
@@ -243,7 +232,7 @@ def neuron_config_kwargs(cfg: KimiK2Config, o: ServeOptions) -> dict[str, Any]:
     return kw
 
 
-def modules_to_not_convert(cfg: KimiK2Config, layout: LayoutOptions = LayoutOptions()) -> list[str]:
+def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list[str]:
     """Every non-expert parallel linear: expert-wise per-channel raises on any other
     (NXDI_CONTRACT.md: modules-to-not-convert); the router's with --shard-router (NXDI_CONTRACT.md: router-linear)."""
     dense = [f"layers.{i}.mlp." for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
@@ -278,7 +267,7 @@ def check_ep(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, batch: int) -
 
 
 def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, moe_prefill,
-                          layout: LayoutOptions = LayoutOptions(), prefill_rows: int | None = None) -> None:
+                          layout: Layout = Layout(), prefill_rows: int | None = None) -> None:
     """What NxD can compile, naming the refused argument. lnc None skips the LNC rules (re-checked at enforce)."""
     check_counts(("--tp", tp), ("--ep", ep), ("--seq-len", seq_len), ("--batch", batch))
     if seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
@@ -434,7 +423,7 @@ def _flash_decoding_problems(nc, kv_group: int | None) -> list[str]:
     """check_layout's rules for the sequence-sharded cache on any NeuronConfig (NXDI_CONTRACT.md: fd-config,
     fd-cache-size, kv-group, fd-cte-filter)."""
     fd = bool(getattr(nc, "flash_decoding_enabled", False))
-    if fd != (kv_group is not None):
+    if kv_group != 1 and not fd:  # fd at a group of 1 is NxDI's flash-decoding graph on one rank (trace-cpu's)
         return [f"flash_decoding_enabled={fd} with {LAYOUT_KEY}.kv_group={kv_group} (the sequence-sharded latent cache "
                 f"needs both; --kv-shard sequence sets them)"]
     if not fd:
@@ -599,7 +588,7 @@ def compiler_args(nxdi_args: str) -> str:
 
 # -- the checkpoint in the model's state dict -------------------------------------------------------------------------
 
-def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme, options: LayoutOptions = LayoutOptions()) -> set[str]:
+def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme, options: Layout = Layout()) -> set[str]:
     """No spmd_rank tensor: NxD generates it (NXDI_CONTRACT.md: spmd-rank)."""
     return set(layout.neuron_tensors(cfg, scheme, options.shard_attn_a, options.shard_router))
 
@@ -635,7 +624,7 @@ def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Conf
     return out
 
 
-def for_layout(state: dict[str, torch.Tensor], cfg: KimiK2Config, options: LayoutOptions) -> dict[str, torch.Tensor]:
+def for_layout(state: dict[str, torch.Tensor], cfg: KimiK2Config, options: Layout) -> dict[str, torch.Tensor]:
     """to_neuron_state_dict's tensors in the layers the sharded weights build (NXDI_CONTRACT.md: gathered-linear):
     q_a_proj | kv_a_proj_with_mqa concatenated by rows (bf16 both, unquantized: only the routed experts are FP8, so
     there is no scale to fuse), the router weight under its linear. In place; the converted checkpoint is unchanged."""

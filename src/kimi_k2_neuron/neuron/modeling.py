@@ -39,7 +39,7 @@ from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
-from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_sharding  # noqa: E402
+from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_sharding, slot_of, stripe  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 
 from . import chunked_prefill, contract  # noqa: E402
@@ -105,7 +105,7 @@ class KimiK2InferenceConfig(InferenceConfig):
         self.num_local_experts = self.n_routed_experts
         layout = contract.layout_of(self)  # a reload's too (NXDI_CONTRACT.md: config-construction, layout-attribute)
         # G of the sequence-sharded cache; 1 is no flash decoding (NXDI_CONTRACT.md: cores-per-group, fd-config)
-        self.num_cores_per_group = layout.kv_group or 1
+        self.num_cores_per_group = layout.kv_group
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
         contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
@@ -146,8 +146,9 @@ def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2Infer
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
     bad = contract.compiled_mismatches(r, compiled.neuron_config)
     layout = contract.layout_of(compiled)  # compile_and_save.py refuses these flags with --for-vllm
-    if layout.flags:  # vllm-neuron drives the prefills itself and builds the model from its request
-        bad.append(f"compiled with {' '.join(layout.flags)}, a layout vllm-neuron's request cannot carry")
+    flags = contract.layout_flags(layout)
+    if flags:  # vllm-neuron drives the prefills itself and builds the model from its request
+        bad.append(f"compiled with {' '.join(flags)}, a layout vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
         bad.append(f"compiled from another conversion than {config.neuron_config.quantized_checkpoints_path or ''}"
                    f" (its config.json's {CONVERSION_KEY} differs)")
@@ -180,7 +181,7 @@ class NxDParallelContext(ParallelContext):
     def attention_a(self, hidden, q_lora_rank, latent_dim, dtype):
         """--shard-attn-a: q_a_proj | kv_a_proj_with_mqa as one gathered layer, one all-gather per layer; the
         state dict fuses the two weights (contract.for_layout)."""
-        if not self.shard_attn_a:
+        if not self.layout.shard_attn_a:
             return super().attention_a(hidden, q_lora_rank, latent_dim, dtype)
         return {formats_layout.FUSED_ATTENTION_A: self.gathered(hidden, q_lora_rank + latent_dim, dtype)}
 
@@ -238,7 +239,7 @@ class NxDRouter(NoAuxTcRouter):
         self.sequence_parallel_enabled, self.sequence_dimension = False, None
 
     def _init_logits(self, cfg, ctx):
-        if not ctx.shard_router:
+        if not ctx.layout.shard_router:
             return super()._init_logits(cfg, SINGLE)  # a replicated float32 weight, whole on every rank
         self.ctx, self.shard_dim = ctx, None
         # float32, unquantized, named as NxD's own router names its linear (NXDI_CONTRACT.md: router-linear)
@@ -353,7 +354,7 @@ class KimiK2DecoderLayer(DecoderLayer):
         """[B, S, latent] -> the positions r, r + G, ... this rank keeps, [B, S / G, latent]: NxDI's context-encoding
         filter, which the manager writes from slot 0 (NXDI_CONTRACT.md: fd-cte-filter)."""
         ctx = self.self_attn.ctx
-        owned = chunked_prefill.owned_index(entries.shape[1], ctx.kv_group, ctx.kv_rank(), entries.device)
+        owned = stripe(entries.shape[1], ctx.kv_group, ctx.kv_rank(), entries.device)
         return torch.index_select(entries, 1, owned)
 
 
@@ -383,7 +384,7 @@ class LatentKVCacheManager(KVCacheManager):
         k_cache, v_cache = self._fetch_cache(idx, kvcache_buffer)
         latest_k = kv_per_layer[0]
         # the owner writes position p at slot p // G; the others into the last slot, which no mask exposes
-        slot = torch.where(kv_active_mask == 1, position_ids // self.num_cores_per_group, seq_len - 1)
+        slot = torch.where(kv_active_mask == 1, slot_of(position_ids, self.num_cores_per_group), seq_len - 1)
         index = slot.view(-1, 1, slot.shape[-1], 1).expand_as(latest_k).to(torch.int64)
         return torch.scatter(k_cache, 2, index, latest_k.to(k_cache.dtype)), v_cache
 
@@ -416,10 +417,9 @@ class NeuronKimiK2Model(NeuronBaseModel):
         # NXDI_CONTRACT.md: cpu-sampler
         gather = not self.on_device_sampling or config.neuron_config.on_cpu
         layout = contract.layout_of(config)
-        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, kv_group=config.num_cores_per_group,
-                                 gather_logits=gather, reduce_dtype=config.neuron_config.rpl_reduce_dtype,
-                                 config=config, rank_util=self.rank_util, shard_attn_a=layout.shard_attn_a,
-                                 shard_router=layout.shard_router)
+        ctx = NxDParallelContext(tp_size=config.neuron_config.tp_degree, layout=layout, gather_logits=gather,
+                                 reduce_dtype=config.neuron_config.rpl_reduce_dtype, config=config,
+                                 rank_util=self.rank_util)
         self.embed_tokens = ctx.embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         rotary = RotaryTable(cfg)
         self.layers = nn.ModuleList(KimiK2DecoderLayer(cfg, i, dtype, ctx, rotary)

@@ -76,7 +76,8 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None =
         moe_prefill=prefill_mode(o.config, o, context_length(o, seq_len) * prefill_rows(o, batch)),
         continuous_batching=o.continuous_batching, layout=o.layout,
         on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
-        extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype]})
+        extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype],
+               **({"flash_decoding_enabled": True} if o.flash_decoding_one_rank else {})})
     return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
 
 

@@ -8,6 +8,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import contract, moe_paths
+from kimi_k2_neuron.parallel import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +25,9 @@ class CpuOptions:
     moe_prefill: str | None = None
     continuous_batching: bool = False
     # --kv-shard/--kv-group, --prefill-chunk, --shard-attn-a, --shard-router; the default replicates all
-    layout: contract.LayoutOptions = contract.LayoutOptions()
+    layout: Layout = Layout()
+    # NxDI's flash-decoding graph at a KV group of one rank (trace-cpu --kv-shard sequence traces one rank)
+    flash_decoding_one_rank: bool = False
     # Filled by prepare(): the converted checkpoint's typed config and its record, read once per request.
     config: KimiK2Config | None = None
     record: ConversionRecord | None = None
@@ -94,7 +97,7 @@ def padded_seq_len(o: CpuOptions, needed: int) -> int:
     """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), else of
     the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the group:
     contract.check_layout)."""
-    step = o.layout.prefill_chunk or o.layout.kv_group or 1
+    step = o.layout.prefill_chunk or o.layout.kv_group
     return -(-needed // step) * step
 
 

@@ -1,6 +1,5 @@
 """The MLA latent KV cache: per layer one [batch, slots, kv_lora_rank + rope_dim] tensor, nothing per head.
-Sharded over G ranks, rank r holds positions p % G == r at slot p // G, as NxDI's flash decoding (round-robin, so every
-rank holds ~1/G of every row at every length).
+Sharded over G ranks, a rank holds its share by parallel.py's position map, as NxDI's flash decoding does.
 """
 
 from __future__ import annotations
@@ -8,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..config import KimiK2Config
+from ..parallel import slot_positions, slots_for
 
 
 class LatentCache:
@@ -16,7 +16,7 @@ class LatentCache:
         if not 0 <= rank < group:
             raise ValueError(f"rank {rank} is not an index in a KV group of {group}")
         self.max_len, self.group, self.rank = max_len, group, rank
-        self.slots = -(-max_len // group)
+        self.slots = slots_for(max_len, group)
         self.layers = [torch.zeros(batch, self.slots, cfg.latent_dim, dtype=dtype)
                        for _ in range(cfg.num_hidden_layers)]
 
@@ -26,7 +26,7 @@ class LatentCache:
 
     def slot_positions(self) -> torch.Tensor:
         """The position each slot holds [slots]; past max_len for the last slot of some ranks, never written."""
-        return torch.arange(self.slots) * self.group + self.rank
+        return slot_positions(self.slots, self.group, self.rank)
 
     @property
     def nbytes(self) -> int:

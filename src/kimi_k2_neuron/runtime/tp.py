@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,38 +14,51 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..parallel import ParallelContext, check_kv_group
+from ..parallel import Layout, ParallelContext, check_kv_group
 from .ranks import run_ranks
 
 
-def _rank_main(rank, tp, model_dir, rows, prefill_len, dtype, layer_streamed, out_path, kv_group, prefill_chunk,
-               sharding):
+@dataclass(frozen=True)
+class _Job:
+    """What every rank runs: CpuRunner.logits of `rows` over `tp` ranks laid out by `layout`."""
+
+    model_dir: str
+    rows: list[list[int]]
+    prefill_len: int | None
+    tp: int
+    dtype: torch.dtype
+    layer_streamed: bool
+    layout: Layout
+
+
+def _rank_main(rank: int, job: _Job, out_path: str):
     from .runner import CpuRunner
 
     # Only rank 0 shows progress, so tqdm needs no multiprocessing lock: a rank killed while holding one leaves it
     # to the resource tracker, which then warns on the user's terminal after the one-line error.
     tqdm.set_lock(threading.RLock())
+    tp, size = job.tp, job.layout.kv_group
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # ranks share the host's cores
     dist.init_process_group("gloo", rank=rank, world_size=tp)  # address and port from run_ranks' environment
     try:
-        groups = [dist.new_group(list(range(g, g + kv_group))) for g in range(0, tp, kv_group)] if kv_group > 1 else []
-        ctx = ParallelContext(tp, rank, kv_group, groups[rank // kv_group] if groups else None, **sharding)
-        runner = CpuRunner(model_dir, dtype=dtype, layer_streamed=layer_streamed, progress=rank == 0, ctx=ctx,
-                           prefill_chunk=prefill_chunk)
-        logits = runner.logits(rows, prefill_len)
+        # every rank creates every KV group, in the same order (adjacent ranks, as NxD's)
+        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, tp, size)] if size > 1 else []
+        ctx = ParallelContext(tp, rank, job.layout, groups[rank // size] if groups else None)
+        runner = CpuRunner(job.model_dir, dtype=job.dtype, layer_streamed=job.layer_streamed, progress=rank == 0,
+                           ctx=ctx, prefill_chunk=job.layout.prefill_chunk)
+        logits = runner.logits(job.rows, job.prefill_len)
         if rank == 0:
             save_file({"logits": logits.contiguous()}, out_path)
     finally:
         dist.destroy_process_group()
 
 
-def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False, kv_group=1,
-              prefill_chunk=None, shard_attn_a=False, shard_router=False) -> torch.Tensor:
+def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
+              layout: Layout = Layout()) -> torch.Tensor:
     """CpuRunner.logits computed by `tp` ranks -> rank 0's [B, S, V] float32 logits."""
-    check_kv_group(tp, kv_group)
-    sharding = dict(shard_attn_a=shard_attn_a, shard_router=shard_router)
+    check_kv_group(tp, layout.kv_group)
+    job = _Job(str(model_dir), rows, prefill_len, tp, dtype, layer_streamed, layout)
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.safetensors")
-        run_ranks(_rank_main, tp, args=(tp, str(model_dir), rows, prefill_len, dtype, layer_streamed, out, kv_group,
-                                        prefill_chunk, sharding))
+        run_ranks(_rank_main, tp, args=(job, out))
         return load_file(out)["logits"]
