@@ -101,7 +101,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         seq_len, batch = _cpu_shape(args)
         # a CPU run prefills up to seq_len: one bucket of seq_len, or chunks (kimi_k2_neuron.nxdi_cpu.backend)
         _check_lengths(args, seq_len, seq_len, f"--seq-len {seq_len}")
-        check_request(cpu_options(args), seq_len, batch)
+        o = cpu_options(args)
+        check_request(o, seq_len, batch, cfg=o.config)
 
 
 def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str) -> None:
@@ -179,7 +180,7 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
                                                                register_latency_collectors)
     from kimi_k2_neuron.progress import bar as bar_of
 
-    from kimi_k2_neuron.neuron.serving import generate_ids
+    from kimi_k2_neuron.neuron.serving import Decoding, generate_ids
 
     batch, vocab = app.neuron_config.max_batch_size, app.config.vocab_size
     ids = torch.Generator().manual_seed(0)
@@ -187,7 +188,7 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
     def generate(n: int, new: int) -> list[list[int]]:
         app.reset()  # a new batch: prefill again (benchmark_sampling's preprocess_func)
         rows = torch.randint(0, vocab, (batch, n), generator=ids).tolist()
-        return generate_ids(app, rows, set(), max_new_tokens=new)
+        return generate_ids(app, rows, set(), Decoding(max_new_tokens=new))
 
     generate(min(lengths), 2)
     collectors = create_submodule_latency_collectors(app)
@@ -252,7 +253,7 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
         with tempfile.TemporaryDirectory() as d:
             raw = benchmark_sampling(app, None, gen, target="all", num_runs=args.num_runs or DEFAULT_NUM_RUNS,
                                      benchmark_report_path=str(Path(d) / "nxdi.json"))
-    return raw, {"device": "trn2", "compiled": str(args.compiled), "options": record.get("options"),
+    return raw, {"device": "trn2", "compiled": str(args.compiled), "spec": record.get("spec"),
                  "tp": nc.tp_degree, "batch": nc.max_batch_size, "seq_len": nc.seq_len,
                  "max_context_length": nc.max_context_length}
 

@@ -25,6 +25,7 @@ Arguments are parsed before the Neuron SDK is imported, so --help works without 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -33,43 +34,23 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import add_kv_layout_args, add_weight_sharding_args, check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
-from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, script_parser,
+from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, run_spec, script_parser,
                                   sdk_missing, set_fp8_env, start)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kimi_k2_neuron.neuron import moe_paths
-
     p = script_parser(__doc__)
     p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
                                                   "HF folder is converted first, once, into <model>-neuron-<experts>")
     p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
                                                 "replaced once the new one is complete")
-    p.add_argument("--tp", type=integer(1), required=True,
-                   help="tensor-parallel degree (logical cores per model replica)")
-    p.add_argument("--ep", type=integer(1), default=1,
-                   help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree; experts split ep ways, each "
-                        "tp/ep ways): 4, 16 or 64 at --tp 64 --lnc 2, with batch >= n_routed_experts / top_k")
-    p.add_argument("--lnc", type=int, default=2, choices=(1, 2), help="logical NeuronCore config (trn2 default 2)")
-    p.add_argument("--seq-len", type=integer(1), default=1024, help="KV cache length (prompt + generated tokens)")
-    p.add_argument("--max-context-length", type=integer(1), default=None, help="prefill bucket (default: --seq-len)")
-    p.add_argument("--batch", type=integer(1), default=1, help="batch compiled into both the prefill and decode graphs")
-    p.add_argument("--experts", choices=SCHEMES, default=None,
-                   help=f"expert format (default: what a converted checkpoint holds; {DEFAULT_SCHEME}, exact from FP8 "
-                        "and INT4 sources, for a raw one)")
+    add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
+                  batch=dict(help="batch compiled into both the prefill and decode graphs"))
     p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")
-    p.add_argument("--no-on-device-sampling", action="store_true", help="return logits to the host instead")
-    p.add_argument("--output-logits", action="store_true", help="also return logits with on-device sampling "
-                                                                "(needed by the logit-parity test)")
-    p.add_argument("--global-topk", type=integer(1), default=256, help="on-device sampling's top-k pre-selection")
-    p.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
-                   help="how prefill runs the routed experts: " + moe_paths.modes_help())
-    add_kv_layout_args(p)
-    add_weight_sharding_args(p)
+    add_spec_args(p, "sampler", "moe", "layout")
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
                         "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
@@ -90,8 +71,8 @@ def main(argv=None) -> int:
 
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.formats.record import ConversionRecord, expert_scheme
-    from kimi_k2_neuron.plan import fallback_advice, format_plan, plan, prefill_fallbacks
+    from kimi_k2_neuron.formats.record import ConversionRecord
+    from kimi_k2_neuron.neuron.fit import fallback_advice, format_plan, plan, prefill_fallbacks
 
     try:
         check_layout_flags(args)
@@ -100,22 +81,20 @@ def main(argv=None) -> int:
             check_out_dir(args.out, "--out")  # before hours of conversion and compilation
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.of(cfg)
-        scheme = expert_scheme(cfg, record, args.experts)  # what convert writes, for a raw checkpoint
-        # The planner applies the shell's compile rules (contract.check_compile_options) before the SDK is imported
-        # or a raw checkpoint converted.
-        p = plan(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, scheme, kv_slots=1,
-                 context_len=args.max_context_length, moe_prefill=args.moe_prefill, layout=_layout(args))
+        # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1
+        spec = run_spec(args, cfg, record, checkpoint=str(Path(args.model).resolve()),
+                        continuous_batching=args.for_vllm and args.batch > 1)
+        # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
+        p = plan(cfg, spec)
         if args.dry_run:
-            return _dry_run(args, cfg, record, scheme, p)
+            return _dry_run(args, cfg, record, spec, p)
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
             raise KimiInputError("this configuration does not fit (see above); pass --force to compile anyway")
         if not args.force:
             check_host_resources(p, args.out)
-        advice = fallback_advice(prefill_fallbacks(cfg, args.tp, args.ep, args.lnc, args.seq_len, args.batch, scheme,
-                                                   args.moe_prefill, context_len=args.max_context_length),
-                                 args.moe_prefill)
+        advice = fallback_advice(prefill_fallbacks(cfg, spec), args.moe_prefill)
     except KimiInputError as e:
         return fail(e)
 
@@ -130,13 +109,13 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         checkpoint = Path(args.model)
         if record is None:  # once, up front
-            checkpoint, record = ensure_converted(args.model, scheme.name, workers=args.convert_workers)
+            checkpoint, record = ensure_converted(args.model, spec.scheme.name, workers=args.convert_workers)
             cfg = KimiK2Config.from_file(checkpoint)  # the converted checkpoint's, a new file
-        options = _options(args, record.scheme, checkpoint)
+            spec = dataclasses.replace(spec, scheme=record.scheme, checkpoint=str(Path(checkpoint).resolve()))
         # Compiled beside --out and renamed once complete: an interrupted or failed compile leaves the earlier
         # folder (or none), never NEFFs and a partial set of pre-sharded weights that vllm-neuron would try to load.
         with atomic_folder(args.out) as folder:
-            _compile(compile_model, cfg, checkpoint, folder, options, p.summary(), advice)
+            _compile(compile_model, cfg, checkpoint, folder, spec, p.summary(), advice)
     except KimiInputError as e:
         return fail(e)
     except _CompileFailed:
@@ -145,7 +124,7 @@ def main(argv=None) -> int:
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 
-        print("serve it with vLLM (docs/vllm.md):\n" + vllm_serve_command(checkpoint, args.out, options))
+        print("serve it with vLLM (docs/vllm.md):\n" + vllm_serve_command(checkpoint, args.out, spec))
     return 0
 
 
@@ -160,65 +139,48 @@ def check_for_vllm(args) -> None:
         if given:
             raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
                                  f"one call and samples on the device)")
-    from kimi_k2_neuron.neuron.contract import layout_flags
+    from kimi_k2_neuron.launch import layout_options
+    from kimi_k2_neuron.neuron.spec import layout_flags
 
-    given = layout_flags(_layout(args))
+    given = layout_flags(layout_options(args))
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")
 
 
-def _layout(args):
-    from kimi_k2_neuron.launch import layout_options
-
-    return layout_options(args)
-
-
-def _options(args, scheme, checkpoint):
-    from kimi_k2_neuron.neuron import contract
-
-    return contract.ServeOptions(
-        tp=args.tp, ep=args.ep, lnc=args.lnc, seq_len=args.seq_len, max_context_length=args.max_context_length,
-        batch=args.batch, scheme=scheme, checkpoint=str(Path(checkpoint).resolve()),
-        on_device_sampling=not args.no_on_device_sampling, global_topk=args.global_topk,
-        output_logits=args.output_logits, moe_prefill=args.moe_prefill, layout=_layout(args),
-        continuous_batching=args.for_vllm and args.batch > 1)  # as vllm-neuron asks when --max-num-seqs > 1
-
-
-def _dry_run(args, cfg, record, scheme, p) -> int:
+def _dry_run(args, cfg, record, spec, p) -> int:
     """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, with the weight layout saved
     beside it there, the MoE path of each submodel and the plan, as JSON on stdout. A raw checkpoint is planned as
     `convert` would write it."""
     try:
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron import moe_paths
+        from kimi_k2_neuron.neuron.contract import LAYOUT_KEY
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     except ImportError as e:
         return sdk_missing(e)
-    checkpoint = args.model if record else converted_dir_for(args.model, scheme.name)
-    options = _options(args, scheme, checkpoint)
+    checkpoint = args.model if record else converted_dir_for(args.model, spec.scheme.name)
+    spec = dataclasses.replace(spec, checkpoint=str(Path(checkpoint).resolve()))
     try:
-        config = KimiK2InferenceConfig.for_serving(cfg, options)
+        config = KimiK2InferenceConfig.for_serving(cfg, spec)
     except KimiInputError as e:
         return fail(e)
-    tokens = options.prefill_batch * options.context_length
-    prefill = moe_paths.prefill_path(cfg, tokens, args.moe_prefill)
+    tokens = spec.prefill_tokens
+    prefill = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
-    decode = moe_paths.call_path(args.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
-                                 moe_paths.MODES[args.moe_prefill].block_size, decode=True)
-    from kimi_k2_neuron.neuron.contract import LAYOUT_KEY
-
+    decode = moe_paths.call_path(spec.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
+                                 moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
     saved = json.loads(config.to_json_string())
     report = {
         "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY],
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
-                      "token_generation": {"tokens": args.batch, "path": decode}},
+                      "token_generation": {"tokens": spec.batch, "path": decode}},
         "plan": p.to_dict()}
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 
-        report["vllm_serve"] = vllm_serve_command(checkpoint, args.out, options)
+        report["vllm_serve"] = vllm_serve_command(checkpoint, args.out, spec)
     print(json.dumps(report, indent=2, default=str))
     return 0
 
@@ -234,19 +196,19 @@ def check_replaceable(out: Path, record: str) -> None:
                              f"empty folder (the compile is written beside it and renamed once complete)")
 
 
-def _compile(compile_model, cfg, checkpoint, out, options, summary: str, advice: str) -> None:
+def _compile(compile_model, cfg, checkpoint, out, spec, summary: str, advice: str) -> None:
     """compile_model; when a kernel prefill mode fails, NxDI's traceback and then the planner's fallback advice."""
     from kimi_k2_neuron.neuron import moe_paths
 
     try:
-        compile_model(cfg, checkpoint, out, options, plan_summary=summary)
+        compile_model(cfg, checkpoint, out, spec, plan_summary=summary)
     except KimiInputError:
         raise
     except Exception:
-        if moe_paths.MODES[options.moe_prefill].kernel is None:
+        if moe_paths.MODES[spec.moe_prefill].kernel is None:
             raise
         traceback.print_exc()
-        print(f"error: compiling with --moe-prefill {options.moe_prefill} failed (traceback above)\n{advice}",
+        print(f"error: compiling with --moe-prefill {spec.moe_prefill} failed (traceback above)\n{advice}",
               file=sys.stderr)
         raise _CompileFailed() from None
 

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     add_compiled_args(p)
     # generate's defaults: --top-k 0 (no filter) becomes NxDI's on-device sampler's compiled global top-k, the widest
-    # it draws from (contract.sampler_settings)
+    # it draws from (spec.Sampling.of)
     add_generation_args(p, max_new_tokens=32, top_k=0)
     add_verbose(p)
     return p
@@ -96,15 +96,15 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
 
     stops = tok.stop_ids(cfg.eos_token_ids)
     if args.cpu:
-        return cpu_generate(args, rows, stops, str(checkpoint), stream)
-    from kimi_k2_neuron.neuron import contract
-    from kimi_k2_neuron.neuron.serving import generate_ids, load_compiled
+        return cpu_generate(args, rows, stops, str(checkpoint), stream, cfg=cfg)
+    from kimi_k2_neuron.neuron import rules
+    from kimi_k2_neuron.neuron.serving import Decoding, generate_ids, load_compiled
+    from kimi_k2_neuron.neuron.spec import Sampling
 
-    contract.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
+    rules.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
     app = load_compiled(args.compiled, checkpoint)
-    temperature, top_k, top_p = sampling_values(args)
-    return generate_ids(app, rows, stops, decode=partial(reply_text, tok), max_new_tokens=args.max_new_tokens,
-                        **contract.sampler_settings(temperature, top_k, top_p), stream=stream, stop=args.stop)
+    decoding = Decoding(args.max_new_tokens, Sampling.of(*sampling_values(args)), tuple(args.stop))
+    return generate_ids(app, rows, stops, decoding, decode=partial(reply_text, tok), stream=stream)
 
 
 if __name__ == "__main__":

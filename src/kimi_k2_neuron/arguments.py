@@ -187,33 +187,84 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
-# -- the long-context layout (issue 17) ------------------------------------------------------------------------------
+# -- the run spec's flags (neuron/spec.py's RunSpec), each defined once -----------------------------------------------
+#
+# A command takes a setting of the run from this table, by name or by group, with its own help or default where it
+# means something else there; launch.run_spec builds the RunSpec from whichever of them the command has. A new setting
+# is a RunSpec field, one entry here, and its use.
 
 KV_SHARDS = ("none", "sequence")
+
+
+def _spec_flags() -> dict[str, tuple[str, dict]]:
+    """flag -> (group, add_argument keywords)."""
+    from .formats import DEFAULT_SCHEME, SCHEMES
+    from .neuron import moe_paths  # pure: no torch
+
+    return {
+        "--tp": ("parallel", dict(type=integer(1), required=True,
+                                  help="tensor-parallel degree (logical cores per model replica)")),
+        "--ep": ("parallel", dict(type=integer(1), default=1,
+                                  help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree): experts split "
+                                       "ep ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2, with batch >= "
+                                       "n_routed_experts / top_k")),
+        "--lnc": ("parallel", dict(type=integer(1), default=2,
+                                   help="physical NeuronCores per logical core: 1 or 2 (trn2's default: 2)")),
+        "--seq-len": ("shape", dict(type=integer(1), default=1024, help="KV cache length (prompt + generated tokens)")),
+        "--max-context-length": ("shape", dict(type=integer(1), default=None,
+                                               help="prefill bucket: tokens per sequence in one prefill call "
+                                                    "(default: the chunk with --prefill-chunk, else --seq-len)")),
+        "--batch": ("shape", dict(type=integer(1), default=1, help="sequences decoded together (the KV cache's rows)")),
+        "--experts": ("experts", dict(choices=SCHEMES, default=None,
+                                      help=f"routed-expert format on device (default: what a converted checkpoint "
+                                           f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one)")),
+        "--moe-prefill": ("moe", dict(choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
+                                      help="how prefill runs the routed experts: " + moe_paths.modes_help())),
+        "--kv-shard": ("layout", dict(choices=KV_SHARDS, default="none",
+                                      help="none: every rank holds the whole latent KV cache; sequence: the ranks of "
+                                           "a KV group split every sequence, position p on rank p %% G (NxDI's "
+                                           "flash-decoding layout), and decode merges their partial attention")),
+        "--kv-group": ("layout", dict(type=integer(1), default=None, metavar="G",
+                                      help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: "
+                                           "--tp, one group)")),
+        "--prefill-chunk": ("layout", dict(type=integer(1), default=None, metavar="N",
+                                           help="tokens per prefill call: a longer prompt runs as successive chunks, "
+                                                "each attending to the cache written so far (default: the prompt in "
+                                                "one call)")),
+        "--shard-attn-a": ("layout", dict(action="store_true",
+                                          help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows "
+                                               "and all-gather their output (one collective per layer) instead of "
+                                               "holding them whole on every rank")),
+        "--shard-router": ("layout", dict(action="store_true",
+                                          help="split the float32 router across the ranks by experts and all-gather "
+                                               "its logits (one collective per MoE layer); every rank still selects "
+                                               "from the same float32 logits")),
+        "--no-on-device-sampling": ("sampler", dict(action="store_true", help="return logits to the host instead")),
+        "--output-logits": ("sampler", dict(action="store_true", help="also return logits with on-device sampling "
+                                                                      "(needed by the logit-parity test)")),
+        "--global-topk": ("sampler", dict(type=integer(1), default=256,
+                                          help="on-device sampling's top-k pre-selection")),
+    }
+
+
+def add_spec_args(p, *names: str, **overrides: dict) -> None:
+    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, sampler) on p (a parser
+    or an argument group), in the table's order; overrides: {dest: add_argument keywords to change}."""
+    for flag, (group, kw) in _spec_flags().items():
+        if flag in names or group in names:
+            dest = flag[2:].replace("-", "_")
+            p.add_argument(flag, **{**kw, **overrides.get(dest, {})})
 
 
 def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
     """--kv-shard, --kv-group and --prefill-chunk: how the latent cache and the prefill are laid over the ranks
     (parallel.Layout)."""
-    p.add_argument("--kv-shard", choices=KV_SHARDS, default="none",
-                   help="none: every rank holds the whole latent KV cache; sequence: the ranks of a KV group "
-                        "split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and "
-                        "decode merges their partial attention")
-    p.add_argument("--kv-group", type=integer(1), default=None, metavar="G",
-                   help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: --tp, one group)")
-    p.add_argument("--prefill-chunk", type=integer(1), default=None, metavar="N",
-                   help="tokens per prefill call: a longer prompt runs as successive chunks, each attending to the "
-                        "cache written so far (default: the prompt in one call)")
+    add_spec_args(p, "--kv-shard", "--kv-group", "--prefill-chunk")
 
 
 def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
     """--shard-attn-a and --shard-router: split across the ranks what the NxDI design replicates on every one."""
-    p.add_argument("--shard-attn-a", action="store_true",
-                   help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows and all-gather their "
-                        "output (one collective per layer) instead of holding them whole on every rank")
-    p.add_argument("--shard-router", action="store_true",
-                   help="split the float32 router across the ranks by experts and all-gather its logits (one "
-                        "collective per MoE layer); every rank still selects from the same float32 logits")
+    add_spec_args(p, "--shard-attn-a", "--shard-router")
 
 
 def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:

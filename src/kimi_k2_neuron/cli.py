@@ -16,12 +16,12 @@ from pathlib import Path
 
 # Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
-from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
-                        check_generation_args, check_out_dir, check_out_file, fail, integer, kv_group_of,
+from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_spec_args, add_weight_sharding_args,
+                        cache_dir, check_generation_args, check_out_dir, check_out_file, fail, integer,
                         sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, atomic_output, resume_hint, run_command
-from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
+from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
@@ -58,8 +58,8 @@ def cmd_logits(a) -> int:
     if a.backend == NXDI_CPU:
         from .nxdi_cpu.options import check_request
 
-        o = cpu_options(a)
-        check_request(o, max(len(r) for r in a.input_ids), len(a.input_ids))  # before NxD's import
+        o = cpu_options(a, cfg=cfg)
+        check_request(o, max(len(r) for r in a.input_ids), len(a.input_ids), cfg=cfg)  # before NxD's import
         logits, paths = _nxdi_cpu().logits(o, a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
@@ -126,7 +126,7 @@ def cmd_generate(a) -> int:
     check_generate_request(cfg, prompts, a.max_new_tokens)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
     if a.backend == NXDI_CPU:
-        return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
+        return _generate_nxdi_cpu(a, prompts, stop_ids, tok, cfg)
     runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
                        prefill_chunk=a.prefill_chunk)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
@@ -137,11 +137,11 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
+def _generate_nxdi_cpu(a, prompts, stop_ids, tok, cfg) -> int:
     """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
     from .runtime.chat import reply_texts
 
-    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, flag=f"--backend {NXDI_CPU}")
+    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, flag=f"--backend {NXDI_CPU}", cfg=cfg)
     texts = reply_texts(tok, tokens, a.stop) if a.prompt else None
     _print_generation(a, tokens, texts)
     return 0
@@ -217,39 +217,37 @@ def cmd_demo(a) -> int:
 
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
-    from .formats.record import ConversionRecord, expert_scheme
-    from .plan import format_plan, max_batch, max_seq_len, plan, plan_json
+    from .formats.record import ConversionRecord
+    from .neuron.fit import format_plan, max_batch, max_seq_len, plan, plan_json
 
     if a.max_batch and (a.seq_len is None or a.batch is not None):
         raise KimiInputError("--max-batch: searches the batch at --seq-len; give --seq-len and leave out --batch and "
                              "--max-seq-len")
-    layout = layout_options(a)
+    layout_options(a)  # the layout flags' own refusals, before config.json
     if a.model and Path(a.model).is_file():
         raise KimiInputError(f"--model {a.model}: is a file; --model takes a checkpoint folder, --config a "
                              f"config.json file")
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
     # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
-    scheme = expert_scheme(cfg, ConversionRecord.of(cfg), a.experts)
-    args = dict(tp=a.tp, ep=a.ep, lnc=a.lnc, scheme=scheme, kv_slots=a.kv_slots, router_dtype=a.router_dtype,
-                context_len=a.max_context_length, moe_prefill=a.moe_prefill, layout=layout)
+    spec = run_spec(a, cfg, ConversionRecord.of(cfg), checkpoint=a.model)
+    model = dict(kv_slots=a.kv_slots, router_dtype=a.router_dtype)
     if a.max_batch:
-        p = max_batch(cfg, seq_len=a.seq_len, **args)
+        p = max_batch(cfg, spec, **model)
         found = p.batch if p.fits else None
         print(plan_json(p, max_batch=found) if a.json else f"{_max_batch_line(p, found)}\n{format_plan(p)}")
         return 0 if p.fits else 1
-    args["batch"] = 1 if a.batch is None else a.batch
     if not a.max_seq_len:
-        p = plan(cfg, seq_len=a.seq_len, **args)
+        p = plan(cfg, spec, **model)
         print(plan_json(p) if a.json else format_plan(p))
         return 0 if p.fits else 1
-    p = max_seq_len(cfg, **args)
+    p = max_seq_len(cfg, spec, **model)
     found = p.seq_len if p.fits else None
     print(plan_json(p, max_seq_len=found) if a.json else f"{_max_seq_len_line(cfg, p, found)}\n{format_plan(p)}")
     return 0 if p.fits else 1
 
 
 def _max_batch_line(p, found: int | None) -> str:
-    from .plan import GiB
+    from .neuron.fit import GiB
 
     if found is None:
         return (f"max batch: none fits at seq_len {p.seq_len} (batch {p.batch} needs {p.total_bytes / GiB:.2f} GiB); "
@@ -258,14 +256,14 @@ def _max_batch_line(p, found: int | None) -> str:
 
 
 def _max_seq_len_line(cfg, p, found: int | None) -> str:
-    from .plan import GiB
+    from .neuron.fit import GiB
 
     top = cfg.max_position_embeddings
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
     from .parallel import Layout
-    from .plan import seq_len_step
+    from .neuron.fit import seq_len_step
 
     step = seq_len_step(p)
     taken_by = "the shard-on-block kernel takes" if p.layout == Layout() else "these options take"
@@ -390,41 +388,32 @@ def _demo_parser(sub) -> None:
 
 
 def _plan_parser(sub) -> None:
-    from .neuron import moe_paths
-
     s = _command(sub, "plan", "will it fit? HBM per logical core on trn2.48xlarge, roofline TPOT bound (exit 0 fits, "
                               "1 does not)", cmd_plan)
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
-    s.add_argument("--tp", type=integer(1), required=True, help="tensor-parallel degree (ranks = logical cores used)")
-    s.add_argument("--ep", type=integer(1), default=1, help="expert parallelism inside the tp ranks: experts split ep "
-                                                            "ways, each expert tp/ep ways (NxDI moe_ep_degree)")
-    s.add_argument("--lnc", type=integer(1), default=2, help="physical cores per logical core (default: 2, trn2's)")
+    add_spec_args(s, "parallel")
     seq = s.add_mutually_exclusive_group(required=True)
-    seq.add_argument("--seq-len", type=integer(1), help="KV cache length (prompt + generated tokens)")
+    add_spec_args(seq, "--seq-len", seq_len=dict(default=None, help="KV cache length (prompt + generated tokens)"))
     seq.add_argument("--max-seq-len", action="store_true",
                      help="search the largest seq_len that fits (up to max_position_embeddings) and plan it; "
                           "--json adds max_seq_len (null if none fits)")
-    s.add_argument("--max-context-length", type=integer(1), default=None,
-                   help="prefill bucket, tokens per sequence in one prefill (default: seq_len)")
-    s.add_argument("--batch", type=integer(1), default=None, help="sequences decoded together (default 1)")
+    add_spec_args(s, "--max-context-length", "--batch", batch=dict(default=None,
+                                                                     help="sequences decoded together (default 1)"))
     s.add_argument("--max-batch", action="store_true",
                    help="search the largest batch that fits at --seq-len and plan it; --json adds max_batch (null if "
                         "none fits)")
-    s.add_argument("--experts", choices=EXPERT_FORMATS, default=None,
-                   help="routed-expert storage on device (default: what a converted --model holds, which is the only "
-                        f"value accepted for it; else {DEFAULT_SCHEME}, as scripts/compile_and_save.py)")
-    s.add_argument("--moe-prefill", choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
-                   help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill: "
-                        + moe_paths.modes_help())
+    add_spec_args(s, "experts", "moe", experts=dict(
+        choices=EXPERT_FORMATS, help="routed-expert storage on device (default: what a converted --model holds, which "
+                                     f"is the only value accepted for it; else {DEFAULT_SCHEME}, as "
+                                     "scripts/compile_and_save.py)"))
     s.add_argument("--kv-slots", type=integer(1), default=1,
                    help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
                         "same-width dead V slot")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
-    add_kv_layout_args(s)
-    add_weight_sharding_args(s)
+    add_spec_args(s, "layout")
     s.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -5,6 +5,7 @@ Imports neither the SDK nor torch until start(), so every script answers --help 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -49,7 +50,8 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         from .nxdi_cpu.options import check_layout
 
         check_layout_flags(args)
-        check_layout(cpu_options(args))
+        o = cpu_options(args)
+        check_layout(o, o.config)
         return
     if not args.compiled:
         raise KimiInputError("--compiled: required (or --cpu with --model)")
@@ -78,16 +80,38 @@ def check_layout_flags(args: argparse.Namespace) -> None:
             raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
 
 
-def cpu_options(args: argparse.Namespace, one_rank_group: bool = False):
+def run_spec(args: argparse.Namespace, cfg=None, record=None, **fixed):
+    """The RunSpec the run-spec flags a command has ask for (arguments.add_spec_args; absent ones are the spec's
+    defaults). With `cfg`, the routed experts' format: a converted checkpoint's (`record`), else --experts or what
+    convert writes. `fixed`: fields the command decides itself."""
+    from .neuron.spec import RunSpec, Sampling
+
+    given = vars(args)
+    kw = {f: given[f] for f in ("tp", "ep", "lnc", "seq_len", "max_context_length", "batch", "moe_prefill",
+                                "output_logits") if given.get(f) is not None}
+    if "global_topk" in given or "no_on_device_sampling" in given:
+        kw["sampling"] = Sampling(on_device=not given.get("no_on_device_sampling", False),
+                                  global_topk=given.get("global_topk", Sampling.global_topk))
+    if cfg is not None and "experts" in given:
+        from .formats.record import expert_scheme
+
+        kw["scheme"] = expert_scheme(cfg, record, args.experts)
+    return RunSpec(**{**kw, "layout": layout_options(args), **fixed})
+
+
+def cpu_options(args: argparse.Namespace, one_rank_group: bool = False, cfg=None):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
     kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK.
-    one_rank_group: --kv-shard sequence at one rank is NxDI's flash-decoding graph at a group of 1 (trace-cpu)."""
+    one_rank_group: --kv-shard sequence at one rank is NxDI's flash-decoding graph at a group of 1 (trace-cpu).
+    `cfg`: --model's config.json as the caller read it (else read when checked)."""
+    from .neuron.spec import RunSpec
     from .nxdi_cpu.options import CpuOptions
 
     one_rank = one_rank_group and getattr(args, "kv_shard", "none") == "sequence" and kv_group_of(args, True) == 1
-    return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
-                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
-                      layout=layout_options(args, one_rank_group), flash_decoding_one_rank=one_rank)
+    spec = RunSpec(tp=args.tp, ep=getattr(args, "ep", 1), lnc=None, moe_prefill=None,
+                   layout=layout_options(args, one_rank_group))
+    return CpuOptions(model=args.model, spec=spec, experts=args.experts, dtype=getattr(args, "dtype", "float32"),
+                      cache_dir=str(cache_dir() / "converted"), flash_decoding_one_rank=one_rank, config=cfg)
 
 
 def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
@@ -120,17 +144,17 @@ def cpu_backend(flag: str = "--cpu"):
 
 
 def cpu_generate(args: argparse.Namespace, rows: list[list[int]], stop_ids, tokenizer_dir: str | None,
-                 stream=None, flag: str = "--cpu") -> list[list[int]]:
-    """New tokens per row from nxdi_cpu.backend.generate, refused before the SDK is imported where the flags say."""
-    from .neuron import contract
+                 stream=None, flag: str = "--cpu", cfg=None) -> list[list[int]]:
+    """New tokens per row from nxdi_cpu.backend.generate, refused before the SDK is imported where the flags say.
+    `cfg`: --model's config.json as the caller read it."""
+    from .neuron.spec import Sampling
     from .nxdi_cpu.options import Generation, check_request
 
-    temperature, top_k, top_p = sampling_values(args)
     g = Generation(rows=rows, stop_ids=tuple(sorted(stop_ids)), max_new_tokens=args.max_new_tokens,
-                   **contract.sampler_settings(temperature, top_k, top_p), seed=args.seed, stop=tuple(args.stop),
+                   sampling=Sampling.of(*sampling_values(args)), seed=args.seed, stop=tuple(args.stop),
                    tokenizer_dir=tokenizer_dir)
-    o = cpu_options(args)
-    check_request(o, g.seq_len, len(g.rows), g.sampling, g.rows)
+    o = cpu_options(args, cfg=cfg)
+    o = dataclasses.replace(o, config=check_request(o, g.seq_len, len(g.rows), g.sampling, g.rows, cfg=o.config))
     tokens, paths = cpu_backend(flag).generate(o, g, stream)
     print(paths, file=sys.stderr)
     return tokens
@@ -208,5 +232,5 @@ def sdk_missing(e: ImportError) -> int:
 
 
 __all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "check_host_resources", "cpu_backend",
-           "cpu_generate", "cpu_options", "host_memory_available", "script_parser", "sdk_missing", "set_fp8_env",
-           "start"]
+           "cpu_generate", "cpu_options", "host_memory_available", "run_spec", "script_parser", "sdk_missing",
+           "set_fp8_env", "start"]

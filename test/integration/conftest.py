@@ -28,7 +28,7 @@ PROMPT_IDS_SEED = 0
 
 def _why_not_runnable() -> str | None:
     try:
-        from kimi_k2_neuron.neuron.contract import missing_neuron_packages
+        from kimi_k2_neuron.neuron.sdk import missing_neuron_packages
     except ImportError as e:  # the package import itself names the missing SDK packages
         return str(e)
     missing = missing_neuron_packages()
@@ -85,8 +85,8 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
     from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.formats.record import ConversionRecord
-    from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.neuron.serving import compile_model
+    from kimi_k2_neuron.neuron.spec import RunSpec
 
     raw = make_tiny(root / "tiny-fp8", quant="fp8")
     checkpoint = root / "tiny-neuron"
@@ -95,10 +95,10 @@ def _compile_mini(root: Path) -> tuple[Path, Path]:
     lnc = int(os.environ["KIMI_K2_MINI_LNC"]) if os.environ.get("KIMI_K2_MINI_LNC") else None  # None: platform's
     # --moe-prefill torch: the tiny model's hidden size is below NxD's prefill kernels' (moe_paths)
     cfg = KimiK2Config.from_file(checkpoint)
-    options = contract.ServeOptions(tp=tp, lnc=lnc, seq_len=128, max_context_length=64, batch=2,
-                                    scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(checkpoint),
-                                    output_logits=True, moe_prefill="torch")
-    compile_model(cfg, checkpoint, root / "compiled", options)
+    spec = RunSpec(tp=tp, lnc=lnc, seq_len=128, max_context_length=64, batch=2,
+                   scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(checkpoint), output_logits=True,
+                   moe_prefill="torch")
+    compile_model(cfg, checkpoint, root / "compiled", spec)
     return root / "compiled", checkpoint
 
 

@@ -99,12 +99,12 @@ def _degenerate(ids: list[int]) -> bool:
 def test_coherence(served):
     if served.mini:
         pytest.skip("the mini model has random weights")
-    from kimi_k2_neuron.neuron.serving import generate
+    from kimi_k2_neuron.neuron.serving import Decoding, generate
 
     batch = served.app.neuron_config.max_batch_size
     for i in range(0, len(COHERENCE), batch):
         chunk = COHERENCE[i:i + batch]
-        rows = generate(served.app, served.tokenizer, [q for q, _ in chunk], served.cfg, max_new_tokens=48)
+        rows = generate(served.app, served.tokenizer, [q for q, _ in chunk], Decoding(max_new_tokens=48))
         for (question, answer), ids in zip(chunk, rows):
             text = served.tokenizer.decode(ids, skip_special=True)
             print(f"{question!r} -> {text!r}")
@@ -140,7 +140,7 @@ def test_needle_in_a_long_prompt(served):
     it and the reply (else skipped, saying what to compile)."""
     if served.mini:
         pytest.skip("the mini model has random weights")
-    from kimi_k2_neuron.neuron.serving import generate_ids
+    from kimi_k2_neuron.neuron.serving import Decoding, generate_ids
     from kimi_k2_neuron.runtime.chat import prompt_ids, reply_text
 
     nc, tok = served.app.neuron_config, served.tokenizer
@@ -149,7 +149,8 @@ def test_needle_in_a_long_prompt(served):
         pytest.skip(f"the needle prompt is {len(row)} tokens + {NEEDLE_NEW_TOKENS} new; compiled with a prefill "
                     f"bucket of {nc.max_context_length} and seq_len {nc.seq_len} (compile with --seq-len >= "
                     f"{len(row) + NEEDLE_NEW_TOKENS})")
-    (ids,) = generate_ids(served.app, [row], tok.stop_ids(served.cfg.eos_token_ids), max_new_tokens=NEEDLE_NEW_TOKENS)
+    (ids,) = generate_ids(served.app, [row], tok.stop_ids(served.cfg.eos_token_ids),
+                          Decoding(max_new_tokens=NEEDLE_NEW_TOKENS))
     text = reply_text(tok, ids)
     print(f"needle at {len(row)} prompt tokens -> {text!r}")
     assert NEEDLE.lower() in text.lower(), f"{len(row)}-token prompt -> {text!r}"

@@ -29,6 +29,20 @@ def oracle_logits(model_dir: Path, rows, prefill_len, bf16_non_experts: bool, tm
     return [got[f"row{i}"] for i in range(len(rows))]
 
 
+# CpuOptions' own fields; the rest are its RunSpec's (as the flags build it: NxDI's LNC, the prefill mode the shapes
+# allow)
+CPU_OWN = ("experts", "dtype", "cache_dir", "presharded", "flash_decoding_one_rank")
+
+
+def cpu_options(model, **fields):
+    """nxdi_cpu.options.CpuOptions of `model` with these fields, its own or its spec's."""
+    from kimi_k2_neuron.neuron.spec import RunSpec
+    from kimi_k2_neuron.nxdi_cpu.options import CpuOptions
+
+    own = {k: fields.pop(k) for k in CPU_OWN if k in fields}
+    return CpuOptions(model=str(model), spec=RunSpec(lnc=None, moe_prefill=None, **fields), **own)
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
@@ -38,5 +52,5 @@ def replicated_run(model: str, job, rows, prefill, out_dir: Path):
     caches are compared with; the job saves its cache to out_dir/rank0.safetensors -> (its result, that cache)."""
     from kimi_k2_neuron.nxdi_cpu import backend  # NxD/NxDI at import: only where a test runs the model
 
-    o = backend.prepare(backend.CpuOptions(model=model), max(map(len, rows)), len(rows))
+    o = backend.prepare(cpu_options(model), max(map(len, rows)), len(rows))
     return backend.run(o, job, rows, prefill, str(out_dir)), load_file(Path(out_dir) / "rank0.safetensors")

@@ -180,11 +180,11 @@ def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
     Sampler runs NxD's distributed top-k over the TP group), with output_logits to read the gathered logits too.
     NxD's and NxDI's device-only ops in that path are replaced in this process (_replace_device_only_sampling_ops,
     test code). -> ((sampled tokens, logits) per step, lm_head gathers?, the sampler's class)."""
+    from kimi_k2_neuron.neuron.spec import GREEDY
     from kimi_k2_neuron.nxdi_cpu import backend
 
     _replace_device_only_sampling_ops()
-    greedy = {"do_sample": False, "top_k": 1, "top_p": 1.0, "temperature": 1.0}  # ServeOptions' defaults
-    app = backend.application(o, max(map(len, rows)) + steps, len(rows), greedy, on_cpu=False).to_cpu()
+    app = backend.application(o, max(map(len, rows)) + steps, len(rows), GREEDY, on_cpu=False).to_cpu()
     lm_head = app.context_encoding_model.model.lm_head
     ids, mask, pos = backend.padded_prefill(rows, [len(r) for r in rows])
     seq_ids = torch.arange(len(rows))

@@ -26,9 +26,10 @@ from unittest import mock
 import pytest
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
-from nxdi_support import oracle_logits, rel_err
+from nxdi_support import cpu_options, oracle_logits, rel_err
 from safetensors import safe_open
 
+from kimi_k2_neuron.neuron.spec import Sampling
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.runtime.runner import CpuRunner
@@ -50,7 +51,7 @@ def apps(converted):
     def get(q, scheme, dtype="float32"):
         key = (q, scheme, dtype)
         if key not in cache:
-            o = backend.CpuOptions(model=str(converted[(q, scheme)]), dtype=dtype)
+            o = cpu_options(model=str(converted[(q, scheme)]), dtype=dtype)
             cache[key] = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
         return cache[key]
     return get
@@ -119,7 +120,7 @@ def test_continuous_batching_writes_each_sequence_into_its_seq_ids_cache_line(ap
     seq_id as they are. Every logit equals the batch run's (teacher_forced_logits, both rows prefilled together).
     Padding rows write into the free lines they stand for, which each position's own write precedes every read of."""
     want = backend.teacher_forced_logits(apps("fp8", scheme), ROWS, PREFILL)
-    o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), continuous_batching=True)
+    o = cpu_options(model=str(converted[("fp8", scheme)]), continuous_batching=True)
     app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
     assert app.neuron_config.is_continuous_batching and app.context_encoding_model.config.neuron_config.batch_size == 1
     got = {}
@@ -173,7 +174,7 @@ CASES = {
 def test_reported_paths_are_the_paths_nxd_takes(converted, name):
     rows, prefill, want = CASES[name]
     ckpt = converted[("fp8", "fp8-blockwise")]
-    app = backend.build(backend.CpuOptions(model=str(ckpt)), seq_len=max(map(len, rows)), batch=len(rows))
+    app = backend.build(cpu_options(model=str(ckpt)), seq_len=max(map(len, rows)), batch=len(rows))
     paths = backend.MoEPaths(app)
     called = {}
     owner = {id(m): w.tag for w in app.models for m in w.model.modules() if isinstance(m, ExpertMLPsV2)}
@@ -205,13 +206,14 @@ NEW = 5
 
 @pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling-top_k-1"])
 def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
-    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
-    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, do_sample=do_sample, top_k=1, seed=3)
+    o = cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
+    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, sampling=Sampling(do_sample=do_sample),
+                           seed=3)
     new, report = backend.generate(o, g)
     assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
     assert [len(r) for r in new] == [NEW, NEW]
     full = [p + n for p, n in zip(PROMPTS, new)]
-    logits, _ = backend.logits(backend.CpuOptions(model=o.model), full, prefill_len=None)
+    logits, _ = backend.logits(cpu_options(model=o.model), full, prefill_len=None)
     for r, (p, n) in enumerate(zip(PROMPTS, new)):
         assert logits[r, len(p) - 1:len(p) - 1 + NEW].argmax(-1).tolist() == n, f"row {r}"
 
@@ -229,7 +231,7 @@ def _close(a, b):
 
 @pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])
 def test_tp2_equals_tp1(converted, scheme):
-    o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2)
+    o = cpu_options(model=str(converted[("fp8", scheme)]), tp=2)
     got, report = backend.logits(o, ROWS, PREFILL)
     _close(got, _tp1(o))
     assert "context_encoding_model: all-experts" in report and "token_generation_model: selective" in report
@@ -241,9 +243,10 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
-backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2])), sys.argv[3], int(sys.argv[4]),
-                 int(sys.argv[5]))
+backend.preshard(backend.CpuOptions(model=sys.argv[1], spec=RunSpec(tp=int(sys.argv[2]), lnc=None, moe_prefill=None)),
+                 sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
 
 
@@ -273,17 +276,17 @@ def test_presharded_ranks_give_the_tp1_logits(converted, tmp_path, scheme, tp):
     assert sorted(p.name for p in weights.iterdir()) == [f"tp{i}_sharded_checkpoint.safetensors" for i in range(tp)]
     for rank in range(tp):
         assert _scale_shapes(weights, rank) == SCALES[(scheme, tp)]
-    o = backend.CpuOptions(model=str(ckpt), tp=tp, presharded=str(weights))
+    o = cpu_options(model=str(ckpt), tp=tp, presharded=str(weights))
     _close(backend.logits(o, ROWS, PREFILL)[0], _tp1(o))
 
 
 def test_expert_parallelism_is_refused_on_cpu_with_the_reason(converted):
-    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, ep=2)
+    o = cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, ep=2)
     with pytest.raises(KimiInputError, match="XLA process group's _mesh"):
         backend.logits(o, ROWS, PREFILL)
 
 
 def test_bfloat16_over_gloo_is_refused(converted):
-    o = backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, dtype="bfloat16")
+    o = cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=2, dtype="bfloat16")
     with pytest.raises(KimiInputError, match="gloo has no bfloat16"):
         backend.logits(o, ROWS, PREFILL)

@@ -30,11 +30,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from nxdi_support import rel_err, replicated_run
+from nxdi_support import cpu_options, rel_err, replicated_run
 from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout, stripe
 from kimi_k2_neuron.runtime.runner import CpuRunner
@@ -66,7 +67,7 @@ def prefill_job(rank, o, rows, prefill):
 
 
 def run(ckpt, rows, prefill=None, tp=1, chunk=N):
-    o = backend.CpuOptions(model=ckpt, tp=tp, layout=Layout(prefill_chunk=chunk))
+    o = cpu_options(model=ckpt, tp=tp, layout=Layout(prefill_chunk=chunk))
     return backend.run(backend.prepare(o, max(map(len, rows)), len(rows)), prefill_job, rows, prefill)
 
 
@@ -136,19 +137,18 @@ def test_trace_cpu_traces_the_sequence_sharded_graphs_clean_at_one_rank(ckpt, en
 
 
 def test_async_mode_is_refused_with_chunks(ckpt):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 1)
+    o = backend.prepare(cpu_options(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 1)
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
-    opts = contract.ServeOptions(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model,
-                                 moe_prefill="torch", layout=Layout(prefill_chunk=N),
-                                 extra={"on_cpu": True, "async_mode": True})
+    spec = RunSpec(tp=1, lnc=None, seq_len=32, scheme=o.record.scheme, checkpoint=o.model, moe_prefill="torch",
+                   layout=Layout(prefill_chunk=N), extra={"on_cpu": True, "async_mode": True})
     with pytest.raises(KimiInputError) as info:
-        KimiK2InferenceConfig.for_serving(o.config, opts)
-    assert "\n" not in str(info.value) and "prefill_chunk=8: async_mode=True" in str(info.value)
+        KimiK2InferenceConfig.for_serving(o.config, spec)
+    assert "\n" not in str(info.value) and "async_mode=True (NxDI's async path" in str(info.value)
 
 
 def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
-    o = backend.prepare(backend.CpuOptions(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 2)
+    o = backend.prepare(cpu_options(model=ckpt, layout=Layout(prefill_chunk=N)), 32, 2)
     app = backend.application(o, 32, 2)
     assert [m.tag for m in app.models][-1] == "chunked_prefill_model"
     chunk_nc = app.chunked_prefill_model.neuron_config
@@ -177,10 +177,10 @@ def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False)
 
     app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
     calls = []
-    if o.layout.prefill_chunk:
+    if o.spec.layout.prefill_chunk:
         app.chunked_prefill_model.model.register_forward_pre_hook(lambda *_: calls.append(1))
     if attend_every_chunk_entry:
-        g, r = o.layout.kv_group, rank % o.layout.kv_group
+        g, r = o.spec.layout.kv_group, rank % o.spec.layout.kv_group
         for layer in app.chunked_prefill_model.model.layers:
             layer.flash_decoding = False  # no owner filter in the chunk branch
         write = cp.write_rows
@@ -202,7 +202,7 @@ def one_shot(per_channel, tmp_path_factory):
 
 
 def run_sharded(ckpt, tp, g, out_dir, mutate=False):
-    o = backend.CpuOptions(model=ckpt, tp=tp, layout=Layout(kv_group=g, prefill_chunk=N))
+    o = cpu_options(model=ckpt, tp=tp, layout=Layout(kv_group=g, prefill_chunk=N))
     o = backend.prepare(o, max(map(len, LONG)), len(LONG))
     return o, backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out_dir), mutate)
 
@@ -215,7 +215,7 @@ def test_chunks_over_the_sharded_cache_give_the_one_shot_logits_and_cache(per_ch
     assert calls == 2 + 2  # rows of 23 and 21 prompt tokens: 2 chunks after the CTE's each
     for r, row in enumerate(LONG):
         assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r}"
-    slots = contract.cache_slots(backend.padded_seq_len(o, max(map(len, LONG))), o.layout)
+    slots = backend.request_spec(o, max(map(len, LONG)), len(LONG)).cache_slots
     for rank in range(tp):
         cache = load_file(Path(tmp_path) / f"rank{rank}.safetensors")
         for layer, name in enumerate(sorted(full, key=lambda k: int(k[1:]))):
@@ -239,7 +239,7 @@ def test_counting_every_chunk_entry_on_every_rank_is_caught(per_channel, one_sho
 
 def test_generation_with_chunks_over_the_sharded_cache_gives_the_core_runners_tokens(ckpt):
     g = backend.Generation(rows=RAGGED, stop_ids=(), max_new_tokens=6)
-    o = backend.CpuOptions(model=ckpt, tp=2, layout=Layout(kv_group=2, prefill_chunk=N))
+    o = cpu_options(model=ckpt, tp=2, layout=Layout(kv_group=2, prefill_chunk=N))
     tokens, report = backend.generate(o, g)
     runner = CpuRunner(ckpt)
     assert tokens == [runner.generate([row], 6, stop_ids=set()).tokens[0] for row in RAGGED]

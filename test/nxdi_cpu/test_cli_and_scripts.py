@@ -250,3 +250,35 @@ def test_compile_dry_run_prints_the_neuron_config_and_touches_nothing(tmp_path, 
     assert got["plan"]["fits"] and got["converted"] is False
     assert not (tmp_path / "out").exists() and not any("-neuron-" in p.name for p in tmp_path.iterdir())
     assert [p.name for p in model.iterdir()] == ["config.json"]
+
+
+SITECUSTOMIZE = '''
+import os, sys
+_target, _log = os.environ["KIMI_K2_COUNT_OPENS"].split(os.pathsep)
+
+
+def _hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        if os.path.realpath(os.fsdecode(args[0])) == _target:
+            with open(_log, "a") as f:
+                f.write(f"{os.getpid()}\\n")
+
+
+sys.addaudithook(_hook)
+'''
+
+
+def test_one_logits_request_reads_config_json_once(converted, env, tmp_path):
+    """The command, its checks, the conversion record and the ranks' builds share one read of config.json: each
+    process opens it at most once, and the ranks (spawned, TP=2) not at all (they get the parsed config)."""
+    ckpt = converted[("fp8", "fp8-blockwise")]
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    log = tmp_path / "opens.log"
+    run_env = {**env, "PYTHONPATH": f"{tmp_path / 'hook'}:{env.get('PYTHONPATH', '')}",
+               "KIMI_K2_COUNT_OPENS": f"{(ckpt / 'config.json').resolve()}:{log}"}
+    r = _run(["logits", "--backend", "nxdi-cpu", "--tp", "2", "--model", str(ckpt), "--input-ids", "5,17,300,42",
+              "--out", str(tmp_path / "l.safetensors")], run_env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pids = log.read_text().split()
+    assert len(pids) == 1, pids  # the command's own process, once

@@ -20,12 +20,13 @@ import sys
 
 import pytest
 import torch
-from nxdi_support import oracle_logits, rel_err, replicated_run
+from nxdi_support import cpu_options, oracle_logits, rel_err, replicated_run
 from safetensors.torch import load_file, save_file
 from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; importing it also enables the sync log)
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
+from kimi_k2_neuron.neuron.spec import FD_RESERVED_SLOTS, RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.runner import CpuRunner
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.fp8_selective_cpu
 def _dump_job(rank: int, o, rows, prefill, out_dir: str):
     """backend._logits_job, plus this rank's cache buffers as the model holds them."""
     app = backend.build(o, seq_len=max(len(r) for r in rows), batch=len(rows))
-    logits = (_one_row_prefills if o.continuous_batching else backend.teacher_forced_logits)(app, rows, prefill)
+    logits = (_one_row_prefills if o.spec.continuous_batching else backend.teacher_forced_logits)(app, rows, prefill)
     mgr = app.token_generation_model.model.kv_mgr
     rank_util = app.token_generation_model.model.rank_util.get_rank()
     cache = {f"kv{i}": t.data.clone() for i, t in enumerate(mgr.past_key_values)}
@@ -86,7 +87,7 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
     """cb: NxDI's continuous batching, each row's prefill written at its seq_id (the flash-decoding CTE write at a
     cache line, NXDI_CONTRACT.md: fd-cte-filter)."""
     want, full = replicated
-    o = backend.CpuOptions(model=per_channel, tp=tp, layout=Layout(kv_group=g), continuous_batching=cb)
+    o = cpu_options(model=per_channel, tp=tp, layout=Layout(kv_group=g), continuous_batching=cb)
     o = backend.prepare(o, max(map(len, ROWS)), len(ROWS))
     got = backend.run(o, _dump_job, ROWS, PREFILL, str(tmp_path))
     for r, (row, k) in enumerate(zip(ROWS, PREFILL)):
@@ -94,8 +95,8 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
         assert int(computed.sum()) == (len(row) - k + 1 if cb else len(row))
         assert rel_err(got[r, :len(row)][computed], want[r, :len(row)][computed]) < 1e-4, f"row {r}"
     seq_len = backend.padded_seq_len(o, max(map(len, ROWS)))
-    slots = contract.cache_slots(seq_len, Layout(kv_group=g))
-    assert slots == seq_len // g + contract.FD_RESERVED_SLOTS
+    slots = RunSpec(seq_len=seq_len, layout=Layout(kv_group=g)).cache_slots
+    assert slots == seq_len // g + FD_RESERVED_SLOTS
     latent = full["kv0"].shape[-1]
     for rank in range(tp):
         cache = load_file(tmp_path / f"rank{rank}.safetensors")
@@ -116,7 +117,7 @@ def test_the_sharded_cache_gives_the_replicated_logits_and_holds_every_gth_posit
 def test_the_sharded_cache_matches_transformers_on_an_exact_conversion(converted, tiny, tmp_path):
     """INT4 -> fp8-blockwise is lossless (test_backend.py's exact conversion): TP=2, G=2 against transformers'
     DeepseekV3 within 1e-3 of max |logit|."""
-    o = backend.CpuOptions(model=str(converted[("int4", "fp8-blockwise")]), tp=2,
+    o = cpu_options(model=str(converted[("int4", "fp8-blockwise")]), tp=2,
                            layout=Layout(kv_group=2))
     got, _ = backend.logits(o, ROWS, 7)
     for r, want in enumerate(oracle_logits(tiny["int4"], ROWS, 7, bf16_non_experts=True, tmp_path=tmp_path)):
@@ -149,7 +150,7 @@ def test_the_flash_decoding_graphs_trace_clean_at_one_rank(per_channel, torch_fi
     SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
     masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
     what it would take."""
-    o = backend.CpuOptions(model=per_channel, dtype="float32", layout=Layout(prefill_chunk=chunk),
+    o = cpu_options(model=per_channel, dtype="float32", layout=Layout(prefill_chunk=chunk),
                            flash_decoding_one_rank=True)
     r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
     assert r.stopped is None and r.clean, r.format()
@@ -166,7 +167,7 @@ def _serving(ckpt, kv_group=4, seq_len=64):
     opts = dict(tp=4, lnc=None, seq_len=seq_len, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
                 moe_prefill="torch", layout=Layout(kv_group=kv_group),
                 extra={"on_cpu": True, "torch_dtype": torch.float32})
-    return KimiK2InferenceConfig.for_serving(cfg, contract.ServeOptions(**opts))
+    return KimiK2InferenceConfig.for_serving(cfg, RunSpec(**opts))
 
 
 def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
@@ -226,7 +227,7 @@ def test_a_reloaded_kv_group_that_is_no_group_size_is_refused(per_channel, tmp_p
 ])
 def test_layouts_the_sharded_cache_cannot_run_are_refused_before_any_rank_starts(per_channel, over, needle):
     with pytest.raises(KimiInputError) as e:
-        backend.prepare(backend.CpuOptions(model=per_channel, **over), 20, 2)
+        backend.prepare(cpu_options(model=per_channel, **over), 20, 2)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
@@ -238,7 +239,7 @@ def test_a_seq_len_the_group_does_not_divide_is_refused(per_channel):
 
 
 def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(per_channel):
-    o = backend.CpuOptions(model=per_channel, tp=4, layout=Layout(kv_group=4))
+    o = cpu_options(model=per_channel, tp=4, layout=Layout(kv_group=4))
     assert [backend.padded_seq_len(o, n) for n in (17, 20, 21)] == [20, 20, 24]
     assert backend.padded_seq_len(dataclasses.replace(o, layout=Layout()), 17) == 17
 
@@ -247,7 +248,7 @@ def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_chann
     """NxDI's generation adapter and on-device sampler (greedy) over the sharded cache at TP=2: the tokens of the
     replicated cache at TP=1, prompts of different lengths."""
     g = backend.Generation(rows=[ROWS[0][:9], ROWS[1][:5]], stop_ids=(), max_new_tokens=7)
-    sharded, _ = backend.generate(backend.CpuOptions(model=per_channel, tp=2,
+    sharded, _ = backend.generate(cpu_options(model=per_channel, tp=2,
                                                      layout=Layout(kv_group=2)), g)
-    replicated, _ = backend.generate(backend.CpuOptions(model=per_channel), g)
+    replicated, _ = backend.generate(cpu_options(model=per_channel), g)
     assert sharded == replicated and [len(r) for r in sharded] == [7, 7]

@@ -13,14 +13,15 @@ import torch
 from neuronx_distributed.quantization.quantization_layers import (QuantizedExpertFusedColumnParallel,
                                                                   QuantizedExpertFusedRowParallel)
 from neuronx_distributed_inference.models.config import MoENeuronConfig
-from nxdi_support import REPO
+from nxdi_support import REPO, cpu_options
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe_paths
-from kimi_k2_neuron.neuron.loader import unloaded_parameters
+from kimi_k2_neuron.neuron.loader import expected_keys, unloaded_parameters
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout
@@ -38,7 +39,7 @@ def _config(tmp_path, name, **opts):
     src.mkdir(exist_ok=True)
     shutil.copy(REPO / "test/data/configs" / name, src / "config.json")
     cfg = KimiK2Config.from_file(src)
-    kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(scheme=BF16_EXPERTS, **opts))
+    kw = contract.neuron_config_kwargs(cfg, RunSpec(scheme=BF16_EXPERTS, **opts))
     return cfg, KimiK2InferenceConfig.from_core(cfg, MoENeuronConfig(**kw))
 
 
@@ -85,7 +86,7 @@ def test_a_reloaded_config_is_checked_again(tmp_path):
         KimiK2InferenceConfig.load(str(tmp_path / "compiled"))
 
 
-# Settings this port does not implement, set on a real MoENeuronConfig through ServeOptions.extra (the reload path is
+# Settings this port does not implement, set on a real MoENeuronConfig through RunSpec.extra (the reload path is
 # test_a_reloaded_config_is_checked_again's).
 REFUSED = [
     ({"capacity_factor": 1.0}, "capacity_factor=1.0 (drops prefill tokens"),
@@ -138,9 +139,8 @@ def test_compiler_args_are_nxdis_own_plus_flags_nxdis_own_models_use(converted, 
 
     ckpt = converted[("fp8", "fp8-blockwise")]
     cfg = KimiK2Config.from_file(ckpt)
-    opts = contract.ServeOptions(tp=1, seq_len=16, scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(ckpt),
-                                 moe_prefill="torch",
-                                 extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
+    opts = RunSpec(tp=1, seq_len=16, scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(ckpt), moe_prefill="torch",
+                   extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
     app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.for_serving(cfg, opts))
     models = Path(neuronx_distributed_inference.__file__).parent / "models"
     nxdi_moe_models = [(models / m).read_text() for m in ("mixtral/modeling_mixtral.py", "dbrx/modeling_dbrx.py",
@@ -225,13 +225,13 @@ def test_decode_masks_are_the_cached_prefix_plus_the_current_token():
 
 
 def test_the_planners_sharded_cache_slots_are_nxdis_get_cache_size():
-    """contract.cache_slots (the planner's KV row) against NxDI's flash-decoding cache size per rank (NXDI_CONTRACT.md:
+    """RunSpec.cache_slots (the planner's KV row) against NxDI's flash-decoding cache size per rank (NXDI_CONTRACT.md:
     fd-cache-size), the cache manager's call; NxDI refuses what check_layout refuses, a length G does not divide."""
     from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
 
     for seq_len, group in ((262144, 64), (131072, 64), (1024, 64), (262144, 16), (4096, 8), (16, 2)):
-        assert contract.cache_slots(seq_len, Layout(kv_group=group)) == get_cache_size(seq_len, group)
-    assert contract.cache_slots(1000, Layout()) == 1000  # replicated: every position on every rank
+        assert RunSpec(seq_len=seq_len, layout=Layout(kv_group=group)).cache_slots == get_cache_size(seq_len, group)
+    assert RunSpec(seq_len=1000).cache_slots == 1000  # replicated: every position on every rank
     with pytest.raises(Exception):
         get_cache_size(1000, 64)
 
@@ -241,7 +241,7 @@ def test_the_planners_sharded_cache_slots_are_nxdis_get_cache_size():
 @pytest.fixture(scope="module")
 def bf16_app(converted):
     """bfloat16 at TP=1, the device dtype: NxDI's own to_cpu would cast the float32 router to bf16 here."""
-    return backend.build(backend.CpuOptions(model=str(converted[("fp8", "fp8-blockwise")]), dtype="bfloat16"), 16, 2)
+    return backend.build(cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), dtype="bfloat16"), 16, 2)
 
 
 def _moe_layer(model):
@@ -296,7 +296,7 @@ def test_our_reading_of_the_converted_experts_is_nxds(converted, scheme):
     expert layers themselves: an identity input through the loaded layer gives its dequantized weight [E, in, out]."""
     from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
 
-    app = backend.build(backend.CpuOptions(model=str(converted[("fp8", scheme)])), 8, 1)
+    app = backend.build(cpu_options(model=str(converted[("fp8", scheme)])), 8, 1)
     op = _moe_layer(app.token_generation_model.model).expert_mlps.mlp_op
     for proj in (op.gate_up_proj, op.down_proj):
         e, n_in = proj.weight.shape[0], proj.weight.shape[1]
@@ -313,10 +313,10 @@ def test_the_loader_delivers_exactly_the_models_tensors(converted, scheme):
     from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.runtime.runner import CpuRunner
 
-    app = backend.application(backend.CpuOptions(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
+    app = backend.application(cpu_options(model=str(converted[("fp8", scheme)]), tp=2), 8, 1)
     state = app.checkpoint_loader_fn()
     cfg = app.config.core_config()
-    assert set(state) == contract.expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
+    assert set(state) == expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
     core = CpuRunner(converted[("fp8", scheme)]).model
     layer = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
     assert state[f"layers.{layer}.mlp.router.weight"].dtype == torch.float32
@@ -329,7 +329,7 @@ def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
     from kimi_k2_neuron.formats import layout
 
     path = str(converted[("fp8", "fp8-blockwise")])
-    o = backend.CpuOptions(model=path, tp=2, layout=Layout(shard_attn_a=True, shard_router=True))
+    o = cpu_options(model=path, tp=2, layout=Layout(shard_attn_a=True, shard_router=True))
     app = backend.application(o, 8, 1)
     want = app.checkpoint_loader_fn()
     got = type(app).get_state_dict(path, app.config)
@@ -343,7 +343,7 @@ def test_nxdis_default_state_dict_path_gives_the_loaders_tensors(converted):
 
 def test_the_loader_refuses_a_checkpoint_converted_for_another_scheme(converted):
     """Its scales have another shape than the NeuronConfig's scheme gives them: named, with both shapes."""
-    app = backend.application(backend.CpuOptions(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
+    app = backend.application(cpu_options(model=str(converted[("fp8", "fp8-per-channel")])), 8, 1)
     app.neuron_config.quantized_checkpoints_path = str(converted[("fp8", "fp8-blockwise")])
     with pytest.raises(KimiInputError, match=r"_proj.scale has shape \[.*\], expected \["):
         app.checkpoint_loader_fn()
@@ -415,7 +415,7 @@ def _kv_seam_rank(rank: int, tp: int, g: int, out_dir: str) -> None:
 @pytest.mark.parametrize("g", [4, 2])
 def test_the_kv_group_seam_through_nxds_collectives_is_the_cores(tmp_path, g):
     """NxDParallelContext's KV-group collectives (NxD's _gather_along_dim, _reduce with max and
-    _reduce_scatter_along_dim over the group initialize_kv_group makes; NXDI_CONTRACT.md: cpu-collectives) at TP=4,
+    _reduce_scatter_along_dim over the group initialize_kv_group makes; NXDI_CONTRACT.md: kv-collectives) at TP=4,
     one group of 4 and two groups of 2, give the core seam's results (its sharded attention is checked against
     transformers in test/unit/test_tp.py), its kv_rank from an SPMDRank loaded as the model's is the core's rank in
     its group, and attend_sharded through either seam gives the same output. The model uses it with --kv-shard

@@ -25,7 +25,7 @@ import os
 
 import pytest
 import torch
-from nxdi_support import REPO, rel_err
+from nxdi_support import REPO, cpu_options, rel_err
 from real_shapes import (NxdCalls, ShardOnBlockEntry, device_sampler_greedy, logits_and_calls,
                          shard_on_block_problems)
 
@@ -77,7 +77,7 @@ def test_the_rank_slice_is_one_real_rank(rank_slices):
 def test_the_recommended_mode_is_nxds_shard_on_block_kernel_config(rank_slices):
     """The CPU harness builds the trn2 NeuronConfig at these shapes, and NxD parses its blockwise keys into the flags
     that select the shard-on-block kernel (NxD's from_kwargs drops a key it does not know without a word)."""
-    app = backend.application(backend.CpuOptions(model=str(rank_slices[("fp8", 1)])), seq_len=PREFILL_TOKENS, batch=1)
+    app = backend.application(cpu_options(model=str(rank_slices[("fp8", 1)])), seq_len=PREFILL_TOKENS, batch=1)
     bmm = app.neuron_config.blockwise_matmul_config
     assert moe_paths.mode_of(bmm) == "shard-on-block"
     assert bmm.use_shard_on_block_dynamic_while is True and not bmm.use_shard_on_intermediate_dynamic_while
@@ -105,7 +105,7 @@ def _trace(rank_slices, submodel, batch, seq_len):
     from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
     from neuronx_distributed_inference.modules.kvcache import kv_cache_manager
 
-    o = backend.CpuOptions(model=str(rank_slices[("fp8", 1)]), dtype="bfloat16")
+    o = cpu_options(model=str(rank_slices[("fp8", 1)]), dtype="bfloat16")
     p = xla_trace.prepare(xla_trace.TraceOptions(o, submodel, seq_len=seq_len, batch=batch))
     kernel = ShardOnBlockEntry(NxdCalls())
     handles = [m.register_forward_pre_hook(kernel.hook) for m in p.model.modules() if isinstance(m, ExpertMLPsV2)]
@@ -185,8 +185,9 @@ def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, 
     cfg = KimiK2Config.from_file(ckpt)
     rows = _rows(batch, length, cfg.vocab_size)
     prefill = length - 3
-    o = backend.CpuOptions(model=str(ckpt), tp=2)
-    assert backend.prefill_mode(cfg, o, batch * length) == "shard-on-block"  # the trn2 NeuronConfig, not a CPU one
+    o = cpu_options(model=str(ckpt), tp=2)
+    # the trn2 NeuronConfig's mode, not a CPU one
+    assert backend.request_spec(o, length, batch).prefill_mode(cfg) == "shard-on-block"
     got, report, calls, returned = backend.run(backend.prepare(o, length, batch), logits_and_calls, rows, prefill)
     want = CpuRunner(ckpt, dtype=torch.float32).logits(rows, prefill)
     assert rel_err(got, want) < 1e-4
@@ -211,7 +212,7 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
     ckpt = rank_slices[("fp8", 2)]
     rows = _rows(2, 16, KimiK2Config.from_file(ckpt).vocab_size)
     steps = 2
-    o = backend.prepare(backend.CpuOptions(model=str(ckpt), tp=2), 16 + steps, 2)
+    o = backend.prepare(cpu_options(model=str(ckpt), tp=2), 16 + steps, 2)
     got, gathered_in_lm_head, sampler = backend.run(o, device_sampler_greedy, rows, steps)
     assert gathered_in_lm_head is False and sampler == "Sampler"
     assert len(got) == steps + 1

@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
-from nxdi_support import REPO, rel_err
+from nxdi_support import REPO, cpu_options, rel_err
 from safetensors.torch import load_file
 
 from kimi_k2_neuron.config import KimiK2Config
@@ -35,6 +35,7 @@ from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.neuron.loader import mmap_checkpoint
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.ranks import run_ranks
@@ -82,14 +83,14 @@ def _run(o: backend.CpuOptions, out_dir) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def replicated(converted, tmp_path_factory):
-    return _run(backend.CpuOptions(model=str(converted[("fp8", SCHEME)])), tmp_path_factory.mktemp("tp1"))[0]
+    return _run(cpu_options(model=str(converted[("fp8", SCHEME)])), tmp_path_factory.mktemp("tp1"))[0]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted, replicated, tmp_path, tp, option):
     ckpt = converted[("fp8", SCHEME)]
-    o = backend.CpuOptions(model=str(ckpt), tp=tp, layout=OPTIONS[option])
+    o = cpu_options(model=str(ckpt), tp=tp, layout=OPTIONS[option])
     ranks = _run(o, tmp_path / "ranks")
     cfg = KimiK2Config.from_file(ckpt)
     want = replicated["logits"]
@@ -103,7 +104,7 @@ def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted
     moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
     for rank, got in enumerate(ranks):
         for tag, weights in got["weights"].items():
-            if o.layout.shard_attn_a:
+            if o.spec.layout.shard_attn_a:
                 assert not any(f".{n}." in k for k in weights for n in layout.ATTENTION_A)
                 rows = (cfg.q_lora_rank + cfg.latent_dim) // tp
                 for i in range(cfg.num_hidden_layers):
@@ -115,12 +116,12 @@ def test_sharded_weights_give_the_replicated_logits_slices_and_experts(converted
                 assert all(weights[k].shape[0] == full for k, full in
                            zip(layout.attention_a_keys(0), (cfg.q_lora_rank, cfg.latent_dim)))
             for i in moe_layers:
-                key = layout.router_weight_key(i, linear=o.layout.shard_router)
+                key = layout.router_weight_key(i, linear=o.spec.layout.shard_router)
                 w = weights[key]
-                other = layout.router_weight_key(i, not o.layout.shard_router)
+                other = layout.router_weight_key(i, not o.spec.layout.shard_router)
                 assert w.dtype == torch.float32 and other not in weights
                 full = tensors[f"model.layers.{i}.mlp.gate.weight"]
-                if o.layout.shard_router:
+                if o.spec.layout.shard_router:
                     rows = cfg.n_routed_experts // tp
                     assert w.shape == (rows, cfg.hidden_size) == (8 // tp, 192)
                     assert torch.equal(w, full[rank * rows:(rank + 1) * rows]), (tag, i)
@@ -142,7 +143,7 @@ def test_in_bfloat16_the_router_linear_stays_float32(converted, replicated):
     """As on trn2 (bf16 at TP=1 here: gloo has no bf16): the gathered router linear keeps its float32 weight
     (cast_type "as-declared") and takes the bf16 hidden state cast up; the fused q_a|kv_a layer is bf16. A sanity
     bound against the float32 run, not parity (a near-tie routing decision may flip in bf16, as test_backend's)."""
-    o = backend.CpuOptions(model=str(converted[("fp8", SCHEME)]), dtype="bfloat16", layout=OPTIONS["both"])
+    o = cpu_options(model=str(converted[("fp8", SCHEME)]), dtype="bfloat16", layout=OPTIONS["both"])
     app = backend.build(o, seq_len=max(map(len, ROWS)), batch=len(ROWS))
     for wrapper in app.models:
         state = wrapper.model.state_dict()
@@ -161,8 +162,8 @@ def test_in_bfloat16_the_router_linear_stays_float32(converted, replicated):
 
 def _tiny_options(cfg, tp, **lay):
     """The tiny model as the CPU harness serves it (NxD's torch MoE loop, NxDI's LNC)."""
-    return contract.ServeOptions(tp=tp, lnc=None, scheme=ConversionRecord.of(cfg).scheme, seq_len=16,
-                                 checkpoint="/c", moe_prefill="torch", layout=Layout(**lay))
+    return RunSpec(tp=tp, lnc=None, scheme=ConversionRecord.of(cfg).scheme, seq_len=16, checkpoint="/c",
+                   moe_prefill="torch", layout=Layout(**lay))
 
 
 def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
@@ -222,7 +223,7 @@ def test_vllm_neuron_is_not_served_artifacts_compiled_with_the_options(converted
 
     cfg = KimiK2Config.from_file(converted[("fp8", SCHEME)])
     KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2, **layout)).save(str(tmp_path))
-    request = contract.ServingRequest(tp=2, batch=1, seq_len=16, context_length=16, dtype=torch.bfloat16)
+    request = RunSpec(tp=2, batch=1, seq_len=16, max_context_length=16)
     with pytest.raises(KimiInputError, match="a layout vllm-neuron's request cannot carry") as e:
         _check_compiled(str(tmp_path), request, KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2)))
     assert "\n" not in str(e.value) and f"compiled with {flags}, a layout" in str(e.value)
@@ -269,10 +270,12 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.nxdi_cpu import backend
-backend.preshard(backend.CpuOptions(model=sys.argv[1], tp=int(sys.argv[2]),
-                                    layout=Layout(shard_attn_a=True, shard_router=True)),
+layout = Layout(shard_attn_a=True, shard_router=True)
+backend.preshard(backend.CpuOptions(model=sys.argv[1], spec=RunSpec(tp=int(sys.argv[2]), lnc=None, moe_prefill=None,
+                                                                    layout=layout)),
                  sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
 
@@ -295,7 +298,7 @@ def test_presharded_ranks_hold_their_slices_and_give_the_replicated_logits(conve
         router = ranked[layout.router_weight_key(moe, linear=True)]
         assert router.shape == (4, 192) and router.dtype == torch.float32
         assert torch.equal(router, tensors[f"model.layers.{moe}.mlp.gate.weight"][rank * 4:(rank + 1) * 4])
-    o = backend.CpuOptions(model=str(ckpt), tp=tp, layout=OPTIONS["both"], presharded=str(tmp_path / "weights"))
+    o = cpu_options(model=str(ckpt), tp=tp, layout=OPTIONS["both"], presharded=str(tmp_path / "weights"))
     got, _ = backend.logits(o, ROWS, PREFILL)
     for r, row in enumerate(ROWS):
         assert rel_err(got[r, :len(row)], replicated["logits"][r, :len(row)]) < 1e-4, f"row {r}"

@@ -30,6 +30,8 @@ pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (..
 
 import vllm_support as vs  # noqa: E402
 
+from nxdi_support import cpu_options
+
 from kimi_k2_neuron.nxdi_cpu import backend  # noqa: E402
 from kimi_k2_neuron.runtime.chat import prompt_ids  # noqa: E402
 from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
@@ -64,7 +66,7 @@ def reference(converted):
 
     def get(scheme):
         if scheme not in got:
-            o = backend.CpuOptions(model=str(converted[("fp8", scheme)]), dtype="bfloat16")
+            o = cpu_options(model=str(converted[("fp8", scheme)]), dtype="bfloat16")
             g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=MAX_TOKENS)
             got[scheme] = backend.generate(o, g)[0]
         return got[scheme]
@@ -255,7 +257,7 @@ def test_vllm_serve_answers_chat_streamed_chat_and_tools(converted, dists, tmp_p
     tokenizer = vs.write_hf_tokenizer(model, tmp_path / "hf-tokenizer")
     stops = sorted(kimi.stop_ids([257]))  # config.json's [EOS] and <|im_end|>, as generate stops
     prompt = prompt_ids(kimi, ["Hello, Kimi!"])[0]
-    want = backend.generate(backend.CpuOptions(model=str(model), dtype="bfloat16"),
+    want = backend.generate(cpu_options(model=str(model), dtype="bfloat16"),
                             backend.Generation(rows=[prompt], stop_ids=tuple(stops), max_new_tokens=MAX_TOKENS))[0][0]
     events = tmp_path / "events.jsonl"
     server = Server(model, tokenizer, vs.child_env(dists, KIMI_K2_VLLM_EVENTS=events), tmp_path / "serve.log")

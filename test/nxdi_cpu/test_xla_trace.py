@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from nxdi_support import cpu_options
+
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
 
@@ -47,7 +49,7 @@ def torch_fill_prefix(monkeypatch):
 
 
 def _options(converted, scheme, submodel, batch, dtype="bfloat16"):
-    return xla_trace.TraceOptions(backend.CpuOptions(model=str(converted[("fp8", scheme)]), dtype=dtype), submodel,
+    return xla_trace.TraceOptions(cpu_options(model=str(converted[("fp8", scheme)]), dtype=dtype), submodel,
                                   seq_len=16, batch=batch)
 
 
@@ -123,6 +125,6 @@ def test_cli_reports_json_and_exit_code(converted):
 
 
 def test_tp_above_one_is_refused_with_the_reason(converted):
-    o = xla_trace.TraceOptions(backend.CpuOptions(model=str(converted[("fp8", SCHEMES[0])]), tp=2), "token")
+    o = xla_trace.TraceOptions(cpu_options(model=str(converted[("fp8", SCHEMES[0])]), tp=2), "token")
     with pytest.raises(KimiInputError, match="mocked torch.distributed"):
         xla_trace.trace(o)

@@ -91,13 +91,14 @@ _CPU_CLASS = None
 
 
 def cpu_class():
-    """CpuKimiK2ForCausalLM, made once (it subclasses the SDK-backed application)."""
+    """CpuKimiK2ForCausalLM, made once (it subclasses the harness's application, the product's with to_cpu)."""
     global _CPU_CLASS
     if _CPU_CLASS is not None:
         return _CPU_CLASS
-    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
+    from kimi_k2_neuron.nxdi_cpu.cpu_mode import CpuKimiK2ForCausalLM as Harness
 
-    class CpuKimiK2ForCausalLM(NeuronKimiK2ForCausalLM):
+    class CpuKimiK2ForCausalLM(Harness):
         def __init__(self, model_path, config=None, neuron_config=None):
             event("init", model_path=str(model_path), precompiled=config is None)
             if config is None:  # vllm-neuron's precompiled branch: the folder's config, run in NxD's CPU mode

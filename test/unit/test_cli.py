@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import kimi_k2_neuron
 from kimi_k2_neuron import cli
-from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron import sdk
 from kimi_k2_neuron.runtime import runner as runner_module
 from kimi_k2_neuron.runtime import tp as tp_module
 from kimi_k2_neuron.runtime.chat import chat_messages, cut_at_stop
@@ -372,7 +372,7 @@ def test_stop_string_ends_the_row_and_cuts_the_text(fp8, capsys):
     [sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu"],
 ], ids=["logits", "generate", "run_inference", "bench_tpot"])
 def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(tiny_dirs, tmp_path, cmd):
-    if not contract.missing_neuron_packages():
+    if not sdk.missing_neuron_packages():
         pytest.skip("NxD/NxDI are importable here")
     cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -21,7 +21,9 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
-from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron import contract, loader, rules, sdk
+from kimi_k2_neuron.neuron import vllm_request as vllm_request_
+from kimi_k2_neuron.neuron.spec import RunSpec, Sampling
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
 
@@ -44,9 +46,9 @@ def group(g: int) -> "Layout":
     return Layout(kv_group=g)
 
 
-def per_channel(**opts) -> "contract.ServeOptions":
-    """Serving options for a converted fp8-per-channel checkpoint."""
-    return contract.ServeOptions(**{"scheme": PER_CHANNEL, "checkpoint": "/c", **opts})
+def per_channel(**opts) -> RunSpec:
+    """A run of a converted fp8-per-channel checkpoint."""
+    return RunSpec(**{"scheme": PER_CHANNEL, "checkpoint": "/c", **opts})
 
 
 # -- the Neuron SDK ----------------------------------------------------------------------------------------------------
@@ -56,14 +58,15 @@ def per_channel(**opts) -> "contract.ServeOptions":
                                         "import kimi_k2_neuron.nxdi_cpu.backend",
                                         "import kimi_k2_neuron.neuron.serving"])
 def test_import_without_sdk_names_the_missing_packages(sdk_import):
-    if not contract.missing_neuron_packages() == [p for _, p in contract.NEURON_PACKAGES]:
+    if not sdk.missing_neuron_packages() == [p for _, p in sdk.NEURON_PACKAGES]:
         pytest.skip("some Neuron packages are importable here")
     r = subprocess.run([sys.executable, "-c", sdk_import], capture_output=True, text=True)
     assert r.returncode != 0 and "ImportError" in r.stderr
     for pip_name in ("neuronx-distributed-inference", "neuronx-distributed", "torch-neuronx"):
         assert pip_name in r.stderr
     assert "docs/nxdi_on_cpu.md" in r.stderr
-    pure = "import kimi_k2_neuron, kimi_k2_neuron.neuron.contract, kimi_k2_neuron.neuron.loader"
+    pure = ("import kimi_k2_neuron, kimi_k2_neuron.neuron.contract, kimi_k2_neuron.neuron.loader, "
+            "kimi_k2_neuron.neuron.fit, kimi_k2_neuron.neuron.vllm_request")
     ok = subprocess.run([sys.executable, "-c", pure], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
 
@@ -93,7 +96,8 @@ def test_neuron_config_kwargs_compile_the_real_batch_and_a_dropless_moe():
 
 
 def test_logits_output_and_collective_flags():
-    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, on_device_sampling=False, output_logits=True))
+    kw = contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64, sampling=Sampling(on_device=False),
+                                                                output_logits=True))
     # without on-device sampling the lm_head already gathers the vocab; output_logits would gather it again
     assert kw["output_logits"] is False and kw["disable_numeric_cc_token"] is True
 
@@ -102,7 +106,7 @@ def test_blockwise_takes_the_block_layout_from_the_converted_checkpoint():
     cfg = kimi_cfg()
     for source, block in (("fp8", [32, 32]), ("int4", [32, 1])):
         scheme = scheme_for("fp8-blockwise", source, 32)
-        kw = contract.neuron_config_kwargs(cfg, contract.ServeOptions(tp=64, scheme=scheme, checkpoint="/c"))
+        kw = contract.neuron_config_kwargs(cfg, RunSpec(tp=64, scheme=scheme, checkpoint="/c"))
         assert kw["quantization_block_axis"] == [1, 2] and kw["quantization_block_size"] == block
         assert kw["quantization_scale_dtype"] == "f32"
         assert "valid_moe_tp_degrees" not in kw  # the scheme's, not a NeuronConfig field
@@ -195,25 +199,35 @@ def test_the_sequence_sharded_cache_is_nxdis_flash_decoding():
     assert "flash_decoding_enabled" not in contract.neuron_config_kwargs(kimi_cfg(), per_channel(tp=64))
 
 
-FD_NC = dict(flash_decoding_enabled=True, tp_degree=8, max_length=1024, max_context_length=512,
-             context_encoding_buckets=None, token_generation_buckets=None)
+def emulated_nc(spec: RunSpec, **over) -> SimpleNamespace:
+    """The NeuronConfig neuron_config_kwargs writes for `spec`, emulated (nested dicts as attributes, NxDI's
+    max_length and buckets); the real one is test/nxdi_cpu/test_kv_shard.py's and test_modeling.py's."""
+    kw = contract.neuron_config_kwargs(kimi_cfg(), spec)
+    fields = {k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in kw.items()}
+    fields.setdefault("moe_ep_degree", 1)
+    fields |= dict(max_length=spec.seq_len, context_encoding_buckets=None, token_generation_buckets=None)
+    return SimpleNamespace(**{**fields, **over})
 
 
-@pytest.mark.parametrize("nc_over,group,needle", [
-    (dict(flash_decoding_enabled=False), 4, "flash_decoding_enabled=False with kimi_k2_layout.kv_group=4"),
-    ({}, None, "kimi_k2_layout.kv_group=None (a KV group is G adjacent ranks"),
-    ({}, 3, "kimi_k2_layout.kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=8)"),
-    (dict(max_length=1020), 8, "max_length=1020 (not a multiple of kimi_k2_layout.kv_group=8)"),
-    (dict(max_context_length=502), 4, "max_context_length=502 (not a multiple"),
-    (dict(token_generation_buckets=[512, 1022]), 4, "token_generation_buckets[1]=1022 (not a multiple"),
+FD = per_channel(tp=8, seq_len=1024, max_context_length=512, layout=group(4), moe_prefill="torch")
+
+
+@pytest.mark.parametrize("nc_over,layout,needle", [
+    (dict(flash_decoding_enabled=False), group(4), "flash_decoding_enabled=False with kimi_k2_layout.kv_group=4"),
+    ({}, group(3), "max_length=1024 (not a multiple of kimi_k2_layout.kv_group=3)"),
+    (dict(max_length=1022), group(4), "max_length=1022 (not a multiple of kimi_k2_layout.kv_group=4)"),
+    (dict(max_context_length=502), group(4), "--max-context-length 502: with --kv-shard sequence must be a multiple"),
+    (dict(token_generation_buckets=[512, 1022]), group(4), "token_generation_buckets[1]=1022 (not a multiple"),
+    (dict(tp_degree=12, max_length=1020), Layout(kv_group=3), "--tp 12: config.json field num_attention_heads=64"),
 ])
-def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, group, needle):
+def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, layout, needle):
     """enforce_neuron_config on a NeuronConfig's fields (emulated; the real one: test/nxdi_cpu/test_kv_shard.py)."""
     with pytest.raises(KimiInputError, match="unsupported NeuronConfig") as e:
-        contract.enforce_neuron_config(SimpleNamespace(**{**FD_NC, **nc_over}), kv_group=group)
-    assert needle in str(e.value)
-    contract.enforce_neuron_config(SimpleNamespace(**FD_NC), kv_group=4)  # accepted
-    contract.enforce_neuron_config(SimpleNamespace(**FD_NC), kv_group=1)  # NxDI's graph at one rank (trace-cpu's)
+        contract.enforce_neuron_config(emulated_nc(FD, **nc_over), kimi_cfg(), layout)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    contract.enforce_neuron_config(emulated_nc(FD), kimi_cfg(), group(4))  # accepted
+    # flash decoding at a group of one rank: NxDI's graph as trace-cpu traces it
+    contract.enforce_neuron_config(emulated_nc(FD), kimi_cfg(), Layout())
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 47])
@@ -256,8 +270,8 @@ def per_channel_record():
 
 
 def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
-    r = contract.ServingRequest.of(vllm_request())
-    kw = contract.neuron_config_kwargs(kimi_cfg(), contract.request_options(kimi_cfg(), r, per_channel_record(), "/c"))
+    r = vllm_request_.spec_of_request(kimi_cfg(), vllm_request(), per_channel_record(), "/c")
+    kw = contract.neuron_config_kwargs(kimi_cfg(), r)
     # the request's shape, NxDI's continuous batching as vllm-neuron runs it
     assert (kw["tp_degree"], kw["batch_size"], kw["seq_len"], kw["max_context_length"]) == (64, 4, 2048, 2048)
     assert kw["is_continuous_batching"] is True and kw["ctx_batch_size"] == 1
@@ -280,9 +294,8 @@ def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
     (dict(tp_degree=3), True, "num_attention_heads=64 is not divisible by 3"),
 ])
 def test_what_a_vllm_request_cannot_get_is_refused_in_one_line(over, record, needle, one_line_error):
-    r = contract.ServingRequest.of(vllm_request(**over))
-    one_line_error(lambda: contract.neuron_config_kwargs(
-        kimi_cfg(), contract.request_options(kimi_cfg(), r, per_channel_record() if record else None, "/c")), needle)
+    one_line_error(lambda: contract.neuron_config_kwargs(kimi_cfg(), vllm_request_.spec_of_request(
+        kimi_cfg(), vllm_request(**over), per_channel_record() if record else None, "/c")), needle)
 
 
 def test_prefill_rules_count_one_sequence_under_continuous_batching():
@@ -316,17 +329,18 @@ def test_what_a_prefill_chunk_cannot_run_is_refused_in_one_line(over, needle, on
 
 @pytest.mark.parametrize("over,needle", [
     (dict(async_mode=True), "async_mode=True"),
-    (dict(max_context_length=512), "max_context_length=512"),
-    (dict(seq_len=1000), "seq_len=1000"),
+    (dict(max_context_length=512), "--max-context-length 512: with --prefill-chunk 256"),
+    (dict(seq_len=1000, max_length=1000), "--prefill-chunk 256: must divide --seq-len 1000"),
     (dict(is_continuous_batching=False), "is_continuous_batching=False"),
     (dict(ctx_batch_size=2), "ctx_batch_size=2"),
 ])
 def test_a_reloaded_neuron_config_the_chunk_driver_cannot_run_is_refused(over, needle, one_line_error):
     """What add_derived_config re-checks on every construction, on NeuronConfig-like fields (emulated)."""
-    nc = SimpleNamespace(**{**dict(async_mode=False, max_context_length=256, seq_len=1024, is_continuous_batching=True,
-                                   ctx_batch_size=1), **over})
-    one_line_error(lambda: contract.check_chunked_prefill(nc, 256), "prefill_chunk=256", needle)
-    contract.check_chunked_prefill(nc, None)  # no chunk: nothing to check
+    chunked = per_channel(tp=8, seq_len=1024, layout=chunk(256), moe_prefill="torch")
+    one_line_error(lambda: contract.enforce_neuron_config(emulated_nc(chunked, **over), kimi_cfg(), chunk(256)),
+                   "unsupported NeuronConfig", needle)
+    contract.enforce_neuron_config(emulated_nc(chunked, **over), kimi_cfg(), Layout()) if over in (
+        dict(is_continuous_batching=False), dict(async_mode=True)) else None  # no chunk: neither is needed
 
 
 COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=1024, max_context_length=1024, is_continuous_batching=True,
@@ -347,8 +361,8 @@ COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=1024, max_context_length
      "static on-device sampling"),
 ])
 def test_precompiled_artifacts_serve_a_request_up_to_their_compiled_shape(request_over, compiled_over, needle):
-    r = contract.ServingRequest.of(vllm_request(**request_over))
-    bad = contract.compiled_mismatches(r, SimpleNamespace(**{**COMPILED, **compiled_over}))
+    r = vllm_request_.spec_of_request(kimi_cfg(), vllm_request(**request_over), per_channel_record(), "/c")
+    bad = vllm_request_.compiled_mismatches(r, SimpleNamespace(**{**COMPILED, **compiled_over}))
     assert bad == [] if needle is None else (len(bad) == 1 and needle in bad[0]), bad
 
 
@@ -374,10 +388,10 @@ def test_compiler_args_add_kimis_to_nxdis_without_contradicting_them():
 
 
 def test_a_one_token_prompt_is_not_batched_with_longer_ones():
-    contract.check_prompt_lengths([1, 1])
-    contract.check_prompt_lengths([3, 2, 7])
+    rules.check_prompt_lengths([1, 1])
+    rules.check_prompt_lengths([3, 2, 7])
     with pytest.raises(KimiInputError, match="one-token prompt cannot share a batch"):
-        contract.check_prompt_lengths([5, 1])
+        rules.check_prompt_lengths([5, 1])
 
 
 @pytest.mark.parametrize("start,size,env,want", [
@@ -387,7 +401,7 @@ def test_a_one_token_prompt_is_not_batched_with_longer_ones():
     (0, 64, {"NXD_LAYOUT_TRANSFORMATION_OPTIONS": "on_cpu_and_serialize"}, [(0, 64)]),
 ])
 def test_presharding_passes_cover_every_rank_once(start, size, env, want):
-    assert contract.rank_passes(start, size, env) == want
+    assert loader.rank_passes(start, size, env) == want
 
 
 # -- the checkpoint in the model's state dict --------------------------------------------------------------------------
@@ -404,8 +418,8 @@ def test_expected_keys_are_the_core_parameters_in_the_neuron_layout():
             mapped |= {f"{layer}.mlp.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down")}
         else:
             mapped.add(name.replace(".mlp.gate.", ".mlp.router."))
-    assert contract.expected_keys(cfg, BF16_EXPERTS) == mapped
-    fp8 = contract.expected_keys(cfg, PER_CHANNEL)
+    assert loader.expected_keys(cfg, BF16_EXPERTS) == mapped
+    fp8 = loader.expected_keys(cfg, PER_CHANNEL)
     assert fp8 - mapped == {k[: -len("weight")] + "scale" for k in mapped if ".expert_mlps." in k}
 
 
@@ -429,12 +443,12 @@ def test_converted_layout_keys_map_onto_the_model():
     tensors, nc = _converted_tensors(cfg), SimpleNamespace(quantized=True, tp_degree=1,
                                                            quantization_type="expert_wise_per_channel_symmetric")
     inv_freq = {"model.layers.2.self_attn.rotary_emb.inv_freq": torch.zeros(1)}
-    assert contract.to_neuron_state_dict({**tensors, **inv_freq}, cfg, nc).keys() == \
-        contract.to_neuron_state_dict(tensors, cfg, nc).keys()
+    assert loader.to_neuron_state_dict({**tensors, **inv_freq}, cfg, nc).keys() == \
+        loader.to_neuron_state_dict(tensors, cfg, nc).keys()
     with pytest.raises(KimiInputError, match="a raw checkpoint, to convert first"):
-        contract.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
+        loader.to_neuron_state_dict({**tensors, layout.expert_name(L, 3, "up_proj"): torch.zeros(1)}, cfg, nc)
     with pytest.raises(KimiInputError, match="no place"):
-        contract.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)},
+        loader.to_neuron_state_dict({**tensors, "model.layers.1.self_attn.q_a_proj.weight_scale_inv": torch.ones(1)},
                                       cfg, nc)
 
 
@@ -467,27 +481,27 @@ def test_to_neuron_state_dict_is_strict_both_ways():
     cfg = tiny_cfg()
     nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
     tensors = _converted_tensors(cfg)
-    state = contract.to_neuron_state_dict(tensors, cfg, nc)
-    assert set(state) == contract.expected_keys(cfg, PER_CHANNEL) | {"rank_util.rank"}
+    state = loader.to_neuron_state_dict(tensors, cfg, nc)
+    assert set(state) == loader.expected_keys(cfg, PER_CHANNEL) | {"rank_util.rank"}
     assert state["rank_util.rank"].tolist() == [0, 1]
     router = next(k for k in state if k.endswith("mlp.router.weight"))
     assert state[router].dtype == torch.float32
     missing = dict(tensors)
     del missing[layout.scale_key(layout.gate_up_key(1))]
     with pytest.raises(KimiInputError, match="1 tensor\\(s\\) missing"):
-        contract.to_neuron_state_dict(missing, cfg, nc)
+        loader.to_neuron_state_dict(missing, cfg, nc)
     with pytest.raises(KimiInputError, match="no place for"):
-        contract.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
+        loader.to_neuron_state_dict(tensors, cfg, SimpleNamespace(quantized=False, tp_degree=2))
     wrong = dict(tensors, **{layout.gate_up_key(1): tensors[layout.gate_up_key(1)].to(torch.bfloat16)})
     with pytest.raises(KimiInputError, match="expected torch.float8_e4m3fn"):
-        contract.to_neuron_state_dict(wrong, cfg, nc)
+        loader.to_neuron_state_dict(wrong, cfg, nc)
     bad_shape = dict(tensors, **{"model.norm.weight": torch.zeros(3)})
     with pytest.raises(KimiInputError, match="model.norm.weight|norm.weight has shape"):
-        contract.to_neuron_state_dict(bad_shape, cfg, nc)
+        loader.to_neuron_state_dict(bad_shape, cfg, nc)
     scale = layout.scale_key(layout.down_key(1))
     bad_scale = dict(tensors, **{scale: tensors[scale][:, :, :-1]})  # per-channel [E, 1, H] is one column short
     with pytest.raises(KimiInputError, match="down_proj.scale has shape"):
-        contract.to_neuron_state_dict(bad_scale, cfg, nc)
+        loader.to_neuron_state_dict(bad_scale, cfg, nc)
 
 
 
@@ -502,9 +516,9 @@ def test_for_layout_gives_the_sharded_layers_their_tensors(options):
     cfg = tiny_cfg()
     nc = SimpleNamespace(quantized=True, quantization_type="expert_wise_per_channel_symmetric", tp_degree=2)
     tensors = _converted_tensors(cfg)
-    plain = contract.to_neuron_state_dict(tensors, cfg, nc)
-    state = contract.for_layout(dict(plain), cfg, options)
-    assert set(state) == contract.expected_keys(cfg, PER_CHANNEL, options) | {"rank_util.rank"}
+    plain = loader.to_neuron_state_dict(tensors, cfg, nc)
+    state = loader.for_layout(dict(plain), cfg, options)
+    assert set(state) == loader.expected_keys(cfg, PER_CHANNEL, options) | {"rank_util.rank"}
     want = layout.neuron_tensors(cfg, PER_CHANNEL, options.shard_attn_a, options.shard_router)
     assert all(tuple(state[k].shape) == shape for k, (_, shape) in want.items())
     L = next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
@@ -556,7 +570,7 @@ def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_li
 def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, options, message):
     """Uneven splits (NxD would pad the layer)."""
     cfg = tiny_cfg(n_routed_experts=6, q_lora_rank=162)
-    o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
+    o = RunSpec(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
     one_line_error(lambda: contract.neuron_config_kwargs(cfg, o), message)
 
 
@@ -564,7 +578,7 @@ def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, o
 def test_the_chunk_with_the_sharded_cache_is_built():
     """--prefill-chunk with --kv-shard sequence: a batch-1 context-encoding bucket of N written at the row's line, and
     NxDI's flash decoding (the chunk submodel then reads the sharded cache: chunked_prefill.chunk_masks)."""
-    o = contract.ServeOptions(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch",
+    o = RunSpec(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch",
                               layout=Layout(kv_group=4, prefill_chunk=8))
     kwargs = contract.neuron_config_kwargs(tiny_cfg(), o)
     got = [kwargs[k] for k in ("max_context_length", "ctx_batch_size", "is_continuous_batching",
@@ -573,14 +587,16 @@ def test_the_chunk_with_the_sharded_cache_is_built():
 
 # -- the contract document ---------------------------------------------------------------------------------------------
 
-CONTRACT_DOC = REPO / "src/kimi_k2_neuron/neuron/NXDI_CONTRACT.md"
+# the shell's, and the CPU harness's (NxD's CPU mode, which nothing on trn2 runs); neither cites the other's entries
+DOCS = {"NXDI_CONTRACT.md": REPO / "src/kimi_k2_neuron/neuron/NXDI_CONTRACT.md",
+        "NXD_CPU_MODE.md": REPO / "src/kimi_k2_neuron/nxdi_cpu/NXD_CPU_MODE.md"}
 CITING = sorted([*(REPO / "src/kimi_k2_neuron").rglob("*.py"), *(REPO / "scripts").glob("*.py")])  # any may rest on NxD
 
 
-def _cited_names(text: str) -> set[str]:
-    """Entry names cited as `NXDI_CONTRACT.md: a, b`, also across a line break of a comment or docstring."""
+def _cited_names(text: str, doc: str = "NXDI_CONTRACT.md") -> set[str]:
+    """Entry names cited as `DOC: a, b`, also across a line break of a comment or docstring."""
     flat = re.sub(r"\s*\n\s*(#\s*)?", " ", text)
-    return {name for group in re.findall(r"NXDI_CONTRACT\.md: ([a-z0-9-]+(?:, [a-z0-9-]+)*)", flat)
+    return {name for group in re.findall(re.escape(doc) + r": ([a-z0-9-]+(?:, [a-z0-9-]+)*)", flat)
             for name in group.split(", ")}
 
 
@@ -594,11 +610,23 @@ def _prose(path: Path) -> list[str]:
     return docs + comments
 
 
-def test_every_cited_contract_entry_exists_and_every_entry_is_cited():
-    entries = set(re.findall(r"^### ([a-z0-9-]+)$", CONTRACT_DOC.read_text(), re.MULTILINE))
-    cited = set().union(*(_cited_names(p.read_text()) for p in CITING))
-    assert cited - entries == set(), "cited but not in NXDI_CONTRACT.md"
-    assert entries - cited == set(), "in NXDI_CONTRACT.md but cited nowhere"
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_cited_contract_entry_exists_and_every_entry_is_cited(doc):
+    entries = set(re.findall(r"^### ([a-z0-9-]+)$", DOCS[doc].read_text(), re.MULTILINE))
+    cited = set().union(*(_cited_names(p.read_text(), doc) for p in CITING))
+    assert cited - entries == set(), f"cited but not in {doc}"
+    assert entries - cited == set(), f"in {doc} but cited nowhere"
+
+
+def test_the_shell_knows_nothing_of_nxds_cpu_mode():
+    """What runs on trn2 does not switch, build for, or talk through NxD's CPU mode: the harness (nxdi_cpu/) does."""
+    shell = sorted((REPO / "src/kimi_k2_neuron/neuron").glob("*"))
+    said = [f"{p.name}:{i}" for p in shell if p.suffix in (".py", ".md")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"NXD_CPU_MODE|set_aot_mode|gloo", line)]
+    assert said == []
+    ranks = [p.name for p in shell if p.suffix == ".py" and re.search(r"runtime[. ]+(import )?ranks|\.ranks import",
+                                                                        p.read_text())]
+    assert ranks == []
 
 
 def test_the_code_cites_nxdi_lines_only_through_the_contract_document():

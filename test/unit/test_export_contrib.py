@@ -120,11 +120,11 @@ def test_check_tells_whether_an_earlier_copy_is_still_current(exported, tmp_path
     assert r.returncode == 0 and "is what an export writes now" in r.stdout, r.stdout + r.stderr
     copy = tmp_path / "copy"
     assert _export(copy).returncode == 0
-    (copy / "src" / "kimi_k2_neuron" / "plan.py").write_text("# edited in the NxDI checkout\n")
+    (copy / "src" / "kimi_k2_neuron" / "neuron" / "fit.py").write_text("# edited in the NxDI checkout\n")
     (copy / "test" / "unit" / "data" / "kimi-k2-thinking.json").unlink()
     (copy / "src" / "kimi_k2_neuron" / "extra.py").write_text("")
     r = _export(copy, "--check")
     assert r.returncode == 1 and r.stdout.splitlines() == [
         "missing test/unit/data/kimi-k2-thinking.json", "extra src/kimi_k2_neuron/extra.py",
-        "differs src/kimi_k2_neuron/plan.py"], r.stdout
+        "differs src/kimi_k2_neuron/neuron/fit.py"], r.stdout
     assert _export(tmp_path, "--check").returncode == 2  # not an export at all

@@ -11,8 +11,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
-# converter, running it, the test fixtures, the Neuron shell (what runs on trn2), its CPU verification harness, the fit
-# planner (which applies the shell's rules), the commands.
+# converter, running it, the test fixtures, the Neuron shell (what runs on trn2, its fit planner beside the rules it
+# applies), its CPU verification harness, the commands.
 STAGES = (
     ("errors", "interrupts", "progress", "config"),
     ("quant",),
@@ -24,7 +24,6 @@ STAGES = (
     ("testing",),
     ("neuron",),
     ("nxdi_cpu",),
-    ("plan",),
     ("arguments", "launch", "cli"),
 )
 STAGE = {top: i for i, tops in enumerate(STAGES) for top in tops}
@@ -109,3 +108,31 @@ def test_the_readme_links_every_docs_page_and_every_link_resolves():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name}: {target}"
+
+
+def test_modules_and_functions_stay_small():
+    """A room holds one job: no module over 500 lines but the planner's (its tables and the time model), the shell's
+    NxDI settings (contract.py) in at most 300; no function takes more than 7 parameters (self and cls aside): what
+    travels together is a dataclass (a RunSpec, a Decoding, a Layout)."""
+    big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 500 and p.name != "fit.py"}
+    assert big == {}
+    assert len((PACKAGE / "neuron" / "contract.py").read_text().splitlines()) <= 300
+    wide = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                named = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs) if x.arg not in ("self", "cls")]
+                if len(named) + bool(a.vararg) + bool(a.kwarg) > 7:
+                    wide.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert wide == []
+
+
+def test_the_position_map_lives_in_one_place():
+    """The sequence-sharded cache's owner (p % G) and slot (p // G) are parallel.py's; nothing restates them."""
+    restated = re.compile(r"// (g|group|self\.num_cores_per_group)\b|\* (g|group) \+ r")
+    rooms = [PACKAGE / "model", PACKAGE / "runtime", PACKAGE / "neuron"]
+    said = [f"{p.relative_to(PACKAGE)}:{i}" for room in rooms for p in sorted(room.rglob("*.py"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if restated.search(line)]
+    assert said == []

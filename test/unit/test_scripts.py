@@ -20,7 +20,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
 from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
-from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron import contract, sdk
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,8 @@ def test_compile_checks_its_output_folder_first(tiny_dirs, tmp_path, one_line_er
 def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     """K2-Thinking converted to fp8-blockwise keeps one scale per INT4 group ([32, 1]); its converted config.json
     has no quantization_config any more, so only the record says so, and the fit check must use it."""
-    from kimi_k2_neuron.plan import plan
+    from kimi_k2_neuron.neuron.fit import plan
+    from kimi_k2_neuron.neuron.spec import RunSpec
 
     raw = json.loads((CONFIGS / "kimi-k2-thinking.json").read_text())
     raw.pop("quantization_config")
@@ -72,12 +73,12 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
     (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
     r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64")
-    want = plan(KimiK2Config.from_file(tmp_path), 64, 1, 2, 1024, 1, ExpertScheme("fp8-blockwise", (32, 1)), kv_slots=1)
+    want = plan(KimiK2Config.from_file(tmp_path), RunSpec(tp=64, scheme=ExpertScheme("fp8-blockwise", (32, 1))))
     assert want.summary() in r.stdout, r.stdout + r.stderr
 
 
 def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path):
-    if not contract.missing_neuron_packages():
+    if not sdk.missing_neuron_packages():
         pytest.skip("the Neuron SDK is importable here")
     # torch: the tiny model is below the prefill kernels' shapes
     r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--moe-prefill", "torch")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k2_neuron.neuron import contract, vllm_plugin
+from kimi_k2_neuron.neuron import sdk, vllm_plugin
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_setup_cfg_declares_the_entry_point_vllm_loads():
 
 
 def test_without_nxdi_it_registers_nothing_and_says_why_at_debug_level(caplog):
-    if not contract.missing_neuron_packages():
+    if not sdk.missing_neuron_packages():
         pytest.skip("NxDI is importable here")
     with caplog.at_level(logging.DEBUG, logger=vllm_plugin.__name__):
         assert vllm_plugin.register() is None

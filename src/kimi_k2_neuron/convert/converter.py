@@ -355,10 +355,8 @@ class _Job:
     def _config(self) -> dict:
         raw = json.loads((self.src.dir / "config.json").read_text())
         source_q = pop_quantization_config(raw)
-        raw[CONVERSION_KEY] = record_json(
-            self.scheme, self.src.format, self.cfg.moe_intermediate_size, tool_version=__version__,
-            source_quantization_config=source_q, fp8_max=nxd_fp8.FP8_MAX, stats=_stats_record(self.result.stats),
-            ignored_source_tensors=len(self.src.ignored))
+        raw[CONVERSION_KEY] = record_json(self.scheme, self.src.format, self.cfg.moe_intermediate_size, source_q,
+                                          _stats_record(self.result.stats), len(self.src.ignored))
         return raw
 
     def _summary(self) -> str:

@@ -64,14 +64,17 @@ class ConversionRecord:
         return None if rec is None else cls.from_json(rec, str(path))
 
 
-def record_json(scheme: ExpertScheme, source_format: str, moe_intermediate: int, *, tool_version: str,
-                source_quantization_config, fp8_max: float, stats: dict, ignored_source_tensors: int) -> dict:
+def record_json(scheme: ExpertScheme, source_format: str, moe_intermediate: int, source_quantization_config,
+                stats: dict, ignored_source_tensors: int) -> dict:
     """The record the converter writes (the NxD settings derived from the scheme), in its fixed field order."""
+    from .. import __version__
+    from ..quant.nxd_fp8 import FP8_MAX
+
     return {
-        "layout_version": LAYOUT_VERSION, "tool": "kimi-k2-neuron convert", "tool_version": tool_version,
+        "layout_version": LAYOUT_VERSION, "tool": "kimi-k2-neuron convert", "tool_version": __version__,
         "source_format": source_format, "source_quantization_config": source_quantization_config,
         "experts": scheme.name, "nxd": scheme.nxd(moe_intermediate),
-        "fp8_max": fp8_max, "non_expert_dtype": "bfloat16", "router_dtype": "float32",
+        "fp8_max": FP8_MAX, "non_expert_dtype": "bfloat16", "router_dtype": "float32",
         "keys": key_templates(), "stats": stats,
         # Source tensors set aside by name (rotary inv_freq, MTP layers, K2.5's vision tower and projector).
         "ignored_source_tensors": ignored_source_tensors,

@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return getattr(modeling, name)
     if name == "missing_neuron_packages":
-        from .contract import missing_neuron_packages
+        from .sdk import missing_neuron_packages
 
         return missing_neuron_packages
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

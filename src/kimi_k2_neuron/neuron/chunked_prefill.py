@@ -105,7 +105,8 @@ def hidden_rows(calls: list[torch.Tensor], lengths: list[int], chunk: int | None
 
 def enable_chunked_prefill(app, **model_init_kwargs) -> None:
     """The third ModelWrapper: batch 1, N active tokens, the token-generation buckets (it reads the cache up to them),
-    built for prefill (NxD's MoE prefill path), compiled with the context-encoding submodel's arguments."""
+    built for prefill (NxD's MoE prefill path), compiled with the context-encoding submodel's arguments; its class
+    is the application's _model_cls, as NxDI builds its own (NXDI_CONTRACT.md: private-members)."""
     from neuronx_distributed_inference.modules.autobucketing import generate_buckets_for_tkg
 
     config = copy.deepcopy(app.config)
@@ -126,10 +127,10 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     """NeuronKimiK2Model.forward of the chunk submodel: NxDI's get_model_output over the row's cached line
     (is_for_speculation reads line seq_ids when the batch is below the cache's), the decoder layers' chunk branch,
     the write into line seq_ids, then the last real token's logits or sample, in NxDI's output order
-    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs). Sequence-sharded, each rank attends its slots before the
+    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs, private-members). Sequence-sharded, each rank attends its slots before the
     chunk and the chunk entries it owns, merged across the KV group, and writes those entries at p // G
     (NXDI_CONTRACT.md: fd-chunk)."""
-    from neuronx_distributed.parallel_layers.mappings import _gather_along_dim
+    from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region_with_dim
     from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
     from neuronx_distributed_inference.utils.distributed import get_tp_group
 
@@ -156,14 +157,15 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     res = model._sample_on_device(logits, sampling_params, False, True) if model.on_device_sampling else logits
     outputs = [res]
     if model.neuron_config.output_logits:
-        outputs.append(_gather_along_dim(logits, partition_dim=2, process_group=get_tp_group(model.config)))
+        tp = get_tp_group(model.config)
+        outputs.append(gather_from_tensor_model_parallel_region_with_dim(logits, 2, process_group=tp))
     return outputs + updated
 
 
 # -- the driver ------------------------------------------------------------------------------------------------------
 
 def takes(app, input_ids, position_ids) -> bool:
-    """A prefill wider than the chunk; anything else is NxDI's own dispatch."""
+    """A prefill wider than the chunk; anything else is NxDI's own dispatch (NXDI_CONTRACT.md: private-members)."""
     chunk = layout_of(app.config).prefill_chunk
     return bool(chunk) and input_ids.shape[-1] > chunk and app._is_prefill(position_ids)
 
@@ -198,13 +200,3 @@ def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_para
     if on_neuron:
         return (heads[0] if front == 1 else heads), True
     return [*heads, *out[front:]], False
-
-
-def share_kv(app) -> None:
-    """CPU mode: the chunk model reads the cache NxDI's copy just gave the token-generation model (on device the
-    submodels share one state)."""
-    chunk = getattr(app, "chunked_prefill_model", None)
-    if chunk is None:
-        return
-    for dst, src in zip(chunk.model.kv_mgr.past_key_values, app.token_generation_model.model.kv_mgr.past_key_values):
-        dst.data = src.data

@@ -9,14 +9,18 @@ import mmap
 import time
 import warnings
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint, TensorInfo, read_shard_header
-from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError, listing
+from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.scheme import ExpertScheme
+from kimi_k2_neuron.parallel import Layout
 
-from . import contract
+from .contract import layout_of
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +41,85 @@ def model_state_dict(tensors: dict[str, torch.Tensor], config, where: str = "che
     """Tensors under the converted checkpoint's names -> the model's state dict in NxD's names (checked strictly),
     fitted to the config's layout (contract.for_layout). `config`: a KimiK2InferenceConfig."""
     cfg = config.core_config()
-    state = contract.to_neuron_state_dict(tensors, cfg, config.neuron_config, where=where)
-    return contract.for_layout(state, cfg, contract.layout_of(config))
+    state = to_neuron_state_dict(tensors, cfg, config.neuron_config, where=where)
+    return for_layout(state, cfg, layout_of(config))
+
+
+# -- the converted checkpoint's names -> NxD's ------------------------------------------------------------------------
+
+def expected_keys(cfg: KimiK2Config, scheme: ExpertScheme, options: Layout = Layout()) -> set[str]:
+    """No spmd_rank tensor: NxD generates it (NXDI_CONTRACT.md: spmd-rank)."""
+    return set(layout.neuron_tensors(cfg, scheme, options.shard_attn_a, options.shard_router))
+
+
+def to_neuron_state_dict(state_dict: Mapping[str, torch.Tensor], cfg: KimiK2Config, nc,
+                         where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Strict both ways, unlike NxD (NXDI_CONTRACT.md: sharding-not-strict); shapes and FP8 dtypes checked before NxD
+    shards or casts them (NXDI_CONTRACT.md: checkpoint-dtype-cast). The replicated layout's keys: see
+    for_layout."""
+    scheme = ExpertScheme.from_nxd(vars(nc))
+    experts = scheme.name
+    want = layout.neuron_tensors(cfg, scheme)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        if layout.is_ignored(key):
+            continue
+        nk = layout.module_key(key)
+        if nk in out:
+            raise KimiInputError(f"{where}: two tensors load into {nk} (the second is {key})")
+        out[nk] = tensor
+    unexpected, missing = sorted(set(out) - set(want)), sorted(set(want) - set(out))
+    if unexpected:
+        per_expert = any(layout.is_routed_expert(k) for k in unexpected)
+        hint = ("; per-expert HF tensors: a raw checkpoint, to convert first (kimi-k2-neuron convert SRC DST "
+                f"--experts {experts})") if per_expert else ""
+        raise KimiInputError(f"{where}: {len(unexpected)} tensor(s) the model has no place for (experts={experts}): "
+                             f"{listing(unexpected)}{hint}")
+    if missing:
+        raise KimiInputError(f"{where}: {len(missing)} tensor(s) missing for experts={experts}: {listing(missing)}")
+    for name, (dtype, shape) in want.items():
+        _check_tensor(out[name], name, dtype, shape, scheme.quantized, where, experts)
+    out["rank_util.rank"] = torch.arange(nc.tp_degree, dtype=torch.int32)
+    return out
+
+
+def for_layout(state: dict[str, torch.Tensor], cfg: KimiK2Config, options: Layout) -> dict[str, torch.Tensor]:
+    """to_neuron_state_dict's tensors in the layers the sharded weights build (NXDI_CONTRACT.md: gathered-linear):
+    q_a_proj | kv_a_proj_with_mqa concatenated by rows (bf16 both, unquantized: only the routed experts are FP8, so
+    there is no scale to fuse), the router weight under its linear. In place; the converted checkpoint is unchanged."""
+    for i in range(cfg.num_hidden_layers):
+        if options.shard_attn_a:
+            state[layout.fused_attention_a_key(i)] = torch.cat([state.pop(k) for k in layout.attention_a_keys(i)])
+        if options.shard_router and cfg.is_moe_layer(i):
+            state[layout.router_weight_key(i, linear=True)] = state.pop(layout.router_weight_key(i))
+    return state
+
+
+def _check_tensor(t: torch.Tensor, name: str, dtype, shape, fp8: bool, where: str, experts: str) -> None:
+    if tuple(t.shape) != shape:
+        raise KimiInputError(f"{where}: tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+    expert = ".expert_mlps." in name
+    if expert and fp8 and t.dtype != dtype:
+        raise KimiInputError(f"{where}: tensor {name} is {t.dtype}, expected {dtype} for experts={experts}")
+    if not expert and t.dtype == torch.float8_e4m3fn:
+        raise KimiInputError(f"{where}: tensor {name} is FP8; only routed experts may be (dequantize the rest)")
+
+
+# -- pre-sharding -----------------------------------------------------------------------------------------------------
+
+# NxD holds every rank's ~10 GB shard until the last is written; passes of 8 bound it at ~85 GB
+# (NXDI_CONTRACT.md: presharding-memory).
+SHARD_RANKS_PER_PASS = 8
+# transforms every rank after sharding, so one pass (NXDI_CONTRACT.md: layout-transformation)
+LAYOUT_TRANSFORM_ENV = "NXD_LAYOUT_TRANSFORMATION_OPTIONS"
+
+
+def rank_passes(start: int, size: int, env: Mapping[str, str],
+                per_pass: int = SHARD_RANKS_PER_PASS) -> list[tuple[int, int]]:
+    """(start_rank_id, local_ranks_size) windows covering [start, start + size)."""
+    if LAYOUT_TRANSFORM_ENV in env:
+        return [(start, size)]
+    return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]
 
 
 # The KV cache: no checkpoint holds it (NxD's StateInitializer zero-fills it on device).

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .contract import require_neuron_sdk
+from .sdk import require_neuron_sdk
 
 require_neuron_sdk()
 
@@ -22,16 +22,14 @@ from neuronx_distributed.modules.moe.shared_experts import SharedExperts  # noqa
 from neuronx_distributed.parallel_layers import mappings, parallel_state  # noqa: E402
 from neuronx_distributed.parallel_layers.layers import (ColumnParallelLinear, ParallelEmbedding,  # noqa: E402
                                                         RowParallelLinear)
-from neuronx_distributed.trace.trace import get_sharded_checkpoint  # noqa: E402
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig  # noqa: E402
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel  # noqa: E402
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler  # noqa: E402
-from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager  # noqa: E402
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_group  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
-from kimi_k2_neuron.errors import KimiInputError, listing  # noqa: E402
+from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
 from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
@@ -39,11 +37,12 @@ from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
-from kimi_k2_neuron.parallel import SINGLE, ParallelContext, check_weight_sharding, slot_of, stripe  # noqa: E402
-from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
+from kimi_k2_neuron.parallel import SINGLE, ParallelContext, stripe  # noqa: E402
 
-from . import chunked_prefill, contract  # noqa: E402
-from .loader import load_neuron_state_dict, model_state_dict, read_presharded, unloaded_parameters  # noqa: E402
+from . import chunked_prefill, contract, vllm_request  # noqa: E402
+from .latent_cache import LatentKVCacheManager  # noqa: E402
+from .loader import load_neuron_state_dict, model_state_dict, rank_passes  # noqa: E402
+from .spec import RunSpec, layout_flags  # noqa: E402
 
 # == the config ==================================================================================================
 
@@ -72,24 +71,24 @@ class KimiK2InferenceConfig(InferenceConfig):
         return config
 
     @classmethod
-    def for_serving(cls, cfg: KimiK2Config, options: contract.ServeOptions) -> "KimiK2InferenceConfig":
-        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, options)),
-                             **{contract.LAYOUT_KEY: contract.layout_attribute(options.layout)})
+    def for_serving(cls, cfg: KimiK2Config, spec: RunSpec) -> "KimiK2InferenceConfig":
+        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, spec)),
+                             **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
-        r = contract.ServingRequest.of(request)
         if not checkpoint or not (Path(checkpoint) / "config.json").is_file():
             raise KimiInputError(f"{checkpoint}: not a checkpoint folder with a config.json; serve the converted "
                                  f"checkpoint's folder")
-        compiled = os.environ.get(contract.COMPILED_ARTIFACTS_ENV)
+        compiled = os.environ.get(vllm_request.COMPILED_ARTIFACTS_ENV)
         try:
             cfg = KimiK2Config.from_file(checkpoint)
-            config = cls.for_serving(cfg, contract.request_options(cfg, r, ConversionRecord.of(cfg), checkpoint))
+            spec = vllm_request.spec_of_request(cfg, request, ConversionRecord.of(cfg), checkpoint)
+            config = cls.for_serving(cfg, spec)
             if compiled and (Path(compiled) / "neuron_config.json").is_file():
-                _check_compiled(compiled, r, config)
+                _check_compiled(compiled, spec, config)
         except KimiInputError as e:
-            raise KimiInputError(f"serving {checkpoint} with {r.describe()}: {e}") from None
+            raise KimiInputError(f"serving {checkpoint} with {vllm_request.describe(request)}: {e}") from None
         return config
 
     def add_derived_config(self):
@@ -108,12 +107,7 @@ class KimiK2InferenceConfig(InferenceConfig):
         self.num_cores_per_group = layout.kv_group
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
-        contract.enforce_neuron_config(self.neuron_config, getattr(self, "n_routed_experts", None),
-                                       getattr(self, "num_experts_per_tok", None), layout.kv_group)
-        contract.check_chunked_prefill(self.neuron_config, layout.prefill_chunk)
-        if layout.shard_attn_a or layout.shard_router:
-            check_weight_sharding(self.core_config(), self.neuron_config.tp_degree, layout.shard_attn_a,
-                                  layout.shard_router)
+        contract.enforce_neuron_config(self.neuron_config, self.core_config(), layout)
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",
@@ -135,18 +129,18 @@ class KimiK2ServingRequest(MoENeuronConfig):
     """NxDI never builds this class, so the type alone marks a request (NXDI_CONTRACT.md: vllm-generic-config)."""
 
 
-def _check_compiled(folder: str, r: contract.ServingRequest, config: KimiK2InferenceConfig) -> None:
+def _check_compiled(folder: str, request: RunSpec, config: KimiK2InferenceConfig) -> None:
     """Before vllm-neuron loads them: a ValueError there would recompile (NXDI_CONTRACT.md: vllm-precompiled)."""
-    where = f"{contract.COMPILED_ARTIFACTS_ENV}={folder}"
+    where = f"{vllm_request.COMPILED_ARTIFACTS_ENV}={folder}"
     try:
         compiled = KimiK2InferenceConfig.load(folder)
     except KimiInputError as e:
         raise KimiInputError(f"{where}: {e}") from None
     except Exception as e:  # noqa: BLE001 -- anything NxDI raises on a foreign neuron_config.json
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
-    bad = contract.compiled_mismatches(r, compiled.neuron_config)
-    layout = contract.layout_of(compiled)  # compile_and_save.py refuses these flags with --for-vllm
-    flags = contract.layout_flags(layout)
+    bad = vllm_request.compiled_mismatches(request, compiled.neuron_config)
+    # compile_and_save.py refuses these flags with --for-vllm
+    flags = layout_flags(contract.layout_of(compiled))
     if flags:  # vllm-neuron drives the prefills itself and builds the model from its request
         bad.append(f"compiled with {' '.join(flags)}, a layout vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
@@ -203,7 +197,7 @@ class NxDParallelContext(ParallelContext):
         return build_moe(cfg, dtype, self.config, self)
 
     # -- the KV group: fetched at each call, since under ModelBuilder it exists only inside initialize_kv_group's
-    # mock_distributed block (NXDI_CONTRACT.md: cpu-collectives) ------------------------------------------------
+    # mock_distributed block (NXDI_CONTRACT.md: kv-collectives) ------------------------------------------------
 
     def kv_rank(self):
         """A tensor from the model's SPMDRank (NxDI's NeuronBaseModel makes it before init_model builds this context),
@@ -213,19 +207,22 @@ class NxDParallelContext(ParallelContext):
     def gather_kv_heads(self, x):
         if self.kv_group == 1:
             return x
-        return mappings._gather_along_dim(x, 1, process_group=parallel_state.get_kv_shared_group())
+        return mappings.gather_from_tensor_model_parallel_region_with_dim(
+            x, 1, process_group=parallel_state.get_kv_shared_group())
 
     def max_over_kv_group(self, x):
         if self.kv_group == 1:
             return x
-        # a copy: NxD's CPU branch all-reduces in place
+        # NxD has no public max all-reduce; a copy, as NxD may reduce in place (NXDI_CONTRACT.md: kv-collectives,
+        # private-members)
         return mappings._reduce(x.clone(), computation="max", process_group=parallel_state.get_kv_shared_group())
 
     def reduce_scatter_kv_heads(self, x):
         if self.kv_group == 1:
             return x
-        return mappings._reduce_scatter_along_dim(x.clone(), 1, computation="sum",
-                                                  process_group=parallel_state.get_kv_shared_group())
+        # a copy: NxD may transpose the input in place (NXDI_CONTRACT.md: kv-collectives)
+        return mappings.reduce_scatter_to_tensor_model_parallel_region_with_dim(
+            x.clone(), 1, process_group=parallel_state.get_kv_shared_group())
 
 
 class NxDRouter(NoAuxTcRouter):
@@ -320,8 +317,11 @@ class KimiK2DecoderLayer(DecoderLayer):
         self.rotary = rotary
         self.flash_decoding = bool(ctx.config.neuron_config.flash_decoding_enabled)
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, active_mask=None,
-                cos_cache=None, sin_cache=None, padding_mask=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
+        """NxDI passes the rest by keyword (NXDI_CONTRACT.md: decoder-layer-call): active_mask, cos_cache, sin_cache,
+        padding_mask, and the chunk's kimi_chunk."""
+        active_mask, padding_mask = kwargs.get("active_mask"), kwargs.get("padding_mask")
+        cos_cache, sin_cache = kwargs.get("cos_cache"), kwargs.get("sin_cache")
         if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
         attn = self.self_attn
@@ -356,37 +356,6 @@ class KimiK2DecoderLayer(DecoderLayer):
         ctx = self.self_attn.ctx
         owned = stripe(entries.shape[1], ctx.kv_group, ctx.kv_rank(), entries.device)
         return torch.index_select(entries, 1, owned)
-
-
-class LatentKVCacheManager(KVCacheManager):
-    """A 1-wide V, not a copy of K that doubles the cache (NXDI_CONTRACT.md: latent-v-slot)."""
-
-    def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
-        super()._init_kv_shape(config, layer_to_cache_size_mapping)
-        if layer_to_cache_size_mapping:
-            raise ValueError("Kimi-K2 has one cache length for every layer (no layer_to_cache_size_mapping)")
-        if self.is_kv_cache_tiled or self.k_cache_transposed:
-            raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
-        self.v_shape = (*self.v_shape[:-1], 1)
-        # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
-        if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):
-            raise ValueError("NEURON_COMBINE_KV_ALLOCATIONS=1 needs K and V of one shape; the latent cache's V slot "
-                             "is 1 wide. Unset it.")
-
-    def update_kv_by_layer_id(self, idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer, seq_len,
-                              scatter_index=None, kv_active_mask=None, kvcache_buffer=None, **kwargs):
-        """The flash-decoding decode write scatters V with K's index, which the 1-wide V slot cannot take: here K
-        alone, at NxDI's slot (NXDI_CONTRACT.md: fd-write); the rest is NxDI's."""
-        if is_for_context_encoding or not self.flash_decoding_enabled:
-            return super().update_kv_by_layer_id(idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer,
-                                                 seq_len, scatter_index=scatter_index, kv_active_mask=kv_active_mask,
-                                                 kvcache_buffer=kvcache_buffer, **kwargs)
-        k_cache, v_cache = self._fetch_cache(idx, kvcache_buffer)
-        latest_k = kv_per_layer[0]
-        # the owner writes position p at slot p // G; the others into the last slot, which no mask exposes
-        slot = torch.where(kv_active_mask == 1, slot_of(position_ids, self.num_cores_per_group), seq_len - 1)
-        index = slot.view(-1, 1, slot.shape[-1], 1).expand_as(latest_k).to(torch.int64)
-        return torch.scatter(k_cache, 2, index, latest_k.to(k_cache.dtype)), v_cache
 
 
 class NeuronKimiK2Model(NeuronBaseModel):
@@ -487,7 +456,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         builder = self.get_builder(debug)
         window = (builder.start_rank_id, builder.local_ranks_size)
         try:
-            for start, size in contract.rank_passes(*window, os.environ):
+            for start, size in rank_passes(*window, os.environ):
                 builder.start_rank_id, builder.local_ranks_size = start, size
                 super().shard_weights(compiled_model_path, debug)
         finally:
@@ -505,84 +474,14 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
             chunked_prefill.enable_chunked_prefill(self, **model_init_kwargs)
 
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):
+        """A prefill wider than the chunk to the chunk driver (NXDI_CONTRACT.md: private-members)."""
         if chunked_prefill.takes(self, input_ids, position_ids):
             return chunked_prefill.prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
         return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
                                           **kwargs)
 
-    def _copy_past_key_values(self, outputs):
-        super()._copy_past_key_values(outputs)
-        chunked_prefill.share_kv(self)
-
-    # -- NxD's CPU mode ---------------------------------------------------------------------------------------------
-
-    def to_cpu(self, presharded: str | None = None):
-        """Built per submodel as on device, loaded strictly; NxDI's to_cpu casts the router to bf16 and drops FP8
-        scales (NXDI_CONTRACT.md: nxdi-to-cpu). `presharded`: NxD's per-rank files to load."""
-        nc = self.neuron_config
-        contract.check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
-        os.environ["NXD_CPU_MODE"] = "1"
-        rank = _init_cpu_process_groups(nc, self.config.num_cores_per_group)
-        loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
-        for wrapper in self.models:
-            model = _build_as_on_device(wrapper)
-            state = dict(loaded)  # per submodel: get_sharded_checkpoint replaces entries by this rank's slices
-            _check_no_unexpected(model, state, presharded or self.model_path)
-            if presharded is None:
-                get_sharded_checkpoint(state, model, rank, nc.tp_degree)
-            missing = unloaded_parameters(model, model.load_state_dict(state, strict=False).missing_keys, state)
-            if missing:
-                raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
-                                     f"{wrapper.tag} got no tensor: {listing(missing)}")
-            wrapper.model = model
-        self.eval()
-        return self
 
 
 def _add_compiler_args(wrapper) -> None:
     """Nothing reads the string between ModelWrapper and ModelBuilder (NXDI_CONTRACT.md: compiler-args)."""
     wrapper.compiler_args = contract.compiler_args(wrapper.compiler_args)
-
-
-def _build_as_on_device(wrapper) -> nn.Module:
-    """As ModelBuilder builds it, under AOT mode (no init): NxD's CPU master-weight init of quantized experts fails
-    at TP >= 3 with stride-2 gate_up (NXDI_CONTRACT.md: aot-build)."""
-    instance = wrapper.get_model_instance()
-    parallel_state.set_aot_mode(True)
-    try:
-        instance.load_module()
-    finally:
-        parallel_state.set_aot_mode(False)
-    # n_positions per bucket as the trace sets it; one bucket per submodel here (NXDI_CONTRACT.md: bucket-positions)
-    instance.get(len(wrapper.neuron_config.buckets) - 1)
-    return instance.module
-
-
-def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
-    """NxD only warns of tensors without a parameter (NXDI_CONTRACT.md: sharding-not-strict)."""
-    names = model.state_dict().keys()
-    extra = sorted(k for k in state if k not in names)
-    if extra:
-        raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
-
-
-def _init_cpu_process_groups(nc, kv_group: int) -> int:
-    """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process, and the KV group as
-    ModelBuilder makes it (NXDI_CONTRACT.md: kv-group); returns this rank."""
-    if not torch.distributed.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != nc.world_size:
-            raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
-                                 f"(tp_degree={nc.tp_degree})")
-        if world == 1:  # a fresh port: one inherited from another run's environment may still be taken
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-            torch.distributed.init_process_group("gloo", world_size=1, rank=0)
-        else:
-            torch.distributed.init_process_group("gloo")
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
-                                                 pipeline_model_parallel_size=nc.pp_degree,
-                                                 expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
-    if kv_group > 1:
-        parallel_state.initialize_kv_group(kv_group, sequential_ranks_in_group=True)
-    return torch.distributed.get_rank()

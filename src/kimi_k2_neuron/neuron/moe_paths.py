@@ -137,7 +137,8 @@ def check_prefill_mode(cfg: KimiK2Config, mode_name: str, tp: int, ep: int, lnc:
     """lnc None skips the LNC rule; the shell re-checks the resolved config."""
     m = mode(mode_name)
     path = prefill_path(cfg, tokens, mode_name)
-    # NxD's all-experts prefill has no EP variant: it runs for --moe-prefill all-experts and below one block.
+    # NxD's all-experts prefill has no EP variant: it runs for --moe-prefill all-experts and below one block
+    # (NXDI_CONTRACT.md: all-experts-no-ep).
     if ep > 1 and path in ("all-experts", "selective"):
         raise KimiInputError(f"--ep {ep}: a prefill of {tokens} tokens takes NxD's {path} path, which has no EP "
                              f"variant; use " + " or ".join(

@@ -10,6 +10,7 @@ import json
 import logging
 import shlex
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,21 +21,24 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import write_atomically
 
-from . import contract
+from . import rules
+from .contract import layout_of
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
+from .spec import GREEDY, RunSpec, Sampling
+from .vllm_request import COMPILED_ARTIFACTS_ENV
 
 logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
 
 
-def compile_model(cfg: KimiK2Config, checkpoint: str | Path, out: str | Path, options: contract.ServeOptions,
+def compile_model(cfg: KimiK2Config, checkpoint: str | Path, out: str | Path, spec: RunSpec,
                   plan_summary: str | None = None) -> NeuronKimiK2ForCausalLM:
-    config = KimiK2InferenceConfig.for_serving(cfg, options)
+    config = KimiK2InferenceConfig.for_serving(cfg, spec)
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
     app.compile(str(out))  # traces CTE + TKG, saves model.pt, then pre-shards (NXDI_CONTRACT.md: compile-steps)
     seconds = time.monotonic() - t0
-    record = {"checkpoint": str(Path(checkpoint).resolve()), "options": dataclasses.asdict(options),
+    record = {"checkpoint": str(Path(checkpoint).resolve()), "spec": dataclasses.asdict(spec),
               "plan": plan_summary, "compile_and_shard_seconds": round(seconds, 1)}
     write_atomically(Path(out) / RECORD, json.dumps(record, indent=2))  # last: marks the folder finished
     logger.info("compiled and pre-sharded in %.1f min -> %s", seconds / 60, out)
@@ -61,18 +65,18 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
     return app
 
 
-def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, options: contract.ServeOptions) -> str:
-    """The `vllm serve` line whose request is the one compiled (contract.compiled_mismatches)."""
+def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSpec) -> str:
+    """The `vllm serve` line whose request is the one compiled (vllm_request.compiled_mismatches)."""
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
-    flags = [f"--tensor-parallel-size {options.tp} --max-num-seqs {options.batch} --max-model-len {options.seq_len}",
-             f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {options.batch}",
+    flags = [f"--tensor-parallel-size {spec.tp} --max-num-seqs {spec.batch} --max-model-len {spec.seq_len}",
+             f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {spec.batch}",
              "--trust-remote-code --enable-auto-tool-choice",
              f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron"]
     if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
-    env = f"{contract.COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
+    env = f"{COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
     return " \\\n    ".join([f"{env} vllm serve {shlex.quote(str(Path(checkpoint).resolve()))}", *flags])
 
 
@@ -91,22 +95,30 @@ class _Stream(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def generate(app, tokenizer, prompts: list[str], cfg: KimiK2Config, *, chat: bool = True, max_new_tokens: int = 128,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
-             stream=None, system: str | None = None, stop=()) -> list[list[int]]:
-    """Text prompts -> generate_ids; the caller cuts the text at a `stop` string (runtime.chat.cut_at_stop)."""
+@dataclass(frozen=True)
+class Decoding:
+    """What one generation asks beyond its prompts: how long, how to sample, where to stop (the text)."""
+
+    max_new_tokens: int = 128
+    sampling: Sampling = GREEDY
+    stop: tuple[str, ...] = ()  # the caller cuts the text at one (runtime.chat.cut_at_stop)
+
+
+def generate(app, tokenizer, prompts: list[str], decoding: Decoding = Decoding(), chat: bool = True,
+             system: str | None = None, stream=None) -> list[list[int]]:
+    """Text prompts (through the chat template unless not `chat`) -> generate_ids, stopping on the config's eos ids
+    and Kimi's end-of-turn tokens."""
     from kimi_k2_neuron.runtime.chat import prompt_ids, reply_text
 
-    return generate_ids(app, prompt_ids(tokenizer, prompts, chat, system), tokenizer.stop_ids(cfg.eos_token_ids),
-                        decode=partial(reply_text, tokenizer), max_new_tokens=max_new_tokens,
-                        do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, stream=stream,
-                        stop=stop)
+    stop_ids = tokenizer.stop_ids(app.config.core_config().eos_token_ids)
+    return generate_ids(app, prompt_ids(tokenizer, prompts, chat, system), stop_ids, decoding,
+                        decode=partial(reply_text, tokenizer), stream=stream)
 
 
-def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_tokens: int = 128,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int = 1, top_p: float = 1.0,
-                 stream=None, stop=()) -> list[list[int]]:
-    """New token ids per row from NxDI's HF adapter, cut after the first stop. `decode`: ids -> text."""
+def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Decoding(), decode=None,
+                 stream=None) -> list[list[int]]:
+    """New token ids per row from NxDI's HF adapter, cut after the first stop. `decode`: ids -> text (for `stream`,
+    row 0's text as it grows, and the stop strings)."""
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
 
     from kimi_k2_neuron.runtime.chat import StopStrings
@@ -115,7 +127,7 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     if n > batch:
         raise KimiInputError(f"{n} prompts, but the model was compiled for batch {batch}")
     enc = rows + [rows[-1]] * (batch - n)  # fill the compiled batch
-    contract.check_prompt_lengths([len(e) for e in enc])
+    rules.check_prompt_lengths([len(e) for e in enc])
     width = max(len(e) for e in enc)
     nc = app.neuron_config
     # The prompt must fit the CTE bucket, and every decode step must write inside the cache: the step at position p
@@ -123,10 +135,11 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
     # cache and the next step raises.
     # chunked (chunked_prefill.py), a prompt may fill the cache
-    longest = nc.seq_len if contract.layout_of(app.config).prefill_chunk else nc.max_context_length
+    longest = nc.seq_len if layout_of(app.config).prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
     limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone
+    max_new_tokens = decoding.max_new_tokens
     if max_new_tokens > limit:
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,
                        limit, nc.seq_len)
@@ -135,10 +148,10 @@ def generate_ids(app, rows: list[list[int]], stop_ids, *, decode=None, max_new_t
     input_ids = torch.tensor([e + [pad] * (width - len(e)) for e in enc])
     attention_mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in enc])
     stops = sorted(stop_ids)
-    gen_cfg = GenerationConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                               max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=pad)
+    gen_cfg = GenerationConfig(**decoding.sampling.settings, max_new_tokens=max_new_tokens, eos_token_id=stops,
+                               pad_token_id=pad)
     criteria = StoppingCriteriaList([_Stream(decode, width, stream)] if stream else [])
-    strings = StopStrings(decode, stop, start=width) if stop else None
+    strings = StopStrings(decode, decoding.stop, start=width) if decoding.stop else None
     if strings:
         criteria.append(strings)
     out = HuggingFaceGenerationAdapter(app).generate(input_ids, attention_mask=attention_mask,

@@ -1,7 +1,7 @@
 """The NxDI model in NxD's CPU mode: `kimi-k2-neuron logits|generate --backend nxdi-cpu`, scripts' `--cpu`, and the
 nxdi-cpu test tier. Everything but tracing, neuronx-cc, NKI kernels, Neuron collectives and HBM is what trn2 runs;
 MoEPaths names the torch path taken where NxD's is device-only. One bucket per submodel: the context bucket is seq_len,
-or the chunk with --prefill-chunk (NXDI_CONTRACT.md: bucket-positions).
+or the chunk with --prefill-chunk (NXD_CPU_MODE.md: bucket-positions).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from kimi_k2_neuron.neuron.contract import require_neuron_sdk
+from kimi_k2_neuron.neuron.sdk import require_neuron_sdk
 
 require_neuron_sdk()
 
@@ -30,18 +30,21 @@ from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.chunked_prefill import hidden_rows  # noqa: E402
-from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM  # noqa: E402
+from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig  # noqa: E402
+from kimi_k2_neuron.neuron.serving import Decoding, generate_ids  # noqa: E402
+from kimi_k2_neuron.neuron.spec import GREEDY, Sampling  # noqa: E402
+from kimi_k2_neuron.nxdi_cpu.cpu_mode import CpuKimiK2ForCausalLM  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
 from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
-                                             check_request, context_length, padded_seq_len, prefill_mode,
-                                             prefill_rows)
+                                             check_request, padded_seq_len, request_spec)
 
 
-def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
+def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None = None,
             prompts: list[list[int]] | None = None) -> CpuOptions:
     """o checked before anything is converted or a rank starts, a raw checkpoint converted once here rather than by
-    every rank, and the converted config and record carried in o."""
-    cfg = check_request(o, seq_len, batch, sampling, prompts)
+    every rank, and the converted config and record carried in o (o.config: the caller's read of o.model's
+    config.json, if it has one)."""
+    cfg = check_request(o, seq_len, batch, sampling, prompts, cfg=o.config)
     record = ConversionRecord.of(cfg)
     path = Path(o.model)
     if record is None:
@@ -60,30 +63,28 @@ def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
     return ensure_converted(o.model, experts, dst=dst)
 
 
-def build(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None) -> NeuronKimiK2ForCausalLM:
+def build(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None = None) -> CpuKimiK2ForCausalLM:
     """`sampling`: the on-device sampler's settings, None for logits out."""
     return application(o, seq_len, batch, sampling).to_cpu(o.presharded)
 
 
-def application(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None = None,
-                on_cpu: bool = True) -> NeuronKimiK2ForCausalLM:
-    """As compile_and_save builds it, nothing built yet. on_cpu False: NxDI's device sampler branches."""
-    if o.config is None:
+def application(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None = None,
+                on_cpu: bool = True) -> CpuKimiK2ForCausalLM:
+    """As compile_and_save builds it, nothing built yet. `sampling` None: logits out; on_cpu False: NxDI's device
+    sampler branches."""
+    if o.record is None:
         o = prepare(o, seq_len, batch, sampling)
-    seq_len = padded_seq_len(o, seq_len)
-    opts = contract.ServeOptions(
-        tp=o.tp, ep=o.ep, lnc=None, seq_len=seq_len, batch=batch, scheme=o.record.scheme, checkpoint=o.model,
-        moe_prefill=prefill_mode(o.config, o, context_length(o, seq_len) * prefill_rows(o, batch)),
-        continuous_batching=o.continuous_batching, layout=o.layout,
-        on_device_sampling=sampling is not None, **(sampling or {}), output_logits=sampling is not None and not on_cpu,
+    spec = dataclasses.replace(
+        request_spec(o, seq_len, batch), scheme=o.record.scheme, checkpoint=o.model,
+        sampling=sampling or Sampling(on_device=False), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype],
                **({"flash_decoding_enabled": True} if o.flash_decoding_one_rank else {})})
-    return NeuronKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, opts))
+    return CpuKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, spec))
 
 
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     """shard_weights as compile() runs it, outside CPU mode: there NxD would ask the mocked torch.distributed for
-    gloo groups (NXDI_CONTRACT.md: sharding-outside-cpu-mode)."""
+    gloo groups (NXD_CPU_MODE.md: sharding-outside-cpu-mode)."""
     app = application(o, seq_len, batch)
     with nxd_cpu_mode(False):
         app.shard_weights(str(out))
@@ -92,7 +93,7 @@ def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
 
 @contextlib.contextmanager
 def nxd_cpu_mode(on: bool):
-    """NxD reads NXD_CPU_MODE at every cpu_mode() call (NXDI_CONTRACT.md: cpu-mode-switch)."""
+    """NxD reads NXD_CPU_MODE at every cpu_mode() call (NXD_CPU_MODE.md: cpu-mode-switch)."""
     previous = os.environ.get("NXD_CPU_MODE")
     os.environ["NXD_CPU_MODE"] = "1" if on else "0"
     try:
@@ -108,7 +109,7 @@ def nxd_cpu_mode(on: bool):
 
 class MoEPaths:
     """The ExpertMLPsV2 path each MoE call takes, by forward pre-hooks (nothing patched); on CPU every blockwise mode
-    runs NxD's torch loop, so the report names trn2's kernel (NXDI_CONTRACT.md: nki-kernel-on-cpu)."""
+    runs NxD's torch loop, so the report names trn2's kernel (NXD_CPU_MODE.md: nki-kernel-on-cpu)."""
 
     def __init__(self, app):
         self.seen: dict[str, set[str]] = {}
@@ -208,14 +209,14 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[in
 
 
 def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
-    """Names NxD's CPU-mode FP8 indexing bug (NXDI_CONTRACT.md: cpu-fp8-index)."""
+    """Names NxD's CPU-mode FP8 indexing bug (NXD_CPU_MODE.md: cpu-fp8-index)."""
     try:
         return app.forward(input_ids=ids, attention_mask=mask, position_ids=pos, seq_ids=seq_ids).logits.float()
     except NotImplementedError as e:
         if "Float8" in str(e) and "index" in str(e):
             raise KimiInputError(
                 "NxD's QuantizedExpertFusedColumnParallel.forward re-indexes its float8 weight on CPU without its "
-                "int8-view workaround (NXDI_CONTRACT.md: cpu-fp8-index), so FP8 selective loading fails "
+                "int8-view workaround (NXD_CPU_MODE.md: cpu-fp8-index), so FP8 selective loading fails "
                 "in CPU mode; NxD needs that two-line fix (the nxdi-cpu test venv carries it)") from e
         raise
 
@@ -224,7 +225,7 @@ def _forward(app, ids, mask, pos, seq_ids) -> torch.Tensor:
 
 def run(o: CpuOptions, job, *args):
     """job(rank, o, *args) at o.tp ranks -> rank 0's result. `job` module-level (ranks are spawned)."""
-    if o.config is None:
+    if o.record is None:
         raise ValueError("run() takes options prepare() made")
     if o.tp == 1:
         with library_output_to_stderr():
@@ -286,7 +287,6 @@ def generate(o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]]
 def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple[list[list[int]], str]:
     from kimi_k2_neuron.runtime.chat import reply_text
 
-    from kimi_k2_neuron.neuron.serving import generate_ids
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     torch.manual_seed(g.seed)  # the same on every rank: the sampler draws the same numbers everywhere
@@ -294,15 +294,14 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
     tok = KimiTokenizer.from_dir(g.tokenizer_dir) if g.tokenizer_dir else None
     decode = partial(reply_text, tok) if tok else None
     paths = MoEPaths(app)
-    rows = generate_ids(app, g.rows, set(g.stop_ids), decode=decode, max_new_tokens=g.max_new_tokens,
-                        do_sample=g.do_sample, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                        stream=stream if rank == 0 else None, stop=g.stop)
+    rows = generate_ids(app, g.rows, set(g.stop_ids), Decoding(g.max_new_tokens, g.sampling, g.stop), decode=decode,
+                        stream=stream if rank == 0 else None)
     return rows, paths.report()
 
 
 # -- NxDI's benchmark -------------------------------------------------------------------------------------------------
 
-BENCH_SAMPLING = contract.sampler_settings(0.0, 0, 1.0)  # greedy, as benchmark_sampling runs on trn2
+BENCH_SAMPLING = GREEDY  # as benchmark_sampling runs on trn2
 
 
 def benchmark(o: CpuOptions, seq_len: int, batch: int, num_runs: int) -> dict:
@@ -315,7 +314,7 @@ def _benchmark_job(rank: int, o: CpuOptions, seq_len: int, batch: int, num_runs:
     from transformers import GenerationConfig
 
     app = build(o, seq_len=seq_len, batch=batch, sampling=BENCH_SAMPLING)
-    gen = GenerationConfig(**BENCH_SAMPLING, eos_token_id=[], pad_token_id=0)
+    gen = GenerationConfig(**BENCH_SAMPLING.settings, eos_token_id=[], pad_token_id=0)
     with tempfile.TemporaryDirectory() as d:
         return benchmark_sampling(app, None, gen, target="all", num_runs=num_runs,
                                   benchmark_report_path=str(Path(d) / "nxdi.json"))

@@ -1,10 +1,10 @@
-"""One NxDI submodel traced with torch_xla on the XLA CPU device as NxD traces it for neuronx-cc (NXDI_CONTRACT.md:
+"""One NxDI submodel traced with torch_xla on the XLA CPU device as NxD traces it for neuronx-cc (NXD_CPU_MODE.md:
 aot-build), `kimi-k2-neuron trace-cpu`: on trn2 a host sync, a data-dependent shape or an op torch_xla cannot lower
 shows up only as a failed or exploding compile. An eager prefill and decode step record the call NxDI's wrapper makes
-(NXDI_CONTRACT.md: wrapper-inputs); it is replayed on the XLA device in NxD's device mode, so NxD takes its tracing
+(NXD_CPU_MODE.md: wrapper-inputs); it is replayed on the XLA device in NxD's device mode, so NxD takes its tracing
 branches, and torch_xla's metrics and debug log name each sync and aten fallback. Not shown: KV-cache aliasing, NKI
 kernels, neuronx-cc's verdict, HBM, and TP > 1, which ModelBuilder traces under a mocked torch.distributed
-(NXDI_CONTRACT.md: mock-distributed)."""
+(NXD_CPU_MODE.md: mock-distributed)."""
 
 from __future__ import annotations
 

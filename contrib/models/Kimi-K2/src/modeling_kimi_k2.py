@@ -19,10 +19,11 @@ from kimi_k2_neuron.neuron import (
     NeuronKimiK2Model,
     NxDParallelContext,
 )
-from kimi_k2_neuron.neuron.contract import ServeOptions, neuron_config_kwargs
-from kimi_k2_neuron.neuron.serving import compile_model, generate, load_compiled
+from kimi_k2_neuron.neuron.contract import neuron_config_kwargs
+from kimi_k2_neuron.neuron.fit import format_plan, plan
+from kimi_k2_neuron.neuron.serving import Decoding, compile_model, generate, load_compiled
+from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-from kimi_k2_neuron.plan import format_plan, plan
 
 __all__ = [
     "NeuronKimiK2ForCausalLM",
@@ -36,10 +37,11 @@ __all__ = [
     "ConversionRecord",
     "plan",
     "format_plan",
-    "ServeOptions",
+    "RunSpec",
     "neuron_config_kwargs",
     "compile_model",
     "load_compiled",
     "KimiTokenizer",
     "generate",
+    "Decoding",
 ]

@@ -43,25 +43,25 @@ pytestmark = [pytest.mark.trn2, pytest.mark.skipif(SKIP is not None, reason=SKIP
 def served(tmp_path_factory):
     """(loaded application, converted checkpoint, KimiK2Config) of the tiny model."""
     from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
-    from modeling_kimi_k2 import (DEFAULT_SCHEME, ConversionRecord, KimiK2Config, ServeOptions, compile_model, convert,
+    from modeling_kimi_k2 import (DEFAULT_SCHEME, ConversionRecord, KimiK2Config, RunSpec, compile_model, convert,
                                   load_compiled)
 
     root = tmp_path_factory.mktemp("kimi-k2-tiny")
     checkpoint = root / "converted"
     convert(make_tiny(root / "raw", quant="fp8"), checkpoint, DEFAULT_SCHEME, progress=False)
     # moe_prefill torch: the tiny model's hidden size is below NxD's prefill kernels'
-    options = ServeOptions(tp=TP, lnc=LNC, seq_len=128, max_context_length=64, batch=2, checkpoint=str(checkpoint),
-                           output_logits=True, quant_record=ConversionRecord.read(checkpoint).nxd, moe_prefill="torch")
+    spec = RunSpec(tp=TP, lnc=LNC, seq_len=128, max_context_length=64, batch=2, checkpoint=str(checkpoint),
+                   output_logits=True, scheme=ConversionRecord.read(checkpoint).scheme, moe_prefill="torch")
     # traces both submodels, compiles, pre-shards per rank
-    compile_model(KimiK2Config.from_file(checkpoint), checkpoint, root / "compiled", options)
+    compile_model(KimiK2Config.from_file(checkpoint), checkpoint, root / "compiled", spec)
     return load_compiled(root / "compiled", checkpoint), checkpoint, KimiK2Config.from_file(checkpoint)
 
 
 def test_generates_from_prompts_of_two_lengths(served):
-    from kimi_k2_neuron.neuron.serving import generate_ids
+    from kimi_k2_neuron.neuron.serving import Decoding, generate_ids
 
     app, _, cfg = served
-    rows = generate_ids(app, [[11, 12, 13, 14, 15], list(range(20, 29))], stop_ids=set(), max_new_tokens=8)
+    rows = generate_ids(app, [[11, 12, 13, 14, 15], list(range(20, 29))], set(), Decoding(max_new_tokens=8))
     assert [len(r) for r in rows] == [8, 8]
     assert all(0 <= t < cfg.vocab_size for r in rows for t in r)
 

@@ -43,8 +43,9 @@ def converted(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def shell() -> types.SimpleNamespace:
-    """kimi_k2_neuron.neuron's modules that need no Neuron SDK: contract (what Kimi requires of NxDI, the key map)
-    and loader (the converted checkpoint, memory-mapped)."""
-    from kimi_k2_neuron.neuron import contract, loader
+    """kimi_k2_neuron.neuron's modules that need no Neuron SDK: spec (one run's settings), rules (what NxD cannot
+    compile), contract (the NeuronConfig Kimi sets), loader (the converted checkpoint in NxD's names, memory-mapped),
+    fit (the planner) and sdk (is the Neuron SDK here)."""
+    from kimi_k2_neuron.neuron import contract, fit, loader, rules, sdk, spec
 
-    return types.SimpleNamespace(contract=contract, loader=loader)
+    return types.SimpleNamespace(spec=spec, rules=rules, contract=contract, loader=loader, fit=fit, sdk=sdk)

@@ -11,7 +11,8 @@ from kimi_k2_neuron.formats import DEFAULT_SCHEME
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, scheme_for
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.rope import softmax_scale
-from kimi_k2_neuron.plan import plan
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.spec import RunSpec
 
 
 @pytest.mark.parametrize("name,factor,context,eos,quant", [
@@ -33,7 +34,7 @@ def test_each_checkpoint_is_read_from_its_config_json(configs, name, factor, con
 def _recommended(shell, cfg, **over):
     """TP=64 at LNC=2, batch 1, seq_len 1024, fp8-blockwise experts, as converted from an FP8 checkpoint."""
     scheme = scheme_for(DEFAULT_SCHEME, "fp8")
-    return shell.contract.ServeOptions(**{"tp": 64, "checkpoint": "/converted", "scheme": scheme, **over})
+    return shell.spec.RunSpec(**{"tp": 64, "checkpoint": "/converted", "scheme": scheme, **over})
 
 
 def test_the_recommended_configuration_compiles_with_this_neuron_config(kimi, shell):
@@ -59,11 +60,11 @@ def test_the_recommended_configuration_compiles_with_this_neuron_config(kimi, sh
 ])
 def test_what_cannot_compile_is_refused_in_one_line(kimi, shell, over, needle):
     with pytest.raises(KimiInputError) as e:
-        shell.contract.check_serve_options(kimi, _recommended(shell, kimi, **over))
+        shell.rules.check(kimi, _recommended(shell, kimi, **over))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_recommended_configuration_fits_and_bf16_experts_do_not(kimi):
     """Per logical core of a trn2.48xlarge (24 GiB HBM), by the planner's estimate."""
-    assert plan(kimi, 64, 1, 2, 1024, 1, scheme_for(DEFAULT_SCHEME, "fp8")).fits
-    assert not plan(kimi, 64, 1, 2, 1024, 1, BF16_EXPERTS).fits
+    assert plan(kimi, RunSpec(tp=64, lnc=2, seq_len=1024, batch=1, scheme=scheme_for(DEFAULT_SCHEME, "fp8"))).fits
+    assert not plan(kimi, RunSpec(tp=64, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS)).fits

@@ -34,7 +34,7 @@ def nxd_router(shell):
     try:
         from kimi_k2_neuron.neuron.modeling import NxDRouter
     except ImportError as e:
-        pytest.skip(str(e).split(";")[0] + ": " + ", ".join(shell.contract.missing_neuron_packages()))
+        pytest.skip(str(e).split(";")[0] + ": " + ", ".join(shell.sdk.missing_neuron_packages()))
     return NxDRouter
 
 

@@ -13,13 +13,13 @@ from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
-from kimi_k2_neuron.plan import format_plan, plan
+from kimi_k2_neuron.neuron.fit import format_plan, plan
 
 
 def _state(shell, dst, tp=2):
     """The Neuron model's state dict from a converted checkpoint, as its checkpoint_loader_fn builds it."""
     nc = types.SimpleNamespace(**ConversionRecord.read(dst).nxd, tp_degree=tp)  # what MoENeuronConfig takes of it
-    return shell.contract.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
+    return shell.loader.to_neuron_state_dict(shell.loader.mmap_checkpoint(dst), KimiK2Config.from_file(dst), nc)
 
 
 @pytest.mark.parametrize("quant", ["fp8", "int4"])
@@ -27,7 +27,7 @@ def test_the_converted_checkpoint_is_what_the_neuron_model_loads(converted, shel
     _, dst, _ = converted[quant]
     state = _state(shell, dst)  # strict: raises on a missing or unexpected tensor, shape or dtype
     cfg = KimiK2Config.from_file(dst)
-    assert set(state) == shell.contract.expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
+    assert set(state) == shell.loader.expected_keys(cfg, ConversionRecord.of(cfg).scheme) | {"rank_util.rank"}
 
 
 def _nxd_experts(state, layer, e, i):
@@ -58,15 +58,14 @@ def test_the_usage_steps_before_compiling(converted, shell):
     cfg = KimiK2Config.from_file(dst)
     scheme = ConversionRecord.of(cfg).scheme
     # torch: the tiny model's hidden size is below NxD's prefill kernels'
-    p = plan(cfg, 2, 1, 2, 128, 2, scheme, moe_prefill="torch")
+    spec = shell.spec.RunSpec(tp=2, seq_len=128, batch=2, checkpoint=str(dst), scheme=scheme, moe_prefill="torch")
+    p = plan(cfg, spec)
     assert p.fits and "fits: yes" in format_plan(p)
-    options = shell.contract.ServeOptions(tp=2, seq_len=128, batch=2, checkpoint=str(dst), scheme=scheme,
-                                          moe_prefill="torch")
-    assert shell.contract.neuron_config_kwargs(cfg, options)["quantization_block_size"] == [32, 32]
+    assert shell.contract.neuron_config_kwargs(cfg, spec)["quantization_block_size"] == [32, 32]
 
 
 def test_the_entry_module_exports_the_model_or_names_the_missing_sdk(shell):
-    missing = shell.contract.missing_neuron_packages()
+    missing = shell.sdk.missing_neuron_packages()
     if not missing:
         import modeling_kimi_k2
 

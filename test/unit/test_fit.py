@@ -12,7 +12,8 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import expert_scheme
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_scheme
 from kimi_k2_neuron.parallel import Layout
-from kimi_k2_neuron.plan import GiB, MiB, format_plan, max_batch, max_seq_len, plan
+from kimi_k2_neuron.neuron.fit import GiB, MiB, format_plan, max_batch, max_seq_len, plan
+from kimi_k2_neuron.neuron.spec import RunSpec
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 KIMI = CONFIGS / "kimi-k2-instruct-0905.json"
@@ -32,6 +33,17 @@ def dsv3():
 
 
 CONTRIB = dict(kv_slots=2, router_dtype="bf16")
+MODELLED = ("kv_slots", "router_dtype")  # plan()'s model of other ports, beside the spec
+
+
+def spec(**fields) -> RunSpec:
+    return RunSpec(**fields)
+
+
+def planned(cfg, args: dict):
+    """plan() of one dict of the spec's fields and plan()'s other keywords."""
+    return plan(cfg, spec(**{k: v for k, v in args.items() if k not in MODELLED}),
+                **{k: args[k] for k in MODELLED if k in args})
 
 
 # What `convert` writes from an FP8 (or BF16) source (formats/scheme.py), and unquantized experts.
@@ -51,7 +63,7 @@ def _row(p, prefix):
 # --- known facts -----------------------------------------------------------------------------------------------
 
 def test_kimi_bf16_experts_do_not_fit_at_tp64(kimi):
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS)
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS))
     assert not p.fits
     experts_gb = _row(p, "routed experts") / 1e9
     assert 31 < experts_gb < 33  # nxdi_contracts §6: "BF16 experts (≈ 32 GB per rank) do not fit"
@@ -59,7 +71,7 @@ def test_kimi_bf16_experts_do_not_fit_at_tp64(kimi):
 
 def test_kimi_fp8_fits_at_tp64_seq1024(kimi):
     for fmt in ("fp8-blockwise", "fp8-per-channel"):
-        p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=_scheme(kimi, fmt))
+        p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=_scheme(kimi, fmt)))
         assert p.fits and p.headroom_bytes > 2.5 * GiB, fmt  # 2.92 GiB per-channel, 3.48 blockwise (README)
         assert 15.5 < _row(p, "routed experts (") / 1e9 < 16.2  # nxdi_contracts §6: ≈ 15.9 GB per rank
 
@@ -67,30 +79,28 @@ def test_kimi_fp8_fits_at_tp64_seq1024(kimi):
 # The two DeepSeek-V3 facts bracket the runtime's reservation (plan.RUNTIME_RESERVED_BYTES), so they hold by
 # calibration: these tests keep the bracket and the constants consistent. The Kimi facts above are independent.
 def test_dsv3_bf16_fits_at_seq512(dsv3):
-    assert plan(dsv3, tp=64, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS, **CONTRIB).fits
+    assert plan(dsv3, spec(tp=64, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS), **CONTRIB).fits
 
 
 def test_dsv3_bf16_does_not_fit_at_seq1024(dsv3):
-    assert not plan(dsv3, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS, **CONTRIB).fits
+    assert not plan(dsv3, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS), **CONTRIB).fits
 
 
 def test_dsv3_bf16_is_marginal_and_the_reservation_is_inside_its_bracket(dsv3):
-    p512, p1024 = (plan(dsv3, tp=64, ep=1, lnc=2, seq_len=s, batch=1,
-                        scheme=BF16_EXPERTS, **CONTRIB) for s in (512, 1024))
+    p512, p1024 = (plan(dsv3, spec(tp=64, ep=1, lnc=2, seq_len=s, batch=1, scheme=BF16_EXPERTS), **CONTRIB) for s in (512, 1024))
     assert p1024.headroom_bytes < 0 < p512.headroom_bytes < 0.1 * GiB
     # Per-rank weights with the contrib's bf16 router match its ~21.4 GB (GiB) per-rank checkpoint files.
     assert abs(p512.weight_bytes / GiB - 21.4) < 0.1
     # Its own explanation, "CTE scratchpad (512MB) + TKG (23.1GB)", is this planner's seq-1024 total.
     assert abs(p1024.total_bytes / GiB - (23.1 + 0.5)) < 0.05
     # This port needs 0.16 GiB more at seq 512 (its fp32 router outweighs the latent-only cache): it does not fit.
-    assert not plan(dsv3, tp=64, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS).fits
+    assert not plan(dsv3, spec(tp=64, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS)).fits
 
 
 def test_dsv3_needs_tp64_lnc2(dsv3):
-    assert not plan(dsv3, tp=32, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS, **CONTRIB).fits  # ~40 GB/rank
+    assert not plan(dsv3, spec(tp=32, ep=1, lnc=2, seq_len=512, batch=1, scheme=BF16_EXPERTS), **CONTRIB).fits  # ~40 GB/rank
     # 12 GiB/core; at LNC=1 NxD has no prefill kernel, its torch loop runs
-    assert not plan(dsv3, tp=64, ep=1, lnc=1, seq_len=512, batch=1,
-                    scheme=BF16_EXPERTS, moe_prefill="torch", **CONTRIB).fits
+    assert not plan(dsv3, spec(tp=64, ep=1, lnc=1, seq_len=512, batch=1, scheme=BF16_EXPERTS, moe_prefill="torch"), **CONTRIB).fits
 
 
 # --- byte counts by hand -----------------------------------------------------------------------------------------
@@ -119,7 +129,7 @@ def test_total_params_match_hand_count(kimi, dsv3):
     # 2 * 1,026,408,232,448 + 2 * 165,173,760 = 2,053,146,812,416; 2 * 671,026,419,200 + 2 * 106,445,312
     # = 1,342,265,729,024.
     for cfg, weight_bytes in ((kimi, 2_053_146_812_416), (dsv3, 1_342_265_729_024)):
-        assert plan(cfg, tp=1, ep=1, lnc=2, seq_len=1, batch=1, scheme=BF16_EXPERTS).weight_bytes == weight_bytes
+        assert plan(cfg, spec(tp=1, ep=1, lnc=2, seq_len=1, batch=1, scheme=BF16_EXPERTS)).weight_bytes == weight_bytes
     assert (2 * KIMI_PARAMS + 2 * KIMI_ROUTER, 2 * DSV3_PARAMS + 2 * DSV3_ROUTER) == (2_053_146_812_416,
                                                                                     1_342_265_729_024)
 
@@ -129,37 +139,37 @@ def test_expert_scale_shapes_at_tp64(kimi):
     # [128, 32] blocks: a rank's 2048 / 64 = 32 down rows hold no whole 128-row block, which NxD would collapse to one
     # scale per rank; refused (such scales shard for expert TP <= 16 only)
     with pytest.raises(KimiInputError, match=r"shard only \[1, 2, 4, 8, 16\] ways"):
-        plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=ExpertScheme("fp8-blockwise", (128, 32)))
+        plan(c, spec(tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=ExpertScheme("fp8-blockwise", (128, 32))))
     # What the converter writes for an FP8 source, [32, 32]: gate_up [E, 7168/32, 64/32], down [E, 32/32, 7168/32]:
     # 60 * 384 * (224*2 + 1*224) * 4 = 61,931,520.
-    blockwise = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=BLOCKWISE)
+    blockwise = plan(c, spec(tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=BLOCKWISE))
     assert _row(blockwise, "routed expert scales") == 61_931_520
     # ... and for an INT4 source, [32, 1] (one scale per INT4 group): gate_up [E, 224, 64], down [E, 1, 7168]:
     # 60 * 384 * (224*64 + 1*7168) * 4 = 1,981,808,640.
     thinking = KimiK2Config.from_file(KIMI.parent / "kimi-k2-thinking.json")
-    int4 = plan(thinking, tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=_scheme(thinking, "fp8-blockwise"))
+    int4 = plan(thinking, spec(tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=_scheme(thinking, "fp8-blockwise")))
     assert _row(int4, "routed expert scales") == 1_981_808_640
     # Per channel: [E, 1, 2I/tp] + [E, 1, H] = 60 * 384 * (2*32 + 7168) * 4 = 666,501,120.
-    per_channel = plan(c, tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=PER_CHANNEL)
+    per_channel = plan(c, spec(tp=64, ep=1, lnc=2, seq_len=1, batch=1, scheme=PER_CHANNEL))
     assert _row(per_channel, "routed expert scales") == 666_501_120
     # --ep splits experts inside the 64 ranks: E/16 experts, each 64/16 = 4 ways; the same expert bytes per rank:
     # 60 MoE layers x 24 experts x 3 x 7168 x 512 fp8 bytes = 15,854,469,120. (seq_len 16: 48 x 16 = 768 tokens,
     # whole 128-token tiles for the shard-on-block kernel.)
-    ep16 = plan(c, tp=64, ep=16, lnc=2, seq_len=16, batch=48, scheme=PER_CHANNEL)
+    ep16 = plan(c, spec(tp=64, ep=16, lnc=2, seq_len=16, batch=48, scheme=PER_CHANNEL))
     assert _row(ep16, "routed experts (") == 15_854_469_120
     assert _row(ep16, "routed experts (") == _row(per_channel, "routed experts (")
 
 
 def test_kv_cache_and_slots(kimi):
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, kv_slots=2)
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE), kv_slots=2)
     # 61 layers x 2 slots x 1024 tokens x 576 x 2 bytes = 143,917,056 (nxdi_contracts §1.4: 144 MB at B=1, S=1K)
     assert p.kv_cache.bytes == 143_917_056
-    one = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=4, scheme=BLOCKWISE)
+    one = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=4, scheme=BLOCKWISE))
     assert one.kv_cache.bytes == p.kv_cache.bytes * 4 // 2  # our latent-only cache is the default
 
 
 def test_roofline(kimi):
-    p1 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE)
+    p1 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE))
     assert p1.active_experts_per_layer == pytest.approx(kimi.num_experts_per_tok)
     assert p1.hbm_bytes_per_s == pytest.approx(2.9e12 / 4)
     # Bytes one decode step reads on a core, by hand: every non-expert weight, 61 layers of attention replicated
@@ -171,12 +181,12 @@ def test_roofline(kimi):
     # = 331,591,680; the latent cache 61*1024*576*2 = 71,958,528: 3,208,761,568 bytes, / 725 GB/s = 4.426 ms.
     assert p1.bytes_per_token == 3_208_761_568
     assert p1.tpot_lower_bound_s == pytest.approx(3_208_761_568 / 725e9)
-    p32 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=32, scheme=BLOCKWISE)
+    p32 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=32, scheme=BLOCKWISE))
     assert 8 < p32.active_experts_per_layer < kimi.n_routed_experts  # selective loading: the experts hit
     assert p32.bytes_per_token > p1.bytes_per_token
     # batch * top_k >= E: NxD runs every expert (expert_mlps_v2.py:1473-1478); with EP > 1 it always does
-    p48 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE)
-    ep4 = plan(kimi, tp=64, ep=4, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE)
+    p48 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE))
+    ep4 = plan(kimi, spec(tp=64, ep=4, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE))
     assert p48.active_experts_per_layer == kimi.n_routed_experts and ep4.active_experts_per_layer == 384 // 4
     # Lower bound: at least the expert bytes it is expected to touch, never more than everything on the core.
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
@@ -190,13 +200,13 @@ def test_roofline(kimi):
 def test_the_prefill_kernel_gets_every_local_expert_dequantized_for_both_fp8_schemes(kimi, experts):
     """Both schemes' scales are 3-D, so BlockwiseMatmulNKIFunc dequantizes all local experts before the kernel
     (NxD blockwise.py:955-967): a bf16 copy counted, its fp32 product reported as assumed fused."""
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=_scheme(kimi, experts))
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=_scheme(kimi, experts)))
     assert p.prefill_path == "shard-on-block" and p.prefill_blocks == 445  # ceil((1024 x 8 - 383) / 128) + 383
     assert _row(p, "prefill MoE temporaries") == 528_482_304
     assert p.unfused_fp32_bytes == 1_056_964_608
     # activations 0.5 GiB (calibrated, 1024 tokens) + 0.492 GiB of temporaries: two 512 MiB pages
     assert _row(p, "prefill activations") + _row(p, "prefill MoE temporaries") + _row(p, "prefill scratchpad") == GiB
-    bf16 = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS)
+    bf16 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS))
     assert _row(bf16, "prefill MoE temporaries") == 0 and bf16.unfused_fp32_bytes == 0  # used as they are
 
 
@@ -204,13 +214,13 @@ def test_all_experts_prefill_holds_every_expert_output(kimi):
     """forward_all_experts (expert_mlps_v2.py:366-391): every token through every local expert, so besides the bf16
     expert copies the [384, 1024, 64] gate_up, [384, 1024, 32] GLU and [384, 1024, 7168] down outputs, bf16:
     384 x 1024 x (64 + 32 + 7168) x 2 = 5,712,642,048 bytes."""
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="all-experts")
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="all-experts"))
     assert p.prefill_path == "all-experts" and p.prefill_blocks is None
     assert _row(p, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
     assert p.unfused_fp32_bytes == 1_056_964_608  # blockwise: weight x scale in fp32 (dequantize.py:121)
     assert not p.fits  # ~5.3 GiB more than the shard-on-block kernel at seq 1024
     # per-channel scales its outputs instead (dequantize.py:37-39): 384 x 1024 x (64 + 7168) x 4 = 11,374,952,448
-    pc = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=PER_CHANNEL, moe_prefill="all-experts")
+    pc = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=PER_CHANNEL, moe_prefill="all-experts"))
     assert _row(pc, "prefill MoE temporaries") == 528_482_304 + 5_712_642_048
     assert pc.unfused_fp32_bytes == 11_374_952_448
 
@@ -218,7 +228,7 @@ def test_all_experts_prefill_holds_every_expert_output(kimi):
 def test_torch_prefill_runs_one_block_of_one_expert_at_a_time(kimi):
     """The torch loop (expert_mlps_v2.py:1350-1405): one expert gathered and dequantized, 3 x 7168 x 32 x 2 =
     1,376,256 bytes, and one 512-token block's outputs, 512 x (96 + 7168) x 2 = 7,438,336."""
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="torch")
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="torch"))
     assert p.prefill_path == "torch" and p.prefill_blocks == 399
     assert _row(p, "prefill MoE temporaries") == 8_814_592
     assert "399 blocks per MoE layer unrolled into the graph" in format_plan(p)
@@ -235,7 +245,7 @@ def test_torch_prefill_runs_one_block_of_one_expert_at_a_time(kimi):
 ])
 def test_which_prefill_path_nxd_takes(kimi, seq_len, lnc, mode, path):
     tp = 64 if lnc == 2 else 32  # 128 logical cores at LNC=1, but 64 heads: TP 32 is the largest that divides
-    p = plan(kimi, tp=tp, ep=1, lnc=lnc, seq_len=seq_len, batch=1, scheme=PER_CHANNEL, moe_prefill=mode)
+    p = plan(kimi, spec(tp=tp, ep=1, lnc=lnc, seq_len=seq_len, batch=1, scheme=PER_CHANNEL, moe_prefill=mode))
     assert p.prefill_path == path
 
 
@@ -249,17 +259,16 @@ def test_which_prefill_path_nxd_takes(kimi, seq_len, lnc, mode, path):
 def test_kernel_prefill_modes_are_refused_where_their_kernel_cannot_run(kimi, kw, needle):
     args = dict(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE) | kw
     with pytest.raises(KimiInputError) as e:
-        plan(kimi, **args)
+        planned(kimi, args)
     assert needle in str(e.value)
     # the tile rule is on the whole prefill call: 3 rows x 1000 tokens = 3000 is refused, 3 x 1024 = 24 tiles is not
-    assert plan(kimi, **(args | dict(seq_len=1024, batch=3, lnc=2, tp=64,
-                                     moe_prefill="shard-on-block"))).prefill_path == "shard-on-block"
+    assert planned(kimi, args | dict(seq_len=1024, batch=3, lnc=2, tp=64,
+                                     moe_prefill="shard-on-block")).prefill_path == "shard-on-block"
 
 
 def test_shard_on_intermediate_where_each_core_gets_128_columns(kimi):
     """--ep 16 at --tp 64: experts split 4 ways, 512 columns per rank, 256 per physical core; block 256."""
-    p = plan(kimi, tp=64, ep=16, lnc=2, seq_len=128, batch=48, scheme=PER_CHANNEL,
-             moe_prefill="shard-on-intermediate")
+    p = plan(kimi, spec(tp=64, ep=16, lnc=2, seq_len=128, batch=48, scheme=PER_CHANNEL, moe_prefill="shard-on-intermediate"))
     assert p.prefill_path == "shard-on-intermediate"
     # 48 x 128 x 8 = 49,152 pairs, 24 local experts: ceil((49,152 - 23) / 256) + 23 = 192 + 23
     assert p.prefill_blocks == 215
@@ -269,12 +278,12 @@ def test_all_experts_decode_temporaries(kimi):
     """batch 48 x top-8 = 384 = E: decode runs every local expert (expert_mlps_v2.py:1473-1478). EP=1: 528,482,304
     + 384 x 48 x 7264 x 2 = 796,262,400 bytes. EP=16: 24 experts of I/4 = 512, the same 528,482,304 bytes of
     copies + 24 x 48 x (3 x 512 + 7168) x 2 = 548,536,320."""
-    p = plan(kimi, tp=64, ep=1, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE)
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE))
     assert p.decode_path == "all-experts" and _row(p, "decode MoE temporaries") == 796_262_400
-    ep16 = plan(kimi, tp=64, ep=16, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE)
+    ep16 = plan(kimi, spec(tp=64, ep=16, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE))
     assert _row(ep16, "decode MoE temporaries") == 548_536_320
     assert ep16.prefill_blocks == 407  # 48 x 128 tokens x 8 = 49,152 pairs: ceil((49,152 - 23) / 128) + 23
-    assert plan(kimi, tp=64, ep=1, lnc=2, seq_len=128, batch=47, scheme=BLOCKWISE).decode_path == "selective"
+    assert plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=47, scheme=BLOCKWISE)).decode_path == "selective"
 
 
 def test_glm_5_2_all_experts_prefill_fits_only_if_its_fp32_products_are_fused(dsv3):
@@ -287,8 +296,7 @@ def test_glm_5_2_all_experts_prefill_fits_only_if_its_fp32_products_are_fused(ds
     glm = dataclasses.replace(dsv3, hidden_size=6144, intermediate_size=12288, num_hidden_layers=78,
                               first_k_dense_replace=3, q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
                               qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, vocab_size=154880)
-    p = plan(glm, tp=64, ep=1, lnc=2, seq_len=2048, batch=1, scheme=ExpertScheme("fp8-blockwise", (32, 32)),
-             moe_prefill="all-experts", **CONTRIB)
+    p = plan(glm, spec(tp=64, ep=1, lnc=2, seq_len=2048, batch=1, scheme=ExpertScheme("fp8-blockwise", (32, 32)), moe_prefill="all-experts"), **CONTRIB)
     assert p.fits and 10 * p.headroom_bytes < 12.125 * GiB
 
 
@@ -296,18 +304,16 @@ def test_the_fallback_advice_is_what_the_planner_says_fits(kimi):
     """If the shard-on-block kernel fails to compile, the advice is the other modes the planner fits: at the
     recommended configuration the torch loop at 1024 tokens, and all-experts only with a smaller prefill bucket
     (at 1024 its [384, 1024, 7264] outputs do not fit)."""
-    from kimi_k2_neuron.plan import fallback_advice, prefill_fallbacks
+    from kimi_k2_neuron.neuron.fit import fallback_advice, prefill_fallbacks
 
-    plans = prefill_fallbacks(kimi, 64, 1, 2, 1024, 1, BLOCKWISE, "shard-on-block")
+    plans = prefill_fallbacks(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="shard-on-block"))
     assert {p.moe_prefill for p in plans} == {"torch", "all-experts"}  # shard-on-intermediate is refused at EP=1
     for p in plans:
-        again = plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE,
-                     context_len=p.context_len, moe_prefill=p.moe_prefill)
+        again = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, max_context_length=p.context_len, moe_prefill=p.moe_prefill))
         assert again.fits
     (all_experts,) = [p for p in plans if p.moe_prefill == "all-experts"]
     assert all_experts.context_len < 1024
-    assert not plan(kimi, tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE,
-                    context_len=all_experts.context_len + 1, moe_prefill="all-experts").fits
+    assert not plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, max_context_length=all_experts.context_len + 1, moe_prefill="all-experts")).fits
     text = fallback_advice(plans, "shard-on-block")
     assert "--moe-prefill torch:" in text and f"--max-context-length {all_experts.context_len}" in text
 
@@ -318,15 +324,13 @@ def test_max_seq_len_is_the_last_that_fits(kimi):
     """The shard-on-block kernel takes prefills of whole 128-token tiles, so the seq_lens it can compile step by
     128 / gcd(batch, 128): the next one does not fit, and the ones between are refused, not planned."""
     for batch, ep, step in ((1, 1, 128), (4, 1, 32), (48, 16, 8)):
-        p = max_seq_len(kimi, tp=64, ep=ep, lnc=2, batch=batch, scheme=BLOCKWISE)
+        p = max_seq_len(kimi, spec(tp=64, ep=ep, lnc=2, batch=batch, scheme=BLOCKWISE))
         assert p.fits and p.batch == batch and p.seq_len * batch % 128 == 0
-        assert not plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + step, batch=batch,
-                        scheme=BLOCKWISE).fits
+        assert not plan(kimi, spec(tp=64, ep=ep, lnc=2, seq_len=p.seq_len + step, batch=batch, scheme=BLOCKWISE)).fits
         with pytest.raises(KimiInputError, match="must be a multiple of 128"):
-            plan(kimi, tp=64, ep=ep, lnc=2, seq_len=p.seq_len + 1, batch=batch, scheme=BLOCKWISE)
-    torch_path = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=1, scheme=BLOCKWISE, moe_prefill="torch")
-    assert not plan(kimi, tp=64, ep=1, lnc=2, seq_len=torch_path.seq_len + 1, batch=1, scheme=BLOCKWISE,
-                    moe_prefill="torch").fits
+            plan(kimi, spec(tp=64, ep=ep, lnc=2, seq_len=p.seq_len + 1, batch=batch, scheme=BLOCKWISE))
+    torch_path = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=1, scheme=BLOCKWISE, moe_prefill="torch"))
+    assert not plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=torch_path.seq_len + 1, batch=1, scheme=BLOCKWISE, moe_prefill="torch")).fits
 
 
 def test_max_seq_len_searches_each_prefill_path_apart(kimi):
@@ -335,9 +339,9 @@ def test_max_seq_len_searches_each_prefill_path_apart(kimi):
     x 7264 x 2 = 351,461,376, where its blockwise loop at 64 holds one expert and one 512-token block, 8,814,592.
     So the bisection runs per path: batch 1 switches at 48 (48 x 8 = 384 experts) and, for torch, 64 (512, its
     block); shard-on-block (block 128) is blockwise from 48 tokens on, in steps of 128."""
-    from kimi_k2_neuron.plan import _constant_path_ranges
+    from kimi_k2_neuron.neuron.fit import _constant_path_ranges
 
-    at63, at64 = (plan(kimi, tp=64, ep=1, lnc=2, seq_len=s, batch=1, scheme=BLOCKWISE, moe_prefill="torch")
+    at63, at64 = (plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=s, batch=1, scheme=BLOCKWISE, moe_prefill="torch"))
                   for s in (63, 64))
     assert _row(at63, "prefill MoE temporaries") - _row(at64, "prefill MoE temporaries") == \
         528_482_304 + 351_461_376 - 8_814_592
@@ -352,7 +356,7 @@ def test_max_seq_len_searches_each_prefill_path_apart(kimi):
 
 def test_max_seq_len_with_a_fixed_prefill_is_kv_bound(kimi):
     """With a 1024-token prefill bucket only the KV cache grows: 61 layers x 576 x 2 bytes = 70,272 bytes a token."""
-    p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=1, scheme=BLOCKWISE, context_len=1024)
+    p = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=1, scheme=BLOCKWISE, max_context_length=1024))
     assert p.fits and p.context_len == 1024 and p.headroom_bytes < 70_272
     assert p.kv_cache.bytes == p.seq_len * 70_272
 
@@ -367,7 +371,7 @@ def test_max_seq_len_with_a_fixed_prefill_is_kv_bound(kimi):
 def test_bad_arguments(kimi, kw, needle):
     args = dict(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BF16_EXPERTS) | kw
     with pytest.raises(KimiInputError, match=needle):
-        plan(kimi, **args)
+        planned(kimi, args)
 
 
 # --- CLI -----------------------------------------------------------------------------------------------------
@@ -411,10 +415,8 @@ def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, 
     assert converted_cfg.quant is None  # the config alone would say a BF16 source, converted to [32, 32]
     # torch: the tiny model's hidden size is below the prefill kernels'
     raw = KimiK2Config.from_file(tiny_dirs["int4"])
-    with_record = plan(converted_cfg, tp=2, ep=1, lnc=2, seq_len=8, batch=1, moe_prefill="torch",
-                       scheme=expert_scheme(converted_cfg, ConversionRecord.of(converted_cfg), None))
-    source = plan(raw, tp=2, ep=1, lnc=2, seq_len=8, batch=1, scheme=expert_scheme(raw, None, "fp8-blockwise"),
-                  moe_prefill="torch")
+    with_record = plan(converted_cfg, spec(tp=2, ep=1, lnc=2, seq_len=8, batch=1, moe_prefill="torch", scheme=expert_scheme(converted_cfg, ConversionRecord.of(converted_cfg), None)))
+    source = plan(raw, spec(tp=2, ep=1, lnc=2, seq_len=8, batch=1, scheme=expert_scheme(raw, None, "fp8-blockwise"), moe_prefill="torch"))
     assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
 
 
@@ -510,14 +512,14 @@ LATENT_TOKEN = 61 * 576 * 2  # 70,272 bytes of latent per token, all layers (68.
 
 
 def _at(kimi, seq_len, batch, layout=Layout(), **kw):
-    return plan(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, batch=batch, scheme=BLOCKWISE, layout=layout, **kw)
+    return plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=seq_len, batch=batch, scheme=BLOCKWISE, layout=layout, **kw))
 
 
 def test_the_replicated_cache_row_is_todays(kimi):
     """The default layout is the README's: 7,168 tokens fit at batch 1 and 1,792 at batch 4 (whole 128-token tiles
     of the one-shot prefill), each the KV bound of 68.6 KiB per token on every rank."""
     for batch, want in ((1, 7168), (4, 1792)):
-        p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE)
+        p = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE))
         assert p.seq_len == want and p.fits and p.kv_cache.bytes == batch * want * LATENT_TOKEN
         assert p.cache_slots_per_rank == want and p.collectives == ()
 
@@ -605,7 +607,7 @@ def test_the_goals_fit_with_the_sequence_sharded_cache(kimi):
     (Layout(), 1024, None),
 ], ids=["seq 256K", "seq 128K", "sharded 256K", "sharded 128K", "replicated 1K"])
 def test_max_batch_is_the_last_that_fits(kimi, layout, seq_len, want):
-    p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=seq_len, scheme=BLOCKWISE, layout=layout)
+    p = max_batch(kimi, spec(tp=64, ep=1, lnc=2, seq_len=seq_len, scheme=BLOCKWISE, layout=layout))
     assert p.fits and (want is None or p.batch == want)
     assert not _at(kimi, seq_len, p.batch + 1, layout).fits
     if want is None and layout == Layout():  # one-shot prefill of batch x 1024 tokens: any batch tiles
@@ -613,8 +615,7 @@ def test_max_batch_is_the_last_that_fits(kimi, layout, seq_len, want):
 
 
 def test_max_batch_when_none_fits(kimi):
-    p = max_batch(kimi, tp=64, ep=1, lnc=2, seq_len=262144, scheme=BLOCKWISE,
-                  layout=Layout(prefill_chunk=1024))
+    p = max_batch(kimi, spec(tp=64, ep=1, lnc=2, seq_len=262144, scheme=BLOCKWISE, layout=Layout(prefill_chunk=1024)))
     assert p.batch == 1 and not p.fits
 
 
@@ -622,7 +623,7 @@ def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
     """The sharded cache at batch 16 holds 185,344 tokens (181 chunks of 1,024); the replicated cache with chunked
     prefill 48,128 at batch 1. Each is the last multiple of the chunk that fits."""
     for layout, batch, want in ((SEQ, 16, 185344), (Layout(prefill_chunk=1024), 1, 48128), (SEQ, 8, 262144)):
-        p = max_seq_len(kimi, tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout)
+        p = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout))
         assert p.seq_len == want and p.fits and p.seq_len % 1024 == 0
         if want < kimi.max_position_embeddings:
             assert not _at(kimi, want + 1024, batch, layout).fits
@@ -633,7 +634,7 @@ def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
     (Layout(kv_group=64), dict(seq_len=1000), "--seq-len 1000: with --kv-shard sequence must be a multiple"),
     (Layout(prefill_chunk=768), {}, "--prefill-chunk 768: must divide --seq-len 1024"),
     (Layout(kv_group=64, prefill_chunk=32), {}, "--prefill-chunk 32: must be a multiple of --kv-group"),
-    (Layout(prefill_chunk=512), dict(context_len=1024), "--max-context-length 1024: with --prefill-chunk 512"),
+    (Layout(prefill_chunk=512), dict(max_context_length=1024), "--max-context-length 1024: with --prefill-chunk 512"),
     (Layout(prefill_chunk=1000), dict(seq_len=2000), "a prefill of 1000 tokens"),
     (Layout(kv_group=64), dict(kv_slots=2), "--kv-slots 2: the sequence-sharded cache"),
     (Layout(kv_group=0), {}, "--kv-group"),
@@ -642,7 +643,7 @@ def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
         "bucket not the chunk", "chunk not in kernel tiles", "stock cache", "group 0", "tp past the cores"])
 def test_layouts_nxdi_cannot_run_are_refused(kimi, one_line_error, layout, kw, needle):
     args = dict(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, layout=layout) | kw
-    one_line_error(lambda: plan(kimi, **args), needle)
+    one_line_error(lambda: planned(kimi, args), needle)
 
 
 def test_cli_plans_the_long_context_layout(capsys):
@@ -698,6 +699,6 @@ def test_max_batch_with_ep_starts_where_ep_decodes(capsys):
     before), and the batch it finds fits while one more row does not (the long-context layout, 1024-token chunks)."""
     cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
     layout = Layout(kv_group=64, prefill_chunk=1024, shard_attn_a=True, shard_router=True)
-    found = max_batch(cfg, 64, 4, 2, 4096, BLOCKWISE, layout=layout)
+    found = max_batch(cfg, spec(tp=64, ep=4, lnc=2, seq_len=4096, scheme=BLOCKWISE, layout=layout))
     assert found.fits and found.batch >= 48
-    assert not plan(cfg, 64, 4, 2, 4096, found.batch + 1, BLOCKWISE, layout=layout).fits
+    assert not plan(cfg, spec(tp=64, ep=4, lnc=2, seq_len=4096, batch=found.batch + 1, scheme=BLOCKWISE, layout=layout)).fits

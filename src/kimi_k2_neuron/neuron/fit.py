@@ -2,25 +2,29 @@
 
 Per rank: weights, the MLA KV cache, the MoE layers' temporaries and a stated runtime allowance, against the HBM the
 runtime leaves; plus a roofline bound on decode time. Sharding follows the NxDI design (shared/reference/
-nxdi_contracts.md §1.4, §3.4, §3.6, §5.1) or issue 17's layout. It refuses what compile_and_save refuses (both call
-check_compile_options). These are estimates.
+nxdi_contracts.md §1.4, §3.4, §3.6, §5.1) or issue 17's layout. It plans a RunSpec and refuses what compile_and_save
+refuses (both apply rules.py). These are estimates.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import asdict, dataclass
 
-from .config import KimiK2Config
-from .errors import KimiInputError
-from .formats.layout import converted_tensors
-from .formats.scheme import BF16_EXPERTS, ExpertScheme
-from .neuron import moe_paths
-from .neuron.contract import (FD_RESERVED_SLOTS, cache_slots, check_compile_options, check_counts,
-                               check_moe_tp, prefill_batch)
-from .neuron.moe_paths import decodes_all_experts
-from .parallel import Layout
+from dataclasses import replace
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats.layout import converted_tensors
+from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
+from kimi_k2_neuron.parallel import Layout, slots_for
+
+from . import moe_paths, rules
+from .moe_paths import decodes_all_experts
+from .rules import check_counts
+from .spec import FD_RESERVED_SLOTS, RunSpec
 
 GiB = 2**30
 MiB = 2**20
@@ -52,9 +56,10 @@ BF16, FP8, FP32 = 2, 1, 4  # bytes per element
 
 @dataclass(frozen=True)
 class Row:
-    kind: str
+    kind: str  # as it prints
     dtype: str
     bytes: int
+    part: "Part | None" = None  # a weight row's part of the model
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,14 @@ class Plan:
     batch: int
     experts: str
     context_len: int  # tokens per sequence in one prefill call (the CTE bucket, NxDI max_context_length)
+    prefill_rows: int  # sequences in one prefill call
     moe_prefill: str  # moe_paths.MODES
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
     decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
     kv_slots: int
     layout: Layout
-    cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (contract.cache_slots)
+    cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (RunSpec.cache_slots)
     logical_cores: int
     capacity_bytes: int  # the logical core's HBM
     usable_bytes: int  # what the runtime leaves to the model (RUNTIME_RESERVED_BYTES less)
@@ -140,23 +146,23 @@ class Plan:
 
 def _div(n: int, parts: int) -> int:
     """One rank's share of n split `parts` ways, rounded up as NxD pads; exact for every plan, since
-    check_compile_options refuses splits that do not divide."""
+    the rules refuse splits that do not divide."""
     return -(-n // parts)
 
 
-def _check(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, batch, scheme, kv_slots, moe_prefill,
-           layout: Layout) -> None:
+def _check(cfg: KimiK2Config, spec: RunSpec, kv_slots: int) -> None:
+    """The shell's rules, and what only a plan can refuse."""
     if kv_slots not in (1, 2):
         raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
-    if lnc is None:
+    if spec.lnc is None:
         raise KimiInputError("--lnc None: the planner needs 1 or 2")
-    if layout.sequence_sharded and kv_slots != 1:
+    if spec.layout.sequence_sharded and kv_slots != 1:
         raise KimiInputError(f"--kv-slots {kv_slots}: the sequence-sharded cache is our latent-only manager's (1)")
-    check_compile_options(cfg, tp, ep, lnc, seq_len, context_len, batch, moe_prefill, layout)
-    if tp > _logical_cores(lnc):
-        raise KimiInputError(f"--tp {tp}: exceeds the {_logical_cores(lnc)} logical cores of a trn2.48xlarge at "
-                             f"--lnc {lnc}")
-    check_moe_tp(scheme, cfg, tp, ep)
+    rules.check_shapes(cfg, spec)
+    if spec.tp > _logical_cores(spec.lnc):
+        raise KimiInputError(f"--tp {spec.tp}: exceeds the {_logical_cores(spec.lnc)} logical cores of a "
+                             f"trn2.48xlarge at --lnc {spec.lnc}")
+    rules.check_experts(cfg, spec)
 
 
 def _logical_cores(lnc: int) -> int:
@@ -178,70 +184,82 @@ def _expert_scale_bytes(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertSchem
     return e_local * (gate_up + down) * FP32
 
 
-# The weight rows, in the order they print, and the first key fragment of the converted checkpoint's tensors each
-# holds (formats.layout.converted_tensors). q_a_proj and kv_a_proj_with_mqa are plain nn.Linear on every rank in the
-# NxDI design (§5.1); q_b/kv_b/o split by heads; the embedding along its embedding dim, lm_head along the vocab.
-_ROWS = (
-    ("attention q_a+kv_a", ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa.")),
-    ("attention q_b+kv_b+o (TP)", ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj.")),
-    ("norms (replicated)", ("layernorm.", "model.norm.")),
-    ("embedding (TP)", ("embed_tokens.",)),
-    ("lm_head (TP)", ("lm_head.",)),
-    ("dense MLP (TP)", ()),  # what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj
-    ("shared experts (TP)", ("shared_experts.",)),
-    ("router + bias", ("mlp.gate.",)),
-    ("routed experts (E/ep, I/(tp/ep))", ("mlp.expert_mlps.",)),
-)
-# Whole on every rank, unless the layout splits them (Layout.shard_attn_a / shard_router): then each rank holds
-# 1/tp of the output rows and gathers the output; the router's bias [E] stays whole (selection reads all of it).
-_ATTN_A, _ROUTER = "attention q_a+kv_a", "router + bias"
+class Part(str, enum.Enum):
+    """What a weight row holds, in the order the rows print; the value is its name where nothing is split that the
+    NxDI design replicates (_row_name)."""
+
+    ATTENTION_A = "attention q_a+kv_a"
+    ATTENTION_B = "attention q_b+kv_b+o (TP)"
+    NORMS = "norms (replicated)"
+    EMBEDDING = "embedding (TP)"
+    LM_HEAD = "lm_head (TP)"
+    DENSE_MLP = "dense MLP (TP)"
+    SHARED_EXPERTS = "shared experts (TP)"
+    ROUTER = "router + bias"
+    ROUTED_EXPERTS = "routed experts (E/ep, I/(tp/ep))"
+    EXPERT_SCALES = "routed expert scales"
+
+
+# The first key fragments of the converted checkpoint's tensors each part holds (formats.layout.converted_tensors);
+# the dense MLP is what is left: the first_k_dense_replace layers' mlp.{gate,up,down}_proj. q_a_proj and
+# kv_a_proj_with_mqa are plain nn.Linear on every rank in the NxDI design (§5.1); q_b/kv_b/o split by heads; the
+# embedding along its embedding dim, lm_head along the vocab.
+_KEYS = {
+    Part.ATTENTION_A: ("self_attn.q_a_proj.", "self_attn.kv_a_proj_with_mqa."),
+    Part.ATTENTION_B: ("self_attn.q_b_proj.", "self_attn.kv_b_proj.", "self_attn.o_proj."),
+    Part.NORMS: ("layernorm.", "model.norm."),
+    Part.EMBEDDING: ("embed_tokens.",),
+    Part.LM_HEAD: ("lm_head.",),
+    Part.SHARED_EXPERTS: ("shared_experts.",),
+    Part.ROUTER: ("mlp.gate.",),
+    Part.ROUTED_EXPERTS: ("mlp.expert_mlps.",),
+}
 _ROUTER_BIAS = "e_score_correction_bias"
 
 
-def _row_names(layout: Layout) -> dict[str, str]:
-    """Row -> its printed name under this layout: what is whole on every rank says replicated."""
-    split = {_ATTN_A: layout.shard_attn_a, _ROUTER: layout.shard_router}
-    out = {row: row for row, _ in _ROWS}
-    for row, sharded in split.items():
-        out[row] = f"{row} ({'TP, gathered' if sharded else 'replicated'})"
-    out[_ROUTER] = "router (TP, gathered) + bias (replicated)" if layout.shard_router else "router + bias (replicated)"
-    return out
+def _row_name(part: Part, layout: Layout, scheme: ExpertScheme) -> str:
+    """A row's printed name under this layout: what is whole on every rank says replicated. q_a/kv_a and the router
+    are whole on every rank unless the layout splits them (Layout.shard_attn_a / shard_router): then each rank holds
+    1/tp of the output rows and gathers the output; the router's bias [E] stays whole (selection reads all of it)."""
+    if part is Part.ATTENTION_A:
+        return f"{part.value} ({'TP, gathered' if layout.shard_attn_a else 'replicated'})"
+    if part is Part.ROUTER:
+        return "router (TP, gathered) + bias (replicated)" if layout.shard_router else "router + bias (replicated)"
+    if part is Part.EXPERT_SCALES:
+        return f"{part.value} ({scheme.name[4:]})"
+    return part.value
 
 
-def _split(row: str, key: str, layout: Layout) -> bool:
-    """Whether a tensor of this row is split across the tp ranks."""
-    if row == "norms (replicated)":
+def _split(part: Part, key: str, layout: Layout) -> bool:
+    """Whether a tensor of this part is split across the tp ranks."""
+    if part is Part.NORMS:
         return False
-    if row == _ATTN_A:
+    if part is Part.ATTENTION_A:
         return layout.shard_attn_a
-    if row == _ROUTER:
+    if part is Part.ROUTER:
         return layout.shard_router and not key.endswith(_ROUTER_BIAS)
     return True
 
 
-def _row_of(key: str) -> str:
-    return next((row for row, parts in _ROWS if any(p in key for p in parts)), "dense MLP (TP)")
+def _part_of(key: str) -> Part:
+    return next((part for part, frags in _KEYS.items() if any(f in key for f in frags)), Part.DENSE_MLP)
 
 
 def _weights(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32",
              layout: Layout = Layout()) -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
-    experts_dtype = "fp8" if scheme.quantized else "bf16"
-    dtypes = {row: "bf16" for row, _ in _ROWS} | {_ROUTER: router_dtype,
-                                                 "routed experts (E/ep, I/(tp/ep))": experts_dtype}
+    dtypes = {part: "bf16" for part in Part} | {Part.ROUTER: router_dtype, Part.EXPERT_SCALES: "fp32",
+                                                Part.ROUTED_EXPERTS: "fp8" if scheme.quantized else "bf16"}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
-    total = dict.fromkeys(dtypes, 0)
+    total = dict.fromkeys(Part, 0)
     for key, (_, shape) in converted_tensors(cfg, BF16_EXPERTS).items():
-        row = _row_of(key)
-        total[row] += math.prod(shape) // (tp if _split(row, key, layout) else 1) * size[dtypes[row]]
-    names = _row_names(layout)
-    rows = [Row(names[row], dtypes[row], total[row]) for row, _ in _ROWS]
+        part = _part_of(key)
+        total[part] += math.prod(shape) // (tp if _split(part, key, layout) else 1) * size[dtypes[part]]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    scales = _expert_scale_bytes(cfg, tp, ep, scheme)
-    if scales:
-        rows.append(Row(f"routed expert scales ({scheme.name[4:]})", "fp32", n_moe * scales))
-    return rows
+    total[Part.EXPERT_SCALES] = n_moe * _expert_scale_bytes(cfg, tp, ep, scheme)
+    return [Row(_row_name(part, layout, scheme), dtypes[part], total[part], part) for part in Part
+            if part is not Part.EXPERT_SCALES or total[part]]
 
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
@@ -271,9 +289,10 @@ def moe_temporaries(cfg: KimiK2Config, path: str, tokens: int, tp: int, ep: int,
     return counted, (fp32_weights + fp32_outputs) * FP32
 
 
-def _moe_runs(cfg: KimiK2Config, tp, ep, lnc, tokens, batch, scheme, moe_prefill) -> dict:
+def _moe_runs(cfg: KimiK2Config, spec: RunSpec) -> dict:
     """Selective-loading decode (~11 MB at TP=64) is in the calibrated runtime allowance; all-experts is counted."""
-    path = moe_paths.prefill_path(cfg, tokens, moe_prefill)
+    tp, ep, batch, scheme, tokens = spec.tp, spec.ep, spec.batch, spec.scheme, spec.prefill_tokens
+    path = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
     decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
     decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, scheme) if decode == "all-experts"
@@ -321,7 +340,7 @@ def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) -> 
     hg, g = _gathered_heads(cfg, tp, layout), layout.kv_group
     tile = min(QUERY_TILE, n)
     q = hg * n * cfg.latent_dim * BF16
-    scores = hg * tile * (slots + n // g) * 2 * FP32
+    scores = hg * tile * (slots + slots_for(n, g)) * 2 * FP32
     partials = hg * n * (cfg.kv_lora_rank + 1) * MERGE_DTYPE_BYTES
     return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles)", "mixed",
                q + scores + partials)
@@ -352,44 +371,42 @@ def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[flo
         active = float(e // ep)
     else:  # selective loading: uniform, independent routing misses an expert per token with probability 1 - k/E
         active = (e // ep) * (1 - (1 - k / e) ** batch)
-    experts = sum(r.bytes for r in weights if r.kind.startswith("routed"))  # weights and scales, every MoE layer
-    non_expert = sum(r.bytes for r in weights if not r.kind.startswith(("routed", "embedding")))
+    routed = (Part.ROUTED_EXPERTS, Part.EXPERT_SCALES)
+    experts = sum(r.bytes for r in weights if r.part in routed)  # weights and scales, every MoE layer
+    non_expert = sum(r.bytes for r in weights if r.part not in (*routed, Part.EMBEDDING))
     embed_rows = batch * _div(cfg.hidden_size, tp) * BF16
     experts_read = experts * active / (e // ep)
     kv_read = cfg.num_hidden_layers * batch * slots * cfg.latent_dim * BF16
     return active, int(non_expert + embed_rows + experts_read + kv_read)
 
 
-def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
-         kv_slots: int = 1, router_dtype: str = "fp32", context_len: int | None = None,
-         moe_prefill: str = moe_paths.DEFAULT_MODE, layout: Layout = Layout()) -> Plan:
-    """`context_len`: the prefill bucket, default the chunk, else seq_len. `kv_slots` 2 and `router_dtype` "bf16"
-    model other ports (NxDI's stock KV cache, a bf16 router)."""
-    context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
-    _check(cfg, tp, ep, lnc, seq_len, context, batch, scheme, kv_slots, moe_prefill, layout)
+def plan(cfg: KimiK2Config, spec: RunSpec, kv_slots: int = 1, router_dtype: str = "fp32") -> Plan:
+    """The spec's HBM and decode bound per logical core. `kv_slots` 2 and `router_dtype` "bf16" model other ports
+    (NxDI's stock KV cache, a bf16 router)."""
+    _check(cfg, spec, kv_slots)
     if router_dtype not in ("fp32", "bf16"):
         raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
+    tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, scheme, router_dtype, layout)
+    weights = _weights(cfg, tp, ep, spec.scheme, router_dtype, layout)
     # the stock KVCacheManager gives the latent a K and a same-width V slot
-    slots = cache_slots(seq_len, layout)
+    slots = spec.cache_slots
     where = f", {slots} slots/rank of G={layout.kv_group}" if layout.sequence_sharded else ""
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)}{where})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * slots * cfg.latent_dim * BF16)
-    tokens = prefill_batch(batch, layout) * context
-    moe = _moe_runs(cfg, tp, ep, lnc, tokens, batch, scheme, moe_prefill)
+    moe = _moe_runs(cfg, spec)
     chunk = _chunk_attention(cfg, tp, slots, layout)
-    allowance = _allowance(cfg, tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
+    allowance = _allowance(cfg, spec.prefill_tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
     total = sum(r.bytes for r in (*weights, kv, *allowance))
     active, per_token = _bytes_per_token(cfg, weights, tp, ep, slots, batch)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
-        model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=seq_len, batch=batch,
-        experts=scheme.name, context_len=context, moe_prefill=moe_prefill, prefill_path=moe["prefill_path"],
-        prefill_blocks=moe["prefill_blocks"], decode_path=moe["decode_path"], kv_slots=kv_slots, layout=layout,
-        cache_slots_per_rank=slots, logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
-        router_dtype=router_dtype,
+        model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
+        experts=spec.scheme.name, context_len=spec.context_length, prefill_rows=spec.prefill_batch,
+        moe_prefill=spec.prefill_mode(cfg), prefill_path=moe["prefill_path"], prefill_blocks=moe["prefill_blocks"],
+        decode_path=moe["decode_path"],        kv_slots=kv_slots, layout=layout, cache_slots_per_rank=slots, logical_cores=_logical_cores(lnc),
+        capacity_bytes=capacity, usable_bytes=usable, router_dtype=router_dtype,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance),
         collectives=tuple(_collectives(cfg, tp, layout)), total_bytes=total,
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], active_experts_per_layer=active,
@@ -397,23 +414,22 @@ def plan(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int
         assumptions=_assumptions(kv_slots, router_dtype, layout))
 
 
-def max_seq_len(cfg: KimiK2Config, tp: int, ep: int, lnc: int, batch: int, scheme: ExpertScheme,
-                context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
-                layout: Layout = Layout(), **kw) -> Plan:
-    """The plan at the largest seq_len that fits, else at the smallest tried (`fits` False). `kw` as plan()."""
+def max_seq_len(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
+    """The plan at the largest seq_len that fits (spec's own ignored), else at the smallest tried (`fits` False).
+    `kw` as plan()."""
     def at(seq_len: int) -> Plan:
-        return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
-                    layout=layout, **kw)
+        return plan(cfg, replace(spec, seq_len=seq_len), **kw)
 
+    layout, context_len, batch = spec.layout, spec.max_context_length, spec.batch
     fixed_prefill = [("--max-context-length", context_len)] if context_len is not None else []
-    check_counts(("--batch", batch), ("--ep", ep), *fixed_prefill,
-                 *((flag, v) for flag, v in (("--kv-group", layout.kv_group), ("--prefill-chunk", layout.prefill_chunk))
-                   if v is not None))  # the search ranges are computed from these
-    moe_paths.mode(moe_prefill)
+    check_counts(("--batch", batch), ("--ep", spec.ep), *fixed_prefill, ("--kv-group", layout.kv_group),
+                 *((flag, v) for flag, v in (("--prefill-chunk", layout.prefill_chunk),) if v is not None))
+    mode = spec.moe_prefill or moe_paths.DEFAULT_MODE  # the search ranges are computed from these
+    moe_paths.mode(mode)
     fixed = layout.prefill_chunk if context_len is None else context_len
     multiple = math.lcm(layout.kv_group, layout.prefill_chunk or 1)
     ranges = [(-(-lo // s) * s, hi // s * s, s) for lo, hi, step in
-              _constant_path_ranges(cfg, batch, ep, fixed, moe_prefill) for s in [math.lcm(step, multiple)]]
+              _constant_path_ranges(cfg, batch, spec.ep, fixed, mode) for s in [math.lcm(step, multiple)]]
     ranges = [r for r in ranges if r[0] <= r[1]]
     if not ranges:
         raise KimiInputError(f"--max-seq-len: no seq_len up to max_position_embeddings {cfg.max_position_embeddings} "
@@ -455,20 +471,16 @@ def seq_len_step(p: Plan) -> int:
     return math.lcm(_tile_step(p.batch) if tiled else 1, p.layout.kv_group, p.layout.prefill_chunk or 1)
 
 
-def max_batch(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, scheme: ExpertScheme,
-              context_len: int | None = None, moe_prefill: str = moe_paths.DEFAULT_MODE,
-              layout: Layout = Layout(), **kw) -> Plan:
-    """The plan at the largest batch that fits, else at the smallest (`fits` False); the total is non-decreasing
-    in batch (all-experts decode only adds temporaries). `kw` as plan()."""
+def max_batch(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
+    """The plan at the largest batch that fits (spec's own ignored), else at the smallest (`fits` False); the total
+    is non-decreasing in batch (all-experts decode only adds temporaries). `kw` as plan()."""
     def at(batch: int) -> Plan:
-        return plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context_len, moe_prefill=moe_prefill,
-                    layout=layout, **kw)
+        return plan(cfg, replace(spec, batch=batch), **kw)
 
-    context = next(c for c in (context_len, layout.prefill_chunk, seq_len) if c is not None)
-    one_shot_tiles = moe_prefill == "shard-on-block" and layout.prefill_chunk is None
-    step = 128 // math.gcd(context, 128) if one_shot_tiles else 1
-    # with EP, NxD decodes only on all experts, which needs batch x top_k >= n_routed_experts (contract.check_ep)
-    least = _div(cfg.n_routed_experts, cfg.num_experts_per_tok) if ep > 1 else 1
+    one_shot_tiles = (spec.moe_prefill or moe_paths.DEFAULT_MODE) == "shard-on-block" and not spec.layout.prefill_chunk
+    step = 128 // math.gcd(spec.context_length, 128) if one_shot_tiles else 1
+    # with EP, NxD decodes only on all experts, which needs batch x top_k >= n_routed_experts (rules.check_ep)
+    least = _div(cfg.n_routed_experts, cfg.num_experts_per_tok) if spec.ep > 1 else 1
     lo = _div(least, step) * step
     first = at(lo)  # refuses bad arguments before the search
     # every row adds at least its KV cache, so past this many rows nothing fits
@@ -495,19 +507,18 @@ def _largest_fitting(at, lo: int, hi: int, step: int = 1) -> Plan | None:
     return at(k_lo * step)
 
 
-def prefill_fallbacks(cfg: KimiK2Config, tp: int, ep: int, lnc: int, seq_len: int, batch: int, scheme: ExpertScheme,
-                      moe_prefill: str, context_len: int | None = None, **kw) -> list[Plan]:
-    """The other modes' fitting plans, if `moe_prefill` fails to compile; all-experts at its largest fitting bucket."""
-    context = seq_len if context_len is None else context_len
+def prefill_fallbacks(cfg: KimiK2Config, spec: RunSpec, **kw) -> list[Plan]:
+    """The other modes' fitting plans, if spec's mode fails to compile; all-experts at its largest fitting bucket."""
+    context = spec.context_length
     out = []
     for name in moe_paths.MODES:
-        if name == moe_prefill:
+        if name == spec.moe_prefill:
             continue
         try:
-            p = plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=context, moe_prefill=name, **kw)
+            at = replace(spec, max_context_length=context, moe_prefill=name)
+            p = plan(cfg, at, **kw)
             if not p.fits and name == "all-experts":
-                p = _largest_fitting(lambda c: plan(cfg, tp, ep, lnc, seq_len, batch, scheme, context_len=c,
-                                                    moe_prefill=name, **kw), 1, context) or p
+                p = _largest_fitting(lambda c: plan(cfg, replace(at, max_context_length=c), **kw), 1, context) or p
         except KimiInputError:
             continue
         if p.fits:
@@ -626,8 +637,7 @@ def _layout_line(p: Plan) -> str:
 def _moe_line(p: Plan) -> str:
     unrolled = " unrolled into the graph" if p.prefill_path == "torch" else ""
     blocks = f", {p.prefill_blocks} blocks per MoE layer{unrolled}" if p.prefill_blocks else ""
-    rows = prefill_batch(p.batch, p.layout)
-    return (f"prefill {rows} x {p.context_len} tokens: MoE {p.prefill_path} path (--moe-prefill {p.moe_prefill}"
+    return (f"prefill {p.prefill_rows} x {p.context_len} tokens: MoE {p.prefill_path} path (--moe-prefill {p.moe_prefill}"
             f"{blocks}); decode: {p.decode_path}")
 
 

@@ -1,0 +1,47 @@
+"""The latent KV cache in NxDI's cache manager: the [c_kv | k_pe] entry in the K slot, V 1 wide, and the flash-decoding
+decode write that holds it (NXDI_CONTRACT.md: latent-kv-head, latent-v-slot, fd-write)."""
+
+from __future__ import annotations
+
+import os
+
+from .sdk import require_neuron_sdk
+
+require_neuron_sdk()
+
+import torch  # noqa: E402
+from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager  # noqa: E402
+
+from kimi_k2_neuron.parallel import slot_of  # noqa: E402
+
+
+class LatentKVCacheManager(KVCacheManager):
+    """A 1-wide V, not a copy of K that doubles the cache (NXDI_CONTRACT.md: latent-v-slot, private-members)."""
+
+    def _init_kv_shape(self, config, layer_to_cache_size_mapping=None):
+        super()._init_kv_shape(config, layer_to_cache_size_mapping)
+        if layer_to_cache_size_mapping:
+            raise ValueError("Kimi-K2 has one cache length for every layer (no layer_to_cache_size_mapping)")
+        if self.is_kv_cache_tiled or self.k_cache_transposed:
+            raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
+        self.v_shape = (*self.v_shape[:-1], 1)
+        # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
+        if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):
+            raise ValueError("NEURON_COMBINE_KV_ALLOCATIONS=1 needs K and V of one shape; the latent cache's V slot "
+                             "is 1 wide. Unset it.")
+
+    def update_kv_by_layer_id(self, idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer, seq_len,
+                              **kwargs):
+        """The flash-decoding decode write scatters V with K's index, which the 1-wide V slot cannot take: here K
+        alone, at NxDI's slot (NXDI_CONTRACT.md: fd-write); the rest is NxDI's (which passes every argument by
+        keyword, kv_active_mask and kvcache_buffer among kwargs)."""
+        if is_for_context_encoding or not self.flash_decoding_enabled:
+            return super().update_kv_by_layer_id(idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer,
+                                                 seq_len, **kwargs)
+        kv_active_mask = kwargs.get("kv_active_mask")
+        k_cache, v_cache = self._fetch_cache(idx, kwargs.get("kvcache_buffer"))
+        latest_k = kv_per_layer[0]
+        # the owner writes position p at slot p // G; the others into the last slot, which no mask exposes
+        slot = torch.where(kv_active_mask == 1, slot_of(position_ids, self.num_cores_per_group), seq_len - 1)
+        index = slot.view(-1, 1, slot.shape[-1], 1).expand_as(latest_k).to(torch.int64)
+        return torch.scatter(k_cache, 2, index, latest_k.to(k_cache.dtype)), v_cache

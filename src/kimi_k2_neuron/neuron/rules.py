@@ -1,0 +1,127 @@
+"""What NxD can compile and run for Kimi-K2, each rule once, over a RunSpec: the flags, a vLLM request and a reloaded
+NeuronConfig are all checked here (contract.enforce_neuron_config re-runs them on every construction). A refusal is
+one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
+
+from __future__ import annotations
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
+
+from . import moe_paths
+from .moe_paths import decodes_all_experts
+from .spec import RunSpec, Sampling
+
+# --ep layouts by (tp, lnc) that NxD's trn2 replica groups support (NXDI_CONTRACT.md: ep-replica-groups); 8 x 8 is
+# documented unsupported and 32 x 2 mixes EP halves. Kimi-K2 fits only at TP=64 LNC=2.
+EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+
+
+def check(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """Everything: the shapes, the experts' format, the checkpoint it is read from, and the sampler."""
+    check_shapes(cfg, spec)
+    check_experts(cfg, spec)
+    if spec.scheme.quantized and not spec.checkpoint:
+        raise KimiInputError(f"--experts {spec.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "
+                             f"whose config.json records the expert quantization")
+    if spec.sampling.on_device:
+        check_top_k(spec.sampling)
+
+
+def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """What config.json and the run's shapes decide, before the expert format is known. lnc None skips the LNC rules
+    (re-checked on the NeuronConfig NxDI resolves)."""
+    s = spec
+    check_counts(("--tp", s.tp), ("--ep", s.ep), ("--seq-len", s.seq_len), ("--batch", s.batch))
+    if s.seq_len > cfg.max_position_embeddings:  # positions past it are not the model's (YaRN is scaled to it)
+        raise KimiInputError(f"--seq-len {s.seq_len}: exceeds config.json field max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+    if s.lnc not in (None, 1, 2):
+        raise KimiInputError(f"--lnc {s.lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
+    context = s.context_length
+    if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= s.seq_len:
+        raise KimiInputError(f"--max-context-length {context!r}: expected 1..--seq-len {s.seq_len}")
+    check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
+    check_layout(cfg, s)
+    check_ep(cfg, s)
+    moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
+
+
+def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
+    g, n, seq_len, context = spec.layout.kv_group, spec.layout.prefill_chunk, spec.seq_len, spec.context_length
+    check_counts(("--kv-group", g), *((flag, v) for flag, v in (("--prefill-chunk", n),) if v is not None))
+    if g > 1:
+        if spec.tp % g:  # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
+            raise KimiInputError(f"--kv-group {g}: must divide --tp {spec.tp} (a KV group is G adjacent ranks)")
+        if seq_len % g:
+            raise KimiInputError(f"--seq-len {seq_len}: with --kv-shard sequence must be a multiple of --kv-group {g} "
+                                 f"(NxDI's get_cache_size divides it; its cache manager would pad it silently)")
+        # rank r keeps prefill positions r, r + G, ...; a chunk's own rule below (NXDI_CONTRACT.md: fd-cte-filter)
+        if n is None and context % g:
+            raise KimiInputError(f"--max-context-length {context}: with --kv-shard sequence must be a multiple of "
+                                 f"--kv-group {g} (each rank writes every G-th position of a prefill)")
+    if n is not None:
+        if seq_len % n:
+            raise KimiInputError(f"--prefill-chunk {n}: must divide --seq-len {seq_len} (the last chunk would write "
+                                 f"past the cache)")
+        if n % g:
+            raise KimiInputError(f"--prefill-chunk {n}: must be a multiple of --kv-group {g} (a chunk writes whole "
+                                 f"stripes of positions, N / G slots on every rank)")
+        if context != n:
+            raise KimiInputError(f"--max-context-length {context}: with --prefill-chunk {n} the prefill bucket "
+                                 f"is the chunk; leave it out or give {n}")
+    check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
+
+
+def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
+    return ep == 1 or ep in EP_LAYOUTS.get((tp, lnc), ())
+
+
+def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """lnc None skips the layout rule."""
+    tp, ep, lnc, batch = spec.tp, spec.ep, spec.lnc, spec.batch
+    if tp % ep or cfg.n_routed_experts % ep:
+        raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
+    if ep == 1:
+        return
+    if lnc is not None and not ep_layout_supported(tp, ep, lnc):
+        raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
+                             f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
+    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
+        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
+        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
+                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+
+
+def check_experts(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """The experts' scales shard only for the expert TP degrees (tp / ep) whose slices hold whole scale blocks."""
+    scheme, tp, ep = spec.scheme, spec.tp, spec.ep
+    if scheme is None:
+        raise KimiInputError("--experts: the routed experts' format is not known (give a converted checkpoint, or "
+                             "--experts)")
+    valid = scheme.nxd(cfg.moe_intermediate_size)["valid_moe_tp_degrees"]
+    if tp // ep not in valid:
+        raise KimiInputError(f"--tp {tp} --ep {ep}: experts split {tp // ep} ways (tp / ep), but {scheme.name} "
+                             f"expert scales of block {scheme.block} shard only {valid} ways")
+
+
+def check_top_k(sampling: Sampling) -> None:
+    """NxDI's on-device sampler draws from at most the compiled global top-k."""
+    if not 1 <= sampling.top_k <= sampling.global_topk:
+        raise KimiInputError(f"--top-k {sampling.top_k}: on-device sampling needs 1 <= top_k <= "
+                             f"{sampling.global_topk}")
+
+
+def check_counts(*named) -> None:
+    for name, v in named:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise KimiInputError(f"{name} {v!r}: expected an integer >= 1")
+
+
+def check_prompt_lengths(lengths: list[int]) -> None:
+    """NxDI's HF adapter mispositions a one-token row among longer ones (NXDI_CONTRACT.md: adapter-pad-positions)."""
+    if not lengths or min(lengths) < 1:
+        raise KimiInputError("every prompt needs at least one token")
+    if min(lengths) == 1 < max(lengths):
+        raise KimiInputError("a one-token prompt cannot share a batch with longer prompts (NxDI's HF adapter "
+                             "positions its padding wrongly); run it in a batch of its own")

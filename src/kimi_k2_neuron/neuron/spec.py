@@ -1,0 +1,106 @@
+"""One run of Kimi-K2 on NxDI as a typed spec: the flags, a vLLM request and a reloaded NeuronConfig are each built
+into a RunSpec (launch.run_spec, vllm_request.spec_of_request, contract.spec_of); the NeuronConfig
+(contract.neuron_config_kwargs), the refusals (rules.py) and the fit planner (fit.py) read it. Pure: no SDK, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.formats.scheme import ExpertScheme
+from kimi_k2_neuron.parallel import Layout, slots_for
+
+from . import moe_paths
+
+# NxDI's flash-decoding cache keeps this many slots per rank beyond seq_len / G: non-owners of a decoded token write
+# it into the last one, which no mask exposes (NXDI_CONTRACT.md: fd-cache-size).
+FD_RESERVED_SLOTS = 128
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """NxDI's on-device sampler as compiled, and the per-request settings it draws with."""
+
+    on_device: bool = True  # False: lm_head's logits go to the host
+    do_sample: bool = False
+    top_k: int = 1
+    top_p: float = 1.0
+    temperature: float = 1.0
+    global_topk: int = 256  # the compiled top-k pre-selection; a request's top_k is at most this
+
+    @classmethod
+    def of(cls, temperature: float, top_k: int, top_p: float) -> "Sampling":
+        """temperature 0 is greedy; top_k 0 becomes global_topk (NxDI's sampler always filters)."""
+        if temperature <= 0:
+            return cls()
+        return cls(do_sample=True, temperature=temperature, top_k=top_k or cls.global_topk, top_p=top_p)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The per-request settings, as generation configs and NxDI's sampler take them."""
+        return {"do_sample": self.do_sample, "top_k": self.top_k, "top_p": self.top_p,
+                "temperature": self.temperature}
+
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One compiled (or CPU-mode) configuration of the model."""
+
+    tp: int = 1  # ranks (logical cores); attention, embedding, lm_head and the shared expert split tp ways
+    ep: int = 1  # NxDI moe_ep_degree inside the tp ranks, not NxD's global ep_degree (contract.UNSUPPORTED)
+    lnc: int | None = 2  # None: NxDI's choice (NEURON_LOGICAL_NC_CONFIG, else the platform's)
+    seq_len: int = 1024  # the KV cache's positions per sequence
+    max_context_length: int | None = None  # the prefill bucket; default the chunk, else seq_len
+    batch: int = 1
+    scheme: ExpertScheme | None = None  # the routed experts on device; None: not known yet (a checkpoint's own)
+    checkpoint: str | None = None  # the converted checkpoint folder (NxDI requires a path when quantized)
+    sampling: Sampling = GREEDY
+    output_logits: bool = False  # also return logits under on-device sampling
+    # moe_paths.MODES; None: the default where its kernel can run these shapes, else torch (moe_paths.default_mode)
+    moe_prefill: str | None = moe_paths.DEFAULT_MODE
+    # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
+    continuous_batching: bool = False
+    # an InferenceConfig attribute, not NeuronConfig fields (contract.LAYOUT_KEY); its prefill_chunk is the CTE
+    # bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
+    layout: Layout = Layout()
+    extra: Mapping[str, Any] = field(default_factory=dict)  # further NeuronConfig kwargs (checked by NxDI)
+
+    @property
+    def context_length(self) -> int:
+        """The context-encoding bucket: --max-context-length, else the chunk, else the whole cache."""
+        return self.max_context_length or self.layout.prefill_chunk or self.seq_len
+
+    @property
+    def prefill_batch(self) -> int:
+        """Rows of one prefill call. One per chunk: a batch-B chunk graph would hold B x chunk tokens of activations;
+        one under continuous batching: each sequence into its own cache line (NXDI_CONTRACT.md:
+        continuous-batching)."""
+        return 1 if self.layout.prefill_chunk or self.continuous_batching else self.batch
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of one prefill call, what decides its MoE path."""
+        return self.context_length * self.prefill_batch
+
+    @property
+    def cache_slots(self) -> int:
+        """Latent cache slots per rank and sequence: NxDI's get_cache_size when sequence-sharded."""
+        g = self.layout.kv_group
+        return self.seq_len if g == 1 else slots_for(self.seq_len, g) + FD_RESERVED_SLOTS  # seq_len % G == 0 (rules)
+
+    def prefill_mode(self, cfg: KimiK2Config) -> str:
+        """--moe-prefill, else the default mode where its kernel can run these shapes."""
+        return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+
+def layout_flags(layout: Layout) -> list[str]:
+    """The command-line flags that ask for this layout (none for the default)."""
+    given = ((f"--kv-shard sequence --kv-group {layout.kv_group}", layout.sequence_sharded),
+             (f"--prefill-chunk {layout.prefill_chunk}", layout.prefill_chunk is not None),
+             ("--shard-attn-a", layout.shard_attn_a), ("--shard-router", layout.shard_router))
+    return [flag for flag, on in given if on]

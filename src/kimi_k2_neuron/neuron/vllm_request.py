@@ -1,0 +1,72 @@
+"""vllm-neuron's request as a RunSpec: the run's shape from the generic NeuronConfig the plugin builds from vLLM's
+flags, and nothing else (NXDI_CONTRACT.md: vllm-generic-config); the checkpoint's experts from its conversion record;
+precompiled artifacts checked against it before vllm-neuron loads them. No SDK."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats import DEFAULT_SCHEME
+from kimi_k2_neuron.parallel import Layout
+
+from . import contract
+from .spec import RunSpec
+
+# vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
+COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
+
+
+def describe(nc) -> str:
+    """The vLLM flags a request came from."""
+    return (f"--tensor-parallel-size {nc.tp_degree} --max-num-seqs {nc.batch_size} --max-model-len {nc.seq_len} "
+            f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}")
+
+
+def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
+    """The request's shape and sampler, the checkpoint's experts (record: a ConversionRecord), the MoE prefill mode
+    these shapes allow; what the latent cache cannot serve is refused in one line."""
+    if getattr(nc, "is_chunked_prefill", False):
+        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
+                             "block KV layout, which Kimi-K2's latent cache does not have; unset "
+                             "DISABLE_NEURON_CUSTOM_SCHEDULER")
+    if getattr(nc, "is_prefix_caching", False) or getattr(nc, "is_block_kv_layout", False):
+        raise KimiInputError("--enable-prefix-caching (on by default in vLLM) needs NxDI's block KV layout, which "
+                             "Kimi-K2's latent cache does not have; pass --no-enable-prefix-caching")
+    if nc.torch_dtype != torch.bfloat16:
+        raise KimiInputError(f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}: Kimi-K2 runs in bfloat16 on "
+                             f"Neuron; pass --dtype bfloat16")
+    if record is None:
+        raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
+                             f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
+    spec = dataclasses.replace(contract.spec_of(nc, Layout()), scheme=record.scheme, checkpoint=str(checkpoint),
+                               moe_prefill=None, extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {})
+    bad = contract.derived_problems(nc, spec)
+    if bad:
+        raise KimiInputError("; ".join(bad))
+    return spec
+
+
+def compiled_mismatches(request: RunSpec, nc) -> list[str]:
+    """What the request needs that compiled artifacts (their NeuronConfig `nc`) lack: smaller than compiled is
+    served, more is not (NXDI_CONTRACT.md: vllm-precompiled)."""
+    r, bad = request, []
+    if r.tp != nc.tp_degree:
+        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {nc.tp_degree}")
+    if r.batch > nc.max_batch_size:
+        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {nc.max_batch_size}")
+    if r.seq_len > nc.seq_len:
+        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {nc.seq_len}")
+    elif r.context_length > nc.max_context_length:
+        bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
+                   f"compiled for {nc.max_context_length}")
+    if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
+        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
+                   f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
+    ods = nc.on_device_sampling_config
+    if ods is not None and not ods.dynamic:
+        bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
+    return bad

@@ -1,0 +1,102 @@
+"""The shell's application in NxD's CPU mode: what NxDI's to_cpu does, without its two gaps (it casts the float32 router
+to bf16 and skips quantize.convert, so FP8 scales drop: NXD_CPU_MODE.md: nxdi-to-cpu). The harness's class adds this
+to the product's; nothing on trn2 runs it."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from neuronx_distributed.parallel_layers import parallel_state
+from neuronx_distributed.trace.trace import get_sharded_checkpoint
+from torch import nn
+
+from kimi_k2_neuron.errors import KimiInputError, listing
+from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
+from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM
+from kimi_k2_neuron.runtime.ranks import free_port
+
+from .options import check_cpu_run
+
+
+class CpuMode:
+    """to_cpu for a NeuronKimiK2ForCausalLM subclass."""
+
+    def to_cpu(self, presharded: str | None = None):
+        """Built per submodel as on device, loaded strictly. `presharded`: NxD's per-rank files to load."""
+        nc = self.neuron_config
+        check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
+        os.environ["NXD_CPU_MODE"] = "1"
+        rank = _init_cpu_process_groups(nc, self.config.num_cores_per_group)
+        loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
+        for wrapper in self.models:
+            model = _build_as_on_device(wrapper)
+            state = dict(loaded)  # per submodel: get_sharded_checkpoint replaces entries by this rank's slices
+            _check_no_unexpected(model, state, presharded or self.model_path)
+            if presharded is None:
+                get_sharded_checkpoint(state, model, rank, nc.tp_degree)
+            missing = unloaded_parameters(model, model.load_state_dict(state, strict=False).missing_keys, state)
+            if missing:
+                raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
+                                     f"{wrapper.tag} got no tensor: {listing(missing)}")
+            wrapper.model = model
+        self.eval()
+        return self
+
+    def _copy_past_key_values(self, outputs):
+        """NxDI's CPU-mode copy of a submodel's cache into the others; the chunk submodel reads the copy the
+        token-generation model got (on device the submodels share one state)."""
+        super()._copy_past_key_values(outputs)
+        chunk = getattr(self, "chunked_prefill_model", None)
+        if chunk is not None:
+            for dst, src in zip(chunk.model.kv_mgr.past_key_values,
+                                self.token_generation_model.model.kv_mgr.past_key_values):
+                dst.data = src.data
+
+
+class CpuKimiK2ForCausalLM(CpuMode, NeuronKimiK2ForCausalLM):
+    """The product's application with to_cpu (nxdi_cpu.backend builds this one)."""
+
+
+def _build_as_on_device(wrapper) -> nn.Module:
+    """As ModelBuilder builds it, under AOT mode (no init): NxD's CPU master-weight init of quantized experts fails
+    at TP >= 3 with stride-2 gate_up (NXD_CPU_MODE.md: aot-build)."""
+    instance = wrapper.get_model_instance()
+    parallel_state.set_aot_mode(True)
+    try:
+        instance.load_module()
+    finally:
+        parallel_state.set_aot_mode(False)
+    # n_positions per bucket as the trace sets it; one bucket per submodel here (NXD_CPU_MODE.md: bucket-positions)
+    instance.get(len(wrapper.neuron_config.buckets) - 1)
+    return instance.module
+
+
+def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
+    """NxD only warns of tensors without a parameter (NXDI_CONTRACT.md: sharding-not-strict)."""
+    names = model.state_dict().keys()
+    extra = sorted(k for k in state if k not in names)
+    if extra:
+        raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
+
+
+def _init_cpu_process_groups(nc, kv_group: int) -> int:
+    """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process, and the KV group as
+    ModelBuilder makes it (NXDI_CONTRACT.md: kv-group); returns this rank."""
+    if not torch.distributed.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != nc.world_size:
+            raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
+                                 f"(tp_degree={nc.tp_degree})")
+        if world == 1:  # a fresh port: one inherited from another run's environment may still be taken
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+        else:
+            torch.distributed.init_process_group("gloo")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=nc.tp_degree,
+                                                 pipeline_model_parallel_size=nc.pp_degree,
+                                                 expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
+    if kv_group > 1:
+        parallel_state.initialize_kv_group(kv_group, sequential_ranks_in_group=True)
+    return torch.distributed.get_rank()
