@@ -14,7 +14,8 @@ HEAD or --rev; or work trees), it parses our files with `ast` and the libraries'
 4. attributes: every neuron-config attribute our code reads or sets (`nc.x`, `neuron_config.x`, and the names in
    contract.UNSUPPORTED) is assigned in NeuronConfig/MoENeuronConfig;
 5. overrides: methods our subclasses of NxDI classes define either override a base method whose parameters they
-   accept, or are listed as new; and the decoder layer's named parameters are among the keywords
+   accept, or are listed as new, and take out of their **kwargs only the base method's parameters; and the decoder
+   layer's named parameters, and those it reads from its **kwargs, are among the keywords
    NeuronBaseModel.get_model_output passes;
 6. the chunked-prefill submodel (neuron/chunked_prefill.py): the members it reads of NxDI's application, model and
    model wrapper (`app.x`, `model.x`, `wrapper.x`) exist in those classes, and the keywords it passes
@@ -41,6 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "src/kimi_k2_neuron/nxdi_cpu", REPO / "scripts",
         REPO / "test/integration", REPO / "contrib"]
 LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
+# Our mixins of NxDI classes (the CPU harness's, added to the application): checked as overrides of that class.
+MIXINS = {"CpuMode": ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")}
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"}}
 
@@ -327,6 +330,7 @@ class Checker:
         schemes = [scheme_for(s, "fp8") for s in ("bf16", *SCHEMES)]
         # and with the long-context layout (--kv-shard sequence, --shard-attn-a --shard-router), whose options are no
         # NeuronConfig fields; the sequence-sharded cache adds flash_decoding_enabled
+        from kimi_k2_neuron.neuron.spec import RunSpec
         from kimi_k2_neuron.parallel import Layout
 
         sharded = Layout(kv_group=64, shard_attn_a=True, shard_router=True)
@@ -334,7 +338,7 @@ class Checker:
         cases = [(s, 1, plain) for s in schemes] + [(schemes[1], 16, plain), (schemes[1], 1, sharded)]
         for scheme, ep, layout in cases:
             experts = scheme.name + (" long-context layout" if layout != plain else "")
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt", layout=layout)
+            o = RunSpec(tp=64, ep=ep, batch=48, scheme=scheme, checkpoint="/ckpt", layout=layout)
             kw = contract.neuron_config_kwargs(cfg, o)
             for key, value in kw.items():
                 if key in names or key in popped:
@@ -353,7 +357,7 @@ class Checker:
         for mode in moe_paths.MODES:
             # shard-on-intermediate needs 128 expert columns per physical core: --ep 16 at --tp 64
             ep = 16 if mode == "shard-on-intermediate" else 1
-            o = contract.ServeOptions(tp=64, ep=ep, batch=48 if ep > 1 else 1, scheme=BF16_EXPERTS, moe_prefill=mode)
+            o = RunSpec(tp=64, ep=ep, batch=48 if ep > 1 else 1, scheme=BF16_EXPERTS, moe_prefill=mode)
             for key in contract.neuron_config_kwargs(cfg, o).get("blockwise_matmul_config", {}):
                 (self.ok if key in bmm_keys else self.fail)(f"BlockwiseMatmulConfig.from_kwargs({key}=) [{mode}]")
 
@@ -389,6 +393,7 @@ class Checker:
                         imports[a.asname or a.name] = (node.module, a.name)
             for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
                 bases = [imports[b.id] for b in cls.bases if isinstance(b, ast.Name) and b.id in imports]
+                bases = bases or ([MIXINS[cls.name]] if cls.name in MIXINS else [])
                 if not bases:
                     continue
                 found = self.lookup(*bases[0])
@@ -409,6 +414,9 @@ class Checker:
                         self.fail(f"{rel}: {cls.name}.{fn.name} lacks base parameters {missing}")
                     else:
                         self.ok(f"override {cls.name}.{fn.name}")
+                    for p in sorted(kwargs_read(fn)):  # what an override takes from **kwargs: the base's names
+                        (self.ok if p in theirs else self.fail)(f"{rel}: {cls.name}.{fn.name} reads **kwargs[{p!r}], "
+                                                                f"a parameter of {bases[0][1]}.{fn.name}")
 
     # chunked_prefill.py's names for NxDI objects -> (module, class)
     CHUNK_OBJECTS = {"app": ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM"),
@@ -459,10 +467,31 @@ class Checker:
         passed = {k.arg for k in call.keywords if k.arg}
         for rel, tree in trees:
             for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KimiK2DecoderLayer"):
-                names, _, kw = self.params(self.method(cls, "forward"))
+                fn = self.method(cls, "forward")
+                names, _, kw = self.params(fn)
                 for p in names[2:]:  # self, hidden_states (positional)
                     (self.ok if p in passed else self.fail)(f"decoder layer parameter {p} is passed by NxDI")
+                for p in sorted(kwargs_read(fn) - {"kimi_chunk"}):  # ours: the chunk submodel's
+                    (self.ok if p in passed else self.fail)(f"decoder layer keyword {p} (read from **kwargs) is "
+                                                            f"passed by NxDI")
                 (self.ok if kw else self.fail)("decoder layer accepts **kwargs")
+
+
+def kwargs_read(fn: ast.FunctionDef) -> set[str]:
+    """The names a function takes out of its **kwargs by `kwargs.get("name")` or `kwargs["name"]`."""
+    if fn.args.kwarg is None:
+        return set()
+    kw = fn.args.kwarg.arg
+    found = set()
+    for n in ast.walk(fn):
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+                and isinstance(n.func.value, ast.Name) and n.func.value.id == kw and n.args
+                and isinstance(n.args[0], ast.Constant)):
+            found.add(n.args[0].value)
+        elif isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == kw \
+                and isinstance(n.slice, ast.Constant):
+            found.add(n.slice.value)
+    return found
 
 
 def build_parser() -> argparse.ArgumentParser:
