@@ -63,6 +63,7 @@ def cmd_logits(a) -> int:
         logits, paths = _nxdi_cpu().logits(o, a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
+        _bound_prefill(a, cfg, a.input_ids, a.prefill_len)
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
                            prefill_chunk=a.prefill_chunk)
         logits = runner.logits(a.input_ids, a.prefill_len)
@@ -72,6 +73,7 @@ def cmd_logits(a) -> int:
 
         check_tp_divides(cfg, a.tp)
         check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
+        _bound_prefill(a, cfg, a.input_ids, a.prefill_len)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
                            kv_group_of(a), a.prefill_chunk, shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
     with atomic_output(a.out) as tmp:
@@ -81,6 +83,20 @@ def cmd_logits(a) -> int:
 
 
 NXDI_CPU = "nxdi-cpu"
+
+
+def _bound_prefill(a, cfg, rows: list[list[int]], prefill_len: int | None = None, together: bool = True) -> None:
+    """a.prefill_chunk set so that one prefill call's attention fits the memory available (runtime/memory.py), with
+    a note when it chunks; `together`: rows of one length prefill as one batch (logits), else one at a time."""
+    from .runtime.memory import prefill_chunk
+
+    longest = max(len(r) for r in rows)
+    tokens = longest if prefill_len is None else min(prefill_len, longest)
+    batch = len(rows) if together and len({len(r) for r in rows}) == 1 else 1
+    plan = prefill_chunk(cfg.num_attention_heads, batch, tokens, a.prefill_chunk, ranks=a.tp)
+    if plan.note:
+        print(plan.note, file=sys.stderr)
+    a.prefill_chunk = plan.chunk
 
 
 def _check_backend(a) -> None:
@@ -127,6 +143,7 @@ def cmd_generate(a) -> int:
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
     if a.backend == NXDI_CPU:
         return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
+    _bound_prefill(a, cfg, prompts, together=False)  # each prompt is prefilled on its own
     runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
                        prefill_chunk=a.prefill_chunk)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None

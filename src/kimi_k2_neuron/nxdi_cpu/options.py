@@ -8,6 +8,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import contract, moe_paths
+from kimi_k2_neuron.runtime.memory import check_one_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,9 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: dict | None
     context = context_length(o, seq_len)
     contract.check_compile_options(cfg, o.tp, o.ep, None, seq_len, context, batch,
                                    prefill_mode(cfg, o, context * rows), o.layout, prefill_rows=rows)
+    # NxDI's context encoding attends all its bucket at once; a chunk call, its N tokens over the whole cache
+    check_one_call(cfg.num_attention_heads, rows, context, seq_len if o.layout.prefill_chunk else context, "prefill",
+                   ranks=o.tp)
     if sampling is not None:
         contract.check_top_k(sampling["top_k"])
     if prompts is not None:

@@ -25,6 +25,7 @@ from ..progress import bar as progress_bar
 from ..weights import load_weights
 from . import DTYPE_NAMES
 from .kv_cache import LatentCache
+from .memory import prefill_chunk
 from .sampling import SamplingParams, sample
 
 _TOP_LEVEL = ("model.embed_tokens.", "model.norm.", "lm_head.")
@@ -116,11 +117,19 @@ class CpuRunner:
 
     def prefill(self, ids, positions, cache_layers) -> list[torch.Tensor]:
         """The logits of a prefill of ids/positions [B, K], in calls of prefill_chunk tokens (one call without)."""
-        n = self.prefill_chunk or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
+        n = self._chunk(*ids.shape) or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
         return [self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers) for c in range(0, ids.shape[1], n)]
 
-    def prefill_calls(self, k: int) -> int:
-        return 0 if k == 0 else 1 if self.prefill_chunk is None else -(-k // self.prefill_chunk)
+    def prefill_calls(self, k: int, rows: int = 1) -> int:
+        n = self._chunk(rows, k)
+        return 0 if k == 0 else 1 if n is None else -(-k // n)
+
+    def _chunk(self, rows: int, tokens: int) -> int | None:
+        """prefill_chunk, or when it is None the chunk that keeps one call's attention within the memory available
+        (runtime/memory.py). Ranks are given theirs by the parent, which decides once for all of them."""
+        if self.prefill_chunk is not None or self.ctx.tp_size > 1:
+            return self.prefill_chunk
+        return prefill_chunk(self.cfg.num_attention_heads, rows, tokens, None).chunk
 
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
         """Float32 logits [B, S, V]: positions < prefill_len from prefill, the rest teacher-forced through decode;
@@ -136,7 +145,7 @@ class CpuRunner:
         k = s if prefill_len is None else prefill_len
         cache = self.new_cache(b, s)
         pos = torch.arange(s).expand(b, s)
-        with self._passes("logits", self.prefill_calls(k) + s - k):
+        with self._passes("logits", self.prefill_calls(k, b) + s - k):
             out = self.prefill(ids[:, :k], pos[:, :k], cache.layers)
             out += [self.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache.layers) for t in range(k, s)]
         return torch.cat(out, dim=1)

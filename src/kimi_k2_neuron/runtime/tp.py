@@ -13,7 +13,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from ..config import KimiK2Config
 from ..parallel import ParallelContext, check_kv_group
+from . import memory
 from .ranks import run_ranks
 
 
@@ -42,6 +44,12 @@ def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, laye
               prefill_chunk=None, shard_attn_a=False, shard_router=False) -> torch.Tensor:
     """CpuRunner.logits computed by `tp` ranks -> rank 0's [B, S, V] float32 logits."""
     check_kv_group(tp, kv_group)
+    if prefill_chunk is None:  # decided here, once: ranks that chose apart could disagree on their collectives
+        longest = max(map(len, rows))
+        tokens = longest if prefill_len is None else min(prefill_len, longest)
+        batch = len(rows) if len(set(map(len, rows))) == 1 else 1
+        heads = KimiK2Config.from_file(model_dir).num_attention_heads
+        prefill_chunk = memory.prefill_chunk(heads, batch, tokens, None, ranks=tp).chunk
     sharding = dict(shard_attn_a=shard_attn_a, shard_router=shard_router)
     with tempfile.TemporaryDirectory() as d:
         out = str(Path(d) / "logits.safetensors")
