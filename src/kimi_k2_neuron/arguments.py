@@ -110,11 +110,16 @@ def _probe_writable(folder: Path, what: str) -> None:
     os.unlink(probe)
 
 
-def check_out_file(path: str | Path, what: str) -> None:
-    """`path` can be written as a file: not a directory, in an existing writable folder."""
+def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path] | None = None) -> None:
+    """`path` can be written as a file: not a directory, in an existing writable folder, and outside every input
+    folder of `apart_from` ({flag: folder}): no command writes into the checkpoint it reads."""
     path = Path(path)
     if path.is_dir():
         raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
+    for flag, folder in (apart_from or {}).items():
+        if folder is not None and Path(folder).resolve() in Path(path).resolve().parents:
+            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
+                                 f"path outside it")
     folder = path.parent
     if not folder.is_dir():
         raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is not a folder")

@@ -20,7 +20,7 @@ from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_wei
                         check_generation_args, check_out_dir, check_out_file, fail, integer, kv_group_of,
                         sampling_values)
 from .errors import KimiInputError
-from .interrupts import Interrupted, atomic_output, resume_hint, run_command
+from .interrupts import Interrupted, resume_hint, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
@@ -45,13 +45,11 @@ def cmd_make_tiny(a) -> int:
 
 
 def cmd_logits(a) -> int:
-    from safetensors.torch import save_file
-
     from .config import KimiK2Config
     from .runtime.runner import DTYPES, CpuRunner, check_logits_request
 
     # Everything that can be wrong is checked before loading: on the 1T model the logits take hours.
-    check_out_file(a.out, "--out")
+    check_out_file(a.out, "--out", apart_from={"--model": a.model})
     cfg = KimiK2Config.from_file(a.model)
     check_logits_request(cfg, a.input_ids, a.prefill_len)
     _check_backend(a)
@@ -76,8 +74,7 @@ def cmd_logits(a) -> int:
         _bound_prefill(a, cfg, a.input_ids, a.prefill_len)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
                            kv_group_of(a), a.prefill_chunk, shard_attn_a=a.shard_attn_a, shard_router=a.shard_router)
-    with atomic_output(a.out) as tmp:
-        save_file({"logits": logits.contiguous()}, tmp)
+    save_safetensors({"logits": logits.contiguous()}, a.out, "--out")
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
 

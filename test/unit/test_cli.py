@@ -8,6 +8,7 @@ import argparse
 import configparser
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -400,3 +401,72 @@ def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_pa
     cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
     r = subprocess.run(cmd, capture_output=True, text=True)
     one_line_error.exit(r.returncode, r.stderr, words)
+
+
+# -- what a command writes: never its own input, the modes a plain write gets, a full disk in one line ---------------
+
+@pytest.mark.parametrize("inside", ["config.json", "model-00001-of-00003.safetensors", "new.safetensors"])
+def test_logits_never_writes_into_the_checkpoint_it_reads(ckpt, tmp_path, capsys, inside, one_line_error):
+    model = ckpt("fp8")
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    link = tmp_path / "through-a-link"
+    link.symlink_to(model)
+    for out in (model / inside, link / inside):
+        rc, _, err = run_cli(["logits", "--model", str(link if out.parent == model else model), "--input-ids", "1,2",
+                              "--out", str(out)], capsys)
+        one_line_error.exit(rc, err, f"--out {out}: is inside --model", "which this command reads")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def _full_disk(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "logits", "demo"])
+def test_a_full_disk_is_one_line(command, tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+    """safetensors reports ENOSPC as its own SafetensorError (seen on a 100 KiB tmpfs: a 3-line traceback ending in
+    "No space left on device (os error 28)"); every command that writes one says so in one line, and leaves no file."""
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", _full_disk)
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path / "cache"))
+    argv, where = {"make-tiny": (["make-tiny", str(tmp_path / "t")], tmp_path / "t"),
+                   "logits": (["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+                               str(tmp_path / "l.safetensors")], tmp_path / "l.safetensors"),
+                   "demo": (["demo"], tmp_path / "cache" / "tiny-fp8")}[command]
+    rc, out, err = run_cli(argv, capsys)
+    one_line_error.exit(rc, err, f"{where}: cannot write (disk full)")
+    assert not where.exists() and not [p for p in where.parent.iterdir() if p.name.startswith(f".{where.name}")]
+
+
+def test_make_tiny_with_a_full_disk_in_a_plain_write(tmp_path, monkeypatch, capsys, one_line_error):
+    import errno
+
+    real = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    rc, _, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    one_line_error.exit(rc, err, f"{tmp_path / 't'}: cannot write (disk full)")
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022, 0o077])
+def test_outputs_get_the_modes_a_plain_write_gets(umask, tiny_dirs, tmp_path, capsys):
+    """safetensors creates its files 0600, and a temporary folder is 0700: the outputs of make-tiny and logits had
+    those modes whatever the umask; now as `touch` and `mkdir` would make them."""
+    old = os.umask(umask)
+    try:
+        assert run_cli(["make-tiny", str(tmp_path / "t")], capsys)[0] == 0
+        assert run_cli(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+                        str(tmp_path / "l.safetensors")], capsys)[0] == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t").stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in [*(tmp_path / "t").iterdir(), tmp_path / "l.safetensors"]:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f

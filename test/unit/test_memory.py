@@ -26,9 +26,9 @@ ROW = [5 + i % 200 for i in range(TOKENS)]
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     limit = TP2_LIMIT if "--tp" in argv else LIMIT
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
     return subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *argv], capture_output=True, text=True,
-                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1])),
-                          timeout=600)
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, hard)), timeout=600)
 
 
 @pytest.fixture(scope="module")

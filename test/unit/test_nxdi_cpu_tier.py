@@ -76,32 +76,24 @@ print(hasattr(a, "attention_cte"))
     assert r.stdout.split() == ["2", "trn2", "None", "False", "BLOCKWISE_SYMMETRIC", "False"]
 
 
-# NxD fbac349's QuantizedExpertFusedColumnParallel.forward around the lines the fix removes (its structure, shortened)
-FORWARD = """\
-        if expert_indices is not None:
-            if cpu_mode() and QuantizedDtype(self.weight.dtype).is_float():
-                weight_dtype = self.weight.dtype
-                weight, scale = self.weight.view(torch.int8)[expert_indices, :, :].view(weight_dtype), self.scale[expert_indices, :, :]
-            else:
-                weight, scale = self.weight[expert_indices, :, :], self.scale[expert_indices, :, :]
-        else:
-            weight, scale = self.weight, self.scale
-
-        weight_for_matmul = direct_cast_dequantize(tensor=weight, upcast_dtype=input_parallel.dtype)
-        weight = self.weight[expert_indices, ...] if expert_indices is not None else self.weight
-        scale = self.scale[expert_indices, ...] if expert_indices is not None else self.scale
-
-        if self.quantization_type == QuantizationType.BLOCKWISE_SYMMETRIC:
-"""
+# A stand-in for the method the fix edits: the CPU-safe selection it keeps (fix.CPU_SAFE), the two lines it removes
+FORWARD = "\n".join([
+    "    def forward(self, x, expert_indices=None):",
+    f"        picked = {fix.CPU_SAFE}]  # the int8 view",
+    "        product = use(picked)",
+    *(f"        {line}" for line in fix.REDUNDANT),
+    "        return product",
+    "",
+])
 
 
 def test_the_nxd_fix_removes_the_second_indexing_once(tmp_path):
     path = tmp_path / fix.FILE
     path.parent.mkdir(parents=True)
     path.write_text(FORWARD)
-    assert fix.fix(tmp_path) == "removed lines 11-12"
+    assert fix.fix(tmp_path) == "removed lines 4-5"
     after = path.read_text()
-    assert "self.weight[expert_indices, ...]" not in after and "view(torch.int8)" in after
+    assert "self.weight[expert_indices, ...]" not in after and fix.CPU_SAFE in after and "return product" in after
     assert after.count("\n") == FORWARD.count("\n") - 2
     assert fix.fix(tmp_path) == "already fixed" and path.read_text() == after
 

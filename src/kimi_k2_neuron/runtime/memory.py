@@ -5,8 +5,8 @@ A prefill call of N query tokens over T cached tokens holds attention scores for
 once: SCORE_BYTES each at the peak, so memory grows with the square of a prompt sent in one call. When that
 estimate for one call is more than SHARE of the memory available, the prompt is prefilled in chunks of the largest
 power of two that fits (each chunk attends to the cache written so far: the same logits, to float rounding); a
---prefill-chunk the user gives is kept if it fits the same share, else refused, naming the largest that does. Stdlib only, so that the CLI decides
-before it loads anything.
+--prefill-chunk the user gives is kept if it fits the same share, else refused, naming the largest that does.
+Stdlib only, so that the CLI decides before it loads anything.
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def prefill_chunk(heads: int, rows: int, tokens: int, given: int | None, ranks: 
         return PrefillChunk(None)
     chunk = _largest_chunk(heads, rows, tokens, budget)
     if chunk is None:
-        raise KimiInputError(f"input: a prompt of {tokens} tokens needs ~{attention_bytes(heads, rows, 1, tokens) / GiB:.1f} "
-                             f"GiB of attention per prefilled token, more than half the {available / GiB:.1f} GiB "
-                             f"available; use a bigger host or a shorter prompt")
+        per_token = attention_bytes(heads, rows, 1, tokens)
+        raise KimiInputError(f"input: a prompt of {tokens} tokens needs ~{per_token / GiB:.1f} GiB of attention per "
+                             f"prefilled token, more than half the {available / GiB:.1f} GiB available; use a bigger "
+                             f"host or a shorter prompt")
     return PrefillChunk(chunk, f"note: a prefill of {tokens} tokens in one call would take ~{need / GiB:.1f} GiB for "
                                f"attention, more than half the {available / GiB:.1f} GiB available: prefilling "
                                f"{chunk} tokens per call (--prefill-chunk N sets it)")
