@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import KimiInputError
+from .errors import KimiInputError, broken_link
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,20 +48,24 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
 # -- checked numbers (argparse type= functions) -------------------------------------------------------------------
 
 
-def integer(lo: int):
-    """type= for an integer >= lo."""
+def integer(lo: int, hi: int | None = None):
+    """type= for an integer >= lo (and <= hi)."""
+    expected = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = expected
     return parse
+
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 def integers(lo: int):
@@ -116,19 +120,26 @@ def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path
     path = Path(path)
     if path.is_dir():
         raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
-    for flag, folder in (apart_from or {}).items():
-        if folder is not None and Path(folder).resolve() in Path(path).resolve().parents:
-            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
-                                 f"path outside it")
     folder = path.parent
     if not folder.is_dir():
-        raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is not a folder")
+        why = broken_link(folder) or "not a folder"
+        raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is {why}")
     _probe_writable(folder, f"{what} {path}")
+    for flag, folder in (apart_from or {}).items():
+        if folder is None or broken_link(folder):  # (refused where the folder is read)
+            continue
+        if Path(folder).resolve() in Path(path).resolve().parents:
+            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
+                                 f"path outside it")
 
 
 def check_out_dir(path: str | Path, what: str) -> None:
     """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder."""
     path = Path(path).absolute()
+    for p in (path, *path.parents):  # a link to nothing is no folder to write into, nor one to make
+        broken = broken_link(p)
+        if broken:
+            raise KimiInputError(f"{what} {path}: {p} is {broken}; expected a folder, or a path where one can be made")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is a file")
@@ -165,7 +176,7 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k: 
                         f"sampler: its compiled global top-k) (default: {top_k})")
     p.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=None, metavar="P",
                    help="with --temperature > 0: sample within this probability mass (default: 1, all)")
-    p.add_argument("--seed", type=integer(0), default=0, metavar="S",
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S",
                    help="seeds the sampling random generator (only --temperature > 0 draws from it)")
     p.set_defaults(default_top_k=top_k)  # for sampling_values, so the backend's default is written once
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 # Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
-from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
+from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_weight_sharding_args, cache_dir,
                         check_generation_args, check_out_dir, check_out_file, fail, integer, kv_group_of,
                         sampling_values)
 from .errors import KimiInputError
@@ -359,7 +359,7 @@ def _make_tiny_parser(sub) -> None:
     s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8",
                    help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
-    s.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds the random weights")
+    s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
 
 
 def _logits_parser(sub) -> None:

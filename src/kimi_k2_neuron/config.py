@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import KimiInputError
+from .errors import KimiInputError, broken_link
 from .interrupts import unfinished_conversion
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -112,6 +112,10 @@ class KimiK2Config:
     @classmethod
     def from_file(cls, path: str | Path) -> "KimiK2Config":
         path = Path(path)
+        for p in (path.parent, path, path / "config.json"):
+            broken = broken_link(p)
+            if broken:
+                raise KimiInputError(f"{p}: {broken}; expected a checkpoint folder or its config.json")
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():

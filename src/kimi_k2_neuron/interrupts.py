@@ -169,15 +169,16 @@ def write_atomically(path: str | Path, data: bytes | str) -> None:
         raise KimiInputError(f"{path}: cannot write ({write_error(e)})") from None
 
 
-def save_safetensors(tensors: dict, path: str | Path, what: str = "", metadata: dict | None = None) -> None:
+def save_safetensors(tensors: dict, path: str | Path, what: str = "", metadata: dict | None = None,
+                     shown: str | Path | None = None) -> None:
     """safetensors' save_file through atomic_output (complete or absent, the umask's mode); a full disk or another
-    write error is one line naming `what` (a flag) and the file. safetensors reports its own I/O errors as a
-    SafetensorError ending in "(os error N)", not an OSError."""
+    write error is one line naming `what` (a flag) and the file (or `shown`, the output a hidden file is part of).
+    safetensors reports its own I/O errors as a SafetensorError ending in "(os error N)", not an OSError."""
     import re
 
     from safetensors.torch import save_file
 
-    name = f"{what} {path}" if what else str(path)
+    name = str(shown) if shown is not None else f"{what} {path}" if what else str(path)
     try:
         with atomic_output(path) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)

@@ -470,3 +470,51 @@ def test_outputs_get_the_modes_a_plain_write_gets(umask, tiny_dirs, tmp_path, ca
     assert (tmp_path / "t").stat().st_mode & 0o777 == 0o777 & ~umask
     for f in [*(tmp_path / "t").iterdir(), tmp_path / "l.safetensors"]:
         assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+
+
+# -- the last tracebacks: a broken chat template, a seed past 64 bits, links that lead nowhere ------------------------
+
+def test_a_chat_template_that_does_not_parse_is_one_line(ckpt, capsys, one_line_error):
+    model = ckpt("fp8")
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}\n{% if %}\n")
+    rc, out, err = run_cli(["generate", "--model", str(model), "--prompt", "hi"], capsys)
+    one_line_error.exit(rc, err, f"{model / 'chat_template.jinja'}: the chat template does not parse (line 2: ",
+                        "expected a Jinja template")
+    assert out == ""
+
+
+@pytest.mark.parametrize("argv", [["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1"],
+                                  ["make-tiny", "{tmp}/t"]], ids=["generate", "make-tiny"])
+def test_a_seed_past_64_bits_is_refused(argv, tiny_dirs, tmp_path, capsys, one_line_error):
+    """torch.Generator.manual_seed takes an unsigned 64-bit seed (it raised 'Overflow when unpacking long long')."""
+    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    rc, _, err = run_cli([*argv, "--seed", str(2**64)], capsys)
+    one_line_error.exit(rc, err, "--seed: expected an integer >= 0 and <= 18446744073709551615, got "
+                                 "'18446744073709551616'")
+
+
+def test_the_largest_seed_samples(tiny_dirs, capsys):
+    rc, out, _ = run_cli(["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--temperature", "1",
+                          "--max-new-tokens", "2", "--seed", str(2**64 - 1)], capsys)
+    assert rc == 0 and len(out.strip().split(",")) == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["convert", "{model}", "{tmp}/dangling", "--experts", "fp8-blockwise"],
+     "DST {tmp}/dangling: {tmp}/dangling is a symbolic link to {tmp}/nowhere, which does not exist"),
+    (["make-tiny", "{tmp}/dangling/t"], "OUT {tmp}/dangling/t: {tmp}/dangling is a symbolic link to {tmp}/nowhere"),
+    (["convert", "{tmp}/loop", "{tmp}/dst", "--experts", "fp8-blockwise"], "SRC {tmp}/loop: a symbolic link loop"),
+    (["logits", "--model", "{tmp}/loop", "--input-ids", "1", "--out", "{tmp}/l"], "{tmp}/loop: a symbolic link loop"),
+    (["plan", "--model", "{tmp}/loop", "--tp", "1", "--seq-len", "8"], "{tmp}/loop: a symbolic link loop"),
+    (["logits", "--model", "{model}", "--input-ids", "1", "--out", "{tmp}/loop/l"],
+     "{tmp}/loop is a symbolic link loop"),
+], ids=["convert DST dangling", "make-tiny OUT under a dangling link", "convert SRC loop", "logits --model loop",
+        "plan --model loop", "logits --out in a loop"])
+def test_links_that_lead_nowhere_are_one_line(argv, words, tiny_dirs, tmp_path, capsys, one_line_error):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    rc, out, err = run_cli(argv, capsys)
+    one_line_error.exit(rc, err, words.format(tmp=tmp_path))
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "dst").exists()

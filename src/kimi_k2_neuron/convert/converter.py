@@ -35,7 +35,7 @@ from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
 from ..config import pop_quantization_config
-from ..errors import KimiInputError
+from ..errors import KimiInputError, broken_link
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
 from ..formats.scheme import ExpertScheme, converted_scheme
@@ -73,6 +73,10 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
     src, dst = Path(src), Path(dst)
     if workers < 1:
         raise KimiInputError(f"--workers {workers}: expected at least 1")
+    for what, path in (("SRC", src), ("DST", dst)):
+        broken = broken_link(path)
+        if broken:
+            raise KimiInputError(f"{what} {path}: {broken}; expected a folder")
     _check_apart(src, dst)
     if ConversionRecord.read(src) is not None:
         raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {CONVERSION_KEY})")

@@ -159,20 +159,19 @@ def make_tiny(out: str | Path, quant: str = "fp8", shards: int = 3, seed: int = 
     tensors = raw_tensors(cfg, seed)
     try:
         with atomic_folder(out) as tmp:
-            _write(tmp, raw_cfg, tensors, shards)
+            _write(tmp, raw_cfg, tensors, shards, shown=out)
     except OSError as e:
         raise KimiInputError(f"{out}: cannot write ({write_error(e)})") from None
-    except KimiInputError as e:  # a shard's write error names the hidden folder's file: name `out` instead
-        raise KimiInputError(f"{out}: {str(e).rsplit(': ', 1)[-1]}") from None
     return out
 
 
-def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int) -> None:
+def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int, shown: Path) -> None:
     plan = shard_plan(list(tensors), n_shards)
     weight_map, total = {}, 0
     for k, names in enumerate(plan, 1):
         fname = f"model-{k:05d}-of-{len(plan):05d}.safetensors"
-        save_safetensors({n: tensors[n].contiguous() for n in names}, d / fname, metadata={"format": "pt"})
+        save_safetensors({n: tensors[n].contiguous() for n in names}, d / fname, metadata={"format": "pt"},
+                         shown=shown)
         for n in names:
             weight_map[n] = fname
             total += tensors[n].numel() * tensors[n].element_size()
