@@ -44,6 +44,7 @@ from ..quant import check_finite, nxd_fp8
 from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
+from .lock import LOCK_NAME, dst_lock
 from ..interrupts import MANIFEST, PARTIAL_SUFFIX, write_atomically
 from .writer import HASH, HASHES, ShardWriter, file_digest
 
@@ -87,7 +88,8 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
         if progress and source.format == "fp8" and scheme.block is not None and not nxd_fp8.KERNEL_BUILT:
             print(f"note: {nxd_fp8.NO_KERNEL}", file=sys.stderr, flush=True)  # before a long run, not after
         job = _Job(source, scheme, dst, workers, verify, progress)
-        return job.run(units)
+        with dst_lock(dst):
+            return job.run(units)
     finally:
         source.close()
 
@@ -156,7 +158,7 @@ class _Job:
             return fresh
         path = self.dst / MANIFEST
         if not path.is_file():
-            if any(self.dst.iterdir()):
+            if any(p.name != LOCK_NAME for p in self.dst.iterdir()):
                 raise KimiInputError(f"{self.dst}: exists, is not empty and holds no {MANIFEST}; "
                                      f"expected a new or empty directory or an interrupted conversion")
             return fresh
