@@ -28,11 +28,17 @@ from .runtime.ranks import RanksError
 
 
 def _rows(text: str) -> list[list[int]]:
-    """type= for --input-ids: "1,2,3;4,5,6" -> [[1, 2, 3], [4, 5, 6]]."""
-    try:
-        return [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected comma-separated integers, rows separated by ";", got {text!r}')
+    """type= for --input-ids: "1,2,3;4,5,6" -> [[1, 2, 3], [4, 5, 6]]; every row and every token non-empty (an empty
+    one is a typo, not a token to skip)."""
+    rows = [row.split(",") for row in text.split(";")]
+    for i, row in enumerate(rows, 1):
+        where = f"row {i} is empty" if row == [""] or not "".join(row).strip() else next(
+            (f"row {i} has an empty token" if not t.strip() else f"row {i} has {t.strip()!r}"
+             for t in row if not t.strip().lstrip("-").isdigit()), None)
+        if where:
+            raise argparse.ArgumentTypeError(f'expected comma-separated integers, rows separated by ";" ({where}), '
+                                             f'got {text!r}')
+    return [[int(t) for t in row] for row in rows]
 
 
 def cmd_make_tiny(a) -> int:
@@ -328,7 +334,10 @@ def cmd_trace_cpu(a) -> int:
 
         from .nxdi_cpu import backend, xla_trace
     except ImportError as e:
-        raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
+        raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}; "
+                             f"torch_xla loads only with the torch it was built for (2.9): run trace-cpu in the "
+                             f"nxdi-cpu venv, which `bash scripts/build_nxdi_cpu_tier.sh VENV` builds from a clone of "
+                             f"this repository (docs/nxdi_on_cpu.md)")
     with backend.library_output_to_stderr():
         report = xla_trace.trace(xla_trace.TraceOptions(options, a.submodel, a.seq_len, a.batch))
     print(report.to_json() if a.json else report.format())

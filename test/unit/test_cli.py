@@ -47,6 +47,14 @@ BAD_ARGS = [
     (["make-tiny", "{model}/config.json/t"], "is a file"),
     # logits
     (["logits", "--model", "{model}", "--input-ids", "1,2"], "required: --out"),
+    # --input-ids: an empty token or row is refused alike (it read "1,,2" as two tokens and refused "1,2,3;")
+    (["logits", "--model", "{model}", "--input-ids", "1,,2", "--out", "{tmp}/l"],
+     '--input-ids: expected comma-separated integers, rows separated by ";" (row 1 has an empty token)'),
+    (["generate", "--model", "{model}", "--input-ids", "1,2,3;"], "(row 2 is empty), got '1,2,3;'"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2;,3"], "(row 2 has an empty token)"),
+    # the prefill bucket is the chunk: the flag named is the one given (it said --max-context-length)
+    (["plan", "--model", "{model}", "--tp", "2", "--prefill-chunk", "2048", "--seq-len", "1024"],
+     "--prefill-chunk 2048: expected 1..--seq-len 1024"),
     # the long-context flags (generate: --prefill-chunk only)
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "4", "--kv-shard",
       "sequence", "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
@@ -252,7 +260,7 @@ def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny_dirs, capsys):
     assert cli.main(["trace-cpu", "--model", str(tiny_dirs["fp8"]), "--submodel", "token"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trace-cpu needs NxD, NxDI and torch_xla") and "torch_xla" in err.split(":", 2)[2]
-    assert err.count("\n") == 1
+    assert "bash scripts/build_nxdi_cpu_tier.sh VENV" in err and err.count("\n") == 1
 
 
 def test_logits_cli_contract(tiny_dirs, tmp_path):
@@ -380,6 +388,7 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "neuronx-distributed-inference" in err[0] and "docs/nxdi_on_cpu.md" in err[0]
+    assert "bash scripts/build_nxdi_cpu_tier.sh VENV" in err[0]
 
 
 @pytest.mark.parametrize("cmd, words", [

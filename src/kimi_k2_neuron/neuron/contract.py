@@ -50,8 +50,9 @@ def require_neuron_sdk() -> None:
             "kimi_k2_neuron.neuron needs the AWS Neuron SDK; missing: " + ", ".join(missing) + ". Use a Neuron DLAMI "
             "virtualenv (SDK 2.29+) or `pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
             + " ".join(missing) + "` (the PyPI packages of these names are placeholders); to run this NxDI model "
-            "on CPU without them, see docs/nxdi_on_cpu.md in the kimi-k2-neuron repository. The CPU core "
-            "(kimi_k2_neuron) works without them.")
+            "on CPU without them, build the nxdi-cpu venv from a clone of the kimi-k2-neuron repository: `bash "
+            "scripts/build_nxdi_cpu_tier.sh VENV` (docs/nxdi_on_cpu.md). The CPU core (kimi_k2_neuron) works "
+            "without them.")
 
 
 # -- serving options -> MoENeuronConfig ---------------------------------------------------------------------------
@@ -287,7 +288,9 @@ def check_compile_options(cfg: KimiK2Config, tp, ep, lnc, seq_len, context_len, 
     if lnc not in (None, 1, 2):
         raise KimiInputError(f"--lnc {lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
     if isinstance(context_len, bool) or not isinstance(context_len, int) or not 1 <= context_len <= seq_len:
-        raise KimiInputError(f"--max-context-length {context_len!r}: expected 1..--seq-len {seq_len}")
+        # the bucket is the chunk unless --max-context-length was given: name the flag the user gave
+        flag = "--prefill-chunk" if context_len == layout.prefill_chunk else "--max-context-length"
+        raise KimiInputError(f"{flag} {context_len!r}: expected 1..--seq-len {seq_len}")
     check_tp_divides(cfg, tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, tp, seq_len, context_len, layout)
     check_ep(cfg, tp, ep, lnc, batch)
