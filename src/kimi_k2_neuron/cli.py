@@ -7,7 +7,6 @@ before any model is loaded wherever config.json alone can tell.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from functools import partial
@@ -132,7 +131,7 @@ def _nxdi_cpu():
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import StopStrings, prompt_ids, reply_text, reply_texts
+    from .runtime.chat import GenerationOutput, StopStrings, prompt_ids, reply_text
     from .runtime.runner import DTYPES, CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
     from .runtime.tokenizer import KimiTokenizer
@@ -144,45 +143,40 @@ def cmd_generate(a) -> int:
     prompts = prompt_ids(tok, a.prompt, a.chat, a.system) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
+    out = GenerationOutput(tok, prompts, a.prompt, a.stop, a.json)  # streams one row; see its docstring
     if a.backend == NXDI_CPU:
-        return _generate_nxdi_cpu(a, prompts, stop_ids, tok)
+        return _generate_nxdi_cpu(a, prompts, stop_ids, tok, out)
     _bound_prefill(a, cfg, prompts, together=False)  # each prompt is prefilled on its own
-    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
+    # the tokens streaming to a terminal are the progress; a bar on the same screen would overwrite them
+    bar = not (out.streams and sys.stdout.isatty())
+    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=bar, cfg=cfg,
                        prefill_chunk=a.prefill_chunk)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
-    res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
-                          seed=a.seed, stop_when=stop_when)
-    texts = reply_texts(tok, res.tokens, a.stop) if a.prompt else None
-    _print_generation(a, res.tokens, texts, res)
+    try:
+        res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
+                              seed=a.seed, stop_when=stop_when, on_token=out.token)
+    except KeyboardInterrupt:  # what was generated is printed, then run_command's one line
+        out.interrupted(a.backend)
+        raise
+    out.done(res.tokens, {"prefill_seconds": res.prefill_seconds,
+                          "decode_tokens_per_second": res.decode_tokens_per_second}, a.backend)
+    print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
+          file=sys.stderr)
     return 0
 
 
-def _generate_nxdi_cpu(a, prompts, stop_ids, tok) -> int:
-    """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
-    from .runtime.chat import reply_texts
-
-    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, flag=f"--backend {NXDI_CPU}")
-    texts = reply_texts(tok, tokens, a.stop) if a.prompt else None
-    _print_generation(a, tokens, texts)
+def _generate_nxdi_cpu(a, prompts, stop_ids, tok, out) -> int:
+    """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode (row 0's text
+    streams at one rank)."""
+    stream = out.text if out.streams and a.prompt else None
+    try:
+        tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, stream=stream,
+                              flag=f"--backend {NXDI_CPU}")
+    except KeyboardInterrupt:
+        out.interrupted(a.backend)
+        raise
+    out.done(tokens, backend=a.backend)
     return 0
-
-
-def _print_generation(a, tokens: list[list[int]], texts: list[str] | None, res=None) -> None:
-    """Rows as text (or ids), then the CPU runner's timings when `res` (a GenerationResult) has them."""
-    from .runtime.chat import print_rows
-
-    timing = {"prefill_seconds": res.prefill_seconds, "decode_tokens_per_second": res.decode_tokens_per_second} \
-        if res is not None else {}
-    if a.json:
-        print(json.dumps({"tokens": tokens, "text": texts, "backend": a.backend, **timing}))
-        return
-    if texts:
-        print_rows(a.prompt, texts)
-    else:
-        print("\n".join(",".join(map(str, t)) for t in tokens))
-    if timing:
-        print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
-              file=sys.stderr)
 
 
 def _check_generate_args(a) -> None:

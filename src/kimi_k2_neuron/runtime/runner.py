@@ -152,14 +152,17 @@ class CpuRunner:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  stop_ids: set[int] = frozenset(), seed: int = 0,
-                 stop_when: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+                 stop_when: Callable[[list[int]], bool] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Prompts may differ in length: each row is prefilled on its own, then all rows decode together, each
-        at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true."""
+        at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true.
+        on_token(row, token) is called with each new token as it is made (for streaming, and for what an
+        interrupt keeps)."""
         check_generate_request(self.cfg, prompts, max_new_tokens)
         with self._passes("generate", sum(self.prefill_calls(len(p)) for p in prompts) + max_new_tokens - 1):
-            return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when)
+            return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when, on_token)
 
-    def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when) -> GenerationResult:
+    def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when, on_token) -> GenerationResult:
         gen = torch.Generator().manual_seed(seed)
         lens = torch.tensor([len(p) for p in prompts])
         cache = self.new_cache(len(prompts), int(lens.max()) + max_new_tokens)
@@ -174,6 +177,8 @@ class CpuRunner:
             for i, t in enumerate(tok.tolist()):
                 if not done[i]:
                     outs[i].append(t)
+                    if on_token is not None:
+                        on_token(i, t)
                     done[i] = t in stop_ids or (stop_when is not None and stop_when(outs[i]))
             if all(done) or step == max_new_tokens - 1:
                 break
