@@ -45,8 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kimi_k2_neuron.neuron import moe_paths
 
     p = script_parser(__doc__)
-    p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
-                                                  "HF folder is converted first, once, into <model>-neuron-<experts>")
+    p.add_argument("--model", required=True,
+                   help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
+                        "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
+                        "size, before it starts)")
     p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
                                                 "replaced once the new one is complete")
     p.add_argument("--tp", type=integer(1), required=True,

@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .cache import cache_dir  # noqa: F401 (the CLI's and scripts' name for it)
 from .errors import KimiInputError, broken_link
 
 
@@ -246,11 +247,6 @@ def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:
         raise KimiInputError(f"--kv-shard sequence: a KV group of 1 rank holds the whole cache; give --tp (and "
                              f"--kv-group) of 2 or more, or --kv-shard none")
     return group
-
-
-def cache_dir() -> Path:
-    """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
-    return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")
 
 
 def fail(e: Exception, exit_code: int = 2) -> int:

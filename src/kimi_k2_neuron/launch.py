@@ -9,7 +9,8 @@ import logging
 import os
 import sys
 
-from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, cache_dir, fail, integer,
+from .cache import converted_root
+from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, fail, integer,
                         kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
@@ -84,7 +85,7 @@ def cpu_options(args: argparse.Namespace, one_rank_group: bool = False):
     from .nxdi_cpu.options import CpuOptions
 
     return CpuOptions(model=args.model, experts=args.experts, tp=args.tp, ep=getattr(args, "ep", 1),
-                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(cache_dir() / "converted"),
+                      dtype=getattr(args, "dtype", "float32"), cache_dir=str(converted_root()),
                       layout=layout_options(args, one_rank_group))
 
 

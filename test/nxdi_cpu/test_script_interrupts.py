@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kimi_k2_neuron.convert import converted_dir_for
 from nxdi_support import REPO
 
 SCRIPTS = REPO / "scripts"
@@ -152,7 +153,7 @@ def test_bench_tpot_interrupted_mid_sweep_writes_no_report(sig, tp, tiny, env, t
 
 @pytest.fixture
 def raw(tiny, tmp_path):
-    """A copy of the tiny raw checkpoint: compile_and_save converts it into a folder beside it."""
+    """A copy of the tiny raw checkpoint: compile_and_save converts it into $KIMI_K2_NEURON_CACHE/converted."""
     return Path(shutil.copytree(tiny["fp8"], tmp_path / "ckpt" / "fp8"))
 
 
@@ -184,7 +185,7 @@ def test_compile_interrupted_while_converting_leaves_no_folder(raw, env, tmp_pat
         "--out", str(out), *COMPILE), env)
     stopped(signal.SIGINT, rc, err)
     assert not out.exists() and leftovers(tmp_path) == []
-    converted = raw.with_name("fp8-neuron-fp8-blockwise")
+    converted = converted_dir_for(raw, "fp8-blockwise", Path(env["KIMI_K2_NEURON_CACHE"]) / "converted")
     assert converted.is_dir() and not (converted / "config.json").exists()
 
 
@@ -199,4 +200,5 @@ def test_compile_refuses_an_out_folder_that_is_no_compile(raw, env, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (f"error: --out {out}: not empty and not a finished compile (no "
                                                  f"kimi_k2_neuron.json in it); give a new or empty folder (the "
                                                  f"compile is written beside it and renamed once complete)")
-    assert [p.name for p in out.iterdir()] == ["notes.txt"] and not raw.with_name("fp8-neuron-fp8-blockwise").exists()
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert not (Path(env["KIMI_K2_NEURON_CACHE"]) / "converted").exists()

@@ -527,3 +527,16 @@ def test_links_that_lead_nowhere_are_one_line(argv, words, tiny_dirs, tmp_path, 
     rc, out, err = run_cli(argv, capsys)
     one_line_error.exit(rc, err, words.format(tmp=tmp_path))
     assert not (tmp_path / "nowhere").exists() and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "moonshotai/Kimi-K2-Instruct", "--prompt", "hi"],
+    ["logits", "--model", "moonshotai/Kimi-K2-Instruct", "--input-ids", "1", "--out", "{tmp}/l"],
+    ["plan", "--model", "moonshotai/Kimi-K2-Instruct", "--tp", "64", "--seq-len", "1024"],
+    ["convert", "moonshotai/Kimi-K2-Instruct", "{tmp}/dst", "--experts", "fp8-blockwise"],
+], ids=["generate", "logits", "plan", "convert"])
+def test_a_hub_model_id_says_how_to_download_it(argv, tmp_path, monkeypatch, capsys, one_line_error):
+    monkeypatch.chdir(tmp_path)  # where no moonshotai/ folder is
+    rc, _, err = run_cli([a.format(tmp=tmp_path) for a in argv], capsys)
+    one_line_error.exit(rc, err, "moonshotai/Kimi-K2-Instruct: no such folder; it looks like a Hugging Face model id",
+                        "`hf download moonshotai/Kimi-K2-Instruct --local-dir DIR`")

@@ -42,8 +42,9 @@ def test_a_second_conversion_into_the_same_dst_is_refused_naming_the_first(tiny_
         assert marker.exists(), first.communicate()
         before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
         second = _convert_cli(src, dst)
-        line = one_line_error.exit(second.returncode, second.stderr, f"DST {dst}: another conversion is writing it "
-                                                                     f"(pid {first.pid} on {socket.gethostname()}, since")
+        line = one_line_error.exit(second.returncode, second.stderr,
+                                   f"DST {dst}: another conversion is writing it (pid {first.pid} on "
+                                   f"{socket.gethostname()}, since")
         assert "wait for it to finish" in line
         assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before  # nothing of the first's touched
     finally:

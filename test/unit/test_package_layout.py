@@ -14,7 +14,7 @@ PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # converter, running it, the test fixtures, the Neuron shell (what runs on trn2), its CPU verification harness, the fit
 # planner (which applies the shell's rules), the commands.
 STAGES = (
-    ("errors", "interrupts", "progress", "config"),
+    ("errors", "cache", "interrupts", "progress", "config"),
     ("quant",),
     ("formats",),
     ("checkpoint",),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import threading
 import time
@@ -92,6 +93,17 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
             return job.run(units)
     finally:
         source.close()
+
+
+def planned_bytes(src: str | Path, experts: str) -> int:
+    """The bytes of tensor data convert(src, ..., experts) will write, from the source's headers alone (the schedule
+    decides every output tensor before any data is read; safetensors headers add a few KB a file)."""
+    source = WeightSource(Path(src))
+    try:
+        units = schedule.build(source, converted_scheme(source.cfg, experts))
+    finally:
+        source.close()
+    return sum(math.prod(shape) * dtype.itemsize for u in units for _, dtype, shape in u.entries)
 
 
 def _check_apart(src: Path, dst: Path) -> None:

@@ -19,7 +19,7 @@ class CpuOptions:
     tp: int = 1
     ep: int = 1
     dtype: str = "float32"
-    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
+    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: cache.converted_root())
     presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
     # on CPU every blockwise mode runs NxD's torch loop; the mode sets its block size
     moe_prefill: str | None = None
