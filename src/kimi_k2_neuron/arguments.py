@@ -226,8 +226,9 @@ def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
 def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
     """--shard-attn-a and --shard-router: split across the ranks what the NxDI design replicates on every one."""
     p.add_argument("--shard-attn-a", action="store_true",
-                   help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows and all-gather their "
-                        "output (one collective per layer) instead of holding them whole on every rank")
+                   help="split attention's two input projections (q_a_proj, kv_a_proj_with_mqa) across the ranks by "
+                        "output rows and all-gather their output (one collective per layer) instead of holding them "
+                        "whole on every rank")
     p.add_argument("--shard-router", action="store_true",
                    help="split the float32 router across the ranks by experts and all-gather its logits (one "
                         "collective per MoE layer); every rank still selects from the same float32 logits")

@@ -395,8 +395,8 @@ def _convert_parser(sub) -> None:
     s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
-                   help=f"NxD scale layout of the routed experts ({DEFAULT_SCHEME} is recommended: exact from FP8 and "
-                        "INT4 sources)")
+                   help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
+                        f"recommended: exact from FP8 and INT4 sources)")
     s.add_argument("--workers", type=integer(1), default=1, metavar="N", help="threads converting experts in parallel")
     s.add_argument("--verify", action="store_true", help="re-hash finished files (and redo any that differ)")
 
@@ -436,8 +436,8 @@ def _plan_parser(sub) -> None:
                    help="how prefill runs the routed experts, as scripts/compile_and_save.py --moe-prefill: "
                         + moe_paths.modes_help())
     s.add_argument("--kv-slots", type=integer(1), default=1,
-                   help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
-                        "same-width dead V slot")
+                   help="1: a cache of the latent entries alone (ours, the default); 2: the same beside an unused "
+                        "slot of the same width per entry (NxDI's stock KVCacheManager)")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     add_kv_layout_args(s)
@@ -471,8 +471,8 @@ def _model_opts(s, core_tp: bool = True):
                    help="nxdi-cpu: the expert scheme a raw --model is converted to first, into $KIMI_K2_NEURON_CACHE/"
                         f"converted (default: {DEFAULT_SCHEME}; a converted --model keeps its own)")
     s.add_argument("--ep", type=integer(1), default=1, metavar="E",
-                   help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
-                        "which has no XLA process groups)")
+                   help="nxdi-cpu: expert parallelism inside the --tp ranks, the experts split E ways (NxD's MoE EP); "
+                        "refused in NxD's CPU mode, which has no XLA process groups")
     ranks = "tensor-parallel CPU ranks, one process each (gloo over loopback)"
     s.add_argument("--tp", type=integer(1), default=1, metavar="N",
                    help=f"{ranks}; nxdi-cpu: bfloat16 only at 1 rank" if core_tp else

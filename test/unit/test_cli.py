@@ -540,3 +540,51 @@ def test_a_hub_model_id_says_how_to_download_it(argv, tmp_path, monkeypatch, cap
     rc, _, err = run_cli([a.format(tmp=tmp_path) for a in argv], capsys)
     one_line_error.exit(rc, err, "moonshotai/Kimi-K2-Instruct: no such folder; it looks like a Hugging Face model id",
                         "`hf download moonshotai/Kimi-K2-Instruct --local-dir DIR`")
+
+
+# -- plain words first: NxD's names only after them, in parentheses ----------------------------------------------------
+
+# what a serving user does not know: kernel, function and class names of NxD/NxDI/nkilib
+NXD_NAMES = ("bwmm_shard_on_block", "blockwise_mm", "get_cache_size", "mock_distributed", "moe_ep_degree",
+             "KVCacheManager", "flash-decoding", "nkilib")
+
+
+def _bare(text: str) -> list[str]:
+    """The NxD names in `text` outside parentheses, and a text that opens with NxD's words."""
+    found, depth = [], 0
+    if text.startswith(("NxD", "nkilib")):
+        found.append(f"opens with NxD: {text[:60]!r}")
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        for name in NXD_NAMES:
+            if text.startswith(name, i) and depth == 0:
+                found.append(f"{name} in {text[max(0, i - 40):i + 40]!r}")
+    return found
+
+
+def _help_texts():
+    texts = []
+    parsers = [cli.build_parser()]
+    for script in ("compile_and_save", "run_inference", "bench_tpot"):
+        spec = importlib.util.spec_from_file_location(f"_help_{script}", REPO / "scripts" / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parsers.append(module.build_parser())
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+            elif action.help:
+                texts.append(f"{p.prog} {'/'.join(action.option_strings)}: " + action.help)
+    return texts
+
+
+def test_help_speaks_plain_words_first_and_nxd_names_in_parentheses():
+    assert not [b for text in _help_texts() for b in _bare(text.split(": ", 1)[1])]
+
+
+def test_the_readme_too():
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if "NXDI_CONTRACT.md" not in line]
+    assert not [b for line in lines for b in _bare(line.lstrip("#| "))]
