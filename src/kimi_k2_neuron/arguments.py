@@ -62,7 +62,7 @@ def integer(lo: int, hi: int | None = None):
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
-    parse.__name__ = expected
+    parse.__name__ = expected.removeprefix("an ")  # "integer >= lo[ and <= hi]": what argparse and tests read
     return parse
 
 

@@ -283,21 +283,22 @@ def _integer_flags():
         for a in _flags(script_module(name).build_parser()):
             kind = getattr(a.type, "__name__", "")
             if kind.startswith("integer >= "):
-                found.append((name, a.option_strings[-1], int(kind.removeprefix("integer >= "))))
+                found.append((name, a.option_strings[-1], kind))
     return found
 
 
 INTEGER_FLAGS = _integer_flags()
 
 
-@pytest.mark.parametrize("name, flag, lo", INTEGER_FLAGS, ids=[f"{n} {f}" for n, f, _ in INTEGER_FLAGS])
+@pytest.mark.parametrize("name, flag, kind", INTEGER_FLAGS, ids=[f"{n} {f}" for n, f, _ in INTEGER_FLAGS])
 @pytest.mark.parametrize("bad", ["abc", "below", "1.5"])
-def test_every_integer_flag_of_every_script_refuses_bad_values(name, flag, lo, bad, capsys, monkeypatch,
+def test_every_integer_flag_of_every_script_refuses_bad_values(name, flag, kind, bad, capsys, monkeypatch,
                                                                one_line_error):
+    lo = int(kind.removeprefix("integer >= ").split()[0])  # "integer >= lo[ and <= hi]"
     value = str(lo - 1) if bad == "below" else bad
     _parser(name, monkeypatch)  # the FP8 environment restored after the test
     rc, out, err = _run_script(name, [flag, value], capsys)
-    one_line_error.exit(rc, err, flag, f"expected an integer >= {lo}, got '{value}'")
+    one_line_error.exit(rc, err, flag, f"expected an {kind}, got '{value}'")
     assert out == ""
 
 
