@@ -40,13 +40,17 @@ def test_a_second_conversion_into_the_same_dst_is_refused_naming_the_first(tiny_
         while not marker.exists() and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert marker.exists(), first.communicate()
-        before = {p.name: p.stat().st_mtime_ns for p in dst.iterdir()}
+        # what a second run would write first: its manifest (and its lock record); the first's own writer thread
+        # may still be finishing a shard meanwhile, so those are what is compared
+        watched = ("conversion_manifest.json", LOCK_NAME)
+        before = {name: (dst / name).read_bytes() for name in watched}
         second = _convert_cli(src, dst)
         line = one_line_error.exit(second.returncode, second.stderr,
                                    f"DST {dst}: another conversion is writing it (pid {first.pid} on "
                                    f"{socket.gethostname()}, since")
         assert "wait for it to finish" in line
-        assert {p.name: p.stat().st_mtime_ns for p in dst.iterdir()} == before  # nothing of the first's touched
+        assert {name: (dst / name).read_bytes() for name in watched} == before  # nothing of the first's touched
+        assert f'"pid": {first.pid}' in before[LOCK_NAME].decode()
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)

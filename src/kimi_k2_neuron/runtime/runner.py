@@ -120,6 +120,15 @@ class CpuRunner:
         n = self._chunk(*ids.shape) or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
         return [self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers) for c in range(0, ids.shape[1], n)]
 
+    def prefill_last(self, ids, positions, cache_layers) -> torch.Tensor:
+        """The last position's logits [B, V] of a prefill: each call's other logits freed as the next one runs (a
+        125k-token prompt's [S, V] float32 logits of Kimi-K2 would take 82 GB)."""
+        n = self._chunk(*ids.shape) or max(1, ids.shape[1])
+        last = None
+        for c in range(0, ids.shape[1], n):
+            last = self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers)[:, -1].clone()
+        return last
+
     def prefill_calls(self, k: int, rows: int = 1) -> int:
         n = self._chunk(rows, k)
         return 0 if k == 0 else 1 if n is None else -(-k // n)
@@ -167,7 +176,7 @@ class CpuRunner:
         lens = torch.tensor([len(p) for p in prompts])
         cache = self.new_cache(len(prompts), int(lens.max()) + max_new_tokens)
         t0 = time.perf_counter()
-        last = torch.stack([self.prefill(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[-1][0, -1]
+        last = torch.stack([self.prefill_last(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[0]
                             for i, p in enumerate(prompts)])
         t1 = time.perf_counter()
         outs, done, steps = [[] for _ in prompts], [False] * len(prompts), 0
