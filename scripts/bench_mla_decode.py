@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail, integer, integers
+from kimi_k2_neuron.arguments import SEED_MAX, fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import host_memory_available, script_parser
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=integer(0), default=1, metavar="N", help="untimed runs per path before timing")
     p.add_argument("--threads", type=integer(1), default=None, metavar="N",
                    help="torch.set_num_threads (default: torch's own default)")
-    p.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds weights, cache and input")
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds weights, cache and input")
     p.add_argument("--json", action="store_true", help="also print a JSON report")
     return p
 

@@ -94,7 +94,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.context_lengths is not None and args.num_runs is not None:
         raise KimiInputError("--num-runs: not with --context-lengths (each length times --decode-steps decode steps "
                              "after one prefill)")
-    check_out_file(args.report, "--report")  # before the benchmark, not after it
+    # before the benchmark, not after it; never over the checkpoint or compiled folder it reads
+    check_out_file(args.report, "--report", apart_from={"--model": args.model, "--compiled": args.compiled})
     if args.cpu:  # what config.json decides for this length and batch, before NxD is imported
         from kimi_k2_neuron.nxdi_cpu.options import check_request
 

@@ -43,8 +43,10 @@ from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layo
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--model", required=True, help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw "
-                                                  "HF folder is converted first, once, into <model>-neuron-<experts>")
+    p.add_argument("--model", required=True,
+                   help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
+                        "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
+                        "size, before it starts)")
     p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
                                                 "replaced once the new one is complete")
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),

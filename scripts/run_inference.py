@@ -52,16 +52,17 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.neuron.serving import read_compiled_record
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-    from kimi_k2_neuron.runtime.chat import print_rows, prompt_ids, reply_texts
+    from kimi_k2_neuron.runtime.chat import ReplyPrinter, print_rows, prompt_ids, reply_texts
 
     torch.manual_seed(args.seed)
-    # Streaming shows row 0 as it comes; not with --stop, whose string must never be shown, nor from CPU ranks.
-    streams = len(args.prompt) == 1 and not args.stop and not (args.cpu and args.tp > 1)
-    streamed = []  # text shown so far: a stop mid-stream ends its line before the stop's own line
+    # Streaming shows row 0 as it comes, its markers in words and never a --stop string; not from CPU ranks.
+    streams = len(args.prompt) == 1 and not (args.cpu and args.tp > 1)
+    streamed = []  # the reply's text so far: an interrupt ends the line it is on before the interrupt's own line
+    printer = ReplyPrinter(lambda s: print(s, end="", flush=True), args.stop)
 
     def show(text: str) -> None:
         streamed.append(text)
-        print(text, end="", flush=True)
+        printer.update("".join(streamed))
 
     stream = show if streams else None
     t0 = time.monotonic()
@@ -76,10 +77,12 @@ def main(argv=None) -> int:
         return fail(e, e.exit_code)
     except KeyboardInterrupt:
         if streamed:
+            printer.update("".join(streamed), final=True)
             print(flush=True)
         raise
     seconds = time.monotonic() - t0
     if stream:
+        printer.update("".join(streamed), final=True)
         print()
     else:
         print_rows(args.prompt, reply_texts(tok, rows, args.stop))

@@ -15,7 +15,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import KimiInputError
+from .cache import cache_dir  # noqa: F401 (the CLI's and scripts' name for it)
+from .errors import KimiInputError, broken_link
 
 
 class Parser(argparse.ArgumentParser):
@@ -48,20 +49,24 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
 # -- checked numbers (argparse type= functions) -------------------------------------------------------------------
 
 
-def integer(lo: int):
-    """type= for an integer >= lo."""
+def integer(lo: int, hi: int | None = None):
+    """type= for an integer >= lo (and <= hi)."""
+    expected = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < lo:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
         return value
 
-    parse.__name__ = f"integer >= {lo}"
+    parse.__name__ = expected.removeprefix("an ")  # "integer >= lo[ and <= hi]": what argparse and tests read
     return parse
+
+
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 def integers(lo: int):
@@ -110,20 +115,32 @@ def _probe_writable(folder: Path, what: str) -> None:
     os.unlink(probe)
 
 
-def check_out_file(path: str | Path, what: str) -> None:
-    """`path` can be written as a file: not a directory, in an existing writable folder."""
+def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path] | None = None) -> None:
+    """`path` can be written as a file: not a directory, in an existing writable folder, and outside every input
+    folder of `apart_from` ({flag: folder}): no command writes into the checkpoint it reads."""
     path = Path(path)
     if path.is_dir():
         raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
     folder = path.parent
     if not folder.is_dir():
-        raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is not a folder")
+        why = broken_link(folder) or "not a folder"
+        raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is {why}")
     _probe_writable(folder, f"{what} {path}")
+    for flag, folder in (apart_from or {}).items():
+        if folder is None or broken_link(folder):  # (refused where the folder is read)
+            continue
+        if Path(folder).resolve() in Path(path).resolve().parents:
+            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
+                                 f"path outside it")
 
 
 def check_out_dir(path: str | Path, what: str) -> None:
     """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder."""
     path = Path(path).absolute()
+    for p in (path, *path.parents):  # a link to nothing is no folder to write into, nor one to make
+        broken = broken_link(p)
+        if broken:
+            raise KimiInputError(f"{what} {path}: {p} is {broken}; expected a folder, or a path where one can be made")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is a file")
@@ -160,7 +177,7 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k: 
                         f"sampler: its compiled global top-k) (default: {top_k})")
     p.add_argument("--top-p", type=number(0.0, 1.0, lo_open=True), default=None, metavar="P",
                    help="with --temperature > 0: sample within this probability mass (default: 1, all)")
-    p.add_argument("--seed", type=integer(0), default=0, metavar="S",
+    p.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S",
                    help="seeds the sampling random generator (only --temperature > 0 draws from it)")
     p.set_defaults(default_top_k=top_k)  # for sampling_values, so the backend's default is written once
 
@@ -220,10 +237,12 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                            f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one)")),
         "--moe-prefill": ("moe", dict(choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                                       help="how prefill runs the routed experts: " + moe_paths.modes_help())),
-        "--kv-shard": ("layout", dict(choices=KV_SHARDS, default="none",
+        "--kv-shard": ("layout", dict(choices=KV_SHARDS, default=None,
                                       help="none: every rank holds the whole latent KV cache; sequence: the ranks of "
                                            "a KV group split every sequence, position p on rank p %% G (NxDI's "
-                                           "flash-decoding layout), and decode merges their partial attention")),
+                                           "flash-decoding layout), and decode merges their partial attention "
+                                           "(default: none; given, a layout flag: compile_and_save then builds the "
+                                           "layouts' flags as given, not the planner's choice)")),
         "--kv-group": ("layout", dict(type=integer(1), default=None, metavar="G",
                                       help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: "
                                            "--tp, one group)")),
@@ -232,9 +251,10 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                                 "each attending to the cache written so far (default: the prompt in "
                                                 "one call)")),
         "--shard-attn-a": ("layout", dict(action="store_true",
-                                          help="split q_a_proj + kv_a_proj_with_mqa across the ranks by output rows "
-                                               "and all-gather their output (one collective per layer) instead of "
-                                               "holding them whole on every rank")),
+                                          help="split attention's two input projections (q_a_proj, "
+                                               "kv_a_proj_with_mqa) across the ranks by output rows and all-gather "
+                                               "their output (one collective per layer) instead of holding them whole "
+                                               "on every rank")),
         "--shard-router": ("layout", dict(action="store_true",
                                           help="split the float32 router across the ranks by experts and all-gather "
                                                "its logits (one collective per MoE layer); every rank still selects "
@@ -278,14 +298,9 @@ def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:
         return 1
     group = a.tp if a.kv_group is None else a.kv_group
     if group == 1 and not one_rank:
-        raise KimiInputError(f"--kv-shard sequence: a KV group of 1 rank holds the whole cache; give --tp (and "
-                             f"--kv-group) of 2 or more, or --kv-shard none")
+        raise KimiInputError("--kv-shard sequence: a KV group of 1 rank holds the whole cache; give --tp (and "
+                             "--kv-group) of 2 or more, or --kv-shard none")
     return group
-
-
-def cache_dir() -> Path:
-    """Where the package keeps what it makes for the user: $KIMI_K2_NEURON_CACHE, else ~/.cache/kimi-k2-neuron."""
-    return Path(os.environ.get("KIMI_K2_NEURON_CACHE") or Path.home() / ".cache" / "kimi-k2-neuron")
 
 
 def fail(e: Exception, exit_code: int = 2) -> int:

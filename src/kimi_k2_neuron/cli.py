@@ -16,11 +16,11 @@ from pathlib import Path
 
 # Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
-from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_spec_args, add_weight_sharding_args,
-                        cache_dir, check_generation_args, check_out_dir, check_out_file, fail, integer,
-                        sampling_values)
+from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_spec_args,
+                        add_weight_sharding_args, cache_dir, check_generation_args, check_out_dir, check_out_file, fail,
+                        integer, sampling_values)
 from .errors import KimiInputError
-from .interrupts import Interrupted, atomic_output, resume_hint, run_command
+from .interrupts import Interrupted, resume_hint, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
@@ -28,11 +28,17 @@ from .runtime.ranks import RanksError
 
 
 def _rows(text: str) -> list[list[int]]:
-    """type= for --input-ids: "1,2,3;4,5,6" -> [[1, 2, 3], [4, 5, 6]]."""
-    try:
-        return [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected comma-separated integers, rows separated by ";", got {text!r}')
+    """type= for --input-ids: "1,2,3;4,5,6" -> [[1, 2, 3], [4, 5, 6]]; every row and every token non-empty (an empty
+    one is a typo, not a token to skip)."""
+    rows = [row.split(",") for row in text.split(";")]
+    for i, row in enumerate(rows, 1):
+        where = f"row {i} is empty" if row == [""] or not "".join(row).strip() else next(
+            (f"row {i} has an empty token" if not t.strip() else f"row {i} has {t.strip()!r}"
+             for t in row if not t.strip().lstrip("-").isdigit()), None)
+        if where:
+            raise argparse.ArgumentTypeError(f'expected comma-separated integers, rows separated by ";" ({where}), '
+                                             f'got {text!r}')
+    return [[int(t) for t in row] for row in rows]
 
 
 def cmd_make_tiny(a) -> int:
@@ -45,13 +51,11 @@ def cmd_make_tiny(a) -> int:
 
 
 def cmd_logits(a) -> int:
-    from safetensors.torch import save_file
-
     from .config import KimiK2Config
     from .runtime.runner import DTYPES, CpuRunner, check_logits_request
 
     # Everything that can be wrong is checked before loading: on the 1T model the logits take hours.
-    check_out_file(a.out, "--out")
+    check_out_file(a.out, "--out", apart_from={"--model": a.model})
     cfg = KimiK2Config.from_file(a.model)
     check_logits_request(cfg, a.input_ids, a.prefill_len)
     _check_backend(a)
@@ -63,6 +67,7 @@ def cmd_logits(a) -> int:
         logits, paths = _nxdi_cpu().logits(o, a.input_ids, a.prefill_len)
         print(paths, file=sys.stderr)
     elif a.tp == 1:
+        _bound_prefill(a, cfg, a.input_ids, a.prefill_len)
         runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
                            prefill_chunk=a.prefill_chunk)
         logits = runner.logits(a.input_ids, a.prefill_len)
@@ -72,15 +77,29 @@ def cmd_logits(a) -> int:
 
         check_tp_divides(cfg, a.tp)
         check_weight_sharding(cfg, a.tp, a.shard_attn_a, a.shard_router)
+        _bound_prefill(a, cfg, a.input_ids, a.prefill_len)
         logits = tp_logits(a.model, a.input_ids, a.prefill_len, a.tp, DTYPES[a.dtype], a.layer_streamed,
                            layout_options(a))
-    with atomic_output(a.out) as tmp:
-        save_file({"logits": logits.contiguous()}, tmp)
+    save_safetensors({"logits": logits.contiguous()}, a.out, "--out")
     print(f"wrote logits {list(logits.shape)} to {a.out}")
     return 0
 
 
 NXDI_CPU = "nxdi-cpu"
+
+
+def _bound_prefill(a, cfg, rows: list[list[int]], prefill_len: int | None = None, together: bool = True) -> None:
+    """a.prefill_chunk set so that one prefill call's attention fits the memory available (runtime/memory.py), with
+    a note when it chunks; `together`: rows of one length prefill as one batch (logits), else one at a time."""
+    from .runtime.memory import prefill_chunk
+
+    longest = max(len(r) for r in rows)
+    tokens = longest if prefill_len is None else min(prefill_len, longest)
+    batch = len(rows) if together and len({len(r) for r in rows}) == 1 else 1
+    plan = prefill_chunk(cfg.num_attention_heads, batch, tokens, a.prefill_chunk, ranks=a.tp)
+    if plan.note:
+        print(plan.note, file=sys.stderr)
+    a.prefill_chunk = plan.chunk
 
 
 def _check_backend(a) -> None:
@@ -113,7 +132,7 @@ def _nxdi_cpu():
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import StopStrings, prompt_ids, reply_text, reply_texts
+    from .runtime.chat import GenerationOutput, StopStrings, prompt_ids, reply_text
     from .runtime.runner import DTYPES, CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
     from .runtime.tokenizer import KimiTokenizer
@@ -125,44 +144,40 @@ def cmd_generate(a) -> int:
     prompts = prompt_ids(tok, a.prompt, a.chat, a.system) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
     stop_ids = tok.stop_ids(list(cfg.eos_token_ids)) if tok else set(cfg.eos_token_ids)
+    out = GenerationOutput(tok, prompts, a.prompt, a.stop, a.json)  # streams one row; see its docstring
     if a.backend == NXDI_CPU:
-        return _generate_nxdi_cpu(a, prompts, stop_ids, tok, cfg)
-    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=True, cfg=cfg,
+        return _generate_nxdi_cpu(a, prompts, stop_ids, tok, out, cfg)
+    _bound_prefill(a, cfg, prompts, together=False)  # each prompt is prefilled on its own
+    # the tokens streaming to a terminal are the progress; a bar on the same screen would overwrite them
+    bar = not (out.streams and sys.stdout.isatty())
+    runner = CpuRunner(a.model, dtype=DTYPES[a.dtype], layer_streamed=a.layer_streamed, progress=bar, cfg=cfg,
                        prefill_chunk=a.prefill_chunk)
     stop_when = StopStrings(partial(reply_text, tok), a.stop).done if a.stop else None
-    res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
-                          seed=a.seed, stop_when=stop_when)
-    texts = reply_texts(tok, res.tokens, a.stop) if a.prompt else None
-    _print_generation(a, res.tokens, texts, res)
+    try:
+        res = runner.generate(prompts, a.max_new_tokens, SamplingParams(*sampling_values(a)), stop_ids=stop_ids,
+                              seed=a.seed, stop_when=stop_when, on_token=out.token)
+    except KeyboardInterrupt:  # what was generated is printed, then run_command's one line
+        out.interrupted(a.backend)
+        raise
+    out.done(res.tokens, {"prefill_seconds": res.prefill_seconds,
+                          "decode_tokens_per_second": res.decode_tokens_per_second}, a.backend)
+    print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
+          file=sys.stderr)
     return 0
 
 
-def _generate_nxdi_cpu(a, prompts, stop_ids, tok, cfg) -> int:
-    """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode."""
-    from .runtime.chat import reply_texts
-
-    tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, flag=f"--backend {NXDI_CPU}", cfg=cfg)
-    texts = reply_texts(tok, tokens, a.stop) if a.prompt else None
-    _print_generation(a, tokens, texts)
+def _generate_nxdi_cpu(a, prompts, stop_ids, tok, out, cfg) -> int:
+    """The same request through NxDI's generation adapter and on-device sampler in NxD's CPU mode (row 0's text
+    streams at one rank)."""
+    stream = out.text if out.streams and a.prompt else None
+    try:
+        tokens = cpu_generate(a, prompts, stop_ids, a.model if tok else None, stream=stream,
+                              flag=f"--backend {NXDI_CPU}", cfg=cfg)
+    except KeyboardInterrupt:
+        out.interrupted(a.backend)
+        raise
+    out.done(tokens, backend=a.backend)
     return 0
-
-
-def _print_generation(a, tokens: list[list[int]], texts: list[str] | None, res=None) -> None:
-    """Rows as text (or ids), then the CPU runner's timings when `res` (a GenerationResult) has them."""
-    from .runtime.chat import print_rows
-
-    timing = {"prefill_seconds": res.prefill_seconds, "decode_tokens_per_second": res.decode_tokens_per_second} \
-        if res is not None else {}
-    if a.json:
-        print(json.dumps({"tokens": tokens, "text": texts, "backend": a.backend, **timing}))
-        return
-    if texts:
-        print_rows(a.prompt, texts)
-    else:
-        print("\n".join(",".join(map(str, t)) for t in tokens))
-    if timing:
-        print(f"prefill {res.prefill_seconds * 1e3:.1f} ms, decode {res.decode_tokens_per_second:.1f} tokens/s",
-              file=sys.stderr)
 
 
 def _check_generate_args(a) -> None:
@@ -376,7 +391,10 @@ def cmd_trace_cpu(a) -> int:
 
         from .nxdi_cpu import backend, xla_trace
     except ImportError as e:
-        raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}")
+        raise KimiInputError(f"trace-cpu needs NxD, NxDI and torch_xla importable: {str(e).splitlines()[0]}; "
+                             f"torch_xla loads only with the torch it was built for (2.9): run trace-cpu in the "
+                             f"nxdi-cpu venv, which `bash scripts/build_nxdi_cpu_tier.sh VENV` builds from a clone of "
+                             f"this repository (docs/nxdi_on_cpu.md)")
     with backend.library_output_to_stderr():
         report = xla_trace.trace(xla_trace.TraceOptions(options, a.submodel, a.seq_len, a.batch))
     print(report.to_json() if a.json else report.format())
@@ -407,7 +425,7 @@ def _make_tiny_parser(sub) -> None:
     s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8",
                    help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
-    s.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds the random weights")
+    s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
 
 
 def _logits_parser(sub) -> None:
@@ -440,8 +458,8 @@ def _convert_parser(sub) -> None:
     s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
-                   help=f"NxD scale layout of the routed experts ({DEFAULT_SCHEME} is recommended: exact from FP8 and "
-                        "INT4 sources)")
+                   help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
+                        f"recommended: exact from FP8 and INT4 sources)")
     s.add_argument("--workers", type=integer(1), default=1, metavar="N", help="threads converting experts in parallel")
     s.add_argument("--verify", action="store_true", help="re-hash finished files (and redo any that differ)")
 
@@ -460,11 +478,12 @@ def _plan_parser(sub) -> None:
     src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
     add_spec_args(s, "parallel", tp=dict(required=False, default=None,
-                                         help="tensor-parallel degree (logical cores per model replica; required "
-                                              "unless --port)"))
+                                         help="tensor-parallel degree (logical cores per model replica; no "
+                                              "default: required unless --port)"))
     seq = s.add_mutually_exclusive_group()
     add_spec_args(seq, "--seq-len", seq_len=dict(default=None, help="KV cache length (prompt + generated tokens); "
-                                                                     "required unless --max-seq-len or --port"))
+                                                                     "no default: required unless --max-seq-len or "
+                                                                     "--port"))
     seq.add_argument("--max-seq-len", action="store_true",
                      help="search the largest seq_len that fits (up to max_position_embeddings) and plan it; "
                           "--json adds max_seq_len (null if none fits)")
@@ -481,14 +500,14 @@ def _plan_parser(sub) -> None:
     s.add_argument("--port", choices=sorted(PUBLISHED_BY_NAME), default=None,
                    help="plan a published trn2 port at its own configuration and build (its seq_len, batch, experts, "
                         "KV cache, router, sampler) beside the TPOT and TTFT it published, with --config of the model "
-                        "it serves (docs/planner.md)")
+                        "it serves (docs/planner.md; default: this project's build, as the flags give it)")
     add_spec_args(s, "experts", "moe", experts=dict(
         choices=EXPERT_FORMATS, help="routed-expert storage on device (default: what a converted --model holds, which "
                                      f"is the only value accepted for it; else {DEFAULT_SCHEME}, as "
                                      "scripts/compile_and_save.py)"))
     s.add_argument("--kv-slots", type=integer(1), default=1,
-                   help="1: our latent-only cache manager (default); 2: NxDI's stock KVCacheManager, which adds a "
-                        "same-width dead V slot")
+                   help="1: a cache of the latent entries alone (ours, the default); 2: the same beside an unused "
+                        "slot of the same width per entry (NxDI's stock KVCacheManager)")
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     add_spec_args(s, "layout")
@@ -521,8 +540,8 @@ def _model_opts(s, core_tp: bool = True):
                    help="nxdi-cpu: the expert scheme a raw --model is converted to first, into $KIMI_K2_NEURON_CACHE/"
                         f"converted (default: {DEFAULT_SCHEME}; a converted --model keeps its own)")
     s.add_argument("--ep", type=integer(1), default=1, metavar="E",
-                   help="nxdi-cpu: NxD's MoE expert parallelism inside the --tp ranks (refused in NxD's CPU mode, "
-                        "which has no XLA process groups)")
+                   help="nxdi-cpu: expert parallelism inside the --tp ranks, the experts split E ways (NxD's MoE EP); "
+                        "refused in NxD's CPU mode, which has no XLA process groups")
     ranks = "tensor-parallel CPU ranks, one process each (gloo over loopback)"
     s.add_argument("--tp", type=integer(1), default=1, metavar="N",
                    help=f"{ranks}; nxdi-cpu: bfloat16 only at 1 rank" if core_tp else

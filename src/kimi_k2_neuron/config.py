@@ -11,11 +11,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import KimiInputError
+from .errors import KimiInputError, broken_link
+
+# owner/name, as the Hub spells model ids (a relative path of two parts looks the same, hence "looks like")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 from .interrupts import unfinished_conversion
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
@@ -112,6 +116,15 @@ class KimiK2Config:
     @classmethod
     def from_file(cls, path: str | Path) -> "KimiK2Config":
         path = Path(path)
+        for p in (path.parent, path, path / "config.json"):
+            broken = broken_link(p)
+            if broken:
+                raise KimiInputError(f"{p}: {broken}; expected a checkpoint folder or its config.json")
+        folder = path.parent if path.name == "config.json" else path
+        if not folder.exists() and HUB_ID.fullmatch(str(folder)):
+            raise KimiInputError(f"{folder}: no such folder; it looks like a Hugging Face model id, which is not "
+                                 f"downloaded here: download it first (`hf download {folder} --local-dir DIR`) and "
+                                 f"give the folder DIR")
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():

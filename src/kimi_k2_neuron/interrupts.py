@@ -1,9 +1,10 @@
 """How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
 code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
-write_atomically: temp file, fsync, rename; atomic_folder: a hidden folder, renamed); and a conversion that did not
+write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
+hidden folder, renamed), and a write that fails (a full disk) is one line naming the file; and a conversion that did not
 finish is recognised, with the command that resumes it (unfinished_conversion).
 
-Stdlib only: every command and script installs its signal handling before importing torch.
+Stdlib only at import: every command and script installs its signal handling before importing torch.
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ def atomic_output(path: str | Path):
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}")
     open(tmp, "wb").close()  # the umask's mode, as a plain write of `path` would have (mkstemp's 0600 would stay)
+    mode = tmp.stat().st_mode & 0o777
     try:
         yield tmp
+        os.chmod(tmp, mode)  # a writer that replaced the file (safetensors' save_file makes it 0600) gets it back
         fsync_path(tmp)
         os.replace(tmp, path)
         fsync_path(path.parent)
@@ -164,6 +167,29 @@ def write_atomically(path: str | Path, data: bytes | str) -> None:
                 view = view[f.write(view):]
     except OSError as e:
         raise KimiInputError(f"{path}: cannot write ({write_error(e)})") from None
+
+
+def save_safetensors(tensors: dict, path: str | Path, what: str = "", metadata: dict | None = None,
+                     shown: str | Path | None = None) -> None:
+    """safetensors' save_file through atomic_output (complete or absent, the umask's mode); a full disk or another
+    write error is one line naming `what` (a flag) and the file (or `shown`, the output a hidden file is part of).
+    safetensors reports its own I/O errors as a SafetensorError ending in "(os error N)", not an OSError."""
+    import re
+
+    from safetensors.torch import save_file
+
+    name = str(shown) if shown is not None else f"{what} {path}" if what else str(path)
+    try:
+        with atomic_output(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+    except OSError as e:
+        raise KimiInputError(f"{name}: cannot write ({write_error(e)})") from None
+    except Exception as e:
+        code = re.search(r"\(os error (\d+)\)", str(e)) if type(e).__name__ == "SafetensorError" else None
+        if code is None:
+            raise
+        errno_ = int(code[1])
+        raise KimiInputError(f"{name}: cannot write ({write_error(OSError(errno_, os.strerror(errno_)))})") from None
 
 
 def write_error(e: OSError) -> str:

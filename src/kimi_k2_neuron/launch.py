@@ -10,7 +10,8 @@ import logging
 import os
 import sys
 
-from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, cache_dir, fail, integer,
+from .cache import converted_root
+from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, fail, integer,
                         kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
@@ -111,7 +112,7 @@ def cpu_options(args: argparse.Namespace, one_rank_group: bool = False, cfg=None
     spec = RunSpec(tp=args.tp, ep=getattr(args, "ep", 1), lnc=None, moe_prefill=None,
                    layout=layout_options(args, one_rank_group))
     return CpuOptions(model=args.model, spec=spec, experts=args.experts, dtype=getattr(args, "dtype", "float32"),
-                      cache_dir=str(cache_dir() / "converted"), flash_decoding_one_rank=one_rank, config=cfg)
+                      cache_dir=str(converted_root()), flash_decoding_one_rank=one_rank, config=cfg)
 
 
 def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
@@ -125,9 +126,10 @@ def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
 
 
 def layout_flags_given(args: argparse.Namespace) -> list[str]:
-    """The long-context flags given, whatever their values."""
+    """The layout flags given, whatever their values (--kv-shard none too)."""
     group, chunk = getattr(args, "kv_group", None), getattr(args, "prefill_chunk", None)
-    given = (("--kv-shard sequence", getattr(args, "kv_shard", "none") == "sequence"),
+    shard = getattr(args, "kv_shard", None)  # None: not given (--kv-shard none is a choice of the layout)
+    given = ((f"--kv-shard {shard}", shard is not None),
              (f"--kv-group {group}", group is not None), (f"--prefill-chunk {chunk}", chunk is not None),
              ("--shard-attn-a", getattr(args, "shard_attn_a", False)),
              ("--shard-router", getattr(args, "shard_router", False)))

@@ -1,8 +1,8 @@
 """The nxdi-cpu tier: the Neuron shell run through the real NxD/NxDI in NxD's CPU mode, checked against the core's
 CPU runner and against transformers.
 
-Runs wherever NxD and NxDI import: the venv `bash ../shared/nxdi-cpu/setup.sh VENV .` builds (the real sources plus
-an import shim for the binary-only packages; `.ci/run` builds it), or a Neuron SDK venv on a trn2 host. Elsewhere
+Runs wherever NxD and NxDI import: the venv `bash scripts/build_nxdi_cpu_tier.sh VENV` builds (the real sources plus
+our import shim for the binary-only packages; `.ci/run` builds it), or a Neuron SDK venv on a trn2 host. Elsewhere
 every test here is skipped with the reason (test_00_tier.py). Each test names the NxD/NxDI path it covers; what
 exists only on device (tracing, neuronx-cc, NKI kernels, Neuron collectives, HBM) is not covered here.
 
@@ -45,7 +45,7 @@ def tier_reason() -> str | None:
 def nxd_has_cpu_fp8_index_fix() -> bool:
     """NxD 2.29's QuantizedExpertFusedColumnParallel.forward re-indexes float8 weights after its CPU int8-view
     workaround (quantization_layers.py:1147-1148); the nxdi-cpu venv removes those two lines
-    (../shared/nxdi-cpu/nxd-cpu-fp8-index.patch). Without the fix FP8 selective loading fails in CPU mode."""
+    (scripts/nxdi_cpu_tier/fix_nxd_cpu_fp8_index.py). Without the fix FP8 selective loading fails in CPU mode."""
     from neuronx_distributed.quantization.quantization_layers import QuantizedExpertFusedColumnParallel
 
     return "weight = self.weight[expert_indices, ...]" not in inspect.getsource(
@@ -55,7 +55,7 @@ def nxd_has_cpu_fp8_index_fix() -> bool:
 @pytest.fixture(autouse=True)
 def _needs_fp8_index_fix(request):
     if request.node.get_closest_marker("fp8_selective_cpu") and not nxd_has_cpu_fp8_index_fix():
-        pytest.skip("this NxD lacks the CPU FP8 indexing fix (../shared/nxdi-cpu/nxd-cpu-fp8-index.patch): FP8 "
+        pytest.skip("this NxD lacks the CPU FP8 indexing fix (scripts/nxdi_cpu_tier/fix_nxd_cpu_fp8_index.py): FP8 "
                     "selective loading fails in its CPU mode")
 
 

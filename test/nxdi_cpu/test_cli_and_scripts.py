@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kimi_k2_neuron.runtime.chat import cut_at_stop, prompt_ids
+from kimi_k2_neuron.runtime.chat import cut_at_stop, display_text, prompt_ids
 from kimi_k2_neuron.runtime.runner import CpuRunner
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 from nxdi_support import REPO, rel_err
@@ -94,7 +94,7 @@ def test_generate_and_run_inference_with_the_long_context_layout_give_the_core_r
     r = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "6", "--tp", "2",
               "--kv-shard", "sequence"], env, "run_inference.py")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == tok.decode(want["tokens"][0], skip_special=True) + "\n"
+    assert r.stdout == display_text(tok.decode(want["tokens"][0], skip_special=True)) + "\n"
 
 
 def test_run_inference_cpu_is_the_runner_end_to_end(tiny, env):
@@ -109,13 +109,13 @@ def test_run_inference_cpu_is_the_runner_end_to_end(tiny, env):
     r = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "12"], env,
              "run_inference.py")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout == tok.decode(want, skip_special=True) + "\n"  # streamed, then the newline
+    assert r.stdout == display_text(tok.decode(want, skip_special=True)) + "\n"  # streamed, then the newline
     assert "NxD CPU mode" in r.stderr and "tokens in" in r.stderr
     # greedy through the sampler's sampling branch: temperature with top-k 1 picks the argmax
     s = _run(["--cpu", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "12", "--temperature",
               "0.7", "--top-k", "1", "--tp", "2", "--stop", "zz"], env, "run_inference.py")
     assert s.returncode == 0, s.stderr[-3000:]
-    assert s.stdout == cut_at_stop(tok.decode(want, skip_special=True), ["zz"]) + "\n"
+    assert s.stdout == display_text(cut_at_stop(tok.decode(want, skip_special=True), ["zz"])) + "\n"
 
 
 def test_bench_tpot_cpu_writes_a_report_marked_cpu(tiny, env, tmp_path):

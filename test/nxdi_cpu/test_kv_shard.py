@@ -188,7 +188,7 @@ def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
 
 @pytest.mark.parametrize("edit,needle", [
     (dict(kimi_k2_layout={"kv_group": 3}),
-     "kimi_k2_layout.kv_group=3 (a KV group is G adjacent ranks: G must divide tp_degree=4)"),
+     "kimi_k2_layout.kv_group=3: must divide tp_degree=4 (a KV group is G adjacent ranks)"),
     ({"neuron_config": {"seq_len": 66, "max_length": 66}},
      "max_length=66 (not a multiple of kimi_k2_layout.kv_group=4)"),
     ({"neuron_config": {"speculation_length": 2}}, "speculation_length=2"),

@@ -23,7 +23,7 @@ from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe
 from kimi_k2_neuron.neuron.loader import expected_keys, unloaded_parameters
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
-from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.nxdi_cpu import backend, cpu_mode
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
 
@@ -137,8 +137,11 @@ EP_REFUSED = [
     ({"moe_ep_degree": 8, "moe_tp_degree": 8}, "moe_ep_degree=8 at tp_degree=64"),
     ({"blockwise_matmul_config": {"logical_nc_config": 2, "parallelize_token_to_block_mapping": False}},
      "no spmd_rank"),
-    ({"blockwise_matmul_config": {"logical_nc_config": 2, "block_size": 2**30}}, "all-experts prefill with EP"),
-    ({"tkg_batch_size": 8}, "with batch 8: NxD decodes EP only on all experts"),
+    ({"blockwise_matmul_config": {"logical_nc_config": 2, "block_size": 2**30}},
+     "moe_ep_degree=16: a prefill of 6144 tokens takes NxD's all-experts path, which has no EP variant"),
+    ({"tkg_batch_size": 8}, "tkg_batch_size=8 < kv_cache_batch_size=48"),
+    ({k: 8 for k in ("batch_size", "ctx_batch_size", "tkg_batch_size", "max_batch_size", "kv_cache_batch_size")},
+     "moe_ep_degree=16 with max_batch_size=8: NxD decodes with EP > 1 only on the all-experts path"),
 ]
 
 
@@ -320,7 +323,7 @@ def test_loading_is_strict_both_ways(bf16_app):
     without = {k: v for k, v in state.items() if k != gone}
     assert unloaded_parameters(model, [gone], without) == [gone]
     with pytest.raises(KimiInputError, match="1 tensor\\(s\\) the model has no place for: layers.1.mlp.stray"):
-        modeling._check_no_unexpected(model, {**state, "layers.1.mlp.stray": torch.zeros(1)}, "ckpt")
+        cpu_mode._check_no_unexpected(model, {**state, "layers.1.mlp.stray": torch.zeros(1)}, "ckpt")
 
 
 @pytest.mark.parametrize("scheme", ["fp8-blockwise", "fp8-per-channel"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kimi_k2_neuron.convert import converted_dir_for
 from nxdi_support import REPO
 
 SCRIPTS = REPO / "scripts"
@@ -38,7 +40,7 @@ def env(tmp_path):
     return {**inherited, "KIMI_K2_NEURON_CACHE": str(tmp_path / "cache")}
 
 
-def signal_after(marker: str, where: str, sig: int, cmd: list[str], env: dict,
+def signal_after(marker: str | re.Pattern, where: str, sig: int, cmd: list[str], env: dict,
                  terminal: bool = False) -> tuple[int, str, str]:
     """Run cmd, send `sig` once `marker` shows in its `where` ("stdout" or "stderr"; "" on stdout: any text), wait
     for it to end; (exit code, stdout, stderr), after checking that no process it started outlived it. terminal:
@@ -73,7 +75,8 @@ def signal_after(marker: str, where: str, sig: int, cmd: list[str], env: dict,
     try:
         while not children and time.monotonic() < deadline:
             read_some(1.0)
-            if got[watched] and marker.encode() in got[watched]:
+            if got[watched] and (marker.search(got[watched]) if isinstance(marker, re.Pattern)
+                                 else marker.encode() in got[watched]):
                 children = psutil.Process(p.pid).children(recursive=True) or [None]
                 p.send_signal(sig)
             elif p.poll() is not None:
@@ -135,14 +138,25 @@ def test_run_inference_at_tp2_interrupted_while_the_ranks_work(tiny, env):
 # -- bench_tpot.py --cpu -------------------------------------------------------------------------------------------
 
 
+# the sweep between its first length done and its last: the bar at any of 1/40 .. 39/40 (tqdm skips redraws that
+# come within 0.1 s of the last, so no single frame is sure to be drawn, and on a loaded machine 1/40 was not)
+MID_SWEEP = re.compile(rb"\| (?:[1-9]|[1-3][0-9])/40 \[")
+
+
 @pytest.mark.parametrize("sig, tp", [(signal.SIGINT, "2"), (signal.SIGTERM, "1")], ids=["SIGINT-tp2", "SIGTERM-tp1"])
 def test_bench_tpot_interrupted_mid_sweep_writes_no_report(sig, tp, tiny, env, tmp_path):
-    """Signalled once the sweep's progress bar shows its first length done: no report, no temp file."""
+    """Signalled mid-sweep, one length done: no report, no temp file. At one rank the run is paused inside the
+    second timed length's generation (a state: the warm-up and the first length done); at two, the sweep runs in the
+    ranks, where no pause reaches, and the bar's count between 1 and 39 says the same."""
     report = tmp_path / "out" / "b.json"
     report.parent.mkdir()
-    rc, out, err = signal_after("| 1/40 [", "stderr", sig, script(
-        "bench_tpot.py", "--cpu", "--tp", tp, "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths",
-        ",".join(["8"] * 40), "--decode-steps", "20", "--report", str(report)), env, terminal=True)
+    argv = ["--cpu", "--tp", tp, "--model", str(tiny["fp8"]), "--seq-len", "32", "--context-lengths",
+            ",".join(["8"] * 40), "--decode-steps", "20", "--report", str(report)]
+    if tp == "1":
+        rc, out, err = signal_after(PAUSED, "stderr", sig, paused_script(
+            "kimi_k2_neuron.neuron.serving:generate_ids", 3, "bench_tpot.py", *argv), env, terminal=True)
+    else:
+        rc, out, err = signal_after(MID_SWEEP, "stderr", sig, script("bench_tpot.py", *argv), env, terminal=True)
     stopped(sig, rc, err, "; terminated every rank" if tp == "2" else "")
     assert out == "" and list(report.parent.iterdir()) == []
 
@@ -152,7 +166,7 @@ def test_bench_tpot_interrupted_mid_sweep_writes_no_report(sig, tp, tiny, env, t
 
 @pytest.fixture
 def raw(tiny, tmp_path):
-    """A copy of the tiny raw checkpoint: compile_and_save converts it into a folder beside it."""
+    """A copy of the tiny raw checkpoint: compile_and_save converts it into $KIMI_K2_NEURON_CACHE/converted."""
     return Path(shutil.copytree(tiny["fp8"], tmp_path / "ckpt" / "fp8"))
 
 
@@ -184,7 +198,7 @@ def test_compile_interrupted_while_converting_leaves_no_folder(raw, env, tmp_pat
         "--out", str(out), *COMPILE), env)
     stopped(signal.SIGINT, rc, err)
     assert not out.exists() and leftovers(tmp_path) == []
-    converted = raw.with_name("fp8-neuron-fp8-blockwise")
+    converted = converted_dir_for(raw, "fp8-blockwise", Path(env["KIMI_K2_NEURON_CACHE"]) / "converted")
     assert converted.is_dir() and not (converted / "config.json").exists()
 
 
@@ -199,4 +213,5 @@ def test_compile_refuses_an_out_folder_that_is_no_compile(raw, env, tmp_path):
     assert r.stderr.strip().splitlines()[-1] == (f"error: --out {out}: not empty and not a finished compile (no "
                                                  f"kimi_k2_neuron.json in it); give a new or empty folder (the "
                                                  f"compile is written beside it and renamed once complete)")
-    assert [p.name for p in out.iterdir()] == ["notes.txt"] and not raw.with_name("fp8-neuron-fp8-blockwise").exists()
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert not (Path(env["KIMI_K2_NEURON_CACHE"]) / "converted").exists()

@@ -174,7 +174,7 @@ def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
     config = KimiK2InferenceConfig.for_serving(cfg, opts)
     config.save(str(tmp_path))
     saved = json.loads((tmp_path / "neuron_config.json").read_text())
-    assert saved[contract.LAYOUT_KEY] == {"kv_group": None, "prefill_chunk": None, "shard_attn_a": True,
+    assert saved[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
                                           "shard_router": True}
     again = KimiK2InferenceConfig.load(str(tmp_path))
     assert contract.layout_of(again) == opts.layout
@@ -241,10 +241,10 @@ def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
-    assert got[contract.LAYOUT_KEY] == {"kv_group": None, "prefill_chunk": None, "shard_attn_a": True,
+    assert got[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
                                         "shard_router": True}
     assert got["neuron_config"]["tp_degree"] == 64 and "mlp.router" in got["neuron_config"]["modules_to_not_convert"]
-    plain = subprocess.run(script + ["--tp", "64"], capture_output=True, text=True, timeout=600)
+    plain = subprocess.run(script + ["--tp", "64", "--kv-shard", "none"], capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     base = json.loads(plain.stdout)
     assert base[contract.LAYOUT_KEY]["shard_attn_a"] is False and base[contract.LAYOUT_KEY]["shard_router"] is False

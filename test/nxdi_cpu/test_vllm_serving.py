@@ -1,7 +1,8 @@
 """Serving through vLLM: vLLM 0.13's own engine (LLM API and OpenAI server) -> vllm-neuron 0.2.0's platform, scheduler,
 model runner and loader -> NeuronKimiK2ForCausalLM in NxD's CPU mode, registered by this package's vllm.general_plugins
-entry point (neuron/vllm_plugin.py), on tiny converted checkpoints. Needs `bash ../shared/nxdi-cpu/vllm/setup.sh VENV`
-(its README: the CPU platform switch and vLLM 0.11 -> 0.13 shims vllm-neuron 0.2.0 needs); skips without vLLM.
+entry point (neuron/vllm_plugin.py), on tiny converted checkpoints. Needs the vLLM part of `bash
+scripts/build_nxdi_cpu_tier.sh VENV` (scripts/nxdi_cpu_tier/vllm_on_cpu/: the CPU platform switch and what vllm-neuron
+0.2.0 needs of vLLM 0.13); skips without vLLM.
 
 vLLM runs in child processes (vllm_support.py): the product's entry point from setup.cfg, and a test plugin that
 registers the product class with compile() skipped and load() building NxD's CPU mode. What vLLM's request becomes
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed here (bash ../shared/nxdi-cpu/vllm/setup.sh VENV adds it)")
-pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (../shared/nxdi-cpu/vllm/setup.sh)")
+pytest.importorskip("vllm", reason="vLLM is not installed here (bash scripts/build_nxdi_cpu_tier.sh VENV adds it)")
+pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (scripts/build_nxdi_cpu_tier.sh)")
 
 import vllm_support as vs  # noqa: E402
 

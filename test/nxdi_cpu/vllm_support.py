@@ -1,6 +1,6 @@
 """vLLM 0.13 through vllm-neuron 0.2.0 driving NeuronKimiK2ForCausalLM in NxD's CPU mode: test infrastructure of
-test_vllm_serving.py (needs `bash ../shared/nxdi-cpu/vllm/setup.sh VENV`, whose compat plugins make the public
-plugin run on vLLM 0.13 without Neuron devices; read its README).
+test_vllm_serving.py (needs the vLLM part of `bash scripts/build_nxdi_cpu_tier.sh VENV`, whose plugins,
+scripts/nxdi_cpu_tier/vllm_on_cpu/, make the public plugin run on vLLM 0.13 without Neuron devices).
 
 vLLM runs in child processes that find their plugins through entry points on PYTHONPATH (nothing is installed):
 - `kimi_k2_neuron`: a .dist-info whose entry points are setup.cfg's, so the product's own vllm.general_plugins entry
@@ -59,7 +59,7 @@ def child_env(dists: Path, **extra) -> dict:
            if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NXD_CPU_MODE",
                         "NEURON_COMPILED_ARTIFACTS")}
     path = [str(dists), str(HERE), str(REPO / "src"), env.get("PYTHONPATH", "")]
-    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), PJRT_DEVICE="CPU", VLLM_NEURON_CPU="1",
+    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), PJRT_DEVICE="CPU", KIMI_K2_VLLM_NEURON_ON_CPU="1",
                TOKENIZERS_PARALLELISM="false")
     env.update({k: str(v) for k, v in extra.items()})
     return env
@@ -196,7 +196,7 @@ def refusals_child(args: dict, out: str) -> None:
             if not hasattr(sc, "chunked_prefill_enabled"):
                 # vLLM 0.11's name, which vllm-neuron 0.2.0 reads; its platform sets it only with its own scheduler
                 # (DISABLE_NEURON_CUSTOM_SCHEDULER unset), so on 0.13 its chunked-prefill branch stops at an
-                # AttributeError before the model is asked. Set from 0.13's field, as ../shared's compat shims do.
+                # AttributeError before the model is asked. Set from 0.13's field, as our vLLM plugin does.
                 object.__setattr__(sc, "chunked_prefill_enabled", sc.enable_chunked_prefill)
             get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None, None,
                              vc.additional_config or {})

@@ -8,6 +8,7 @@ import argparse
 import configparser
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -46,6 +47,14 @@ BAD_ARGS = [
     (["make-tiny", "{model}/config.json/t"], "is a file"),
     # logits
     (["logits", "--model", "{model}", "--input-ids", "1,2"], "required: --out"),
+    # --input-ids: an empty token or row is refused alike (it read "1,,2" as two tokens and refused "1,2,3;")
+    (["logits", "--model", "{model}", "--input-ids", "1,,2", "--out", "{tmp}/l"],
+     '--input-ids: expected comma-separated integers, rows separated by ";" (row 1 has an empty token)'),
+    (["generate", "--model", "{model}", "--input-ids", "1,2,3;"], "(row 2 is empty), got '1,2,3;'"),
+    (["generate", "--model", "{model}", "--input-ids", "1,2;,3"], "(row 2 has an empty token)"),
+    # the prefill bucket is the chunk: the flag named is the one given (it said --max-context-length)
+    (["plan", "--model", "{model}", "--tp", "2", "--prefill-chunk", "2048", "--seq-len", "1024"],
+     "--prefill-chunk 2048: expected 1..--seq-len 1024"),
     # the long-context flags (generate: --prefill-chunk only)
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "4", "--kv-shard",
       "sequence", "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
@@ -135,7 +144,7 @@ BAD_ARGS = [
     (["plan", "--config", "{model}/config.json", "--tp", "0", "--seq-len", "8", "--experts", "bf16"],
      "--tp: expected an integer >= 1, got '0'"),
     (["plan", "--config", "{model}/config.json", "--tp", "2", "--experts", "bf16"],
-     "one of the arguments --seq-len --max-seq-len is required"),
+     "--seq-len: required (or --max-seq-len)"),
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"],
      "nope.json: not found (expected a config.json)"),
     (["plan", "--model", "{model}/config.json", "--tp", "2", "--seq-len", "8"],
@@ -251,7 +260,7 @@ def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny_dirs, capsys):
     assert cli.main(["trace-cpu", "--model", str(tiny_dirs["fp8"]), "--submodel", "token"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trace-cpu needs NxD, NxDI and torch_xla") and "torch_xla" in err.split(":", 2)[2]
-    assert err.count("\n") == 1
+    assert "bash scripts/build_nxdi_cpu_tier.sh VENV" in err and err.count("\n") == 1
 
 
 def test_logits_cli_contract(tiny_dirs, tmp_path):
@@ -379,6 +388,7 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "neuronx-distributed-inference" in err[0] and "docs/nxdi_on_cpu.md" in err[0]
+    assert "bash scripts/build_nxdi_cpu_tier.sh VENV" in err[0]
 
 
 @pytest.mark.parametrize("cmd, words", [
@@ -400,3 +410,181 @@ def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_pa
     cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
     r = subprocess.run(cmd, capture_output=True, text=True)
     one_line_error.exit(r.returncode, r.stderr, words)
+
+
+# -- what a command writes: never its own input, the modes a plain write gets, a full disk in one line ---------------
+
+@pytest.mark.parametrize("inside", ["config.json", "model-00001-of-00003.safetensors", "new.safetensors"])
+def test_logits_never_writes_into_the_checkpoint_it_reads(ckpt, tmp_path, capsys, inside, one_line_error):
+    model = ckpt("fp8")
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    link = tmp_path / "through-a-link"
+    link.symlink_to(model)
+    for out in (model / inside, link / inside):
+        rc, _, err = run_cli(["logits", "--model", str(link if out.parent == model else model), "--input-ids", "1,2",
+                              "--out", str(out)], capsys)
+        one_line_error.exit(rc, err, f"--out {out}: is inside --model", "which this command reads")
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
+def _full_disk(*args, **kwargs):
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+@pytest.mark.parametrize("command", ["make-tiny", "logits", "demo"])
+def test_a_full_disk_is_one_line(command, tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+    """safetensors reports ENOSPC as its own SafetensorError (seen on a 100 KiB tmpfs: a 3-line traceback ending in
+    "No space left on device (os error 28)"); every command that writes one says so in one line, and leaves no file."""
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save_file", _full_disk)
+    monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path / "cache"))
+    argv, where = {"make-tiny": (["make-tiny", str(tmp_path / "t")], tmp_path / "t"),
+                   "logits": (["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+                               str(tmp_path / "l.safetensors")], tmp_path / "l.safetensors"),
+                   "demo": (["demo"], tmp_path / "cache" / "tiny-fp8")}[command]
+    rc, out, err = run_cli(argv, capsys)
+    one_line_error.exit(rc, err, f"{where}: cannot write (disk full)")
+    assert not where.exists() and not [p for p in where.parent.iterdir() if p.name.startswith(f".{where.name}")]
+
+
+def test_make_tiny_with_a_full_disk_in_a_plain_write(tmp_path, monkeypatch, capsys, one_line_error):
+    import errno
+
+    real = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name == "config.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    rc, _, err = run_cli(["make-tiny", str(tmp_path / "t")], capsys)
+    one_line_error.exit(rc, err, f"{tmp_path / 't'}: cannot write (disk full)")
+
+
+@pytest.mark.parametrize("umask", [0o002, 0o022, 0o077])
+def test_outputs_get_the_modes_a_plain_write_gets(umask, tiny_dirs, tmp_path, capsys):
+    """safetensors creates its files 0600, and a temporary folder is 0700: the outputs of make-tiny and logits had
+    those modes whatever the umask; now as `touch` and `mkdir` would make them."""
+    old = os.umask(umask)
+    try:
+        assert run_cli(["make-tiny", str(tmp_path / "t")], capsys)[0] == 0
+        assert run_cli(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+                        str(tmp_path / "l.safetensors")], capsys)[0] == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "t").stat().st_mode & 0o777 == 0o777 & ~umask
+    for f in [*(tmp_path / "t").iterdir(), tmp_path / "l.safetensors"]:
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+
+
+# -- the last tracebacks: a broken chat template, a seed past 64 bits, links that lead nowhere ------------------------
+
+def test_a_chat_template_that_does_not_parse_is_one_line(ckpt, capsys, one_line_error):
+    model = ckpt("fp8")
+    (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}\n{% if %}\n")
+    rc, out, err = run_cli(["generate", "--model", str(model), "--prompt", "hi"], capsys)
+    one_line_error.exit(rc, err, f"{model / 'chat_template.jinja'}: the chat template does not parse (line 2: ",
+                        "expected a Jinja template")
+    assert out == ""
+
+
+@pytest.mark.parametrize("argv", [["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1"],
+                                  ["make-tiny", "{tmp}/t"]], ids=["generate", "make-tiny"])
+def test_a_seed_past_64_bits_is_refused(argv, tiny_dirs, tmp_path, capsys, one_line_error):
+    """torch.Generator.manual_seed takes an unsigned 64-bit seed (it raised 'Overflow when unpacking long long')."""
+    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    rc, _, err = run_cli([*argv, "--seed", str(2**64)], capsys)
+    one_line_error.exit(rc, err, "--seed: expected an integer >= 0 and <= 18446744073709551615, got "
+                                 "'18446744073709551616'")
+
+
+def test_the_largest_seed_samples(tiny_dirs, capsys):
+    rc, out, _ = run_cli(["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--temperature", "1",
+                          "--max-new-tokens", "2", "--seed", str(2**64 - 1)], capsys)
+    assert rc == 0 and len(out.strip().split(",")) == 2
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["convert", "{model}", "{tmp}/dangling", "--experts", "fp8-blockwise"],
+     "DST {tmp}/dangling: {tmp}/dangling is a symbolic link to {tmp}/nowhere, which does not exist"),
+    (["make-tiny", "{tmp}/dangling/t"], "OUT {tmp}/dangling/t: {tmp}/dangling is a symbolic link to {tmp}/nowhere"),
+    (["convert", "{tmp}/loop", "{tmp}/dst", "--experts", "fp8-blockwise"], "SRC {tmp}/loop: a symbolic link loop"),
+    (["logits", "--model", "{tmp}/loop", "--input-ids", "1", "--out", "{tmp}/l"], "{tmp}/loop: a symbolic link loop"),
+    (["plan", "--model", "{tmp}/loop", "--tp", "1", "--seq-len", "8"], "{tmp}/loop: a symbolic link loop"),
+    (["logits", "--model", "{model}", "--input-ids", "1", "--out", "{tmp}/loop/l"],
+     "{tmp}/loop is a symbolic link loop"),
+], ids=["convert DST dangling", "make-tiny OUT under a dangling link", "convert SRC loop", "logits --model loop",
+        "plan --model loop", "logits --out in a loop"])
+def test_links_that_lead_nowhere_are_one_line(argv, words, tiny_dirs, tmp_path, capsys, one_line_error):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    rc, out, err = run_cli(argv, capsys)
+    one_line_error.exit(rc, err, words.format(tmp=tmp_path))
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--model", "moonshotai/Kimi-K2-Instruct", "--prompt", "hi"],
+    ["logits", "--model", "moonshotai/Kimi-K2-Instruct", "--input-ids", "1", "--out", "{tmp}/l"],
+    ["plan", "--model", "moonshotai/Kimi-K2-Instruct", "--tp", "64", "--seq-len", "1024"],
+    ["convert", "moonshotai/Kimi-K2-Instruct", "{tmp}/dst", "--experts", "fp8-blockwise"],
+], ids=["generate", "logits", "plan", "convert"])
+def test_a_hub_model_id_says_how_to_download_it(argv, tmp_path, monkeypatch, capsys, one_line_error):
+    monkeypatch.chdir(tmp_path)  # where no moonshotai/ folder is
+    rc, _, err = run_cli([a.format(tmp=tmp_path) for a in argv], capsys)
+    one_line_error.exit(rc, err, "moonshotai/Kimi-K2-Instruct: no such folder; it looks like a Hugging Face model id",
+                        "`hf download moonshotai/Kimi-K2-Instruct --local-dir DIR`")
+
+
+# -- plain words first: NxD's names only after them, in parentheses ----------------------------------------------------
+
+# what a serving user does not know: kernel, function and class names of NxD/NxDI/nkilib
+NXD_NAMES = ("bwmm_shard_on_block", "blockwise_mm", "get_cache_size", "mock_distributed", "moe_ep_degree",
+             "KVCacheManager", "flash-decoding", "nkilib")
+
+
+def _bare(text: str) -> list[str]:
+    """The NxD names in `text` outside parentheses, and a text that opens with NxD's words."""
+    found, depth = [], 0
+    if text.startswith(("NxD", "nkilib")):
+        found.append(f"opens with NxD: {text[:60]!r}")
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        for name in NXD_NAMES:
+            if text.startswith(name, i) and depth == 0:
+                found.append(f"{name} in {text[max(0, i - 40):i + 40]!r}")
+    return found
+
+
+def _help_texts():
+    texts = []
+    parsers = [cli.build_parser()]
+    for script in ("compile_and_save", "run_inference", "bench_tpot"):
+        spec = importlib.util.spec_from_file_location(f"_help_{script}", REPO / "scripts" / f"{script}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        parsers.append(module.build_parser())
+    while parsers:
+        p = parsers.pop()
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += list(action.choices.values())
+            elif action.help:
+                texts.append(f"{p.prog} {'/'.join(action.option_strings)}: " + action.help)
+    return texts
+
+
+def test_help_speaks_plain_words_first_and_nxd_names_in_parentheses():
+    assert not [b for text in _help_texts() for b in _bare(text.split(": ", 1)[1])]
+
+
+def test_the_readme_too():
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if "NXDI_CONTRACT.md" not in line]
+    assert not [b for line in lines for b in _bare(line.lstrip("#| "))]

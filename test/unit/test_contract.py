@@ -216,9 +216,9 @@ FD = per_channel(tp=8, seq_len=1024, max_context_length=512, layout=group(4), mo
     (dict(flash_decoding_enabled=False), group(4), "flash_decoding_enabled=False with kimi_k2_layout.kv_group=4"),
     ({}, group(3), "max_length=1024 (not a multiple of kimi_k2_layout.kv_group=3)"),
     (dict(max_length=1022), group(4), "max_length=1022 (not a multiple of kimi_k2_layout.kv_group=4)"),
-    (dict(max_context_length=502), group(4), "--max-context-length 502: with --kv-shard sequence must be a multiple"),
+    (dict(max_context_length=502), group(4), "max_context_length=502: with --kv-shard sequence must be a multiple"),
     (dict(token_generation_buckets=[512, 1022]), group(4), "token_generation_buckets[1]=1022 (not a multiple"),
-    (dict(tp_degree=12, max_length=1020), Layout(kv_group=3), "--tp 12: config.json field num_attention_heads=64"),
+    (dict(tp_degree=12, max_length=1020), Layout(kv_group=3), "tp_degree=12: config.json field num_attention_heads=64"),
 ])
 def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, layout, needle):
     """enforce_neuron_config on a NeuronConfig's fields (emulated; the real one: test/nxdi_cpu/test_kv_shard.py)."""
@@ -332,8 +332,8 @@ def test_what_a_prefill_chunk_cannot_run_is_refused_in_one_line(over, needle, on
 
 @pytest.mark.parametrize("over,needle", [
     (dict(async_mode=True), "async_mode=True"),
-    (dict(max_context_length=512), "--max-context-length 512: with --prefill-chunk 256"),
-    (dict(seq_len=1000, max_length=1000), "--prefill-chunk 256: must divide --seq-len 1000"),
+    (dict(max_context_length=512), "max_context_length=512: with kimi_k2_layout.prefill_chunk=256"),
+    (dict(seq_len=1000, max_length=1000), "kimi_k2_layout.prefill_chunk=256: must divide seq_len=1000"),
     (dict(is_continuous_batching=False), "is_continuous_batching=False"),
     (dict(ctx_batch_size=2), "ctx_batch_size=2"),
 ])

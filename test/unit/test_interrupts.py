@@ -158,12 +158,59 @@ def test_interrupted_logits_leave_no_file(sig, target, nth, tiny_dirs, tmp_path)
     assert stdout == "" and list(out.parent.iterdir()) == []
 
 
-def test_generate_interrupted_mid_decode(tiny_dirs, tmp_path):
-    rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.model.decoder:DecoderLayer.forward", 5,
-                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny_dirs["fp8"]), "--prompt", "hi",
+def _generated(model, *flags) -> dict:
+    """generate --json, uninterrupted: the oracle of what an interrupted run had made by then (greedy)."""
+    r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--model", str(model), "--json",
+                        *flags], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny_dirs, tmp_path):
+    """One row streams: the first three tokens are on stdout while the run is still inside its fourth forward
+    pass (the prefill, then two decode steps, each after a token); Ctrl-C then ends the line, keeping them, and the
+    interrupt's one line follows on stderr."""
+    marker = tmp_path / "marker"
+    argv = ["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "5,17,300", "--max-new-tokens", "8"]
+    proc = subprocess.Popen([sys.executable, str(PAUSE_CHILD), str(marker),
+                             "kimi_k2_neuron.runtime.runner:CpuRunner.forward", "4", "kimi_k2_neuron.cli", *argv],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(SRC)})
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.set_blocking(proc.stdout.fileno(), False)
+    so_far = b""
+    while time.monotonic() < deadline and so_far.count(b",") < 2:  # the third token's id may still be on its way
+        so_far += proc.stdout.read() or b""
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=120)
+    want = _generated(tiny_dirs["fp8"], *argv[3:5], "--max-new-tokens", "3")["tokens"][0]
+    assert (so_far + (rest or b"")).decode() == ",".join(map(str, want)) + "\n"
+    one_interrupt_line(signal.SIGINT, proc.returncode, err.decode())
+
+
+@pytest.mark.parametrize("flags", [["--prompt", "hi"], ["--prompt", "hi", "--prompt", "a longer one"],
+                                   ["--prompt", "hi", "--json"]], ids=["one row", "two rows", "json"])
+def test_an_interrupted_generate_prints_what_it_had_made(flags, tiny_dirs, tmp_path):
+    """Interrupted inside the third forward pass (after the prefill and one decode step; two prefills and one step
+    for two rows), each row has its tokens so far: printed as the finished rows would be."""
+    from kimi_k2_neuron.runtime.chat import display_text
+
+    nth = 4 if flags.count("--prompt") == 2 else 3
+    rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.runtime.runner:CpuRunner.forward", nth,
+                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny_dirs["fp8"]), *flags,
                              "--max-new-tokens", "8")
     one_interrupt_line(signal.SIGINT, rc, err)
-    assert out == ""
+    done = _generated(tiny_dirs["fp8"], *[f for f in flags if f != "--json"], "--max-new-tokens", "2")
+    assert all(len(t) == 2 for t in done["tokens"])
+    if "--json" in flags:
+        got = json.loads(out)
+        assert got["tokens"] == done["tokens"] and got["text"] == done["text"] and got["interrupted"] is True
+    elif len(done["text"]) == 1:
+        assert out == display_text(done["text"][0]) + "\n"
+    else:
+        assert out == "".join(f"### {p}\n{display_text(t)}\n\n" for p, t in zip(("hi", "a longer one"), done["text"]))
 
 
 def test_demo_interrupted(tmp_path):
@@ -225,10 +272,12 @@ def test_bench_convert_interrupted_stops_its_child_and_removes_its_files(tmp_pat
 
 
 def test_check_nxdi_api_interrupted(tmp_path):
-    """Needs the NxD/NxDI sources the nxdi-cpu venv unpacks (docs/nxdi_on_cpu.md); the script reads them only."""
-    sources = Path.home() / ".cache/kimi-k2-neuron/nxdi-cpu-venv/nxdi-cpu-src"
-    if not (sources / "nxdi").is_dir():
-        pytest.skip(f"no NxD/NxDI sources in {sources}")
+    """The script parses our own files before it looks anything up in the libraries, so two empty work trees of
+    theirs reach the interrupt (no test here depends on a developer's copy of the sources)."""
+    sources = tmp_path / "src"
+    for name, package in (("nxdi", "neuronx_distributed_inference"), ("nxd", "neuronx_distributed")):
+        (sources / name / "src" / package).mkdir(parents=True)
+        (sources / name / "src" / package / "__init__.py").write_text("")
     rc, _, err = interrupt(tmp_path, signal.SIGTERM, "ast:parse", 5, str(SCRIPTS / "check_nxdi_api.py"),
                            "--nxdi", str(sources / "nxdi"), "--nxd", str(sources / "nxd"))
     one_interrupt_line(signal.SIGTERM, rc, err)

@@ -14,7 +14,7 @@ PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # converter, running it, the test fixtures, the Neuron shell (what runs on trn2, its fit planner beside the rules it
 # applies), its CPU verification harness, the commands.
 STAGES = (
-    ("errors", "interrupts", "progress", "config"),
+    ("errors", "cache", "interrupts", "progress", "config"),
     ("quant",),
     ("formats",),
     ("checkpoint",),
@@ -136,3 +136,28 @@ def test_the_position_map_lives_in_one_place():
     said = [f"{p.relative_to(PACKAGE)}:{i}" for room in rooms for p in sorted(room.rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if restated.search(line)]
     assert said == []
+
+
+def _tracked_text_files() -> list[Path]:
+    import subprocess
+
+    names = subprocess.run(["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True).stdout
+    files = [REPO / n for n in names.splitlines() if (REPO / n).suffix in (".py", ".md", ".sh", ".cfg", ".toml", ".txt",
+                                                                             ".json", "")]
+    return [f for f in files if f.is_file() and f.stat().st_size < 2_000_000]
+
+
+def test_no_file_names_a_path_of_a_developer_s_machine():
+    """A fresh clone elsewhere has no /work, /root or /home/<someone>: a file that names one points nowhere."""
+    pattern = re.compile(r"(?<![\w.~])/(?:work|root|home/\w+)/")
+    found = [f"{f.relative_to(REPO)}: {m.group(0)}" for f in _tracked_text_files()
+             for m in [pattern.search(f.read_text(errors="replace"))] if m]
+    assert not found
+
+
+def test_no_unit_test_depends_on_a_developer_s_cache_folder():
+    """The suite's counts are the README's on a fresh clone: no test passes or skips by what a developer's home
+    folder holds (tests that need a cache give the commands their own, through KIMI_K2_NEURON_CACHE)."""
+    found = [p.name for p in (REPO / "test" / "unit").glob("*.py")
+             if re.search(r"Path\.home\(\)|expanduser\(|[\"']~/\.cache", p.read_text())]
+    assert not found

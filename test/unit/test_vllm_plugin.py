@@ -33,3 +33,17 @@ def test_without_nxdi_it_registers_nothing_and_says_why_at_debug_level(caplog):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     assert "kimi_k2" not in CONFIG_MAPPING  # nothing of transformers touched either
+
+
+def test_the_docs_say_where_vllm_and_vllm_neuron_come_from_on_a_neuron_image():
+    """The entry point works only in a venv that has vLLM and vllm-neuron: docs/vllm.md names the ways to one (the
+    install command into the NxD Inference venv, the DLAMI's own vLLM venv, the DLC), each with the Neuron page it
+    rests on, and the plugin that cannot serve this model."""
+    text = (REPO / "docs" / "vllm.md").read_text()
+    section = text.split("**Where vLLM and vllm-neuron come from on a Neuron image**", 1)[1].split("\n\n`", 1)[0]
+    assert "git clone https://github.com/vllm-project/vllm-neuron.git" in section
+    assert "pip install --extra-index-url=https://pip.repos.neuron.amazonaws.com -e ." in section
+    assert "pip show vllm vllm-neuron" in section and "ls /opt | grep -i vllm" in section
+    for page in ("quickstart-vllm-offline-serving.html", "vllm-user-guide-v1.html", "environments/dlami.html",
+                 "vllm-neuron/docs/getting-started/setup-guide.html"):
+        assert f"https://awsdocs-neuron.readthedocs-hosted.com/en/" in section and page in section, page

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import threading
 import time
@@ -35,7 +36,7 @@ from ..checkpoint.direct import PAGE, BufferPool, aligned_empty
 from ..checkpoint.shards import INDEX_NAME, SINGLE_NAME
 from ..checkpoint.source import WeightSource
 from ..config import pop_quantization_config
-from ..errors import KimiInputError
+from ..errors import KimiInputError, broken_link
 from ..formats import layout
 from ..formats.record import CONVERSION_KEY, ConversionRecord, record_json
 from ..formats.scheme import ExpertScheme, converted_scheme
@@ -44,6 +45,7 @@ from ..quant import check_finite, nxd_fp8
 from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
+from .lock import LOCK_NAME, dst_lock
 from ..interrupts import MANIFEST, PARTIAL_SUFFIX, write_atomically
 from .writer import HASH, HASHES, ShardWriter, file_digest
 
@@ -73,6 +75,10 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
     src, dst = Path(src), Path(dst)
     if workers < 1:
         raise KimiInputError(f"--workers {workers}: expected at least 1")
+    for what, path in (("SRC", src), ("DST", dst)):
+        broken = broken_link(path)
+        if broken:
+            raise KimiInputError(f"{what} {path}: {broken}; expected a folder")
     _check_apart(src, dst)
     if ConversionRecord.read(src) is not None:
         raise KimiInputError(f"{src}: already a converted checkpoint (config.json has {CONVERSION_KEY})")
@@ -83,9 +89,21 @@ def convert(src: str | Path, dst: str | Path, experts: str, workers: int = 1, ve
         if progress and source.format == "fp8" and scheme.block is not None and not nxd_fp8.KERNEL_BUILT:
             print(f"note: {nxd_fp8.NO_KERNEL}", file=sys.stderr, flush=True)  # before a long run, not after
         job = _Job(source, scheme, dst, workers, verify, progress)
-        return job.run(units)
+        with dst_lock(dst):
+            return job.run(units)
     finally:
         source.close()
+
+
+def planned_bytes(src: str | Path, experts: str) -> int:
+    """The bytes of tensor data convert(src, ..., experts) will write, from the source's headers alone (the schedule
+    decides every output tensor before any data is read; safetensors headers add a few KB a file)."""
+    source = WeightSource(Path(src))
+    try:
+        units = schedule.build(source, converted_scheme(source.cfg, experts))
+    finally:
+        source.close()
+    return sum(math.prod(shape) * dtype.itemsize for u in units for _, dtype, shape in u.entries)
 
 
 def _check_apart(src: Path, dst: Path) -> None:
@@ -152,7 +170,7 @@ class _Job:
             return fresh
         path = self.dst / MANIFEST
         if not path.is_file():
-            if any(self.dst.iterdir()):
+            if any(p.name != LOCK_NAME for p in self.dst.iterdir()):
                 raise KimiInputError(f"{self.dst}: exists, is not empty and holds no {MANIFEST}; "
                                      f"expected a new or empty directory or an interrupted conversion")
             return fresh

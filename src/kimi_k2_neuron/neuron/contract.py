@@ -7,6 +7,7 @@ Needs torch and the core, not the Neuron SDK. Each choice cites by name the NxDI
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import torch
@@ -60,17 +61,11 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
     rules.check(cfg, spec)
     s, sampling = spec, spec.sampling
     kw: dict[str, Any] = dict(
-        tp_degree=s.tp,
-        seq_len=s.seq_len,
-        max_context_length=s.context_length,
+        tp_degree=s.tp, seq_len=s.seq_len, max_context_length=s.context_length,
         # explicit, or ModelWrapper splits the batch into batch-1 calls (NXDI_CONTRACT.md: batch-sizes)
-        batch_size=s.batch,
-        ctx_batch_size=s.prefill_batch,
-        tkg_batch_size=s.batch,
-        max_batch_size=s.batch,
+        batch_size=s.batch, ctx_batch_size=s.prefill_batch, tkg_batch_size=s.batch, max_batch_size=s.batch,
         kv_cache_batch_size=s.batch,
-        padding_side="right",
-        torch_dtype="bfloat16",
+        padding_side="right", torch_dtype="bfloat16",
         # keeps the router's float32 parameters float32 (NXDI_CONTRACT.md: cast-type)
         cast_type="as-declared",
         save_sharded_checkpoint=True,
@@ -168,14 +163,12 @@ def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout) -> None:
     """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload): the fields
     no RunSpec sets, then the spec the NeuronConfig holds through the same rules the flags meet."""
     bad = _field_problems(nc, layout)
-    if not bad:
+    try:
         spec = spec_of(nc, layout)
-        bad = derived_problems(nc, spec)
-        if not bad:
-            try:
-                rules.check(cfg, spec)
-            except KimiInputError as e:
-                bad = [str(e)]
+        bad += derived_problems(nc, spec)
+        rules.check(cfg, spec)
+    except KimiInputError as e:
+        bad.append(in_fields(str(e)))
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     for name, value in MOE_SETTINGS.items():
@@ -184,6 +177,26 @@ def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout) -> None:
     rc = getattr(nc, "router_config", None)
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
+
+
+# The NeuronConfig field (or InferenceConfig attribute) each run-spec flag sets, for naming a rule's refusal on a
+# reloaded config by what it holds
+FIELD_OF_FLAG = {"--tp": "tp_degree", "--ep": "moe_ep_degree", "--lnc": "logical_nc_config", "--seq-len": "seq_len",
+                 "--batch": "max_batch_size", "--max-context-length": "max_context_length",
+                 "--kv-group": f"{LAYOUT_KEY}.kv_group", "--prefill-chunk": f"{LAYOUT_KEY}.prefill_chunk",
+                 "--top-k": "on_device_sampling_config.top_k"}
+_FLAG_VALUE = re.compile(r"(--[a-z-]+) (\d+)\b")
+
+
+def in_fields(message: str) -> str:
+    """A rules refusal ("--ep 8 at --tp 64: ...") naming the fields that hold the values ("moe_ep_degree=8 at
+    tp_degree=64: ..."); its advice keeps the flags, which a recompile takes."""
+    def field(m: re.Match) -> str:
+        name = FIELD_OF_FLAG.get(m.group(1))
+        return f"{name}={m.group(2)}" if name else m.group(0)
+
+    head, sep, advice = message.partition("; use ")
+    return _FLAG_VALUE.sub(field, head) + sep + advice
 
 
 def _field_problems(nc, layout: Layout) -> list[str]:

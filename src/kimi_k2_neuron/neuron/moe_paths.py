@@ -43,15 +43,17 @@ MODES = {m.name: m for m in (
     PrefillMode("shard-on-block", {"use_shard_on_block_dynamic_while": True, "block_sharding_strategy": "PING_PONG",
                                    "block_size": 128, "skip_dma_token": True},
                 kernel="bwmm_shard_on_block",
-                about="NxD's nkilib shard-on-block kernel (bwmm_shard_on_block), block 128"),
+                about="a fused Neuron kernel that runs each rank's routed experts block by block, 128 tokens a block "
+                      "(NxD's nkilib kernel bwmm_shard_on_block)"),
     # Splits each rank's expert columns over the 2 physical cores and skips empty blocks; needs 128 columns per core.
     PrefillMode("shard-on-intermediate", {"use_shard_on_intermediate_dynamic_while": True, "block_size": 256},
                 kernel="blockwise_mm_baseline_shard_intermediate_hybrid",
-                about="NxD's nkilib shard-on-intermediate kernel, block 256; needs moe_intermediate_size / (tp / "
-                      "ep) / 2 a multiple of 128 (--ep 16 or 64 at --tp 64)"),
+                about="a fused Neuron kernel that splits each rank's expert columns over its 2 physical cores and "
+                      "skips empty blocks, 256 tokens a block; needs moe_intermediate_size / (tp / ep) / 2 a multiple "
+                      "of 128 (--ep 16 or 64 at --tp 64) (NxD's nkilib shard-on-intermediate kernel)"),
     PrefillMode("torch", {"use_torch_block_wise": True},
-                about="NxD's torch blockwise loop: one copy of an expert MLP per block, ~400 per MoE layer, unrolled "
-                      "into the graph"),
+                about="plain PyTorch, one copy of an expert MLP per block, ~400 per MoE layer, unrolled into the "
+                      "graph (NxD's torch blockwise loop)"),
     PrefillMode("all-experts", {"block_size": ALL_EXPERTS_BLOCK_SIZE},
                 about="every token through every local expert (E / top_k times the expert FLOPs, an [E, tokens, "
                       "hidden] output); no EP"),

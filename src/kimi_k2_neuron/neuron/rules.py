@@ -41,7 +41,9 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
         raise KimiInputError(f"--lnc {s.lnc!r}: expected 1 or 2 (physical NeuronCores per logical core on trn2)")
     context = s.context_length
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= s.seq_len:
-        raise KimiInputError(f"--max-context-length {context!r}: expected 1..--seq-len {s.seq_len}")
+        # the bucket is the chunk unless --max-context-length was given: name the flag the user gave
+        flag = "--max-context-length" if s.max_context_length else "--prefill-chunk"
+        raise KimiInputError(f"{flag} {context!r}: expected 1..--seq-len {s.seq_len}")
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
     check_ep(cfg, s)

@@ -44,7 +44,7 @@ class Constants:
     # the tokens, so each further token of a batch costs this per MoE layer beyond its bytes
     token_moe_s: float = 46.2e-6
     # fitted: the same contrib's 1,667 ms TTFT (a 512-token bucket) over its counted on-core prefill time
-    prefill_factor: float = 2.82
+    prefill_factor: float = 2.83
 
 
 TRN2 = Constants()

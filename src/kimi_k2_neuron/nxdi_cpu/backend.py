@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa:
 from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
-from kimi_k2_neuron.convert import converted_dir_for, ensure_converted  # noqa: E402
+from kimi_k2_neuron.convert import ensure_converted  # noqa: E402
 from kimi_k2_neuron.neuron.chunked_prefill import hidden_rows  # noqa: E402
 from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig  # noqa: E402
 from kimi_k2_neuron.neuron.serving import Decoding, generate_ids  # noqa: E402
@@ -55,12 +54,7 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None =
 
 
 def _convert_once(o: CpuOptions, experts: str) -> tuple[Path, ConversionRecord]:
-    dst = None
-    if o.cache_dir:
-        # one folder per source path and scheme: another checkpoint of the same name must not reuse it
-        tag = hashlib.sha256(str(Path(o.model).resolve()).encode()).hexdigest()[:10]
-        dst = Path(o.cache_dir) / f"{converted_dir_for(o.model, experts).name}-{tag}"
-    return ensure_converted(o.model, experts, dst=dst)
+    return ensure_converted(o.model, experts, root=o.cache_dir)  # (None: the package's one place for it)
 
 
 def build(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None = None) -> CpuKimiK2ForCausalLM:

@@ -10,6 +10,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import rules
 from kimi_k2_neuron.neuron.spec import GREEDY, RunSpec, Sampling
+from kimi_k2_neuron.runtime.memory import check_one_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +22,7 @@ class CpuOptions:
     spec: RunSpec = RunSpec(lnc=None, moe_prefill=None)
     experts: str | None = None  # None: a converted checkpoint's own scheme, DEFAULT_SCHEME for a raw one
     dtype: str = "float32"
-    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: beside it)
+    cache_dir: str | None = None  # where a raw checkpoint is converted to (default: cache.converted_root())
     presharded: str | None = None  # NxD's per-rank weight files to load instead of sharding here (see preshard)
     # NxDI's flash-decoding graph at a KV group of one rank (trace-cpu --kv-shard sequence traces one rank)
     flash_decoding_one_rank: bool = False
@@ -92,7 +93,11 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | 
                   prompts: list[list[int]] | None = None, cfg: KimiK2Config | None = None) -> KimiK2Config:
     """Everything config.json and the flags alone refuse; returns the config (read here unless given)."""
     cfg = check_layout(o, cfg)
-    rules.check_shapes(cfg, request_spec(o, seq_len, batch))
+    spec = request_spec(o, seq_len, batch)
+    rules.check_shapes(cfg, spec)
+    # NxDI's context encoding attends all its bucket at once; a chunk call, its N tokens over the whole cache
+    keys = spec.seq_len if spec.layout.prefill_chunk else spec.context_length
+    check_one_call(cfg.num_attention_heads, spec.prefill_batch, spec.context_length, keys, "prefill", ranks=o.tp)
     if sampling is not None:
         rules.check_top_k(sampling)
     if prompts is not None:

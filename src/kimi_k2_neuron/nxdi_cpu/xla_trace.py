@@ -119,7 +119,7 @@ def check(o: TraceOptions) -> None:
         raise KimiInputError(f"--batch {o.batch}: expected at least 1")
     if o.seq_len < 2:
         raise KimiInputError(f"--seq-len {o.seq_len}: expected at least 2 (a prefill and one decode position)")
-    check_submodel(o.submodel, o.seq_len, o.model.layout.prefill_chunk)
+    check_submodel(o.submodel, o.seq_len, o.model.spec.layout.prefill_chunk)
     if o.model.tp != 1:
         raise KimiInputError(f"--tp {o.model.tp}: trace-cpu traces TP=1 only; TP > 1 needs NxD's ModelBuilder "
                              f"world (all ranks in one process under a mocked torch.distributed), not built here")

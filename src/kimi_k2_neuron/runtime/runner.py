@@ -25,6 +25,7 @@ from ..progress import bar as progress_bar
 from ..weights import load_weights
 from . import DTYPE_NAMES
 from .kv_cache import LatentCache
+from .memory import prefill_chunk
 from .sampling import SamplingParams, sample
 
 _TOP_LEVEL = ("model.embed_tokens.", "model.norm.", "lm_head.")
@@ -116,11 +117,28 @@ class CpuRunner:
 
     def prefill(self, ids, positions, cache_layers) -> list[torch.Tensor]:
         """The logits of a prefill of ids/positions [B, K], in calls of prefill_chunk tokens (one call without)."""
-        n = self.prefill_chunk or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
+        n = self._chunk(*ids.shape) or max(1, ids.shape[1])  # a prefill of 0 tokens is no call
         return [self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers) for c in range(0, ids.shape[1], n)]
 
-    def prefill_calls(self, k: int) -> int:
-        return 0 if k == 0 else 1 if self.prefill_chunk is None else -(-k // self.prefill_chunk)
+    def prefill_last(self, ids, positions, cache_layers) -> torch.Tensor:
+        """The last position's logits [B, V] of a prefill: each call's other logits freed as the next one runs (a
+        125k-token prompt's [S, V] float32 logits of Kimi-K2 would take 82 GB)."""
+        n = self._chunk(*ids.shape) or max(1, ids.shape[1])
+        last = None
+        for c in range(0, ids.shape[1], n):
+            last = self.forward(ids[:, c:c + n], positions[:, c:c + n], cache_layers)[:, -1].clone()
+        return last
+
+    def prefill_calls(self, k: int, rows: int = 1) -> int:
+        n = self._chunk(rows, k)
+        return 0 if k == 0 else 1 if n is None else -(-k // n)
+
+    def _chunk(self, rows: int, tokens: int) -> int | None:
+        """prefill_chunk, or when it is None the chunk that keeps one call's attention within the memory available
+        (runtime/memory.py). Ranks are given theirs by the parent, which decides once for all of them."""
+        if self.prefill_chunk is not None or self.ctx.tp_size > 1:
+            return self.prefill_chunk
+        return prefill_chunk(self.cfg.num_attention_heads, rows, tokens, None).chunk
 
     def logits(self, rows: list[list[int]], prefill_len: int | None = None) -> torch.Tensor:
         """Float32 logits [B, S, V]: positions < prefill_len from prefill, the rest teacher-forced through decode;
@@ -136,26 +154,29 @@ class CpuRunner:
         k = s if prefill_len is None else prefill_len
         cache = self.new_cache(b, s)
         pos = torch.arange(s).expand(b, s)
-        with self._passes("logits", self.prefill_calls(k) + s - k):
+        with self._passes("logits", self.prefill_calls(k, b) + s - k):
             out = self.prefill(ids[:, :k], pos[:, :k], cache.layers)
             out += [self.forward(ids[:, t:t + 1], pos[:, t:t + 1], cache.layers) for t in range(k, s)]
         return torch.cat(out, dim=1)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(),
                  stop_ids: set[int] = frozenset(), seed: int = 0,
-                 stop_when: Callable[[list[int]], bool] | None = None) -> GenerationResult:
+                 stop_when: Callable[[list[int]], bool] | None = None,
+                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
         """Prompts may differ in length: each row is prefilled on its own, then all rows decode together, each
-        at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true."""
+        at its own position. A row ends at a token in `stop_ids`, or once stop_when(its new tokens) is true.
+        on_token(row, token) is called with each new token as it is made (for streaming, and for what an
+        interrupt keeps)."""
         check_generate_request(self.cfg, prompts, max_new_tokens)
         with self._passes("generate", sum(self.prefill_calls(len(p)) for p in prompts) + max_new_tokens - 1):
-            return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when)
+            return self._generate(prompts, max_new_tokens, params, stop_ids, seed, stop_when, on_token)
 
-    def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when) -> GenerationResult:
+    def _generate(self, prompts, max_new_tokens, params, stop_ids, seed, stop_when, on_token) -> GenerationResult:
         gen = torch.Generator().manual_seed(seed)
         lens = torch.tensor([len(p) for p in prompts])
         cache = self.new_cache(len(prompts), int(lens.max()) + max_new_tokens)
         t0 = time.perf_counter()
-        last = torch.stack([self.prefill(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[-1][0, -1]
+        last = torch.stack([self.prefill_last(torch.tensor([p]), torch.arange(len(p))[None], cache.rows(i, i + 1))[0]
                             for i, p in enumerate(prompts)])
         t1 = time.perf_counter()
         outs, done, steps = [[] for _ in prompts], [False] * len(prompts), 0
@@ -165,6 +186,8 @@ class CpuRunner:
             for i, t in enumerate(tok.tolist()):
                 if not done[i]:
                     outs[i].append(t)
+                    if on_token is not None:
+                        on_token(i, t)
                     done[i] = t in stop_ids or (stop_when is not None and stop_when(outs[i]))
             if all(done) or step == max_new_tokens - 1:
                 break

@@ -170,6 +170,7 @@ class KimiTokenizer:
         self.chat_template = chat_template
         self._source = source  # names the directory in error messages
         self._compiled_template: jinja2.Template | None = None
+        self._template_file: str | None = None  # the file the template came from (from_dir)
         for field, token in (("bos_token", bos_token), ("eos_token", eos_token)):
             if token not in encoding.special_tokens_set:
                 raise KimiInputError(f"{source}: {field} {token!r}: expected one of the special tokens")
@@ -200,7 +201,9 @@ class KimiTokenizer:
         template = template_path.read_text(encoding="utf-8") if template_path.is_file() else config.get("chat_template")
         if isinstance(template, list):  # HF's multi-template form: [{"name": "default", "template": ...}, ...]
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        return cls(encoding, len(ranks), not_special, bos, eos, template, str(path))
+        tok = cls(encoding, len(ranks), not_special, bos, eos, template, str(path))
+        tok._template_file = str(template_path if template_path.is_file() else path / CONFIG_NAME)
+        return tok
 
     @property
     def vocab_size(self) -> int:
@@ -262,7 +265,12 @@ class KimiTokenizer:
                 f"{self._source}: no chat template; expected {TEMPLATE_NAME} or a chat_template in {CONFIG_NAME}"
             )
         if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+            try:
+                self._compiled_template = _compile_template(self.chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                where = self._template_file or self._source
+                raise KimiInputError(f"{where}: the chat template does not parse (line {e.lineno}: "
+                                     f"{' '.join(str(e.message).split())}); expected a Jinja template") from None
         try:
             return self._compiled_template.render(
                 messages=messages,

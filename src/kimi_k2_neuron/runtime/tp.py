@@ -55,7 +55,9 @@ def _rank_main(rank: int, job: _Job, out_path: str):
 
 def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
               layout: Layout = Layout()) -> torch.Tensor:
-    """CpuRunner.logits computed by `tp` ranks -> rank 0's [B, S, V] float32 logits."""
+    """CpuRunner.logits computed by `tp` ranks -> rank 0's [B, S, V] float32 logits. layout.prefill_chunk is the
+    caller's decision (cli._bound_prefill: once, for all ranks, which must agree on their collectives); None: each
+    prefill in one call."""
     check_kv_group(tp, layout.kv_group)
     job = _Job(str(model_dir), rows, prefill_len, tp, dtype, layer_streamed, layout)
     with tempfile.TemporaryDirectory() as d:

@@ -10,16 +10,13 @@ of 32 divide the expert input dims, and attention heads split evenly over 2 rank
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import KimiK2Config
 from ..errors import KimiInputError
+from ..interrupts import atomic_folder, save_safetensors, write_error
 from ..formats.layout import is_routed_expert, logical_shapes
 from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
@@ -151,31 +148,30 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
 
 def make_tiny(out: str | Path, quant: str = "fp8", shards: int = 3, seed: int = 0,
               config_overrides: dict | None = None) -> Path:
-    """Write a tiny checkpoint to `out` (which must not exist). Written to a temp folder and renamed at the
-    end, so an interrupted run never leaves something that looks like a finished checkpoint."""
+    """Write a tiny checkpoint to `out` (which must not exist). Written to a hidden folder and renamed at the end,
+    so an interrupted run never leaves something that looks like a finished checkpoint; folder and files get the
+    modes the umask gives. A write that fails (a full disk) is one line naming `out`."""
     out = Path(out)
     if out.exists():
         raise KimiInputError(f"{out} already exists; make-tiny writes a new folder")
     raw_cfg = {**tiny_config_dict(quant), **(config_overrides or {})}
     cfg = KimiK2Config.from_dict(raw_cfg, source="tiny config")
     tensors = raw_tensors(cfg, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        _write(tmp, raw_cfg, tensors, shards)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_folder(out) as tmp:
+            _write(tmp, raw_cfg, tensors, shards, shown=out)
+    except OSError as e:
+        raise KimiInputError(f"{out}: cannot write ({write_error(e)})") from None
     return out
 
 
-def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int) -> None:
+def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int, shown: Path) -> None:
     plan = shard_plan(list(tensors), n_shards)
     weight_map, total = {}, 0
     for k, names in enumerate(plan, 1):
         fname = f"model-{k:05d}-of-{len(plan):05d}.safetensors"
-        save_file({n: tensors[n].contiguous() for n in names}, str(d / fname), metadata={"format": "pt"})
+        save_safetensors({n: tensors[n].contiguous() for n in names}, d / fname, metadata={"format": "pt"},
+                         shown=shown)
         for n in names:
             weight_map[n] = fname
             total += tensors[n].numel() * tensors[n].element_size()
