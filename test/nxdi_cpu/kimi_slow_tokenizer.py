@@ -82,6 +82,17 @@ def write_slow_tokenizer(model: Path, out: Path) -> Path:
         if (model / name).is_file():
             shutil.copy(model / name, out / name)
     config = json.loads((model / CONFIG_NAME).read_text())
+    # every special slot the tiny config leaves unnamed, as the real tokenizer_config.json lists them: special, so
+    # that skip_special_tokens drops them as KimiTokenizer.decode(skip_special=True) does
+    kimi = KimiTokenizer.from_dir(model)
+    for i in range(kimi.num_base_tokens, kimi.vocab_size):
+        config["added_tokens_decoder"].setdefault(str(i), {
+            "content": f"<|reserved_token_{i}|>", "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True})
+    named = {config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if isinstance(config.get(k), str)}
+    config["additional_special_tokens"] = [t["content"] for _, t in sorted(config["added_tokens_decoder"].items(),
+                                                                            key=lambda kv: int(kv[0]))
+                                           if t["special"] and t["content"] not in named]
     config.update(tokenizer_class="TinyKimiTokenizer",
                   auto_map={"AutoTokenizer": [f"{SHIM[:-3]}.TinyKimiTokenizer", None]})
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, ensure_ascii=False))

@@ -84,12 +84,14 @@ def test_release_chat_templates_thinking_toggle_and_preserved_thinking(releases,
     turns after the last user message."""
     tok = KimiTokenizer.from_dir(releases[name])
     chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "R1"},
-            {"role": "user", "content": "c"}]
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d", "reasoning_content": "R2"},
+            {"role": "user", "content": [{"type": "text", "text": "e"}]}]  # content as vLLM's parts, too
     on, off, kept = (tok.apply_chat_template(chat, **kw) for kw in ({}, {"thinking": False},
                                                                     {"preserve_thinking": True}))
     assert on.endswith("<|im_assistant|>assistant<|im_middle|>" + opens)
     thinking = name != "k2"
     assert off.endswith("<think></think>" if name in ("k2.5", "k2.6") else "<|im_middle|>" + opens)
-    assert ("<think>R1</think>b" in on) == (name == "k2.7")
+    assert ("<think>R1</think>b" in on) == ("<think>R2</think>d" in on) == (name == "k2.7")
+    assert "<|im_user|>user<|im_middle|>e<|im_end|>" in on
     assert ("<think>R1</think>b" in kept) == thinking
     assert ("<think></think>b" in on) == (thinking and name != "k2.7")

@@ -53,11 +53,17 @@ _HEAD = """\
     and tool results are '## Return of {id}' plus a newline and the content, as in the Thinking template. -#}
 """
 _TURNS = """\
+{%- macro render_content(message) -%}
+{%- if message['content'] is string -%}{{ message['content'] }}
+{%- elif message['content'] is not none -%}
+{%- for part in message['content'] if part.get('type') == 'text' %}{{ part['text'] }}{% endfor -%}
+{%- endif -%}
+{%- endmacro -%}
 {%- if tools -%}
 <|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
 {%- endif -%}
 {%- set ns = namespace(last_user=-1) -%}
-{%- for message in messages if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endfor -%}
+{%- for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor -%}
 {%- for message in messages -%}
 {%- if loop.first and message['role'] != 'system' -%}
 <|im_system|>system<|im_middle|>""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>
@@ -76,7 +82,7 @@ _TURNS = """\
 <|im_system|>{{ role_name }}<|im_middle|>
 {%- endif -%}
 {%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
-{{ message['content'] or '' }}<|tool_calls_section_begin|>
+{{ render_content(message) }}<|tool_calls_section_begin|>
 {%- for tool_call in message['tool_calls'] -%}
 {%- set args = tool_call['function']['arguments'] -%}
 <|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>
@@ -86,11 +92,9 @@ _TURNS = """\
 <|tool_calls_section_end|>
 {%- elif message['role'] == 'tool' -%}
 ## Return of {{ message['tool_call_id'] }}
-{{ message['content'] }}
-{%- elif message['content'] is string -%}
-{{ message['content'] }}
-{%- elif message['content'] is not none -%}
-{%- for part in message['content'] if part.get('type') == 'text' %}{{ part['text'] }}{% endfor -%}
+{{ render_content(message) }}
+{%- else -%}
+{{ render_content(message) }}
 {%- endif -%}
 <|im_end|>
 {%- endfor -%}
