@@ -145,6 +145,10 @@ def test_history_tool_call_ids_become_kimis():
     assert [m["tool_call_id"] for m in got if m["role"] == "tool"] == ["functions.search:0", "functions.get_weather:1",
                                                                       "functions.search:2"]
     assert messages[1]["tool_calls"][0]["id"] == "0"  # the caller's request is not changed
+    # KVV test_tool_role_without_tool_call_id_rejected
+    with pytest.raises(ApiError, match=r"messages\[0\].tool_call_id: a tool message needs the id of the call"):
+        kimi_request({"messages": [{"role": "tool", "content": "some tool result"},
+                                   {"role": "user", "content": "hello"}]}, ChatFacts())
 
 
 @pytest.mark.parametrize("release, facts", [

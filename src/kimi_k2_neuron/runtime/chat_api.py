@@ -18,7 +18,7 @@ field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does wi
   needs tools. `required` and a named function need a grammar in vLLM; here the prompt forces them instead: the
   request continues an assistant message that opens the tool section (and, for a named function, the call), which
   the parsers (neuron/vllm_parsers.py) read as the state the output starts in.
-- History tool-call ids become `functions.NAME:IDX` (IDX counting the conversation's calls), in the assistant
+- A tool result must name its call (tool_call_id). History tool-call ids become `functions.NAME:IDX` (IDX counting the conversation's calls), in the assistant
   messages and the tool results that answer them, as Moonshot's API renames them: Kimi copies the ids it reads.
 - The detokenizer's spaces around special tokens are off (spaces_between_special_tokens false unless set), and a
   stream reports its usage (stream_options.include_usage), as Kimi's API always does.
@@ -82,6 +82,7 @@ def kimi_request(body: dict, facts: ChatFacts) -> dict:
     if facts.contract:
         _fixed_sampling(body, thinking)
     _tool_choice(body)
+    _check_tool_results(body)
     _rename_tool_call_ids(body)
     body.setdefault("spaces_between_special_tokens", False)
     if body.get("stream") and body.get("stream_options") is None:
@@ -188,6 +189,14 @@ def _prefill(body: dict, text: str) -> None:
     else:
         messages.append({"role": "assistant", "content": text})
     body["continue_final_message"], body["add_generation_prompt"] = True, False
+
+
+def _check_tool_results(body: dict) -> None:
+    """A tool result names the call it answers (the template writes `## Return of ID`)."""
+    for i, message in enumerate(body.get("messages") or ()):
+        if isinstance(message, dict) and message.get("role") == "tool" and not (
+                isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
+            _fail(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
 
 
 def _rename_tool_call_ids(body: dict) -> None:
