@@ -108,6 +108,9 @@ def test_compile_and_save_for_vllm_writes_what_the_plugins_precompiled_branch_lo
                         ("--num-gpu-blocks-override", str(BATCH)), ("--tool-call-parser", "kimi_k2_neuron")):
         assert flags[flags.index(flag) + 1] == value, flag
     assert "--no-enable-prefix-caching" in flags and "--reasoning-parser" not in flags  # not a Thinking template
+    for flag, value in (("--middleware", "kimi_k2_neuron.neuron.vllm_api.KimiApi"),
+                        ("--chat-template-content-format", "string")):  # Kimi's API contract (test_vllm_contract)
+        assert flags[flags.index(flag) + 1] == value, flag
 
 
 # -- the LLM API ----------------------------------------------------------------------------------------------------

@@ -73,12 +73,7 @@ _TURNS = """\
 <|im_user|>{{ role_name }}<|im_middle|>
 {%- elif message['role'] == 'assistant' -%}
 <|im_assistant|>{{ role_name }}<|im_middle|>
-{%- if THINKING -%}
-{%- set reasoning = message.get('reasoning_content') or message.get('reasoning') or '' -%}
-{%- if preserve_thinking or loop.index0 > ns.last_user -%}<think>{{ reasoning }}</think>
-{%- else -%}<think></think>{%- endif -%}
-{%- endif -%}
-{%- else -%}
+THINK_BLOCK{%- else -%}
 <|im_system|>{{ role_name }}<|im_middle|>
 {%- endif -%}
 {%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
@@ -104,9 +99,17 @@ _TURNS = """\
 """
 
 
+# An assistant turn of a thinking checkpoint opens with its reasoning (see CHAT_TEMPLATES).
+_THINK_BLOCK = """\
+{%- set reasoning = message.get('reasoning_content') or message.get('reasoning') or '' -%}
+{%- if preserve_thinking or loop.index0 > ns.last_user -%}<think>{{ reasoning }}</think>
+{%- else -%}<think></think>{%- endif -%}
+"""
+
+
 def _template(thinking: str, settings: str = "", generation: str = "") -> str:
     return (_HEAD.replace("(THINKING)", thinking) + settings
-            + _TURNS.replace("THINKING", "true" if settings else "false").replace("GENERATION", generation))
+            + _TURNS.replace("THINK_BLOCK", _THINK_BLOCK if settings else "").replace("GENERATION", generation))
 
 
 # Kimi-K2-Instruct / -0905: no reasoning.
