@@ -23,7 +23,8 @@ import sys
 import time
 from functools import partial
 
-from kimi_k2_neuron.arguments import add_generation_args, check_generation_args, fail, sampling_values
+from kimi_k2_neuron.arguments import (add_generation_args, apply_sampling_defaults, check_generation_args, fail,
+                                      sampling_values)
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import (add_compiled_args, add_verbose, begin, check_compiled_args, cpu_generate,
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.neuron.serving import read_compiled_record
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-    from kimi_k2_neuron.runtime.chat import ReplyPrinter, print_rows, prompt_ids, reply_texts
+    from kimi_k2_neuron.runtime.chat import ReplyPrinter, generation_defaults, print_rows, prompt_ids, reply_texts
 
     torch.manual_seed(args.seed)
     # Streaming shows row 0 as it comes, its markers in words and never a --stop string; not from CPU ranks.
@@ -69,6 +70,7 @@ def main(argv=None) -> int:
     try:
         checkpoint = args.model or read_compiled_record(args.compiled)["checkpoint"]
         cfg = KimiK2Config.from_file(checkpoint)
+        apply_sampling_defaults(args, generation_defaults(checkpoint))
         tok = KimiTokenizer.from_dir(checkpoint)
         rows = _generate(args, prompt_ids(tok, args.prompt, args.chat, args.system), tok, cfg, checkpoint, stream)
     except KimiInputError as e:

@@ -169,9 +169,11 @@ def add_generation_args(p: argparse.ArgumentParser, max_new_tokens: int, top_k: 
     p.add_argument("--max-new-tokens", type=integer(1), default=max_new_tokens, metavar="N",
                    help="tokens to generate per prompt, at most")
     p.add_argument("--greedy", action="store_true",
-                   help="always pick the most likely token (the default when --temperature is not given)")
+                   help="always pick the most likely token (the default when --temperature is not given, unless "
+                        "the checkpoint's generation_config.json sets do_sample)")
     p.add_argument("--temperature", type=number(0.0), default=None, metavar="T",
-                   help="sample with this temperature; 0 is greedy (default: greedy)")
+                   help="sample with this temperature; 0 is greedy (default: the checkpoint's generation_config.json "
+                        "when it sets do_sample, as Kimi-K2.7-Code's does, else greedy)")
     p.add_argument("--top-k", type=integer(0), default=None, metavar="K",
                    help=f"with --temperature > 0: sample among the k most likely tokens; 0 = all (NxDI's on-device "
                         f"sampler: its compiled global top-k) (default: {top_k})")
@@ -195,6 +197,18 @@ def check_generation_args(a: argparse.Namespace) -> None:
         raise KimiInputError("--system: not allowed with --no-chat (the system message goes into the chat template)")
     if "" in a.stop:
         raise KimiInputError("--stop '': expected a non-empty string (every text contains the empty one)")
+
+
+def apply_sampling_defaults(a: argparse.Namespace, defaults: dict) -> None:
+    """No sampling flag given: sample as the checkpoint's generation config asks (runtime.chat.generation_defaults),
+    saying so on stderr; --greedy or any sampling flag keeps the flags' meaning."""
+    if not defaults or a.greedy or any(v is not None for v in (a.temperature, a.top_k, a.top_p)):
+        return
+    a.temperature, a.top_k, a.top_p = defaults.get("temperature", 1.0), defaults.get("top_k"), defaults.get("top_p")
+    if a.temperature > 0:
+        shown = ", ".join(f"{k} {v}" for k, v in defaults.items())
+        print(f"note: sampling as the checkpoint's generation_config.json asks ({shown}); --greedy for greedy "
+              f"decoding", file=sys.stderr)
 
 
 def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:

@@ -17,14 +17,15 @@ from pathlib import Path
 # Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
 from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_spec_args,
-                        add_weight_sharding_args, cache_dir, check_generation_args, check_out_dir, check_out_file, fail,
-                        integer, sampling_values)
+                        add_weight_sharding_args, apply_sampling_defaults, cache_dir, check_generation_args,
+                        check_out_dir, check_out_file, fail, integer, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, resume_hint, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
+from .testing import TINY_LAYOUTS
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -42,11 +43,11 @@ def _rows(text: str) -> list[list[int]]:
 
 
 def cmd_make_tiny(a) -> int:
-    from .testing.tiny_checkpoint import make_tiny
+    from .testing.tiny_checkpoint import LAYOUTS, make_tiny
 
     check_out_dir(a.out, "OUT")
-    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed)
-    print(f"wrote tiny {a.quant} checkpoint to {out}")
+    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, layout=a.layout)
+    print(f"wrote a tiny {a.layout} checkpoint ({a.quant or LAYOUTS[a.layout].quant}) to {out}")
     return 0
 
 
@@ -132,7 +133,7 @@ def _nxdi_cpu():
 
 def cmd_generate(a) -> int:
     from .config import KimiK2Config
-    from .runtime.chat import GenerationOutput, StopStrings, prompt_ids, reply_text
+    from .runtime.chat import GenerationOutput, StopStrings, generation_defaults, prompt_ids, reply_text
     from .runtime.runner import DTYPES, CpuRunner, check_generate_request
     from .runtime.sampling import SamplingParams
     from .runtime.tokenizer import KimiTokenizer
@@ -140,6 +141,7 @@ def cmd_generate(a) -> int:
     _check_generate_args(a)
     _check_backend(a)
     cfg = KimiK2Config.from_file(a.model)
+    apply_sampling_defaults(a, generation_defaults(a.model))
     tok = KimiTokenizer.from_dir(a.model) if a.prompt or (Path(a.model) / "tiktoken.model").exists() else None
     prompts = prompt_ids(tok, a.prompt, a.chat, a.system) if a.prompt else a.input_ids
     check_generate_request(cfg, prompts, a.max_new_tokens)
@@ -422,8 +424,13 @@ def _command(sub, name: str, what: str, fn) -> argparse.ArgumentParser:
 def _make_tiny_parser(sub) -> None:
     s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format", cmd_make_tiny)
     s.add_argument("out", metavar="OUT", help="the new folder to write")
-    s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default="fp8",
-                   help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
+    s.add_argument("--layout", choices=TINY_LAYOUTS, default="k2",
+                   help="the release whose checkpoint layout, chat template, end-of-turn id and generation config "
+                        "it copies: Kimi-K2-Instruct/-0905, -Thinking, K2.5, K2.6 or K2.7-Code (the last three: "
+                        "text_config, language_model. tensors, a vision tower)")
+    s.add_argument("--quant", choices=["fp8", "int4", "bf16"], default=None,
+                   help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking, K2.5+) or BF16 "
+                        "(default: what the --layout release ships, fp8 for k2, int4 for the others)")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
     s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
 

@@ -175,7 +175,9 @@ def language_model_fields(raw: dict, source: str = "<dict>") -> dict:
     text = raw["text_config"]
     if not isinstance(text, dict):
         raise KimiInputError(f"{source}: field text_config must be an object")
-    return {**text, "quantization_config": text.get("quantization_config", raw.get("quantization_config"))}
+    quant = text.get("quantization_config", raw.get("quantization_config"))
+    # none at all (a converted checkpoint's): no key, since a None quantization_config breaks transformers' to_dict
+    return {**text, **({"quantization_config": quant} if quant is not None else {})}
 
 
 def pop_quantization_config(raw: dict):

@@ -76,6 +76,22 @@ def test_generate_equals_the_core_runners_tokens(tiny, env):
     assert got["tokens"] == want["tokens"] and got["text"] == want["text"] and got["backend"] == "nxdi-cpu"
 
 
+@pytest.mark.parametrize("release", ["k2.6", "k2.7"])
+def test_the_k26_and_k27_layouts_through_the_nxdi_shell(release, env, tmp_path):
+    """Kimi-K2.6 and K2.7-Code (K2.5's layout: text_config, language_model. tensors, a vision tower; INT4 experts)
+    through `generate --backend nxdi-cpu`, converted on the way: the NxDI model gives the core runner's tokens on the
+    raw checkpoint; K2.7's generation config makes both sample, --greedy keeps them comparable."""
+    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+
+    model = make_tiny(tmp_path / release, layout=release)
+    args = ["generate", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "4", "--json",
+            "--greedy"]
+    nxdi = _run(args + ["--backend", "nxdi-cpu"], env)
+    core = _run(args, env)
+    assert nxdi.returncode == 0 and core.returncode == 0, nxdi.stderr[-3000:] + core.stderr[-3000:]
+    assert json.loads(nxdi.stdout)["tokens"] == json.loads(core.stdout)["tokens"]
+
+
 def test_generate_and_run_inference_with_the_long_context_layout_give_the_core_runners_tokens(tiny, env):
     """The layout flags end to end at TP=2 (issue 17): the sequence-sharded cache, chunked prefill and the sharded
     q_a|kv_a and router through `generate --backend nxdi-cpu`, the sharded cache through run_inference.py --cpu;

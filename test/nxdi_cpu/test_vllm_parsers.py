@@ -28,10 +28,12 @@ except ImportError:  # vLLM 0.13 (Neuron SDK 2.28)
     from vllm.entrypoints.openai.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.reasoning import ReasoningParserManager  # noqa: E402
+from vllm.tokenizers.detokenizer_utils import convert_prompt_ids_to_tokens, detokenize_incrementally  # noqa: E402
 from vllm.tool_parsers import ToolParserManager  # noqa: E402
 
 from kimi_k2_neuron.neuron import vllm_parsers  # noqa: E402
-from kimi_k2_neuron.neuron.vllm_parsers import KimiK2NeuronReasoningParser, KimiK2NeuronToolParser  # noqa: E402
+from kimi_k2_neuron.neuron.vllm_parsers import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,  # noqa: E402
+                                                KimiK2NeuronReasoningParser, KimiK2NeuronToolParser)
 from kimi_k2_neuron.testing.tool_call_streams import (GOLDENS, WEATHER, TokenStream, assistant_output,  # noqa: E402
                                                       tiny_tokenizer)
 
@@ -201,6 +203,173 @@ def test_held_text_is_released_when_the_turn_ends(tok, request_):
     assert message.content == text
     message = reasoning_stream(KimiK2NeuronReasoningParser(tok), deltas(tok, "<think>" + text, 1))
     assert (message.reasoning, message.content) == (text, "")
+
+
+# The three defects of issue 30, each through vLLM's parser API, streamed and at once.
+
+READ_FILE = {"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+BOOK_FLIGHT = {"type": "function", "function": {"name": "book_flight", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def with_tools(*tools, **fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="kimi", messages=[{"role": "user", "content": "Hi"}], tools=list(tools),
+                                 **fields)
+
+
+def at_once(tok, request, text):
+    info = KimiK2NeuronToolParser(tok).extract_tool_calls(text, request)
+    return info.content or "", [(c.id, c.function.name, c.function.arguments) for c in info.tool_calls]
+
+
+@pytest.mark.parametrize("call_id", ["0", "3", "call_9", "call00003", "functionsexec5",
+                                     "0f8fad5b-d9cb-469f-a165-70867728950e"])
+def test_a_tool_call_id_that_names_no_function_never_becomes_the_name(tok, call_id):
+    """Kimi-K2.5 writes bare counters and copies client-style ids from histories: the name comes from the request's
+    tools (the one whose parameters the arguments fit), the id becomes functions.NAME:IDX; with no such tool the
+    call is dropped. (On main the id itself was the function name.)"""
+    text = f"Let me check.{S}{B}{call_id}{A}{{\"city\": \"Paris\"}}{C}{E}"
+    index = int(call_id[len(call_id.rstrip("0123456789")):] or 0)
+    want = ("Let me check.", [(f"functions.get_weather:{index}", "get_weather", '{"city": "Paris"}')])
+    request = with_tools(WEATHER, READ_FILE)
+    assert at_once(tok, request, text) == want
+    for size in (1, 3, len(tok.kimi.encode(text))):
+        message = tool_stream(KimiK2NeuronToolParser(tok), request, deltas(tok, text, size))
+        assert (message.content, message.tool_calls()) == want, size
+    ambiguous = with_tools(WEATHER, BOOK_FLIGHT)  # both take {"city"}: which one is unknown
+    assert at_once(tok, ambiguous, text) == ("Let me check.", [])
+    message = tool_stream(KimiK2NeuronToolParser(tok), ambiguous, deltas(tok, text, 1))
+    assert (message.content, message.tool_calls()) == ("Let me check.", [])
+
+
+def cut(tok, text: str, size: int) -> list[tuple[str, list[int]]]:
+    """text's deltas with no stop token at the end: an output cut by max_tokens or a stop string."""
+    return TokenStream(tok.kimi, text).deltas(size)
+
+
+@pytest.mark.parametrize("tail", ["<", "<|", "</", "<|tool_calls_sec"])
+def test_held_text_is_out_when_the_output_ends_without_a_stop_token(tok, request_, tail):
+    """vLLM gives a parser every marker as one token's text, so a '<' at a delta's end is text: nothing waits for a
+    stop token that an output cut by max_tokens or a stop string never gets. (On main 'Compare 1 <' streamed as
+    'Compare 1 '.)"""
+    text = "Compare 1 " + tail
+    for size in (1, 2):
+        message = tool_stream(KimiK2NeuronToolParser(tok), request_, cut(tok, text, size))
+        assert message.content == text, size
+        message = reasoning_stream(KimiK2NeuronReasoningParser(tok), cut(tok, "<think>" + text, size))
+        assert (message.reasoning, message.content) == (text, ""), size
+    assert at_once(tok, request_, text) == (text, [])
+    assert KimiK2NeuronReasoningParser(tok).extract_reasoning("<think>" + text, request_) == (text, None)
+
+
+def test_a_call_whose_end_marker_max_tokens_cut_off_is_there_when_its_arguments_are_whole(tok):
+    """max_tokens set: the parser knows the last delta, so a call whose arguments are complete JSON is reported as
+    at once; one cut inside its arguments is dropped by both."""
+    whole = f"Sure.{S}{B}functions.get_weather:0{A}{{\"city\": \"Paris\"}}"
+    for text, calls in ((whole, [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')]),
+                        (whole[:-3], [])):
+        request = with_tools(WEATHER, max_tokens=len(tok.kimi.encode(text)))
+        assert at_once(tok, request, text) == ("Sure.", calls)
+        for size in (1, 4):
+            message = tool_stream(KimiK2NeuronToolParser(tok), request, cut(tok, text, size))
+            assert (message.content, message.tool_calls()) == ("Sure.", calls), size
+
+
+def serving_chat_stream(parser, request, chunks) -> Message:
+    """What a client gets from vLLM 0.13's chat_completion_stream_generator (auto tools, no reasoning parser): each
+    delta's DeltaMessage as the parser returns it, but the last one (finish_reason set), when vLLM's own
+    _should_check_for_unstreamed_tool_arg_tokens says so, replaced as serving_chat.py:1153-1195 does: one entry for
+    the last call, json.dumps(prev_tool_call_arr[-1]["arguments"]) minus streamed_args_for_tool[-1] (less the
+    delta's own arguments)."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+    message, text, ids = Message(), "", []
+    for n, (delta_text, delta_ids) in enumerate(chunks):
+        delta = parser.extract_tool_calls_streaming(text, text + delta_text, delta_text, ids, ids + delta_ids,
+                                                    delta_ids, request)
+        last = n == len(chunks) - 1
+        serving = SimpleNamespace(enable_auto_tools=True, tool_parser=type(parser))
+        if last and OpenAIServingChat._should_check_for_unstreamed_tool_arg_tokens(
+                serving, delta, SimpleNamespace(finish_reason="stop")):
+            index = len(parser.prev_tool_call_arr) - 1
+            latest = len(delta.tool_calls[0].function.arguments or "")
+            expected = json.dumps(parser.prev_tool_call_arr[index].get("arguments", {}), ensure_ascii=False)
+            actual = parser.streamed_args_for_tool[index][:-latest] if latest else parser.streamed_args_for_tool[
+                index]
+            delta = DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunctionCall(
+                arguments=expected.replace(actual, "", 1)))])
+        message.add(delta)
+        text, ids = text + delta_text, ids + delta_ids
+    return message
+
+
+def detokenized(slow, text: str, size: int, spaces: bool) -> list[tuple[str, list[int]]]:
+    """text's ids as vLLM's SlowIncrementalDetokenizer turns them into deltas (its detokenize_incrementally, the
+    path of Kimi's slow tokenizer), `size` tokens a delta (--stream-interval), <|im_end|> last in the final ids and
+    not detokenized (vLLM leaves a stop token out of the text)."""
+    prompt = slow.encode("<|im_assistant|>assistant<|im_middle|>", add_special_tokens=False)
+    ids = slow.encode(text, add_special_tokens=False)
+    tokens, prefix, read = convert_prompt_ids_to_tokens(slow, prompt, skip_special_tokens=True)
+    all_ids, pieces = list(prompt), []
+    for i in ids:
+        all_ids.append(i)
+        new, piece, prefix, read = detokenize_incrementally(slow, all_ids, tokens, prefix, read,
+                                                            skip_special_tokens=True,
+                                                            spaces_between_special_tokens=spaces)
+        tokens.extend(new)
+        pieces.append((piece, i))
+    pieces.append(("", slow.convert_tokens_to_ids("<|im_end|>")))
+    return [("".join(p for p, _ in pieces[k:k + size]), [i for _, i in pieces[k:k + size]])
+            for k in range(0, len(pieces), size)]
+
+
+@pytest.fixture(scope="module")
+def slow(kimi, tmp_path_factory):
+    from kimi_slow_tokenizer import TinyKimiTokenizer, write_slow_tokenizer
+
+    return TinyKimiTokenizer.from_pretrained(write_slow_tokenizer(Path(kimi._source), tmp_path_factory.mktemp("slow")))
+
+
+@pytest.mark.parametrize("arguments", ['{"city":"Paris"}', '{"city": "Paris"}', '{\n  "city": "東京"\n}'])
+@pytest.mark.parametrize("spaces", [True, False])
+def test_vllm_013s_last_chunk_rewrite_cannot_corrupt_arguments(tok, slow, arguments, spaces):
+    """A final delta of several tokens (--stream-interval, speculative decoding) holding a call's arguments: vLLM
+    0.13 replaces it with json.dumps of the stored arguments minus what was streamed, `{"city":"Paris"}` ->
+    `{"city":"Pa{"city": "Paris"}` on main, and the detokenizer's padding of markers (spaces_between_special_tokens,
+    vLLM's default) made every streamed argument ' {...} '. Ours: the call goes out whole, first entry without
+    arguments, which vLLM never rewrites; arguments stripped; the same message streamed and at once."""
+    text = f"Checking.{S}{B}functions.get_weather:0{A}{arguments}{C}{E}"
+    want = [("functions.get_weather:0", "get_weather", arguments)]
+    request = with_tools(WEATHER)
+    for size in (1, 4, 7, 100):
+        chunks = detokenized(slow, text, size, spaces)
+        message = serving_chat_stream(KimiK2NeuronToolParser(tok), request, chunks)
+        assert message.tool_calls() == want, size
+        content = "".join(piece for piece, _ in chunks)
+        assert at_once(tok, request, content[:content.rindex("<|tool_calls_section_end|>") + len(E)])[1] == want
+        assert message.content.strip() == "Checking."
+
+
+def test_the_tool_parser_turns_off_the_detokenizers_spaces_around_markers(tok):
+    """adjust_request (vLLM calls it for a request with tools before building its sampling parameters) sets
+    spaces_between_special_tokens false unless the client set it; with it off, content and reasoning come exactly."""
+    parser = KimiK2NeuronToolParser(tok)
+    assert parser.adjust_request(with_tools(WEATHER)).spaces_between_special_tokens is False
+    assert parser.adjust_request(with_tools(WEATHER, spaces_between_special_tokens=True)
+                                 ).spaces_between_special_tokens is True
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_what_the_detokenizers_spaces_do_to_reasoning_and_content(tok, slow, spaces):
+    """With spaces (vLLM's default for a request the tool parser did not adjust) reasoning is ' ok ' and content
+    ' 1'; without, exactly what the model wrote. The middleware (vllm_api) turns them off for every request."""
+    text = "<think>ok</think>1"
+    chunks = detokenized(slow, text, 1, spaces)
+    message = reasoning_stream(KimiK2NeuronReasoningParser(tok), chunks)
+    assert (message.reasoning, message.content) == ((" ok ", " 1") if spaces else ("ok", "1"))
 
 
 def test_plugin_files_register_both_parsers(monkeypatch):

@@ -16,12 +16,9 @@ per rank; trn2 runs it), throughput (README: benchmark_serving on trn2), sampled
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,7 +32,6 @@ from nxdi_support import cpu_options
 
 from kimi_k2_neuron.nxdi_cpu import backend  # noqa: E402
 from kimi_k2_neuron.runtime.chat import prompt_ids  # noqa: E402
-from kimi_k2_neuron.runtime.ranks import free_port  # noqa: E402
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer  # noqa: E402
 from kimi_k2_neuron.testing.tool_call_streams import WEATHER  # noqa: E402
 
@@ -115,6 +111,9 @@ def test_compile_and_save_for_vllm_writes_what_the_plugins_precompiled_branch_lo
                         ("--num-gpu-blocks-override", str(BATCH)), ("--tool-call-parser", "kimi_k2_neuron")):
         assert flags[flags.index(flag) + 1] == value, flag
     assert "--no-enable-prefix-caching" in flags and "--reasoning-parser" not in flags  # not a Thinking template
+    for flag, value in (("--middleware", "kimi_k2_neuron.neuron.vllm_api.KimiApi"),
+                        ("--chat-template-content-format", "string")):  # Kimi's API contract (test_vllm_contract)
+        assert flags[flags.index(flag) + 1] == value, flag
 
 
 # -- the LLM API ----------------------------------------------------------------------------------------------------
@@ -192,66 +191,6 @@ def test_startup_refusals_are_one_line_before_any_weights_load(precompiled, conv
 
 # -- the OpenAI server ----------------------------------------------------------------------------------------------
 
-class Server:
-    """`vllm serve` in its own process group on a free local port; stop() ends the group and waits."""
-
-    def __init__(self, model: Path, tokenizer: Path, env: dict, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        parsers = vs.REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py"
-        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--tokenizer", str(tokenizer),
-               "--served-model-name", "kimi", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(SERVE_LEN), "--max-num-seqs", str(BATCH), "--num-gpu-blocks-override",
-               str(BATCH), "--no-enable-prefix-caching", "--dtype", "bfloat16", "--enforce-eager",
-               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True}}),
-               "--enable-auto-tool-choice", "--tool-parser-plugin", str(parsers), "--tool-call-parser",
-               "kimi_k2_neuron"]
-        self.log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
-            try:
-                self.get("/health")
-                return
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"vllm serve not ready in {timeout} s: {self.tail()}")
-
-    def tail(self) -> str:
-        return Path(self.log.name).read_text()[-4000:]
-
-    def get(self, path: str):
-        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
-            body = resp.read()
-            return json.loads(body) if body else None
-
-    def post(self, path: str, body: dict, stream: bool = False):
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as resp:
-            if not stream:
-                return json.loads(resp.read())
-            lines = [line.decode().strip() for line in resp]
-        chunks = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-        assert chunks[-1] == "[DONE]", chunks[-3:]
-        return [json.loads(c) for c in chunks[:-1]]
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self.log.close()
-        return self.proc.returncode
-
-
 def test_vllm_serve_answers_chat_streamed_chat_and_tools(converted, dists, tmp_path):
     model = converted[("fp8", "fp8-blockwise")]
     kimi = KimiTokenizer.from_dir(model)
@@ -261,7 +200,8 @@ def test_vllm_serve_answers_chat_streamed_chat_and_tools(converted, dists, tmp_p
     want = backend.generate(cpu_options(model=str(model), dtype="bfloat16"),
                             backend.Generation(rows=[prompt], stop_ids=tuple(stops), max_new_tokens=MAX_TOKENS))[0][0]
     events = tmp_path / "events.jsonl"
-    server = Server(model, tokenizer, vs.child_env(dists, KIMI_K2_VLLM_EVENTS=events), tmp_path / "serve.log")
+    server = vs.Server(model, tokenizer, vs.child_env(dists, KIMI_K2_VLLM_EVENTS=events), tmp_path / "serve.log",
+                       SERVE_LEN, BATCH)
     try:
         server.wait_ready()
         assert [m["id"] for m in server.get("/v1/models")["data"]] == ["kimi"]

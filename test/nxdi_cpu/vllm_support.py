@@ -20,7 +20,11 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -157,6 +161,80 @@ def write_hf_tokenizer(model: Path, out: Path) -> Path:
     fast.chat_template = kimi.chat_template
     fast.save_pretrained(out)
     return out
+
+
+# -- `vllm serve` ------------------------------------------------------------------------------------------------
+
+class Server:
+    """`vllm serve` in its own process group on a free local port; stop() ends the group and waits."""
+
+    def __init__(self, model: Path, tokenizer: Path, env: dict, log: Path, max_model_len: int, max_num_seqs: int,
+                 extra: tuple[str, ...] = ()):
+        from kimi_k2_neuron.runtime.ranks import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        parsers = REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py"
+        cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--tokenizer", str(tokenizer),
+               "--served-model-name", "kimi", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--num-gpu-blocks-override",
+               str(max_num_seqs), "--no-enable-prefix-caching", "--dtype", "bfloat16", "--enforce-eager",
+               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True}}),
+               "--enable-auto-tool-choice", "--tool-parser-plugin", str(parsers), "--tool-call-parser",
+               "kimi_k2_neuron", *extra]
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {self.proc.returncode}: {self.tail()}")
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                time.sleep(1)
+        raise AssertionError(f"vllm serve not ready in {timeout} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return Path(self.log.name).read_text()[-4000:]
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url + path, timeout=10) as resp:
+            body = resp.read()
+            return json.loads(body) if body else None
+
+    def post(self, path: str, body: dict, stream: bool = False):
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            if not stream:
+                return json.loads(resp.read())
+            lines = [line.decode().strip() for line in resp]
+        chunks = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert chunks[-1] == "[DONE]", chunks[-3:]
+        return [json.loads(c) for c in chunks[:-1]]
+
+    def call(self, body: dict, stream: bool = False) -> tuple[int, object]:
+        """POST /v1/chat/completions: (HTTP status, the JSON reply or the stream's chunks) without raising on 4xx."""
+        import urllib.error
+
+        try:
+            return 200, self.post("/v1/chat/completions", {**body, "stream": stream} if stream else body, stream)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read() or b"null")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+        return self.proc.returncode
 
 
 # -- the child: vLLM itself ---------------------------------------------------------------------------------------

@@ -76,3 +76,28 @@ def test_a_character_still_incomplete_waits():
     assert "".join(out) == "caf"
     printer.update("café!", final=True)
     assert "".join(out) == "café!"
+
+
+def test_generation_defaults_come_from_a_generation_config_that_samples(tmp_path):
+    """Kimi-K2.7-Code's generation config sets do_sample with temperature 1.0 and top_p 0.95: generate and
+    run_inference sample so unless a flag says otherwise; without do_sample (K2, the tiny ones) they stay greedy."""
+    import json
+
+    import pytest
+
+    from kimi_k2_neuron.errors import KimiInputError
+    from kimi_k2_neuron.runtime.chat import generation_defaults
+
+    path = tmp_path / "generation_config.json"
+    assert generation_defaults(tmp_path) == {}
+    path.write_text(json.dumps({"eos_token_id": 5, "temperature": 0.6}))
+    assert generation_defaults(tmp_path) == {}
+    path.write_text(json.dumps({"do_sample": True, "temperature": 1.0, "top_p": 0.95}))
+    assert generation_defaults(tmp_path) == {"temperature": 1.0, "top_p": 0.95}
+    for bad in ({"top_p": 0}, {"top_p": 1.5}, {"temperature": -1}, {"top_k": 2.5}, {"temperature": "hot"}):
+        path.write_text(json.dumps({"do_sample": True, **bad}))
+        with pytest.raises(KimiInputError, match=f"generation_config.json: field {next(iter(bad))}="):
+            generation_defaults(tmp_path)
+    path.write_text("{")
+    with pytest.raises(KimiInputError, match="not valid JSON"):
+        generation_defaults(tmp_path)

@@ -43,6 +43,7 @@ BAD_ARGS = [
     (["make-tiny", "{tmp}/t", "--shards", "0"], "--shards: expected an integer >= 1, got '0'"),
     (["make-tiny", "{tmp}/t", "--shards", "1000"], "--shards 1000: expected 1.."),  # (it wrote 53 files for 100)
     (["make-tiny", "{tmp}/t", "--quant", "int8"], "--quant: invalid choice: 'int8'"),
+    (["make-tiny", "{tmp}/t", "--layout", "k3"], "--layout: invalid choice: 'k3'"),
     (["make-tiny", "{tmp}/t", "--seed", "-1"], "--seed: expected an integer >= 0"),
     (["make-tiny", "{model}/config.json/t"], "is a file"),
     # logits
@@ -253,6 +254,9 @@ def test_make_tiny_cli_and_refuses_existing(tmp_path, capsys):
     assert len(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]) > 0
     assert cli.main(["make-tiny", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+    assert cli.main(["make-tiny", str(tmp_path / "k27"), "--layout", "k2.7"]) == 0
+    assert "wrote a tiny k2.7 checkpoint (int4)" in capsys.readouterr().out
+    assert "text_config" in json.loads((tmp_path / "k27" / "config.json").read_text())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is importable here")

@@ -31,7 +31,10 @@ from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord
 from kimi_k2_neuron.formats.scheme import NXD_TYPE, scheme_for
 from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.runtime.chat import prompt_ids
 from kimi_k2_neuron.runtime.runner import CpuRunner
+from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
 SOURCES = ("fp8", "int4", "bf16")
 COMBOS = [(s, t) for s in SOURCES for t in SCHEMES]
@@ -203,6 +206,39 @@ def test_k25_layout_serves_its_language_model(converted, tiny_dirs, tmp_path):
     plain = converted[("int4", "fp8-blockwise")][0]
     assert torch.equal(CpuRunner(tmp_path / "k25-neuron").logits(ROWS, prefill_len=8),
                        CpuRunner(plain).logits(ROWS, prefill_len=8))
+
+
+@pytest.mark.parametrize("release", ["k2.6", "k2.7"])
+def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny_dirs, tmp_path, capsys, release):
+    """Kimi-K2.6 and K2.7-Code in their layout (make-tiny --layout): the same language model as the tiny INT4
+    checkpoint of the same seed, so its logits, raw and converted, are that checkpoint's (checked against
+    transformers in test_model_vs_transformers); plan reads the converted one; generate stops on both of Kimi's end
+    tokens and, for K2.7, samples as its generation config asks unless --greedy."""
+    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+
+    raw = make_tiny(tmp_path / release, layout=release, seed=0)
+    want = CpuRunner(tiny_dirs["int4"]).logits(ROWS, prefill_len=8)
+    assert torch.equal(CpuRunner(raw).logits(ROWS, prefill_len=8), want)
+    res = convert(raw, tmp_path / "neuron", "fp8-blockwise", progress=False)
+    assert "source tensors ignored by name" in res.summary
+    plain = converted[("int4", "fp8-blockwise")][0]
+    assert torch.equal(CpuRunner(tmp_path / "neuron").logits(ROWS, prefill_len=8),
+                       CpuRunner(plain).logits(ROWS, prefill_len=8))
+    assert cli.main(["plan", "--model", str(tmp_path / "neuron"), "--tp", "1", "--seq-len", "64",
+                     "--moe-prefill", "torch", "--json"]) == 0
+    capsys.readouterr()
+    args = ["generate", "--model", str(tmp_path / "neuron"), "--prompt", "Hi", "--max-new-tokens", "4", "--json"]
+    assert cli.main(args + ["--greedy"]) == 0
+    greedy = json.loads(capsys.readouterr().out)["tokens"]
+    tok = KimiTokenizer.from_dir(raw)  # the release's template (it opens <think>) on the plain checkpoint's runner
+    stops = tok.stop_ids(KimiK2Config.from_file(raw).eos_token_ids)
+    assert stops == {tok.token_to_id("[EOS]"), tok.token_to_id("<|im_end|>")}
+    assert greedy == CpuRunner(plain).generate(prompt_ids(tok, ["Hi"]), 4, stop_ids=stops).tokens
+    if release == "k2.7":
+        assert cli.main(args) == 0
+        out = capsys.readouterr()
+        assert "sampling as the checkpoint's generation_config.json asks (temperature 1.0, top_p 0.95)" in out.err
+        assert json.loads(out.out)["tokens"] != greedy
 
 
 def test_experts_split_across_shards_and_accounting(converted, tiny_dirs):

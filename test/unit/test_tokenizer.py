@@ -71,9 +71,12 @@ def test_decode_skip_special_keeps_tool_markers(tok):
 
 
 def test_stop_ids(tok):
+    """Both of Kimi's ends, [EOS] (163585) and <|im_end|> (163586), whichever one config.json names (K2 and K2.5
+    say [EOS], K2-Thinking and K2.6 <|im_end|>), plus what it names."""
     assert tok.stop_ids(tok.eos_id) == {NUM_BASE + 1, NUM_BASE + 2}
-    assert tok.stop_ids([7, NUM_BASE + 2]) == {7, NUM_BASE + 2}
-    assert tok.stop_ids(None) == {NUM_BASE + 2}
+    assert tok.stop_ids(NUM_BASE + 2) == {NUM_BASE + 1, NUM_BASE + 2}
+    assert tok.stop_ids([7, NUM_BASE + 2]) == {7, NUM_BASE + 1, NUM_BASE + 2}
+    assert tok.stop_ids(None) == {NUM_BASE + 1, NUM_BASE + 2}
 
 
 def test_chat_template_two_messages(tok):

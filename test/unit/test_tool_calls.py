@@ -7,12 +7,13 @@ and streamed in every chunking, by tokens (1 per chunk up to all of them) and by
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
-from kimi_k2_neuron.runtime.tool_calls import (CALL_BEGIN, CALL_END, TOOL_MARKERS, CallArguments, CallEnd, CallStart,
-                                               Content, OutputStream, Parsed, Reasoning, ToolCall, collect, parse,
+from kimi_k2_neuron.runtime.tool_calls import (CALL_BEGIN, CALL_END, TOOL_MARKERS, Call, Content, Dropped,
+                                               OutputStream, Parsed, Reasoning, ToolCall, collect, infer_name, parse,
                                                split_reasoning, tool_name)
 from kimi_k2_neuron.testing.tiny_tokenizer import KIMI_SPECIAL_TOKENS, tiny_special_id
 from kimi_k2_neuron.testing.tool_call_streams import (ASSISTANT_HEADER, GOLDENS, TURN_END, assistant_output,
@@ -31,9 +32,9 @@ def expected(golden) -> Parsed:
     return Parsed(golden.content, golden.reasoning, tuple(ToolCall(*call) for call in golden.calls))
 
 
-def streamed(deltas, thinking: bool) -> tuple[list, Parsed]:
-    stream = OutputStream(thinking=thinking)
-    events = [e for d in deltas for e in stream.feed(d)] + stream.finish()
+def streamed(deltas, thinking: bool, tools=None, whole_markers: bool = False, finish: bool = True):
+    stream = OutputStream(thinking=thinking, tools=tools, whole_markers=whole_markers)
+    events = [e for d in deltas for e in stream.feed(d)] + (stream.finish() if finish else [])
     return events, collect(events)
 
 
@@ -54,6 +55,8 @@ def test_golden_outputs_parse_to_their_message_at_once_and_in_every_token_chunki
         deltas = [d for d, _ in tokens.deltas(size)]
         assert "".join(deltas) == text
         assert streamed(deltas, bool(golden.reasoning))[1] == want, size
+        # token deltas carry every marker whole: nothing is held back, so the message is there without finish()
+        assert streamed(deltas, bool(golden.reasoning), whole_markers=True, finish=False)[1] == want, size
 
 
 @pytest.mark.parametrize("name", GOLDENS)
@@ -77,35 +80,27 @@ def test_streamed_events_come_in_order_and_never_carry_a_marker(tok, name):
     text = assistant_output(tok, golden)
     for size in (1, 2, 3, 7, len(text)):
         events, _ = streamed(text_chunks(text, size), bool(golden.reasoning))
-        started, ended = [], []
+        calls = [e for e in events if isinstance(e, Call)]
+        assert [c.index for c in calls] == list(range(len(golden.calls)))
+        assert not [e for e in events if isinstance(e, Dropped)]
         for e in events:
-            if isinstance(e, CallStart):
-                assert e.index == len(started) and e.index == len(ended)
-                started.append(e.index)
-            elif isinstance(e, CallArguments):
-                assert started and e.index == started[-1] and e.index not in ended
-            elif isinstance(e, CallEnd):
-                assert e.index == started[-1]
-                ended.append(e.index)
             for value in vars(e).values():
                 assert not (isinstance(value, str) and any(m in value for m in MARKERS)), e
-        assert ended == list(range(len(golden.calls)))
 
 
-def test_big_arguments_stream_as_they_come(tok):
-    """Arguments over 8 KB are streamed piece by piece, each token's text out at once unless it may begin a marker."""
+def test_a_call_comes_whole_when_its_end_marker_arrives(tok):
+    """Arguments over 8 KB, one token a delta: nothing of the call until the delta holding its end marker, then the
+    whole call in one event (vllm_parsers sends it so that vLLM 0.13's last-chunk rewrite never applies)."""
     golden = GOLDENS["big_arguments"]
     text = assistant_output(tok, golden)
-    arguments = golden.calls[0][2]
-    assert len(arguments) > 8192
-    stream, sent, fed = OutputStream(), "", ""
+    assert len(golden.calls[0][2]) > 8192
+    stream, fed, seen = OutputStream(whole_markers=True), "", []
     for delta, _ in TokenStream(tok, text).deltas(1):
         fed += delta
-        sent += "".join(e.text for e in stream.feed(delta) if isinstance(e, CallArguments))
-        if "<|tool_call_argument_begin|>" in fed and CALL_END not in fed:
-            written = fed.split("<|tool_call_argument_begin|>", 1)[1]
-            assert written.startswith(sent) and len(written) - len(sent) < len(CALL_END)
-    assert sent == arguments
+        calls = [e for e in stream.feed(delta) if isinstance(e, Call)]
+        assert bool(calls) == (delta == CALL_END), delta
+        seen += calls
+    assert seen == [Call(0, *golden.calls[0])]
 
 
 def test_output_round_trips_through_the_chat_template(tok):
@@ -126,10 +121,13 @@ def test_output_round_trips_through_the_chat_template(tok):
 @pytest.mark.parametrize("call_id, name", [
     ("functions.get_weather:0", "get_weather"),
     ("functions.mcp.server.tool:3", "mcp.server.tool"),
+    ("functions.mcp__portal__search-documents:0", "mcp__portal__search-documents"),  # SGLang's hyphenated MCP name
     ("get_weather:12", "get_weather"),
-    ("functions.get_weather", "get_weather"),
     ("ns:tool:1", "ns:tool"),
-    ("functions.a:b", "a:b"),
+    # ids that name no function: Kimi-K2.5's bare counters, client-style ids copied from a history, a typo
+    ("0", None), ("3", None), ("call_9", None), ("call00003", None), ("functionsexec5", None),
+    ("0f8fad5b-d9cb-469f-a165-70867728950e", None), ("functions.get_weather", None), ("functions.invalid.0", None),
+    ("functions.a:b", None), ("functions.:3", None), (":3", None),
 ])
 def test_tool_name(call_id, name):
     assert tool_name(call_id) == name
@@ -151,17 +149,19 @@ def call(call_id: str, arguments: str) -> str:
     (f"{S}\n {B} functions.f:0 \n{A}{{}}{C}\n\n{call('g:1', '[]')}\n{E}", "", [("functions.f:0", "f", "{}"),
                                                                              ("g:1", "g", "[]")]),
     (f"{S} note {call('f:0', '1')} more\n{E}", " note  more\n", [("f:0", "f", "1")]),
-    # arguments keep their whitespace and any '<'
-    (S + call("f:0", ' {"a": "<|x|> < "}\n') + E, "", [("f:0", "f", ' {"a": "<|x|> < "}\n')]),
+    # arguments keep any '<' inside; the whitespace around them goes (a detokenizer's padding of the markers)
+    (S + call("f:0", ' {"a": "<|x|> < "}\n') + E, "", [("f:0", "f", '{"a": "<|x|> < "}')]),
+    (f"{S} {B} functions.f:0 {A} {{\"city\": \"Paris\"}} {C} {E}", "", [("functions.f:0", "f", '{"city": "Paris"}')]),
     # the singular section spelling
     (f"x<|tool_call_section_begin|>{call('f:0', '1')}<|tool_call_section_end|>y", "xy", [("f:0", "f", "1")]),
     # a call outside any section; an end marker missing before the next call, before the section end
     (f"x{call('f:0', '1')}y", "xy", [("f:0", "f", "1")]),
     (f"{S}{B}f:0{A}1{B}g:1{A}2{E}z", "z", [("f:0", "f", "1"), ("g:1", "g", "2")]),
-    # the output ends inside a call's arguments: the call with what it has; inside its id: the id text is content
-    (f"ok{S}{B}functions.f:0{A}{{\"a\": 1", "ok", [("functions.f:0", "f", '{"a": 1')]),
-    (f"ok{S}{B}functions.f", "okfunctions.f", []),
-    (f"ok{S}{B}functions.f{S}{call('g:0', '1')}", "okfunctions.f", [("g:0", "g", "1")]),
+    # the output ends after whole arguments: the call; inside them or inside its id: dropped, never content
+    (f"ok{S}{B}functions.f:0{A}{{\"a\": 1}}", "ok", [("functions.f:0", "f", '{"a": 1}')]),
+    (f"ok{S}{B}functions.f:0{A}{{\"a\": 1", "ok", []),
+    (f"ok{S}{B}functions.f", "ok", []),
+    (f"ok{S}{B}functions.f{S}{call('g:0', '1')}", "ok", [("g:0", "g", "1")]),
     # a call end without arguments; stray markers; an empty section; a marker cut by the end of the output
     (f"{S}{B}f:0{C}{E}", "", [("f:0", "f", "")]),
     (f"a{E}b{C}c{A}d", "abcd", []),
@@ -176,6 +176,155 @@ def test_edge_cases_at_once_and_split_anywhere(text, content, calls):
         assert streamed(text_chunks(text, size), False)[1] == want, size
 
 
+# vLLM's test_kimi_k2_tool_parser.py (tests/tool_parsers, 2026) and SGLang's test_kimi_k2_detector cases: their
+# outputs and expected content, names and arguments, through our parser. Differences, on purpose: arguments come
+# stripped (theirs keep the padding); a call whose id names no function gets the id functions.NAME:IDX (theirs keeps
+# "0", which the chat template then writes back into the next prompt: the history Kimi copies bare counters from).
+def _tool(tool_id: str, args: str) -> str:
+    return f"{B}{tool_id} {A}{args}{C}"
+
+
+def _wrap(*tools: str) -> str:
+    return S + "".join(tools) + E
+
+
+def _fn(name: str, properties: dict, required: list | None = None) -> dict:
+    parameters = {"type": "object", "properties": properties, **({"required": required} if required else {})}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+STRING = {"type": "string"}
+WEATHER = _fn("get_weather", {"city": STRING, "unit": STRING})
+READ_FILE = _fn("read_file", {"path": STRING})
+BOOK_FLIGHT = _fn("book_flight", {"city": STRING})
+
+PORTED = {
+    "single_tool_call": ("I'll check. " + _wrap(_tool("functions.get_weather:0", '{"city": "Beijing"}')), None,
+                         "I'll check. ", [("functions.get_weather:0", "get_weather", {"city": "Beijing"})]),
+    "parallel_tool_calls": (
+        "Compare weather. " + _wrap(_tool("functions.get_weather:0", '{"city": "Beijing"}'),
+                                    _tool("functions.get_weather:1", '{"city": "Shanghai"}')), None,
+        "Compare weather. ", [("functions.get_weather:0", "get_weather", {"city": "Beijing"}),
+                              ("functions.get_weather:1", "get_weather", {"city": "Shanghai"})]),
+    "three_tool_calls": (
+        "Multiple tasks. " + _wrap(
+            _tool("functions.get_weather:0", '{"city": "New York"}'),
+            _tool("functions.get_news:1", '{"topic": "technology"}'),
+            _tool("functions.send_email:2", '{"to": "user@example.com", "subject": "Daily Update"}')), None,
+        "Multiple tasks. ", [("functions.get_weather:0", "get_weather", {"city": "New York"}),
+                             ("functions.get_news:1", "get_news", {"topic": "technology"}),
+                             ("functions.send_email:2", "send_email",
+                              {"to": "user@example.com", "subject": "Daily Update"})]),
+    "angle_brackets_in_json": (
+        "Process HTML. " + _wrap(_tool("functions.process_html:0", '{"html": "<div>content</div>"}')), None,
+        "Process HTML. ", [("functions.process_html:0", "process_html", {"html": "<div>content</div>"})]),
+    "multiline_json": (
+        "Formatted. " + _wrap(_tool("functions.process_data:0", '{\n  "name": "test",\n  "value": 123\n}')), None,
+        "Formatted. ", [("functions.process_data:0", "process_data", {"name": "test", "value": 123})]),
+    "no_functions_prefix": ("No prefix. " + _wrap(_tool("get_weather:0", '{"city": "Tokyo"}')), None, "No prefix. ",
+                            [("get_weather:0", "get_weather", {"city": "Tokyo"})]),
+    "empty_arguments": ("Empty args. " + _wrap(_tool("functions.test:0", "{}")), None, "Empty args. ",
+                        [("functions.test:0", "test", {})]),
+    "mixed_spacing": (
+        f"Mixed spacing test. {S} {B} functions.test:0 {A} {{}} {C}{B}functions.test2:1{A}{{}}{C} {E}", None,
+        "Mixed spacing test. ", [("functions.test:0", "test", {}), ("functions.test2:1", "test2", {})]),
+    "invalid_funcall_id_skipped": (
+        "Help. " + S + _tool("functions.invalid.0", '{"city": "Beijing"}')
+        + _tool("functions.valid:1", '{"city": "Shanghai"}') + E, None, "Help. ",
+        [("functions.valid:1", "valid", {"city": "Shanghai"})]),
+    "bare_counter": ("Let me check. " + _wrap(_tool("0", '{"city": "Tokyo", "unit": "celsius"}')), [WEATHER],
+                     "Let me check. ", [("functions.get_weather:0", "get_weather", {"city": "Tokyo",
+                                                                                     "unit": "celsius"})]),
+    "bare_counter_multiple_tools_infers_by_args": (
+        "Let me check. " + _wrap(_tool("0", '{"city": "Tokyo", "unit": "celsius"}')), [READ_FILE, WEATHER],
+        "Let me check. ", [("functions.get_weather:0", "get_weather", {"city": "Tokyo", "unit": "celsius"})]),
+    "bare_counter_ambiguous": ("Let me check. " + _wrap(_tool("0", '{"city": "Tokyo"}')), [WEATHER, BOOK_FLIGHT],
+                               "Let me check. ", []),
+    "bare_counter_malformed_json": ("Let me check. " + _wrap(_tool("0", '{"city": "Tokyo"')),
+                                    [WEATHER, BOOK_FLIGHT], "Let me check. ", []),
+    "hyphenated_name": (_wrap(_tool("functions.mcp__portal__search-documents:0", '{"path": "/docs"}')), None, "",
+                        [("functions.mcp__portal__search-documents:0", "mcp__portal__search-documents",
+                          {"path": "/docs"})]),
+    "stray_markers_stripped": ("normal text" + E + "more" + A + "end", None, "normal textmoreend", []),
+}
+
+
+@pytest.mark.parametrize("name", PORTED)
+def test_ported_cases_at_once_and_split_anywhere(name):
+    text, tools, content, calls = PORTED[name]
+    want_calls = [(i, n, a) for i, n, a in calls]
+
+    def check(parsed):
+        assert parsed.content == content
+        assert [(c.id, c.name, json.loads(c.arguments)) for c in parsed.calls] == want_calls
+
+    check(parse(text, tools=tools))
+    for size in (1, 2, 3, 5, 8, len(text)):
+        check(streamed(text_chunks(text, size), False, tools)[1])
+
+
+def test_the_bare_counter_with_one_tool_and_malformed_arguments_is_that_tool():
+    """vLLM's case: with one tool declared, the model can call only that one, whatever its arguments."""
+    parsed = parse("Let me check. " + _wrap(_tool("0", '{"city": "Tokyo"')), tools=[WEATHER])
+    assert parsed.calls == (ToolCall("functions.get_weather:0", "get_weather", '{"city": "Tokyo"'),)
+
+
+@pytest.mark.parametrize("call_id", ["0", "3", "call_9", "call00003", "functionsexec5",
+                                     "0f8fad5b-d9cb-469f-a165-70867728950e"])
+def test_an_id_naming_no_function_never_becomes_the_name(call_id):
+    """The defect of issue 30: such ids were returned as calls to a function named after the id."""
+    text = _wrap(_tool(call_id, '{"path": "a.txt"}'))
+    got = parse(text, tools=[WEATHER, READ_FILE])
+    index = int(call_id[len(call_id.rstrip("0123456789")):] or 0)  # the id's trailing number, else the call's index
+    assert got.calls == (ToolCall(f"functions.read_file:{index}", "read_file", '{"path": "a.txt"}'),)
+    assert parse(text).calls == ()  # no tools declared: nothing to infer from, dropped
+    events = OutputStream().feed(text)
+    assert [e.why for e in events if isinstance(e, Dropped)] == [
+        "its id names no function and its arguments fit no one tool of the request"]
+
+
+@pytest.mark.parametrize("arguments, tools, name", [
+    ('{"city": "Paris"}', [WEATHER, READ_FILE], "get_weather"),
+    ('{"city": "Paris"}', [WEATHER, BOOK_FLIGHT], None),  # both fit
+    ('{"city": "Paris", "unit": "C"}', [WEATHER, BOOK_FLIGHT], "get_weather"),
+    ('{"q": 1}', [WEATHER, READ_FILE], None),  # none fits
+    ('{"path": "x"}', [_fn("a", {"path": STRING}, ["path"]), _fn("b", {"path": STRING, "n": STRING}, ["n"])], "a"),
+    ('{"x": 1}', [_fn("open", {}) | {}, {"type": "function", "function": {
+        "name": "any", "parameters": {"type": "object", "additionalProperties": True}}}], "any"),
+    ("[1]", [WEATHER, READ_FILE], None),
+    ("not json", [WEATHER, READ_FILE], None),
+    ("{}", [], None),
+])
+def test_infer_name(arguments, tools, name):
+    assert infer_name(arguments, tools) == name
+
+
+def test_held_text_is_out_without_finish_when_markers_come_whole():
+    """The defect of issue 30: a tail that could begin a marker waited for the stop token, so an output cut by
+    max_tokens or a stop string lost it ('Compare 1 <' streamed as 'Compare 1 '). With whole markers it is text."""
+    for thinking, prefix, field in ((False, "", "content"), (True, "<think>", "reasoning")):
+        for tail in ("<", "<|", "</", "<|tool_calls_sec", "</thi"):
+            pieces = ([prefix] if prefix else []) + text_chunks("Compare 1 " + tail, 1)  # markers whole
+            _, got = streamed(pieces, thinking, whole_markers=True, finish=False)
+            assert getattr(got, field) == "Compare 1 " + tail
+        _, held = streamed(([prefix] if prefix else []) + text_chunks("Compare 1 <", 1), thinking, finish=False)
+        assert getattr(held, field) == "Compare 1 "  # a text-level stream must wait for the next delta
+
+
+def test_a_prefill_sets_where_the_output_continues():
+    """A forced call: the prompt ends inside the section (or inside a call's id); the prefill's text is no output."""
+    stream = OutputStream(tools=[WEATHER], whole_markers=True)
+    stream.prefill("Sure." + S)
+    events = stream.feed(call("functions.get_weather:0", '{"city": "Paris"}') + E) + stream.finish()
+    assert collect(events) == Parsed("", "", (ToolCall("functions.get_weather:0", "get_weather",
+                                                        '{"city": "Paris"}'),))
+    assert parse('{"city": "Oslo"}' + C + E, prefill=S + B + "functions.get_weather:3" + A) == Parsed(
+        "", "", (ToolCall("functions.get_weather:3", "get_weather", '{"city": "Oslo"}'),))
+    thinking = OutputStream(thinking=True, opened=True, whole_markers=True)
+    thinking.prefill("</think>" + S)
+    assert collect(thinking.feed(call("f:0", "{}") + E)).calls == (ToolCall("f:0", "f", "{}"),)
+
+
 @pytest.mark.parametrize("text, opened, reasoning, rest", [
     ("Hello <think>not reasoning</think>", False, "", "Hello <think>not reasoning</think>"),
     ("\n<think>deep</think>answer", False, "deep", "answer"),
@@ -187,6 +336,9 @@ def test_edge_cases_at_once_and_split_anywhere(text, content, calls):
     ("   ", False, "", "   "),
     ("<thin", False, "", "<thin"),
     ("</think>", True, "", ""),
+    # SGLang's case: a tool call inside <think> without </think>
+    ("<think>Let me read this file..." + _wrap(_tool("functions.ReadFile:0", '{"path": "/test.py"}')), False,
+     "Let me read this file...", _wrap(_tool("functions.ReadFile:0", '{"path": "/test.py"}'))),
 ])
 def test_reasoning_only_when_the_output_or_the_prompt_opens_it(text, opened, reasoning, rest):
     assert split_reasoning(text, opened) == (reasoning, rest)
@@ -201,14 +353,18 @@ def test_a_marker_split_across_deltas_is_held_then_released():
     stream = OutputStream()
     assert stream.feed("Hi <|tool_ca") == [Content("Hi ")]
     assert stream.feed("lls_section_begin|><|tool_call_begin|>functions.f:0") == []
-    assert stream.feed("<|tool_call_argument_begin|>{") == [CallStart(0, "functions.f:0", "f"), CallArguments(0, "{")]
-    assert stream.feed("}<|tool_call_e") == [CallArguments(0, "}")]
-    assert stream.feed("nd|><|tool_calls_section_end|> <") == [CallEnd(0), Content(" ")]
+    assert stream.feed("<|tool_call_argument_begin|>{") == []
+    assert stream.feed("}<|tool_call_e") == []
+    assert stream.feed("nd|><|tool_calls_section_end|> <") == [Call(0, "functions.f:0", "f", "{}"), Content(" ")]
     assert stream.finish() == [Content("<")]
 
 
-def test_calls_closed_by_what_follows_them_end_and_a_call_cut_by_the_output_does_not():
+def test_calls_closed_by_what_follows_them_and_one_cut_by_the_output():
     stream = OutputStream()
     events = stream.feed(f"{S}{B}f:0{A}1{B}g:1{A}2{E}{B}h:2{A}3") + stream.finish()
-    assert [e.index for e in events if isinstance(e, CallEnd)] == [0, 1]
-    assert [e.id for e in events if isinstance(e, CallStart)] == ["f:0", "g:1", "h:2"]
+    assert [e.id for e in events if isinstance(e, Call)] == ["f:0", "g:1", "h:2"]  # "3" is whole JSON
+    stream = OutputStream()
+    events = stream.feed(f"{S}{B}f:0{A}1{B}g:1{A}[2") + stream.finish()
+    assert [e.id for e in events if isinstance(e, Call)] == ["f:0"]
+    assert [(e.id, e.why) for e in events if isinstance(e, Dropped)] == [("g:1", "the output ended inside its "
+                                                                                 "arguments")]

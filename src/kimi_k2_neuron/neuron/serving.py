@@ -73,7 +73,9 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
     flags = [f"--tensor-parallel-size {spec.tp} --max-num-seqs {spec.batch} --max-model-len {spec.seq_len}",
              f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {spec.batch}",
              "--trust-remote-code --enable-auto-tool-choice",
-             f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron"]
+             f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron",
+             # Kimi's API contract (docs/vllm.md); message content as strings, as Kimi's templates render it
+             "--middleware kimi_k2_neuron.neuron.vllm_api.KimiApi --chat-template-content-format string"]
     if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
     env = f"{COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"

@@ -3,9 +3,16 @@ one rule serves the CPU runner and transformers' loop), how rows print."""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from kimi_k2_neuron.errors import KimiInputError
+
+GENERATION_CONFIG = "generation_config.json"
 
 
 def chat_messages(prompt: str, system: str | None = None) -> list[dict]:
@@ -49,6 +56,30 @@ class StopStrings:
     def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
         rows = [self.done(row[self.start:]) for row in input_ids.tolist()]
         return torch.tensor(rows, dtype=torch.bool, device=input_ids.device)
+
+
+def generation_defaults(checkpoint) -> dict:
+    """The sampling generation_config.json asks for when it sets do_sample (Kimi-K2.7-Code: temperature 1.0, top_p
+    0.95): {"temperature": T, "top_p": P, "top_k": K} with the keys it sets; {} when it asks for none."""
+    path = Path(checkpoint) / GENERATION_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise KimiInputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or raw.get("do_sample") is not True:
+        return {}
+    out = {}
+    for key, lo, hi in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("top_k", 0, math.inf)):
+        value = raw.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or (
+                key == "top_p" and value == 0) or (key == "top_k" and not isinstance(value, int)):
+            raise KimiInputError(f"{path}: field {key}={value!r}, expected a number in [{lo}, {hi}]")
+        out[key] = value
+    return out
 
 
 def print_rows(prompts: Sequence[str], texts: Sequence[str]) -> None:

@@ -244,16 +244,17 @@ class KimiTokenizer:
         return self.encoding.decode(ids)
 
     def stop_ids(self, config_eos_ids: int | Iterable[int] | None) -> set[int]:
-        """Ids that end generation: config.json's eos_token_id(s) plus <|im_end|>, which ends every chat turn
-        (K2 configs say [EOS] but chat models stop on <|im_end|>)."""
+        """Ids that end generation: config.json's eos_token_id(s) plus both of Kimi's end tokens, [EOS] and
+        <|im_end|>, which ends every chat turn (K2 and K2.5 configs say [EOS], K2-Thinking and K2.6 <|im_end|>)."""
         if config_eos_ids is None:
             stops: set[int] = set()
         elif isinstance(config_eos_ids, int):
             stops = {config_eos_ids}
         else:
             stops = {int(i) for i in config_eos_ids}
-        if "<|im_end|>" in self.encoding.special_tokens_set:
-            stops.add(self.encoding.encode_single_token("<|im_end|>"))
+        for token in ("[EOS]", "<|im_end|>"):
+            if token in self.encoding.special_tokens_set:
+                stops.add(self.encoding.encode_single_token(token))
         return stops
 
     def apply_chat_template(

@@ -5,21 +5,33 @@ puts vLLM's parser interfaces on top). What Kimi writes (its chat template write
         <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>  (once per call)
     <|tool_calls_section_end|>
 
-The markers are single special tokens, but these parsers work on text: a delta's tail that could begin a marker is
-held back until the next delta decides it (at most 27 characters); `finish()` releases it when the output ends.
+The markers are single special tokens. A caller that feeds whole tokens' text (vLLM's detokenizer does) says so
+(`whole_markers`), and nothing is held back: a '<' at the end of a delta is text. A text-level stream may cut a
+marker, so without that promise a delta's tail that could begin a marker waits for the next delta (at most 27
+characters); `finish()` releases it when the output ends.
 
-Markers are never content, reasoning, id or arguments. A call's id (between its begin and argument markers, stripped)
-is kept verbatim, since the chat template writes it back; its name is the id without `functions.` and `:IDX` (dots
-stay). Arguments are the text up to the call's end marker, streamed as they come. Text outside tool sections is
-content; inside one, whitespace between calls is dropped and other text is content.
+Markers are never content, reasoning, id or arguments. A call is reported whole (`Call`), once it is closed: by its
+end marker, the next call, the section end, or the end of the output if its arguments are then complete JSON. Its
+arguments are the text between its argument and end markers with the whitespace around it stripped (a detokenizer
+that pads special tokens with spaces adds some). Its id (between its begin and argument markers, stripped) is kept
+verbatim, since the chat template writes it back, when it names a function: `functions.NAME:IDX` or `NAME:IDX`, the
+name with its dots. An id without `:IDX` (`0`, `call_9`, a UUID: Kimi copies such ids from histories other servers
+wrote) names none: the call gets the request's only tool, or else the one tool whose parameters its arguments fit,
+and the id `functions.NAME:IDX`; with no such tool it is dropped (`Dropped`), since a call to a wrong function is
+worse than none. Text outside tool sections is content; inside one, whitespace between
+calls is dropped and other text is content.
 
-Malformed output: a call begin marker outside a section opens one; a call without its end marker ends at the next
-call, the section end or the output; a call whose id never reaches its argument marker is content, since its name is
-unknown; a marker where it means nothing (a section end outside a section, say) is dropped.
+Malformed output: a call begin marker outside a section opens one; a call whose id never reaches its argument marker,
+or whose arguments the output cut short, is dropped; a marker where it means nothing (a section end outside a
+section, say) is dropped. A prefill (`OutputStream.prefill`: the start of the assistant message the prompt already
+holds, as for a forced tool call) sets the state the output continues from; its own text is not output.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 THINK_OPEN = "<think>"
@@ -49,27 +61,23 @@ class Reasoning:
 
 
 @dataclass(frozen=True)
-class CallStart:
-    """Call `index` (0, 1, ... within this output) begins; its id and name are whole."""
+class Call:
+    """Call `index` (0, 1, ... among the calls reported for this output), whole."""
     index: int
     id: str
     name: str
+    arguments: str
 
 
 @dataclass(frozen=True)
-class CallArguments:
-    """More of call `index`'s arguments."""
-    index: int
-    text: str
+class Dropped:
+    """A call that is not reported, and why (the caller logs it)."""
+    id: str
+    arguments: str
+    why: str
 
 
-@dataclass(frozen=True)
-class CallEnd:
-    """Call `index` was closed (by its end marker, or by what followed it); not sent for a call the output cut."""
-    index: int
-
-
-Event = Content | Reasoning | CallStart | CallArguments | CallEnd
+Event = Content | Reasoning | Call | Dropped
 
 
 @dataclass(frozen=True)
@@ -86,12 +94,60 @@ class Parsed:
     calls: tuple[ToolCall, ...] = field(default_factory=tuple)
 
 
-def tool_name(call_id: str) -> str:
-    """The function name in a Kimi tool-call id: `functions.mcp.server.tool:3` -> `mcp.server.tool`; ids without the
-    `functions.` prefix or the `:IDX` suffix keep what they have."""
-    name = call_id[len(FUNCTION_PREFIX):] if call_id.startswith(FUNCTION_PREFIX) else call_id
-    head, colon, index = name.rpartition(":")
-    return head if colon and index.isdigit() else name
+def tool_name(call_id: str) -> str | None:
+    """The function a Kimi tool-call id names: `functions.mcp.server.tool:3` -> `mcp.server.tool`, `get_weather:0`
+    -> `get_weather`; None for an id without the `:IDX` suffix (`0`, `call_9`, a UUID, `functions.f.0`)."""
+    head, colon, index = call_id.rpartition(":")
+    if not (colon and index.isdigit()):
+        return None
+    name = head[len(FUNCTION_PREFIX):] if head.startswith(FUNCTION_PREFIX) else head
+    return name or None
+
+
+def tool_schemas(tools: Iterable | None) -> list[tuple[str, dict]]:
+    """(name, parameters) of each function tool of a request, as OpenAI's `tools` holds them."""
+    out = []
+    for tool in tools or ():
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            parameters = function.get("parameters")
+            out.append((function["name"], parameters if isinstance(parameters, dict) else {}))
+    return out
+
+
+def _fits(arguments: dict, parameters: dict) -> bool:
+    """Whether arguments could be a call of a function with these parameters: its required keys all there, and no
+    key it does not declare (unless it declares additionalProperties). Names, not types: enough to tell tools
+    apart."""
+    declared = parameters.get("properties")
+    declared = declared if isinstance(declared, dict) else {}
+    required = parameters.get("required")
+    if isinstance(required, list) and any(key not in arguments for key in required):
+        return False
+    return bool(parameters.get("additionalProperties")) or all(key in declared for key in arguments)
+
+
+def infer_name(arguments: str, tools: Iterable | None) -> str | None:
+    """The request's only tool; else the one tool whose parameters the arguments (a JSON object) fit; else None."""
+    schemas = tool_schemas(tools)
+    if len(schemas) == 1:  # the only function the model could call
+        return schemas[0][0]
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    if not isinstance(value, dict):
+        return None
+    names = [name for name, parameters in schemas if _fits(value, parameters)]
+    return names[0] if len(names) == 1 else None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
@@ -119,8 +175,9 @@ class ReasoningSplitter:
     Reasoning is there only when the output opens with <think> or `opened` (the prompt ended with it); it ends at
     </think> (dropped) or at a tool section or call begin marker (kept, for the tool parser)."""
 
-    def __init__(self, opened: bool = False):
+    def __init__(self, opened: bool = False, whole_markers: bool = False):
         self._state = "reasoning" if opened else "start"
+        self._whole = whole_markers
         self._buf = ""
 
     @property
@@ -135,14 +192,14 @@ class ReasoningSplitter:
             body = self._buf.lstrip()
             if body.startswith(THINK_OPEN):
                 self._state, self._buf = "reasoning", body[len(THINK_OPEN):]
-            elif THINK_OPEN.startswith(body):
-                return out  # whitespace, or a prefix of <think>: undecided
+            elif not body or (not self._whole and THINK_OPEN.startswith(body)):
+                return out  # whitespace, or (text-level) a prefix of <think>: undecided
             else:
                 self._state = "rest"
         if self._state == "reasoning":
             at, marker = _first(self._buf, REASONING_ENDS)
             if marker is None:
-                at = len(self._buf) - _held(self._buf, REASONING_ENDS)
+                at = len(self._buf) - (0 if self._whole else _held(self._buf, REASONING_ENDS))
             if at:
                 out.append(Reasoning(self._buf[:at]))
             if marker is None:
@@ -164,15 +221,19 @@ class ReasoningSplitter:
 
 
 class ToolCallStream:
-    """Content and tool calls of an output (after its reasoning), as events, from successive text deltas."""
+    """Content and tool calls of an output (after its reasoning), as events, from successive text deltas. `tools`:
+    the request's, for calls whose id names no function."""
 
-    def __init__(self):
+    def __init__(self, tools: Iterable | None = None, whole_markers: bool = False):
+        self._tools = list(tools or ())
+        self._whole = whole_markers
         self._state = "content"  # content | section | id | arguments
         self._buf = ""
         self._id = ""
+        self._args = ""
         self._gap = ""  # whitespace between calls in a section, dropped unless other text follows before a marker
         self._gap_shown = False
-        self.calls = 0  # calls started so far
+        self.calls = 0  # calls reported so far
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -180,7 +241,7 @@ class ToolCallStream:
         while True:
             at, marker = _first(self._buf, TOOL_MARKERS)
             if marker is None:
-                at = len(self._buf) - _held(self._buf, TOOL_MARKERS)
+                at = len(self._buf) - (0 if self._whole else _held(self._buf, TOOL_MARKERS))
             self._text(self._buf[:at], out)
             if marker is None:
                 self._buf = self._buf[at:]
@@ -189,12 +250,14 @@ class ToolCallStream:
             self._marker(marker, out)
 
     def finish(self) -> list[Event]:
-        """The output ended: held text is released; a call cut before its argument marker becomes content."""
+        """The output ended: held text is released; an open call is reported if its arguments are whole JSON."""
         out: list[Event] = []
         self._text(self._buf, out)
         self._buf = ""
-        if self._state == "id":
-            self._abandon_id(out)
+        if self._state == "arguments" and not _is_json(self._args.strip()):
+            out.append(Dropped(self._id.strip(), self._args.strip(), "the output ended inside its arguments"))
+            self._state, self._id, self._args = "content", "", ""
+        self._close(out)
         self._state = "content"
         return out
 
@@ -204,7 +267,7 @@ class ToolCallStream:
         if self._state == "content":
             out.append(Content(text))
         elif self._state == "arguments":
-            out.append(CallArguments(self.calls - 1, text))
+            self._args += text
         elif self._state == "id":
             self._id += text
         elif self._gap_shown:
@@ -221,16 +284,13 @@ class ToolCallStream:
             self._gap, self._gap_shown = "", False
         if marker == ARGUMENT_BEGIN:
             if state == "id":
-                self._start_call(out)
-                self._state = "arguments"
+                self._state, self._args = "arguments", ""
         elif marker == CALL_BEGIN:
             self._close(out)
             self._state, self._id = "id", ""
         elif marker == CALL_END:
-            if state == "id":
-                self._start_call(out)
             if state in ("id", "arguments"):
-                out.append(CallEnd(self.calls - 1))
+                self._close(out, ended=True)
                 self._state = "section"
         elif marker in SECTION_BEGINS:
             if state != "arguments":
@@ -241,30 +301,40 @@ class ToolCallStream:
                 self._close(out)
                 self._state = "content"
 
-    def _start_call(self, out: list[Event]) -> None:
-        call_id = self._id.strip()
-        out.append(CallStart(self.calls, call_id, tool_name(call_id)))
+    def _close(self, out: list[Event], ended: bool = False) -> None:
+        """The open call (if any) is over (`ended`: by its own end marker): reported, or dropped if it never reached
+        its argument marker (unless its end marker closed it) or names no function its arguments fit."""
+        state, call_id, arguments = self._state, self._id.strip(), self._args.strip()
+        self._id = self._args = ""
+        if state not in ("id", "arguments"):
+            return
+        if state == "id" and not ended:
+            out.append(Dropped(call_id, "", "it never reached its argument marker"))
+            return
+        name = tool_name(call_id)
+        if name is None:
+            name = infer_name(arguments, self._tools)
+            if name is None:
+                out.append(Dropped(call_id, arguments, "its id names no function and its arguments fit no one tool "
+                                                      "of the request"))
+                return
+            digits = re.search(r"(\d+)$", call_id)
+            call_id = f"{FUNCTION_PREFIX}{name}:{int(digits.group(1)) if digits else self.calls}"
+        out.append(Call(self.calls, call_id, name, arguments))
         self.calls += 1
-
-    def _close(self, out: list[Event]) -> None:
-        """A marker ended whatever call was open without its end marker."""
-        if self._state == "arguments":
-            out.append(CallEnd(self.calls - 1))
-        elif self._state == "id":
-            self._abandon_id(out)
-
-    def _abandon_id(self, out: list[Event]) -> None:
-        if self._id:
-            out.append(Content(self._id))
-        self._id = ""
 
 
 class OutputStream:
     """Reasoning (when `thinking`), content and tool calls of an output from successive text deltas."""
 
-    def __init__(self, thinking: bool = False, opened: bool = False):
-        self._reasoning = ReasoningSplitter(opened) if thinking else None
-        self._tools = ToolCallStream()
+    def __init__(self, thinking: bool = False, opened: bool = False, tools: Iterable | None = None,
+                 whole_markers: bool = False):
+        self._reasoning = ReasoningSplitter(opened, whole_markers) if thinking else None
+        self._tools = ToolCallStream(tools, whole_markers)
+
+    def prefill(self, text: str) -> None:
+        """The start of the assistant message, already in the prompt: it sets the state, its text is not output."""
+        self.feed(text)
 
     def feed(self, text: str) -> list[Event]:
         if self._reasoning is None:
@@ -284,25 +354,18 @@ class OutputStream:
 
 def collect(events: list[Event]) -> Parsed:
     """The whole message the events describe."""
-    content, reasoning, ids, names, arguments = [], [], [], [], []
-    for event in events:
-        if isinstance(event, Content):
-            content.append(event.text)
-        elif isinstance(event, Reasoning):
-            reasoning.append(event.text)
-        elif isinstance(event, CallStart):
-            ids.append(event.id)
-            names.append(event.name)
-            arguments.append([])
-        elif isinstance(event, CallArguments):
-            arguments[event.index].append(event.text)
-    calls = tuple(ToolCall(i, n, "".join(a)) for i, n, a in zip(ids, names, arguments))
-    return Parsed("".join(content), "".join(reasoning), calls)
+    content = "".join(e.text for e in events if isinstance(e, Content))
+    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
+    calls = tuple(ToolCall(e.id, e.name, e.arguments) for e in events if isinstance(e, Call))
+    return Parsed(content, reasoning, calls)
 
 
-def parse(text: str, thinking: bool = False, opened: bool = False) -> Parsed:
+def parse(text: str, thinking: bool = False, opened: bool = False, tools: Iterable | None = None,
+          prefill: str = "") -> Parsed:
     """A whole output at once: the same result as streaming it in any pieces."""
-    stream = OutputStream(thinking, opened)
+    stream = OutputStream(thinking, opened, tools)
+    if prefill:
+        stream.prefill(prefill)
     return collect(stream.feed(text) + stream.finish())
 
 

@@ -2,7 +2,11 @@
 
 Same tensor names, dtypes and layouts as Kimi-K2-Instruct (blockwise FP8), Kimi-K2-Thinking (compressed-tensors
 INT4 routed experts) or a BF16 export; several shards with one MoE layer's experts split across two of them;
-stray `rotary_emb.inv_freq` buffers as real dumps have; a tokenizer in Kimi's format. The dimensions are small
+stray `rotary_emb.inv_freq` buffers as real dumps have; a tokenizer in Kimi's format. A `layout` (LAYOUTS) picks
+the checkpoint around those tensors: Kimi-K2(-Instruct/-0905), -Thinking, or K2.5, K2.6 and K2.7-Code, which keep
+K2.5's multimodal layout (the language model's fields under `text_config`, its tensors under `language_model.`, a
+vision tower and projector beside it) with their chat templates (testing.tiny_tokenizer.CHAT_TEMPLATES),
+end-of-turn ids and generation configs. The dimensions are small
 but chosen so that FP8 128x128 blocks are partial at the edges (none of them is a multiple of 128), INT4 groups
 of 32 divide the expert input dims, and attention heads split evenly over 2 ranks.
 """
@@ -10,6 +14,7 @@ of 32 divide the expert input dims, and attention heads split evenly over 2 rank
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,9 +26,34 @@ from ..formats.layout import is_routed_expert, logical_shapes
 from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
-from .tiny_tokenizer import tiny_special_id, write_tiny_tokenizer
+from . import TINY_LAYOUTS
+from .tiny_tokenizer import CHAT_TEMPLATES, tiny_special_id, write_tiny_tokenizer
 
 QUANTS = ("fp8", "int4", "bf16")
+EOS, IM_END = KIMI_SPECIAL_BASE + 1, KIMI_SPECIAL_BASE + 2  # [EOS] 163585, <|im_end|> 163586
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a checkpoint of one Kimi release holds around its tensors (kimi_k2_family.md, the model cards)."""
+    quant: str  # the storage format the release ships
+    eos: int  # config.json's eos_token_id (a real id; the tiny one sits at the same offset)
+    multimodal: bool = False  # K2.5's layout: text_config, language_model. tensors, a vision tower
+    generation: dict = field(default_factory=dict)  # generation_config.json's sampling defaults
+
+
+LAYOUTS = {
+    "k2": Layout("fp8", EOS),
+    "k2-thinking": Layout("int4", IM_END),
+    "k2.5": Layout("int4", EOS, multimodal=True),
+    "k2.6": Layout("int4", IM_END, multimodal=True),
+    # thinking only; Moonshot recommends temperature 1.0 and top_p 0.95, which its generation config carries
+    "k2.7": Layout("int4", IM_END, multimodal=True, generation={"do_sample": True, "temperature": 1.0,
+                                                                 "top_p": 0.95}),
+}
+assert tuple(LAYOUTS) == TINY_LAYOUTS
+# K2.5's vision tower and projector, a stand-in for each (their names are what the loader sets aside)
+VISION_TENSORS = {"vision_tower.blocks.0.attn.qkv.weight": (48, 16), "mm_projector.proj.0.weight": (192, 64)}
 TINY_BASE_TOKENS = 256  # byte-level base vocabulary; Kimi's 256 special slots follow it
 FP8_BLOCK = [128, 128]
 INT4_GROUP = 32
@@ -146,26 +176,51 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
     return [names[:cut]] + [rest[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def make_tiny(out: str | Path, quant: str = "fp8", shards: int = 3, seed: int = 0,
-              config_overrides: dict | None = None) -> Path:
-    """Write a tiny checkpoint to `out` (which must not exist). Written to a hidden folder and renamed at the end,
-    so an interrupted run never leaves something that looks like a finished checkpoint; folder and files get the
-    modes the umask gives. A write that fails (a full disk) is one line naming `out`."""
+def make_tiny(out: str | Path, quant: str | None = None, shards: int = 3, seed: int = 0,
+              config_overrides: dict | None = None, layout: str = "k2") -> Path:
+    """Write a tiny checkpoint to `out` (which must not exist), in `layout`, its experts stored as `quant` (default:
+    what the release ships). Written to a hidden folder and renamed at the end, so an interrupted run never leaves
+    something that looks like a finished checkpoint; folder and files get the modes the umask gives. A write that
+    fails (a full disk) is one line naming `out`."""
     out = Path(out)
+    if layout not in LAYOUTS:
+        raise KimiInputError(f"--layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    spec = LAYOUTS[layout]
+    quant = quant or spec.quant
     if out.exists():
         raise KimiInputError(f"{out} already exists; make-tiny writes a new folder")
-    raw_cfg = {**tiny_config_dict(quant), **(config_overrides or {})}
+    eos = tiny_special_id(spec.eos, TINY_BASE_TOKENS)
+    raw_cfg = {**tiny_config_dict(quant), "eos_token_id": eos, **(config_overrides or {})}
     cfg = KimiK2Config.from_dict(raw_cfg, source="tiny config")
     tensors = raw_tensors(cfg, seed)
+    generation = {"bos_token_id": raw_cfg["bos_token_id"], "eos_token_id": raw_cfg["eos_token_id"], **spec.generation}
+    if spec.multimodal:
+        raw_cfg, tensors = _as_multimodal(raw_cfg, tensors, seed)
     try:
         with atomic_folder(out) as tmp:
-            _write(tmp, raw_cfg, tensors, shards, shown=out)
+            _write(tmp, raw_cfg, tensors, shards, generation, CHAT_TEMPLATES[layout], shown=out)
     except OSError as e:
         raise KimiInputError(f"{out}: cannot write ({write_error(e)})") from None
     return out
 
 
-def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int, shown: Path) -> None:
+def _as_multimodal(text_cfg: dict, tensors: dict, seed: int) -> tuple[dict, dict]:
+    """K2.5's layout: the language model's config under text_config (its quantization_config on top), its tensors
+    under `language_model.`, a vision tower and projector last."""
+    text_cfg = dict(text_cfg)
+    quant = text_cfg.pop("quantization_config", None)
+    cfg = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+           **({"quantization_config": quant} if quant else {}), "text_config": text_cfg,
+           "vision_config": {"hidden_size": 16}, "bos_token_id": text_cfg["bos_token_id"],
+           "eos_token_id": text_cfg["eos_token_id"]}
+    g = torch.Generator().manual_seed(seed + 1)
+    out = {"language_model." + name: t for name, t in tensors.items()}
+    out.update({name: torch.randn(shape, generator=g).to(torch.bfloat16) for name, shape in VISION_TENSORS.items()})
+    return cfg, out
+
+
+def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: int, generation: dict,
+           chat_template: str, shown: Path) -> None:
     plan = shard_plan(list(tensors), n_shards)
     weight_map, total = {}, 0
     for k, names in enumerate(plan, 1):
@@ -178,6 +233,5 @@ def _write(d: Path, raw_cfg: dict, tensors: dict[str, torch.Tensor], n_shards: i
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (d / "config.json").write_text(json.dumps(raw_cfg, indent=2))
-    (d / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": raw_cfg["bos_token_id"], "eos_token_id": raw_cfg["eos_token_id"]}, indent=2))
-    write_tiny_tokenizer(d, num_base_tokens=TINY_BASE_TOKENS)
+    (d / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_tiny_tokenizer(d, num_base_tokens=TINY_BASE_TOKENS, chat_template=chat_template)

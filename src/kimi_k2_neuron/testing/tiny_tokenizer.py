@@ -47,13 +47,23 @@ DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
 # The real template streams Kimi-K2-Instruct's turn format: <|im_{role}|>{name}<|im_middle|>{content}<|im_end|>,
 # with no newlines between turns and a default system turn when the first message is not a system one.
-TINY_CHAT_TEMPLATE = """\
-{#- Kimi-K2-Instruct's chat format for tiny checkpoints: same markers, role names and default system prompt.
+_HEAD = """\
+{#- Kimi-K2's chat format for tiny checkpoints (THINKING): same markers, role names and default system prompt.
     Simplified: list-valued content keeps only its text parts (the real one emits media markers for images),
     and tool results are '## Return of {id}' plus a newline and the content, as in the Thinking template. -#}
+"""
+_TURNS = """\
+{%- macro render_content(message) -%}
+{%- if message['content'] is string -%}{{ message['content'] }}
+{%- elif message['content'] is not none -%}
+{%- for part in message['content'] if part.get('type') == 'text' %}{{ part['text'] }}{% endfor -%}
+{%- endif -%}
+{%- endmacro -%}
 {%- if tools -%}
 <|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>
 {%- endif -%}
+{%- set ns = namespace(last_user=-1) -%}
+{%- for message in messages %}{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor -%}
 {%- for message in messages -%}
 {%- if loop.first and message['role'] != 'system' -%}
 <|im_system|>system<|im_middle|>""" + DEFAULT_SYSTEM_PROMPT + """<|im_end|>
@@ -63,11 +73,11 @@ TINY_CHAT_TEMPLATE = """\
 <|im_user|>{{ role_name }}<|im_middle|>
 {%- elif message['role'] == 'assistant' -%}
 <|im_assistant|>{{ role_name }}<|im_middle|>
-{%- else -%}
+THINK_BLOCK{%- else -%}
 <|im_system|>{{ role_name }}<|im_middle|>
 {%- endif -%}
 {%- if message['role'] == 'assistant' and message.get('tool_calls') -%}
-{{ message['content'] or '' }}<|tool_calls_section_begin|>
+{{ render_content(message) }}<|tool_calls_section_begin|>
 {%- for tool_call in message['tool_calls'] -%}
 {%- set args = tool_call['function']['arguments'] -%}
 <|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>
@@ -77,18 +87,51 @@ TINY_CHAT_TEMPLATE = """\
 <|tool_calls_section_end|>
 {%- elif message['role'] == 'tool' -%}
 ## Return of {{ message['tool_call_id'] }}
-{{ message['content'] }}
-{%- elif message['content'] is string -%}
-{{ message['content'] }}
-{%- elif message['content'] is not none -%}
-{%- for part in message['content'] if part.get('type') == 'text' %}{{ part['text'] }}{% endfor -%}
+{{ render_content(message) }}
+{%- else -%}
+{{ render_content(message) }}
 {%- endif -%}
 <|im_end|>
 {%- endfor -%}
 {%- if add_generation_prompt -%}
-<|im_assistant|>assistant<|im_middle|>
+<|im_assistant|>assistant<|im_middle|>GENERATION
 {%- endif -%}
 """
+
+
+# An assistant turn of a thinking checkpoint opens with its reasoning (see CHAT_TEMPLATES).
+_THINK_BLOCK = """\
+{%- set reasoning = message.get('reasoning_content') or message.get('reasoning') or '' -%}
+{%- if preserve_thinking or loop.index0 > ns.last_user -%}<think>{{ reasoning }}</think>
+{%- else -%}<think></think>{%- endif -%}
+"""
+
+
+def _template(thinking: str, settings: str = "", generation: str = "") -> str:
+    return (_HEAD.replace("(THINKING)", thinking) + settings
+            + _TURNS.replace("THINK_BLOCK", _THINK_BLOCK if settings else "").replace("GENERATION", generation))
+
+
+# Kimi-K2-Instruct / -0905: no reasoning.
+TINY_CHAT_TEMPLATE = _template("(Instruct)")
+# What the tiny templates of the thinking checkpoints do (the real templates were not read here; this is what their
+# model cards and Moonshot's API describe): every assistant turn opens with <think>REASONING</think>, the reasoning
+# kept (rendered back) for the turns after the last user message, which an agentic turn's tool calls need, and for
+# all turns with preserved thinking; earlier turns get an empty <think></think>.
+CHAT_TEMPLATES = {
+    "k2": TINY_CHAT_TEMPLATE,
+    # Kimi-K2-Thinking: always thinks, and writes <think> itself after the generation prompt.
+    "k2-thinking": _template("(Thinking)", "{%- set preserve_thinking = preserve_thinking | default(false) -%}\n"),
+    # Kimi-K2.5 and K2.6: `thinking` (default true) opens <think> in the generation prompt or closes it at once;
+    # `preserve_thinking` (default false; Moonshot's API: thinking.keep "all") renders every turn's reasoning.
+    "k2.6": _template("(K2.5, K2.6)", "{%- set thinking = thinking | default(true) -%}\n"
+                      "{%- set preserve_thinking = preserve_thinking | default(false) -%}\n",
+                      "{%- if thinking %}<think>{% else %}<think></think>{% endif -%}"),
+    # Kimi-K2.7-Code: thinking only, preserved thinking always on; the kwargs change nothing.
+    "k2.7": _template("(K2.7-Code: thinking only, preserved thinking)",
+                      "{%- set thinking = true -%}\n{%- set preserve_thinking = true -%}\n", "<think>"),
+}
+CHAT_TEMPLATES["k2.5"] = CHAT_TEMPLATES["k2.6"]
 
 
 def tiny_special_id(real_id: int, num_base_tokens: int) -> int:
@@ -102,7 +145,7 @@ def tiny_special_id(real_id: int, num_base_tokens: int) -> int:
     return num_base_tokens + offset
 
 
-def write_tiny_tokenizer(out_dir: str | Path, num_base_tokens: int = 256) -> None:
+def write_tiny_tokenizer(out_dir: str | Path, num_base_tokens: int = 256, chat_template: str = TINY_CHAT_TEMPLATE) -> None:
     """Write tiktoken.model, tokenizer_config.json and chat_template.jinja for a tiny Kimi-format tokenizer.
 
     Base tokens are the 256 single bytes (rank = byte value), then deterministic two-byte merges of common
@@ -134,12 +177,12 @@ def write_tiny_tokenizer(out_dir: str | Path, num_base_tokens: int = 256) -> Non
         "eos_token": "[EOS]",
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
-        "chat_template": TINY_CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": 1048576,
         "tokenizer_class": "TikTokenTokenizer",
     }
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    (out / TEMPLATE_NAME).write_text(TINY_CHAT_TEMPLATE, encoding="utf-8")
+    (out / TEMPLATE_NAME).write_text(chat_template, encoding="utf-8")
 
 
 def _tiny_merges() -> list[bytes]:

@@ -1,0 +1,221 @@
+"""Kimi's chat-completions contract applied to an OpenAI request, SDK-free: what Moonshot's API (and its vendor
+verifier, Kimi-Vendor-Verifier) refuses, fixes or renames before a request reaches the model. neuron/vllm_api.py runs
+it in front of vLLM's server; docs/vllm.md lists each rule with the verifier test it answers.
+
+`kimi_request(body, facts)` returns the request to serve, or raises ApiError (HTTP 400) with one line naming the
+field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does with thinking, by rendering it.
+
+- Thinking: Kimi's own `thinking: {"type": "enabled"|"disabled", "keep": "all"|null}` becomes the template's
+  `chat_template_kwargs` `thinking` and `preserve_thinking` (the open-weight templates' names); a thinking-only
+  checkpoint (Kimi-K2.7-Code: its template opens <think> either way) refuses thinking off rather than ignore it.
+- The fixed sampling parameters (`contract`; Moonshot's API fixes them for K2.5 and later, docs/vllm.md says why it
+  is on for those checkpoints by default): temperature within [0, 1] (default 1.0 thinking, 0.6 not), top_p 0.95,
+  presence and frequency penalty 0, n 1; any other value is refused as the official API refuses it.
+- What vllm-neuron cannot apply is refused, never ignored: response_format json_object and json_schema and vLLM's
+  structured outputs (its model runner never applies vLLM's grammar), presence and frequency penalties (its sampler
+  gets temperature, top_k and top_p only).
+- tool_choice: `auto` or `none` without tools is a plain chat (vLLM refuses `auto` without tools); `required`
+  needs tools. `required` and a named function need a grammar in vLLM; here the prompt forces them instead: the
+  request continues an assistant message that opens the tool section (and, for a named function, the call), which
+  the parsers (neuron/vllm_parsers.py) read as the state the output starts in.
+- A tool result must name its call (tool_call_id). History tool-call ids become `functions.NAME:IDX` (IDX counting the conversation's calls), in the assistant
+  messages and the tool results that answer them, as Moonshot's API renames them: Kimi copies the ids it reads.
+- The detokenizer's spaces around special tokens are off (spaces_between_special_tokens false unless set), and a
+  stream reports its usage (stream_options.include_usage), as Kimi's API always does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from kimi_k2_neuron.runtime.tool_calls import (ARGUMENT_BEGIN, CALL_BEGIN, FUNCTION_PREFIX, SECTION_BEGIN,
+                                               THINK_OPEN)
+
+# Moonshot's fixed values (platform.kimi.ai, "Model Parameter Reference": kimi-k2.5 and kimi-k2.6)
+THINKING_TEMPERATURE, INSTANT_TEMPERATURE, TOP_P = 1.0, 0.6, 0.95
+STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+              "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag")
+
+
+class ApiError(ValueError):
+    """A request the contract refuses: HTTP 400, one line."""
+
+
+@dataclass(frozen=True)
+class ChatFacts:
+    """What a checkpoint's chat template does with thinking."""
+    opens_thinking: bool = False  # the generation prompt ends with <think> by default (K2.5+)
+    thinking_only: bool = False  # ... whatever `thinking` says (K2.7-Code)
+    contract: bool = False  # the fixed sampling parameters apply (default: on where the prompt opens <think>)
+
+    @classmethod
+    def of(cls, tokenizer, contract: bool | None = None) -> "ChatFacts":
+        """Render a one-line chat with thinking on and off (a KimiTokenizer, or anything with its
+        apply_chat_template)."""
+        chat = [{"role": "user", "content": "."}]
+
+        def opens(**kwargs) -> bool:
+            return tokenizer.apply_chat_template(chat, add_generation_prompt=True, **kwargs).endswith(THINK_OPEN)
+
+        default, off = opens(), opens(thinking=False)
+        return cls(default, default and off, default if contract is None else contract)
+
+
+def _fail(field: str, expected: str, got=None) -> None:
+    shown = "" if got is None else f" (got {got!r})"
+    raise ApiError(f"{field}: {expected}{shown}")
+
+
+def _number(body: dict, name: str):
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        _fail(name, "expected a number", value)
+    return value
+
+
+def kimi_request(body: dict, facts: ChatFacts) -> dict:
+    """The request to serve (a copy), or ApiError."""
+    body = copy.deepcopy(body)
+    thinking = _thinking(body, facts)
+    _refuse_what_cannot_apply(body)
+    if facts.contract:
+        _fixed_sampling(body, thinking)
+    _tool_choice(body)
+    _check_tool_results(body)
+    _rename_tool_call_ids(body)
+    body.setdefault("spaces_between_special_tokens", False)
+    if body.get("stream") and body.get("stream_options") is None:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _thinking(body: dict, facts: ChatFacts) -> bool:
+    """Kimi's `thinking` field as the template's kwargs; whether this request thinks."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        _fail("chat_template_kwargs", "expected an object", kwargs)
+    if "thinking" in body and isinstance(body["thinking"], (dict, type(None))):
+        kimi = body.pop("thinking") or {}
+        kind = kimi.get("type", "enabled")
+        if kind not in ("enabled", "disabled"):
+            _fail("thinking.type", "expected 'enabled' or 'disabled'", kind)
+        keep = kimi.get("keep")
+        if keep not in (None, "all"):
+            _fail("thinking.keep", "expected 'all' or null", keep)
+        kwargs.setdefault("thinking", kind == "enabled")
+        if keep == "all":
+            kwargs.setdefault("preserve_thinking", True)
+    thinking = kwargs.get("thinking", facts.opens_thinking)
+    if not isinstance(thinking, bool):
+        _fail("chat_template_kwargs.thinking", "expected true or false", thinking)
+    if facts.thinking_only and not thinking:
+        _fail("thinking", "this checkpoint thinks always (its chat template opens <think> either way); expected "
+                          "thinking enabled or left out")
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    return thinking or facts.thinking_only
+
+
+def _refuse_what_cannot_apply(body: dict) -> None:
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            _fail("response_format.type", "expected 'text', 'json_object' or 'json_schema'", kind)
+        if kind != "text":
+            _fail(f"response_format {kind}", "not served here: vllm-neuron does not apply vLLM's structured-output "
+                                              "grammar, so the reply would not be held to it; refused rather than "
+                                              "ignored")
+        body.pop("response_format")
+    for name in STRUCTURED:
+        if body.get(name) is not None:
+            _fail(name, "not served here: vllm-neuron does not apply vLLM's structured-output grammar")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name) not in (None, 0):
+            _fail(name, "only 0: vllm-neuron's sampler applies temperature, top_k and top_p, no penalty",
+                  body[name])
+
+
+def _fixed_sampling(body: dict, thinking: bool) -> None:
+    """Moonshot's fixed parameters: the values its API refuses are refused; what is left out gets its value."""
+    temperature = _number(body, "temperature")
+    if temperature is not None and not 0 <= temperature <= 1:
+        _fail("temperature", "expected 0 <= temperature <= 1 (Kimi's API contract)", temperature)
+    top_p = _number(body, "top_p")
+    if top_p is not None and top_p != TOP_P:
+        _fail("top_p", f"only {TOP_P} is allowed for this model (Kimi's API contract)", top_p)
+    n = body.get("n")
+    if n not in (None, 1):
+        _fail("n", "only 1 is allowed for this model (Kimi's API contract)", n)
+    body.setdefault("temperature", THINKING_TEMPERATURE if thinking else INSTANT_TEMPERATURE)
+    if body["temperature"] is None:
+        body["temperature"] = THINKING_TEMPERATURE if thinking else INSTANT_TEMPERATURE
+    if body.get("top_p") is None:
+        body["top_p"] = TOP_P
+
+
+def _tool_choice(body: dict) -> None:
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return  # vLLM's own validation answers
+    if choice in ("auto", "none") and not tools:
+        body.pop("tool_choice")
+        body.pop("tools", None)
+        return
+    if choice == "required" and not tools:
+        _fail("tool_choice required", "needs a non-empty tools list")
+    if choice == "required":
+        _prefill(body, SECTION_BEGIN)
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in [t.get("function", {}).get("name") for t in tools or () if isinstance(t, dict)]:
+            _fail("tool_choice.function.name", "expected one of the request's tools", name)
+        calls = sum(len(m.get("tool_calls") or ()) for m in body.get("messages") or () if isinstance(m, dict))
+        _prefill(body, f"{SECTION_BEGIN}{CALL_BEGIN}{FUNCTION_PREFIX}{name}:{calls}{ARGUMENT_BEGIN}")
+
+
+def _prefill(body: dict, text: str) -> None:
+    """Serve a forced call as tool_choice auto continuing an assistant message that opens it."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    body["tool_choice"] = "auto"
+    if body.get("continue_final_message") and messages and isinstance(messages[-1], dict) and \
+            messages[-1].get("role") == "assistant" and isinstance(messages[-1].get("content"), str):
+        messages[-1]["content"] += text
+    else:
+        messages.append({"role": "assistant", "content": text})
+    body["continue_final_message"], body["add_generation_prompt"] = True, False
+
+
+def _check_tool_results(body: dict) -> None:
+    """A tool result names the call it answers (the template writes `## Return of ID`)."""
+    for i, message in enumerate(body.get("messages") or ()):
+        if isinstance(message, dict) and message.get("role") == "tool" and not (
+                isinstance(message.get("tool_call_id"), str) and message["tool_call_id"]):
+            _fail(f"messages[{i}].tool_call_id", "a tool message needs the id of the call it answers")
+
+
+def _rename_tool_call_ids(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    renamed, count = {}, 0
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "assistant" and isinstance(message.get("tool_calls"), list):
+            for call in message["tool_calls"]:
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    continue
+                new = f"{FUNCTION_PREFIX}{function['name']}:{count}"
+                count += 1
+                if "id" in call:
+                    renamed[call["id"]] = new  # a tool result answers the latest call of its id
+                call["id"] = new
+        elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
+            message["tool_call_id"] = renamed[message["tool_call_id"]]
