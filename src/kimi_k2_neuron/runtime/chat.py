@@ -95,6 +95,7 @@ def print_rows(prompts: Sequence[str], texts: Sequence[str]) -> None:
 # -- a reply as a person reads it ------------------------------------------------------------------------------------
 
 THINKING, THOUGHT, CALL = "[thinking] ", " [/thinking]\n", "[tool call {index}: {name}] "
+DROPPED = "[tool call {id!r}, naming no function] "  # an id without NAME:IDX and no tools to infer it from
 
 
 class ReplyPrinter:
@@ -129,7 +130,7 @@ class ReplyPrinter:
             self._reasoning = False
 
     def _emit(self, events) -> None:
-        from .tool_calls import CallArguments, CallEnd, CallStart, Content, Reasoning
+        from .tool_calls import Call, Content, Dropped, Reasoning
 
         for e in events:
             if isinstance(e, Reasoning):
@@ -141,12 +142,9 @@ class ReplyPrinter:
                 self._reasoning = False
             if isinstance(e, Content):
                 self._put(e.text)
-            elif isinstance(e, CallStart):
-                self._put(("" if self._last == "\n" else "\n") + CALL.format(index=e.index, name=e.name))
-            elif isinstance(e, CallArguments):
-                self._put(e.text)
-            elif isinstance(e, CallEnd):
-                self._put("\n")
+            elif isinstance(e, (Call, Dropped)):  # a call is reported whole, once closed (tool_calls.py)
+                head = CALL.format(index=e.index, name=e.name) if isinstance(e, Call) else DROPPED.format(id=e.id)
+                self._put(("" if self._last == "\n" else "\n") + head + e.arguments + "\n")
 
     def _put(self, text: str) -> None:
         if text:
