@@ -26,8 +26,8 @@ import os
 import pytest
 import torch
 from nxdi_support import REPO, rel_err
-from real_shapes import (NxdCalls, ShardOnBlockEntry, device_sampler_greedy, logits_and_calls,
-                         shard_on_block_problems)
+from real_shapes import (NxdCalls, ShardOnBlockEntry, as_meta, core_routed_experts, device_sampler_greedy,
+                         logits_and_calls, moe_difference, reference_output, shard_on_block_problems, split_call)
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.neuron import moe_paths
@@ -107,8 +107,9 @@ def _trace(rank_slices, submodel, batch, seq_len):
 
     o = backend.CpuOptions(model=str(rank_slices[("fp8", 1)]), dtype="bfloat16")
     p = xla_trace.prepare(xla_trace.TraceOptions(o, submodel, seq_len=seq_len, batch=batch))
-    kernel = ShardOnBlockEntry(NxdCalls())
-    handles = [m.register_forward_pre_hook(kernel.hook) for m in p.model.modules() if isinstance(m, ExpertMLPsV2)]
+    experts = {m: _layer_of(name) for name, m in p.model.named_modules() if isinstance(m, ExpertMLPsV2)}
+    kernel = ShardOnBlockEntry(NxdCalls(), experts)
+    handles = [m.register_forward_pre_hook(kernel.hook) for m in experts]
     handles += kernel.spy.watch(p.model)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kv_cache_manager, "fill_prefix", _fill_prefix_torch_branch)
@@ -120,14 +121,45 @@ def _trace(rank_slices, submodel, batch, seq_len):
     return report, kernel.spy, kernel
 
 
+def _layer_of(module_name: str) -> int:
+    parts = module_name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+class _Traces(dict):
+    """The prefill (1024 tokens, batch 1) and decode (batch 1 and 4) submodels traced as ModelBuilder traces them,
+    each on first use."""
+
+    SUBMODELS = {"context": ("context", 1, PREFILL_TOKENS), "token1": ("token", 1, 256), "token4": ("token", 4, 256)}
+
+    def __init__(self, rank_slices):
+        super().__init__()
+        self.rank_slices = rank_slices
+
+    def __missing__(self, key):
+        self[key] = _trace(self.rank_slices, *self.SUBMODELS[key])
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def traces(rank_slices):
-    """The prefill (1024 tokens, batch 1) and decode (batch 1 and 4) submodels traced as ModelBuilder traces them."""
-    return {"context": _trace(rank_slices, "context", 1, PREFILL_TOKENS),
-            **{f"token{b}": _trace(rank_slices, "token", b, 256) for b in (1, 4)}}
+    return _Traces(rank_slices)
 
 
-def test_the_prefill_reaches_the_shard_on_block_kernel_with_its_arguments(rank_slices, traces):
+@pytest.fixture(scope="module")
+def prefill_calls(traces):
+    """The traced prefill's bwmm_shard_on_block calls on the host, one per MoE layer: (grid, layer, kwargs); the
+    first whole, the others with their large tensors as meta tensors (shape and dtype; see as_meta)."""
+    calls = [split_call(c) for c in traces["context"][2].cpu_calls()]
+    return [calls[0]] + [(g, layer, as_meta(kw)) for g, layer, kw in calls[1:]]
+
+
+@pytest.fixture(scope="module")
+def moe_cfg(rank_slices):
+    return KimiK2Config.from_file(rank_slices[("fp8", 1)])
+
+
+def test_the_prefill_reaches_the_shard_on_block_kernel_with_its_arguments(traces, prefill_calls, moe_cfg):
     report, spy, kernel = traces["context"]
     assert report.stopped is None and report.clean, report.format()
     print(f"\nprefill graph at real per-rank shapes: {report.hlo_instructions} HLO instructions")
@@ -142,16 +174,44 @@ def test_the_prefill_reaches_the_shard_on_block_kernel_with_its_arguments(rank_s
              "ExpertMLPsV2.forward_selective_loading"}
     assert never & set(spy.calls) == set()
     assert "blockwise_scale_dequantize" in spy.calls  # NxD dequantizes the FP8 experts before the kernel
-    # one call per MoE layer, each with the kernel's signature and shapes: T = 1024, N = ceil((1024 x 8 - 383) / 128)
-    # + 383 = 445 blocks of 128
-    cfg = KimiK2Config.from_file(rank_slices[("fp8", 1)])
-    blocks = moe_paths.blockwise_blocks(cfg, PREFILL_TOKENS, 1, 128)
-    assert blocks == 445 and len(kernel.calls) == 2
-    for call in kernel.calls:
-        call = dict(call)
-        assert int(call.pop("grid")) == 2  # LNC=2: one kernel instance per physical core
-        assert shard_on_block_problems(call, PREFILL_TOKENS, cfg.hidden_size, cfg.n_routed_experts,
-                                       cfg.moe_intermediate_size, 128, blocks) == []
+    # One call per MoE layer, each passing the kernel's own checks (traced for both programs of the LNC=2 grid) and
+    # what Kimi's prefill needs: T = 1024, N = ceil((1024 x 8 - 383) / 128) + 383 = 445 blocks of 128, block maps
+    # placing each routed (token, expert) pair once.
+    blocks = moe_paths.blockwise_blocks(moe_cfg, PREFILL_TOKENS, 1, 128)
+    assert blocks == 445 and [layer for _, layer, _ in prefill_calls] == [1, 2]
+    for grid, _, kw in prefill_calls:
+        assert grid == 2  # LNC=2: one kernel instance per physical core
+        assert shard_on_block_problems(kw, moe_cfg, PREFILL_TOKENS, blocks) == []
+
+
+# The tolerance of nki-library's reference against the model's float32 math on the same call: NxD hands the kernel
+# bf16 experts (dequantized from FP8, rounded: 2^-9 relative) and bf16 affinities, and the reference rounds each
+# block's output to bf16 before adding it up (moe_cte_torch.py), against float32 weights in the core. Measured at
+# these shapes: ~5e-3 max, ~4e-3 RMS, relative; a wrong layout, scale or expert is O(1).
+MOE_TOLERANCE = {"max_rel": 2e-2, "rms_rel": 1e-2}
+
+
+def test_the_prefill_kernel_computes_the_models_moe_for_the_whole_call(rank_slices, prefill_calls, moe_cfg):
+    """The first MoE layer's call, all 1024 tokens and 445 blocks: nki-library's reference of bwmm_shard_on_block on
+    exactly NxD's arguments (its layouts, skip mode, padding rows, block maps, affinities) equals the core's MoE (the
+    noaux_tc router, top-8 of 384 experts, normalised and scaled by 2.827, then each token through its SwiGLU
+    experts) on the same hidden states, within MOE_TOLERANCE."""
+    grid, layer, kw = prefill_calls[0]
+    moe = core_routed_experts(rank_slices[("fp8", 1)], layer)
+    x = kw["hidden_states"].float()
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        want = moe(x)
+    # the affinities NxD hands the kernel are the router's: the same experts, the same weights (bf16)
+    routed = torch.zeros(x.shape[0], moe_cfg.n_routed_experts).scatter(1, ids, weights)
+    given = kw["expert_affinities_masked"].view(x.shape[0], -1).float()
+    assert torch.equal(given != 0, routed != 0)
+    assert (given - routed).abs().max() <= 2 ** -8 * routed.abs().max()
+    got = reference_output(kw, moe_cfg, grid)
+    assert got.shape == (PREFILL_TOKENS, 2, moe_cfg.hidden_size) and not got[:, 1].any()  # the second core's half
+    diff = moe_difference(got[:, 0], want)
+    print(f"\nnki-library reference vs the core's MoE, layer {layer}, {PREFILL_TOKENS} tokens: {diff}")
+    assert diff["max_rel"] < MOE_TOLERANCE["max_rel"] and diff["rms_rel"] < MOE_TOLERANCE["rms_rel"], diff
 
 
 @pytest.mark.parametrize("batch", [1, 4])
