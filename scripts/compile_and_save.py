@@ -213,6 +213,10 @@ def _dry_run(args, cfg, record, scheme, p) -> int:
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       "token_generation": {"tokens": args.batch, "path": decode}},
         "plan": p.to_dict()}
+    from kimi_k2_neuron.neuron import kernels  # the NKI kernels each graph calls or not, each with why
+
+    report["kernels"] = kernels.report(cfg, args.moe_prefill, tokens, args.batch, args.tp, args.ep, scheme,
+                                       options.on_device_sampling)
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 
