@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill rows of the MoE kernel call (a multiple of 128: its output tiles)")
     p.add_argument("--batch", type=integer(1), default=1, help="rows of the sampler's kernels")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {', '.join(KERNELS)}")
-    p.add_argument("--report", metavar="FILE", default=None, help="write the results as JSON here too (default: no file)")
+    p.add_argument("--report", metavar="FILE", default=None,
+                   help="write the results as JSON here too (default: no file)")
     return p
 
 
