@@ -170,8 +170,30 @@ def _numel(shape) -> int:
 
 
 class _Grid:
-    """The program (physical core) the kernel body is traced for: LNC=2 launches it once per core."""
+    """The program (physical core) the kernel body is traced for: LNC=2 launches it once per core. `registers`: the
+    values runtime registers will load, in order (a dynamic loop's trip count is data), when a caller knows them."""
     n_programs, program_id = 1, 0
+    registers: list = []
+
+
+class _Register:
+    """nisa.register_alloc(): a runtime scalar; nl.dynamic_range over it runs to the value _Grid.registers gave it."""
+    value = None
+
+
+def _register_load(register, src, *args, **kwargs):
+    _op("nki.isa.register_load")(src)
+    register.value = _Grid.registers.pop(0) if _Grid.registers else None
+
+
+def _dynamic_range(start, stop=None, step=1):
+    if stop is None:
+        start, stop = 0, start
+    if isinstance(stop, _Register):
+        if stop.value is None:
+            raise TypeError("a dynamic loop over a runtime register whose value this trace was not given")
+        stop = stop.value
+    return range(start, stop, step)
 
 
 def _op(name):
@@ -277,6 +299,9 @@ def _nki_tracer() -> dict[str, types.ModuleType]:
     nl.ds = DS
     nl.NKIObject = _NKIObject
     nl.affine_range = nl.sequential_range = nl.static_range = lambda *a, **_: range(*a)
+    nl.dynamic_range = _dynamic_range
+    nisa.register_alloc = lambda *a, **_: _Register()
+    nisa.register_load = _register_load
     nl.program_ndim = lambda: 1 if _Grid.n_programs > 1 else 0
     nl.num_programs = lambda axes=0: _Grid.n_programs
     nl.program_id = lambda axis=0: _Grid.program_id
@@ -285,6 +310,7 @@ def _nki_tracer() -> dict[str, types.ModuleType]:
                                          psum_partition_dim=128)
     nl.ndarray_type = Tile
     nl.shared_constant = _shared_constant
+    nl.shared_identity_matrix = lambda n, dtype="bfloat16", **_: Tile((n, n), dtype, _Symbol("nl.sbuf"))
     nisa.nc_version = _NcVersion
     nisa.get_nc_version = lambda: _NcVersion.gen3
     nisa.constants = constants
@@ -345,6 +371,8 @@ def module(dotted: str) -> types.ModuleType:
 
 KERNELS = {  # name -> (module, function)
     "bwmm_shard_on_block": ("core.moe.moe_cte.bwmm_shard_on_block", "bwmm_shard_on_block"),
+    "blockwise_mm_baseline_shard_intermediate_hybrid": ("core.moe.moe_cte.bwmm_shard_on_I",
+                                                        "blockwise_mm_baseline_shard_intermediate_hybrid"),
     "cumsum": ("core.cumsum.cumsum", "cumsum"),
     "topk": ("core.topk.rotational_topk", "topk"),
     "cascaded_max": ("core.max.cascaded_max", "cascaded_max"),
@@ -354,6 +382,28 @@ KERNELS = {  # name -> (module, function)
 def kernel(name: str):
     mod, fn = KERNELS[name]
     return getattr(module(mod), fn)
+
+
+@contextmanager
+def counting(name: str, function: str):
+    """Counts, per program, the calls a kernel's module makes of one of its own functions (the per-block step, to
+    count the blocks a trace computes): yields the list of counts, filled as programs are traced."""
+    mod = module(KERNELS[name][0])
+    original, counts = getattr(mod, function), []
+    last = [None]
+
+    def counted(*args, **kwargs):
+        if last[0] != _Grid.program_id or not counts:
+            counts.append(0)
+            last[0] = _Grid.program_id
+        counts[-1] += 1
+        return original(*args, **kwargs)
+
+    setattr(mod, function, counted)
+    try:
+        yield counts
+    finally:
+        setattr(mod, function, original)
 
 
 def source_file(name: str) -> Path:
@@ -386,15 +436,18 @@ def translate(value):
     return value
 
 
-def kernel_problems(name: str, kwargs: dict, grid: int | None = 2, args: tuple = ()) -> list[str]:
+def kernel_problems(name: str, kwargs: dict, grid: int | None = 2, args: tuple = (),
+                    registers: list | None = None) -> list[str]:
     """The kernel's own checks on these arguments, launched as NxD/NxDI launch it (`kernel[grid](...)`, traced once
     per program of the grid; grid None: a plain call, one program): [] when every assert holds and every static
-    access is in bounds, else what failed and where (file:line under src/nkilib_src/nkilib/)."""
+    access is in bounds, else what failed and where (file:line under src/nkilib_src/nkilib/). `registers`: the runtime
+    values its dynamic loops run to (each program loads them in order)."""
     entry = kernel(name)
     targs = tuple(as_tile(translate(a)) for a in args)
     tkw = {k: as_tile(translate(v)) for k, v in kwargs.items()}
     problems = []
     for pid in range(grid or 1):
+        _Grid.registers = list(registers or [])
         with _tracing(grid or 1, pid), redirect_stdout(io.StringIO()):  # nki-library's logger prints
             try:
                 (entry if grid is None else entry[grid])(*targs, **tkw)

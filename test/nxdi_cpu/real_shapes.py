@@ -8,9 +8,10 @@ Kimi-K2's per-rank shapes at TP=64 (test/data/configs, never restated here): hid
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
-from nki_kernels import kernel_problems, moe_cte_reference, translate
+from nki_kernels import kernel_problems, moe_cte_reference, reference, translate
 
 # What Kimi's prefill needs of the arguments NxD passes bwmm_shard_on_block that the kernel itself does not assert
 # (its own asserts and static bounds run in nki_kernels.kernel_problems): name -> (expected, why). Shapes and values
@@ -47,7 +48,7 @@ def _plain(value):
     """An argument as SHARD_ON_BLOCK_INTENT states it: enums and records by name, dtypes by their NKI name."""
     if hasattr(value, "skip_token"):
         return (bool(value.skip_token), bool(value.skip_weight))
-    if isinstance(value, torch.dtype):
+    if isinstance(value, (torch.dtype, torch.Tensor)):
         return value
     return getattr(value, "name", value)
 
@@ -134,7 +135,8 @@ def token_subset(kw: dict, keep: list[int]) -> dict:
     """The same call for the tokens `keep` only (renumbered 0..len-1): their rows of hidden_states and the
     affinities, and the blocks holding any of them, with the other tokens' rows padding (-1). A call of the same
     layout with fewer blocks, for checks that compute nki-library's reference many times."""
-    tokens, experts = kw["hidden_states"].shape[0], kw["expert_affinities_masked"].shape[0] // kw["hidden_states"].shape[0]
+    tokens = kw["hidden_states"].shape[0]
+    experts = kw["expert_affinities_masked"].shape[0] // tokens
     block = kw["block_size"]
     renumber = torch.full((tokens + 1,), -1, dtype=torch.long)
     renumber[torch.tensor(keep)] = torch.arange(len(keep))
@@ -266,34 +268,80 @@ def logits_and_calls(rank: int, o, rows: list[list[int]], prefill_len: int):
     return logits, paths.report(), spy.calls, spy.returned
 
 
+class SamplerKernels:
+    """Test-only stand-ins for the nkilib kernels NxD's and NxDI's on-device sampler calls, each where it is called:
+    the rotated top-k `nki_topk[lnc](t, k, sorted_flag)` (NxD operators/topk.py:14-23), `nki_cumsum(t, axis=1)` (NxDI
+    sampling.py:70) and the cascaded max `nki_max[2](t)` (NxD operators/argmax.py:124). Each call is recorded with its
+    arguments' shapes and dtypes and the kernel's own checks on them (nki_kernels.kernel_problems), and returns
+    nki-library's torch reference on exactly those arguments (topk/torch_ref.py, cumsum/cumsum_torch.py,
+    max/cascaded_max_torch.py). Their int32 indices are widened to int64 for the CPU torch ops NxD applies to them
+    (torch.gather, the shard offsets), which on the device take the kernel's int32."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def _record(self, kernel: str, tensor: torch.Tensor, grid, **scalars) -> None:
+        args = {"x": tensor, "axis": scalars["axis"]} if kernel == "cumsum" else {}
+        problems = kernel_problems(kernel, args or {k: v for k, v in scalars.items()}, grid=grid,
+                                   args=() if args else (tensor,))
+        self.calls.append({"kernel": kernel, "shape": tuple(tensor.shape), "dtype": str(tensor.dtype).split(".")[-1],
+                           "grid": grid, **scalars, "problems": problems})
+
+    def topk(self, lnc):
+        def call(t, k, sorted_flag=True):
+            self._record("topk", t, lnc, k=k, sorted_flag=sorted_flag)
+            config = types.SimpleNamespace(topk_config=types.SimpleNamespace(k=k, sorted=sorted_flag))
+            out = reference("topk")(t, config)
+            return out["topk_values"], out["topk_indices"].long()
+        return call
+
+    def cumsum(self, t, axis):
+        self._record("cumsum", t, None, axis=axis)
+        return reference("cumsum")(t, axis)["output_0"]
+
+    def cascaded_max(self, grid):
+        def call(t):
+            self._record("cascaded_max", t, grid)
+            out = reference("cascaded_max")(t)
+            return out["max_values"], out["max_indices"].long()
+        return call
+
+
 class _TorchTopK:
-    """Test-only stand-in for torch_neuronx's TopK custom call (an XLA op, which needs XLA tensors)."""
+    """Test-only stand-in for torch_neuronx's TopK custom call (an XLA op, which needs XLA tensors; no nkilib
+    kernel): torch.topk."""
 
     @staticmethod
     def apply(tensor, k, dim=-1):
         return torch.topk(tensor, k, dim=dim)
 
 
-class _TorchRotatedTopK:
-    """Test-only stand-in for nkilib's rotated top-k kernel as NxD calls it, nki_topk[lnc](t, k, sorted_flag)
-    (NxD operators/topk.py:14-23): the k largest along the last dim, values and indices."""
+class _Subscriptable:
+    def __init__(self, fn):
+        self.fn = fn
 
-    def __getitem__(self, lnc):
-        return lambda t, k, sorted_flag=False: torch.topk(t, k, dim=-1, sorted=sorted_flag)
+    def __getitem__(self, grid):
+        return self.fn(grid)
 
 
-def _replace_device_only_sampling_ops() -> None:
-    """In this (rank) process, NxD's and NxDI's device-only sampling ops become their torch equivalents: nkilib's
-    top-k and cumsum kernels, torch_neuronx's TopK custom call and NxDI's xla_hlo_call random draw. What stays NxD's
-    and NxDI's own: the top-k over each rank's vocabulary shard, the all-gathers of values and indices over the TP
-    group (gloo here), the shard offsets, the global top-k, the temperature, top-p and multinomial arithmetic."""
-    import neuronx_distributed.operators.topk  # noqa: F401 -- loaded, to replace two of its names
+def _replace_device_only_sampling_ops() -> SamplerKernels:
+    """In this (rank) process, NxD's and NxDI's device-only sampling ops become test stand-ins: nkilib's top-k,
+    cumsum and max kernels compute their nki-library references (SamplerKernels), torch_neuronx's TopK custom call
+    torch.topk, NxDI's xla_hlo_call random draw torch.rand_like. What stays NxD's and NxDI's own: the top-k over each
+    rank's vocabulary shard, the all-gathers of values and indices over the TP group (gloo here), the shard offsets,
+    the global top-k, the temperature, top-p and multinomial arithmetic."""
+    import neuronx_distributed.operators.argmax  # noqa: F401 -- loaded, to replace their kernel names
+    import neuronx_distributed.operators.topk  # noqa: F401
     import neuronx_distributed_inference.modules.generation.sampling as sampling
 
+    kernels = SamplerKernels()
     topk = sys.modules["neuronx_distributed.operators.topk"]  # the package re-exports the function under this name
-    topk.TopK, topk.nki_topk = _TorchTopK, _TorchRotatedTopK()
-    sampling.nki_cumsum = lambda t, axis: torch.cumsum(t, dim=axis)
+    argmax = sys.modules["neuronx_distributed.operators.argmax"]
+    topk.TopK, topk.nki_topk = _TorchTopK, _Subscriptable(kernels.topk)
+    argmax.nki_max = _Subscriptable(kernels.cascaded_max)
+    sampling.nki_cumsum = kernels.cumsum
     sampling.rand_like = torch.rand_like
+    return kernels
 
 
 def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
@@ -301,10 +349,10 @@ def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
     NxDI's dynamic sampler, top_k 1) over vocab-sharded logits (on_cpu off, so lm_head does not gather and NxDI's
     Sampler runs NxD's distributed top-k over the TP group), with output_logits to read the gathered logits too.
     NxD's and NxDI's device-only ops in that path are replaced in this process (_replace_device_only_sampling_ops,
-    test code). -> ((sampled tokens, logits) per step, lm_head gathers?, the sampler's class)."""
+    test code). -> ((sampled tokens, logits) per step, lm_head gathers?, the sampler's class, the kernel calls)."""
     from kimi_k2_neuron.nxdi_cpu import backend
 
-    _replace_device_only_sampling_ops()
+    kernels = _replace_device_only_sampling_ops()
     greedy = {"do_sample": False, "top_k": 1, "top_p": 1.0, "temperature": 1.0}  # ServeOptions' defaults
     app = backend.application(o, max(map(len, rows)) + steps, len(rows), greedy, on_cpu=False).to_cpu()
     lm_head = app.context_encoding_model.model.lm_head
@@ -321,4 +369,4 @@ def device_sampler_greedy(rank: int, o, rows: list[list[int]], steps: int):
         out = app.forward(input_ids=tokens[:, None], attention_mask=step_mask, position_ids=cur[:, None],
                           seq_ids=seq_ids)
         cur = cur + 1
-    return got, lm_head.gather_output, type(app.context_encoding_model.model.sampler).__name__
+    return got, lm_head.gather_output, type(app.context_encoding_model.model.sampler).__name__, kernels.calls
