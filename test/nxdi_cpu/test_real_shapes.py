@@ -398,8 +398,8 @@ def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, 
 
 
 def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(rank_slices):
-    """On-device greedy sampling with the trn2 settings at TP=2: lm_head keeps the vocabulary sharded (1280 columns
-    per rank of the two-rank slice, 2560 being a TP=64 rank's), and NxDI's dynamic Sampler takes its multinomial
+    """On-device greedy sampling with the trn2 settings at TP=2: lm_head keeps the vocabulary sharded (2,560 columns
+    per rank of the two-rank slice, as a TP=64 rank's), and NxDI's dynamic Sampler takes its multinomial
     path for every request (sampling.py:461-464): NxD's distributed top-k of global_topk 256 (nkilib's rotated top-k
     on each shard, the gathers over gloo here, then a sorted top-k of the gathered candidates), then nkilib's cumsum
     (top-p, then the draw). Those kernels are stopped at their entries (real_shapes.SamplerKernels): their own checks
@@ -407,7 +407,8 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
     logits NxDI gathers for output_logits. The cascaded-max kernel (NxD's distributed argmax) is never reached: only
     a static greedy sampler calls it (sampling.py:466)."""
     ckpt = rank_slices[("fp8", 2)]
-    rows = _rows(2, 16, KimiK2Config.from_file(ckpt).vocab_size)
+    vocab = KimiK2Config.from_file(ckpt).vocab_size
+    rows = _rows(2, 16, vocab)
     steps = 2
     o = backend.prepare(backend.CpuOptions(model=str(ckpt), tp=2), 16 + steps, 2)
     got, gathered_in_lm_head, sampler, kernels = backend.run(o, device_sampler_greedy, rows, steps)
@@ -416,7 +417,8 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
     for tokens, logits in got:
         assert tokens.tolist() == logits.argmax(-1).tolist()
     # per sampling call (a prefill, then each step): the shard's top-256, the gathered top-256, two cumsums
-    shard = 2560 // 2
+    shard = vocab // 2
+    assert shard == 163840 // TP_REAL  # a TP=64 rank's shard exactly
     want = [("topk", (2, shard), 256, False), ("topk", (2, 2 * 256), 256, True), ("cumsum", (2, 256), None, None),
             ("cumsum", (2, 256), None, None)] * (steps + 1)
     assert [(c["kernel"], c["shape"], c.get("k"), c.get("sorted_flag")) for c in kernels] == want
@@ -429,7 +431,8 @@ def test_the_sampler_trn2_runs_picks_the_argmax_of_the_gathered_logits_at_tp2(ra
 def test_the_sampler_kernels_pass_their_own_checks_at_tp64_shapes(batch):
     """What NxD passes the sampler's kernels on one TP=64 rank of Kimi-K2 (vocab 163,840: 2,560 per rank; global_topk
     256; float32 logits), at the batches the README's configurations compile (1, 4 for vLLM, 16 for long context):
-    each kernel's own checks pass, traced for its grid. The shapes are the TP=2 run's (test above) with 64 ranks."""
+    each kernel's own checks pass, traced for its grid. The shapes are the TP=2 run's (test above) with 64 ranks
+    gathering 64 x 256 candidates."""
     real = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
     k, f32 = 256, torch.float32
     calls = {"shard top-k": ("topk", {"k": k, "sorted_flag": False}, 2, (batch, real.vocab_size // TP_REAL)),
