@@ -18,7 +18,7 @@ from nki_kernels import kernel_problems, moe_cte_reference, reference, translate
 # are checked against the model's T, H, E, I and NxD's block count in shard_on_block_problems.
 SHARD_ON_BLOCK_INTENT = {
     "block_size": (128, "the mode's block (moe_paths.MODES)"),
-    "compute_dtype": ("bfloat16", "the I/O dtype: NxD passes torch_to_nki_dtype(hidden_states.dtype) (blockwise.py:250)"
+    "compute_dtype": ("bfloat16", "the I/O dtype: NxD passes torch_to_nki_dtype(hidden_states.dtype) (blockwise.py:254)"
                                   "; another makes the kernel's SBUF copies and PE matmuls run in it"),
     "skip_dma": ((True, False), "the mode's skip_dma_token and NxD's default skip_dma_weight (moe_paths.MODES, NxD "
                                 "model_utils.py:95): -1 rows skipped, every block's weights loaded"),

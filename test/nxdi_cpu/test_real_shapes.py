@@ -7,16 +7,21 @@ Kimi-K2-Instruct-0905's FP8 and Kimi-K2-Thinking's INT4 are, converted to fp8-bl
 1024-token prefill and decode at batch 1 and 4.
 
 - In NxD's device mode, on torch_xla's CPU device (what ModelBuilder traces), the prefill reaches nkilib's
-  shard-on-block kernel entry with arguments that match the kernel's signature and asserts. The kernel cannot run
-  here (it needs a NeuronCore): a test stand-in records the call and computes NxD's torch path for one block, so the
-  rest of the graph traces at real shapes. Decode takes selective loading at batch 1 and 4 and traces clean.
+  shard-on-block kernel entry. The kernel cannot run here (it needs a NeuronCore): a test stand-in records each
+  call and computes NxD's torch path for one block, so the rest of the graph traces at real shapes. The recorded
+  arguments then pass the kernel's own checks (its Python traced by nki_kernels: every assert and static bound),
+  what Kimi needs of them and the block maps' values, and 20 mutations of them each fail; nki-library's torch
+  reference on the first MoE layer's whole call equals the core's MoE, and 6 mutations of layout, scale, activation
+  or expert leave that tolerance. Decode takes selective loading at batch 1 and 4 and traces clean.
 - In NxD's CPU mode at TP=2 over gloo (a two-rank checkpoint, so each rank holds the TP=64 slice), the logits equal
   the core runner's, and NxD's functions are the traced ones but for the one documented CPU substitution: NxD runs
   its torch loop where trn2 runs the kernel.
-- The sampler trn2 runs: on-device greedy sampling over vocab-sharded logits at TP=2, NxD's distributed argmax
-  over gloo (its two device-only ops replaced by torch in the test process), picks the argmax of the gathered logits.
+- The sampler trn2 runs: on-device sampling over vocab-sharded logits at TP=2, NxD's distributed top-k over gloo,
+  its nkilib kernels (top-k, cumsum) stopped at their entries, checked by their own code and stood in for by
+  nki-library's references, picks the argmax of the gathered logits.
 
-What still awaits trn2: the kernel's numerics, neuronx-cc accepting the graphs (and its instruction limits), HBM.
+What still awaits trn2: the kernels on the device (scripts/check_kernels.py), neuronx-cc accepting the graphs (and
+its instruction limits), HBM.
 """
 
 from __future__ import annotations
