@@ -204,6 +204,9 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
                       "token_generation": {"tokens": spec.batch, "path": decode}},
         "compiler_args": {wrapper.tag: wrapper.compiler_args for wrapper in app.models},
         "plan": p.to_dict()}
+    from kimi_k2_neuron.neuron import kernels  # the NKI kernels each graph calls or not, each with why
+
+    report["kernels"] = kernels.report(cfg, spec)
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 

@@ -246,7 +246,8 @@ def test_compile_dry_run_with_the_sequence_sharded_cache(tmp_path, env):
 def test_compile_dry_run_prints_the_neuron_config_and_touches_nothing(tmp_path, env):
     """A folder with only Kimi-K2-Instruct-0905's config.json: the NeuronConfig compile() would trace, as NxDI writes
     neuron_config.json, the MoE path of each submodel (the prefill on nkilib's shard-on-block kernel, decode on
-    selective loading) and the plan; no conversion, no output folder, nothing beside the config."""
+    selective loading), the NKI kernels each graph calls or not with why, and the plan; no conversion, no output
+    folder, nothing beside the config."""
     model = tmp_path / "k2"
     model.mkdir()
     (model / "config.json").write_text((REPO / "test/data/configs/kimi-k2-instruct-0905.json").read_text())
@@ -263,6 +264,15 @@ def test_compile_dry_run_prints_the_neuron_config_and_touches_nothing(tmp_path, 
     assert got["moe_paths"]["context_encoding"] == {"tokens": 1024, "path": "shard-on-block",
                                                    "nki_kernel": "bwmm_shard_on_block"}
     assert got["moe_paths"]["token_generation"]["path"] == "selective"
+    # each NKI kernel on or off, with why: the prefill's shard-on-block kernel and the sampler's top-k and cumsum on,
+    # every fused decode kernel off (neuron/kernels.py)
+    kernels = {k["kernel"]: k for k in got["kernels"]}
+    assert sorted(k for k, v in kernels.items() if v["on"]) == ["bwmm_shard_on_block", "cumsum", "topk (rotational)"]
+    assert "445 blocks of 128 rows" in kernels["bwmm_shard_on_block"]["why"]
+    for name in ("moe_block_tkg (NxD MoEFusedTKG)", "router_topk", "mlp (mlp_tkg)",
+                 "attention_block_tkg / attention_tkg"):
+        off = kernels[name]
+        assert not off["on"] and off["submodel"] in ("token_generation", "both") and "NXDI_CONTRACT.md: " in off["why"]
     assert got["plan"]["fits"] and got["converted"] is False
     assert not (tmp_path / "out").exists() and not any("-neuron-" in p.name for p in tmp_path.iterdir())
     assert [p.name for p in model.iterdir()] == ["config.json"]

@@ -261,8 +261,8 @@ def _flags(parser):
 
 
 def test_every_script_is_walked():
-    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_nxdi_api",
-                                "compile_and_save", "export_contrib", "run_inference"}
+    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_kernels",
+                                "check_nxdi_api", "compile_and_save", "export_contrib", "run_inference"}
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
@@ -327,6 +327,10 @@ SCRIPT_BAD_ARGS = [
     ("bench_tpot", ["--compiled", "{tmp}", "--decode-steps", "8"], "--decode-steps: only with --context-lengths"),
     ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "64", "--num-runs", "3"],
      "--num-runs: not with --context-lengths"),
+    ("check_kernels", ["--kernels", "topk,mlp"], "--kernels topk,mlp: expected a comma-separated subset of"),
+    ("check_kernels", ["--tokens", "1000"], "--tokens 1000: expected a multiple of 128"),
+    ("check_kernels", ["--config", "/nonexistent.json"], "--config /nonexistent.json: not a file"),
+    ("check_kernels", ["--nki-library", "{tmp}"], "expected an aws-neuron/nki-library checkout (d2ad3a5)"),
     ("check_nxdi_api", ["--nxdi", "/nonexistent", "--nxd", "/nonexistent"],
      "--nxdi /nonexistent: expected a neuronx-distributed-inference checkout"),
     ("check_nxdi_api", ["--nxdi", "{tmp}", "--nxd", "{tmp}"], "expected a neuronx-distributed-inference checkout"),

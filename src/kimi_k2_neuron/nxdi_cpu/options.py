@@ -61,7 +61,7 @@ def check(o: CpuOptions) -> None:
 
 def check_cpu_run(torch_dtype, tp: int, moe_ep: int | None) -> None:
     """NXD_CPU_MODE.md: cpu-mode-limits. The harness also sets on_cpu, or NxDI's sampler takes its device-only
-    branches (NXD_CPU_MODE.md: device-sampler)."""
+    branches (NXD_CPU_MODE.md: cpu-sampler)."""
     import torch
 
     if torch_dtype not in (torch.float32, torch.bfloat16) or (torch_dtype == torch.bfloat16 and tp > 1):
