@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .cache import cache_dir  # noqa: F401 (the CLI's and scripts' name for it)
-from .errors import KimiInputError, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link
 
 
 class Parser(argparse.ArgumentParser):
@@ -318,6 +318,12 @@ def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:
 
 
 def fail(e: Exception, exit_code: int = 2) -> int:
-    """Print an error on one line and give the exit code (2: bad input)."""
-    print(f"error: {e}", file=sys.stderr)
+    """Print an error on one line and give the exit code (2: bad input). A missing config.json in a folder an
+    interrupted conversion left says so, with the command that resumes it."""
+    message = str(e)
+    if isinstance(e, MissingConfig) and e.folder is not None:
+        from .convert.resume import unfinished_conversion
+
+        message = unfinished_conversion(e.folder) or message
+    print(f"error: {message}", file=sys.stderr)
     return exit_code

@@ -20,7 +20,7 @@ from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_arg
                         add_weight_sharding_args, apply_sampling_defaults, cache_dir, check_generation_args,
                         check_out_dir, check_out_file, fail, integer, sampling_values)
 from .errors import KimiInputError
-from .interrupts import Interrupted, resume_hint, run_command, save_safetensors
+from .interrupts import Interrupted, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
@@ -374,6 +374,8 @@ def cmd_convert(a) -> int:
     try:
         res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
     except Interrupted as e:
+        from .convert.resume import resume_hint
+
         e.hint = resume_hint(a.dst)
         raise
     print(res.summary)

@@ -16,11 +16,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import KimiInputError, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link
 
 # owner/name, as the Hub spells model ids (a relative path of two parts looks the same, hence "looks like")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-from .interrupts import unfinished_conversion
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 # Every key a DeepSeek-V3 / Kimi-K2 `rope_scaling` may hold (the real configs in test/data/configs use all of them).
@@ -128,11 +127,10 @@ class KimiK2Config:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            unfinished = unfinished_conversion(path.parent) if path.name == "config.json" else None
             # a folder's config.json, or a missing folder; else a file named directly (plan --config)
             what = "not found (expected a config.json)" if path.suffix == ".json" and path.name != "config.json" \
                 else "config.json not found"
-            raise KimiInputError(unfinished or f"{path}: {what}")
+            raise MissingConfig(f"{path}: {what}", folder=path.parent if path.name == "config.json" else None)
         try:
             raw = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -5,6 +5,15 @@ class KimiInputError(ValueError):
     """Bad input (a file, tensor, config field or argument); the message says which and what was expected."""
 
 
+class MissingConfig(KimiInputError):
+    """A checkpoint folder without its config.json. `folder`: that folder, where an entry point may find more to say
+    (an unfinished conversion: convert/resume.py); None for a config file named directly."""
+
+    def __init__(self, message: str, folder=None):
+        super().__init__(message)
+        self.folder = folder
+
+
 def broken_link(path) -> str | None:
     """What is wrong with `path` if it is a symbolic link that leads nowhere ("a symbolic link loop", "a symbolic
     link to T, which does not exist"), else None; os.stat's ELOOP and ENOENT would otherwise surface as a missing

@@ -1,8 +1,8 @@
 """How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
 code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
 write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
-hidden folder, renamed), and a write that fails (a full disk) is one line naming the file; and a conversion that did not
-finish is recognised, with the command that resumes it (unfinished_conversion).
+hidden folder, renamed), and a write that fails (a full disk) is one line naming the file. (A conversion that did not
+finish is the converter's to recognise: convert/resume.py.)
 
 Stdlib only at import: every command and script installs its signal handling before importing torch.
 """
@@ -10,9 +10,7 @@ Stdlib only at import: every command and script installs its signal handling bef
 from __future__ import annotations
 
 import errno
-import json
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -28,8 +26,6 @@ STOPPING = (signal.SIGINT, signal.SIGTERM)
 # second signal inside this window is the same stop, not a request to skip the clean-up.
 REPEAT_WINDOW_S = 1.0
 _first_signal_at: float | None = None
-# The converter's record of a run, the first file it writes into DST (convert/converter.py owns its contents).
-MANIFEST = "conversion_manifest.json"
 PARTIAL_SUFFIX = ".partial"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -208,59 +204,3 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# -- an unfinished conversion --------------------------------------------------------------------------------------
-
-
-def unfinished_conversion(folder: str | Path) -> str | None:
-    """For a folder an interrupted `kimi-k2-neuron convert` left (its manifest, finished shards, maybe .partial
-    files, but no config.json yet): one line saying so, with the command that resumes it. None for any other
-    folder."""
-    state = _conversion_state(folder)
-    if state is None:
-        return None
-    done, command = state
-    if command is None:
-        return (f"{folder}: an unfinished conversion (no config.json, an unreadable {MANIFEST}); delete it and "
-                f"convert again")
-    return f"{folder}: an unfinished conversion ({done} files done, no config.json yet); resume it with: {command}"
-
-
-def resume_hint(folder: str | Path) -> str:
-    """What an interrupted conversion into `folder` kept and how to resume it ("" when there is nothing to say)."""
-    state = _conversion_state(folder)
-    if state is None or state[1] is None:
-        return ""
-    done, command = state
-    return f"{done} files finished and kept; resume with: {command}"
-
-
-def _conversion_state(folder: str | Path) -> tuple[str, str | None] | None:
-    """("k of n", resume command) of an unfinished conversion in `folder`, (.., None) if its manifest is unreadable,
-    None if it is no unfinished conversion."""
-    folder = Path(folder)
-    path = folder / MANIFEST
-    if not path.is_file() or (folder / "config.json").exists():
-        return None
-    try:
-        m = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return "?", None
-    if not isinstance(m, dict):
-        return "?", None
-    files = m.get("files") if isinstance(m.get("files"), dict) else {}
-    total = m.get("files_total")
-    return (f"{len(files)} of {total}" if isinstance(total, int) else f"{len(files)}"), resume_command(m, folder)
-
-
-def resume_command(manifest: dict, dst: str | Path) -> str:
-    """The convert command that continues the conversion `manifest` records (SRC where it does not say)."""
-    src = manifest.get("source_dir")
-    experts = manifest.get("experts")
-    words = ["kimi-k2-neuron", "convert", shlex.quote(str(src)) if isinstance(src, str) else "SRC",
-             shlex.quote(str(Path(dst).absolute())), "--experts", str(experts) if isinstance(experts, str) else "E"]
-    workers = manifest.get("workers")
-    if isinstance(workers, int) and workers > 1:
-        words += ["--workers", str(workers)]
-    return " ".join(words)

@@ -132,13 +132,20 @@ def test_every_command_that_reads_a_checkpoint_recognises_an_unfinished_conversi
 def test_an_unreadable_manifest_still_says_unfinished(tmp_path, one_line_error):
     from kimi_k2_neuron.config import KimiK2Config
 
+    from kimi_k2_neuron.convert.resume import unfinished_conversion
+    from kimi_k2_neuron.errors import MissingConfig
+
     d = _unfinished(tmp_path, "{not json")
-    one_line_error(lambda: KimiK2Config.from_file(d), "an unfinished conversion", "delete it and convert again")
+    # the config reader names the folder; the entry point (arguments.fail) asks the converter's protocol about it
+    with pytest.raises(MissingConfig) as e:
+        KimiK2Config.from_file(d)
+    assert e.value.folder == d
+    assert "an unfinished conversion" in unfinished_conversion(d) and "delete it and convert again" in \
+        unfinished_conversion(d)
     # a manifest from before it recorded its source: the command with SRC to fill in
     old = _unfinished(tmp_path / "old", {"experts": "bf16", "files": {}})
-    assert interrupts.unfinished_conversion(old).endswith(f"resume it with: kimi-k2-neuron convert SRC "
-                                                          f"{old} --experts bf16")
-    assert interrupts.unfinished_conversion(tmp_path) is None  # no manifest: not a conversion at all
+    assert unfinished_conversion(old).endswith(f"resume it with: kimi-k2-neuron convert SRC {old} --experts bf16")
+    assert unfinished_conversion(tmp_path) is None  # no manifest: not a conversion at all
 
 
 # -- logits, generate, demo ----------------------------------------------------------------------------------------

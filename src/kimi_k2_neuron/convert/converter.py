@@ -46,8 +46,9 @@ from ..quant.fp8 import check_fp8_weight
 from ..quant.nxd_fp8 import Stats
 from . import schedule
 from .lock import LOCK_NAME, dst_lock
-from ..interrupts import MANIFEST, PARTIAL_SUFFIX, write_atomically
+from ..interrupts import PARTIAL_SUFFIX, write_atomically
 from .writer import HASH, HASHES, ShardWriter, file_digest
+from .resume import MANIFEST
 
 # 2: file records hold "blake3" (version 1 held "sha256"; such a manifest is resumed, its records verified with
 # sha256, and saved as version 2).
@@ -161,7 +162,7 @@ class _Job:
 
     def _open_dst(self, files_total: int) -> dict:
         # source_dir, workers and files_total let a command that finds DST unfinished say how to resume it
-        # (interrupts.unfinished_conversion)
+        # (resume.unfinished_conversion)
         resume = {"source_dir": str(self.src.dir.resolve()), "workers": self.workers, "files_total": files_total}
         fresh = {"manifest_version": MANIFEST_VERSION, "tool_version": __version__, "source": self.fingerprint,
                  "experts": self.scheme.name, "hash": HASH, "files": {}, "complete": False, **resume}
