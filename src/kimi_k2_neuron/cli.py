@@ -39,8 +39,22 @@ def cmd_make_tiny(a) -> int:
     from .testing.tiny_checkpoint import make_tiny
 
     check_out_dir(a.out, "OUT")
-    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed)
+    if a.draft_for:
+        return _make_tiny_draft(a)
+    layers = {"num_hidden_layers": a.layers} if a.layers else None
+    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, config_overrides=layers)
     print(f"wrote tiny {a.quant} checkpoint to {out}")
+    return 0
+
+
+def _make_tiny_draft(a) -> int:
+    from .testing.tiny_draft import make_tiny_draft
+
+    given = [f for f, on in (("--quant", a.quant != "fp8"), ("--shards", a.shards != 3), ("--layers", a.layers)) if on]
+    if given:
+        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is the Llama EAGLE3 layout's)")
+    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed)
+    print(f"wrote tiny EAGLE3 draft for {a.draft_for} to {out}")
     return 0
 
 
@@ -86,6 +100,9 @@ NXDI_CPU = "nxdi-cpu"
 def _check_backend(a) -> None:
     """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
     if a.fn is cmd_generate and a.backend != NXDI_CPU:  # first: the layout rules' advice (--tp 2) would not help
+        if a.draft is not None or a.speculation_length is not None:
+            raise KimiInputError(f"{'--draft' if a.draft else '--speculation-length'}: speculative decoding is NxDI's "
+                                 f"fused speculation; give --backend {NXDI_CPU}")
         for flag, given in (("--tp", a.tp > 1), ("--kv-shard sequence", a.kv_shard == "sequence"),
                             ("--shard-attn-a", a.shard_attn_a), ("--shard-router", a.shard_router)):
             if given:
@@ -344,6 +361,11 @@ def _make_tiny_parser(sub) -> None:
                    help="storage format: FP8 blockwise (Instruct), INT4 experts (Thinking) or BF16")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
     s.add_argument("--seed", type=integer(0), default=0, metavar="S", help="seeds the random weights")
+    s.add_argument("--layers", type=integer(1), default=None, metavar="N",
+                   help="decoder layers (default: 3); an EAGLE3 target needs 7 (three distinct captured layers)")
+    s.add_argument("--draft-for", metavar="TARGET", default=None,
+                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in the public Llama EAGLE3 "
+                        "layout that --draft takes (default: write a target)")
 
 
 def _logits_parser(sub) -> None:
@@ -368,6 +390,8 @@ def _generate_parser(sub) -> None:
     add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
     s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
     _model_opts(s, core_tp=False)
+    add_spec_args(s.add_argument_group("speculative decoding (--backend nxdi-cpu: NxDI's fused EAGLE3 speculation)"),
+                  "draft")
 
 
 def _convert_parser(sub) -> None:

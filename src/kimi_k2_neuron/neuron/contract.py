@@ -17,7 +17,7 @@ from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
 from kimi_k2_neuron.parallel import Layout
 
 from . import moe_paths, rules
-from .spec import RunSpec, Sampling
+from .spec import DraftSpec, RunSpec, Sampling
 
 # Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
 # (NXDI_CONTRACT.md: moe-settings, normalize-reload).
@@ -94,6 +94,9 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
     # The MoE kernel's LNC defaults to the platform's, not to the NeuronConfig's (NXDI_CONTRACT.md: moe-kernel-lnc).
     lnc = {} if s.lnc is None else {"logical_nc_config": s.lnc}
     kw["blockwise_matmul_config"] = {**lnc, **moe_paths.mode(s.prefill_mode(cfg)).blockwise}
+    if s.draft:  # NxDI's fused EAGLE3 speculation, no KV tiling (NXDI_CONTRACT.md: fused-spec, fused-kv-tiling)
+        kw.update(enable_fused_speculation=True, enable_eagle_speculation=True, is_eagle3=True,
+                  speculation_length=s.draft.speculation_length, disable_kv_cache_tiling=True)
     if sampling.on_device:
         kw["on_device_sampling_config"] = dict(**sampling.settings, dynamic=True, global_topk=sampling.global_topk)
     if s.scheme.quantized:
@@ -111,8 +114,9 @@ def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list
             *(["mlp.router"] if layout.shard_router else [])]
 
 
-def spec_of(nc, layout: Layout) -> RunSpec:
-    """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads."""
+def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
+    """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads; the
+    draft is its config's (fused_spec.draft_of)."""
     ods = getattr(nc, "on_device_sampling_config", None)
     sampling = Sampling(on_device=False) if ods is None else Sampling(
         do_sample=bool(getattr(ods, "do_sample", False)), top_k=getattr(ods, "top_k", 1),
@@ -126,7 +130,7 @@ def spec_of(nc, layout: Layout) -> RunSpec:
                    sampling=sampling, output_logits=bool(getattr(nc, "output_logits", False)),
                    moe_prefill=None if bmm is None else moe_paths.mode_of(bmm),
                    continuous_batching=bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk,
-                   layout=layout)
+                   layout=layout, draft=draft)
 
 
 # -- what this port refuses of a NeuronConfig, on every construction (the reload too) ------------------------------
@@ -139,8 +143,7 @@ UNSUPPORTED = (
     ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
     ("is_prefix_caching", (False,), "prefix caching needs the block layout"),
     ("is_chunked_prefill", (False,), "chunked prefill needs the block layout"),
-    ("speculation_length", (0,), "speculative decoding is not implemented"),
-    ("enable_fused_speculation", (False,), "speculative decoding is not implemented"),
+    ("enable_token_tree", (False,), "EAGLE token trees are not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
     # NXDI_CONTRACT.md: layer-boundary-markers
     ("layer_boundary_markers", (False,), "per-layer KV update is not implemented"),
@@ -164,12 +167,12 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout) -> None:
+def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpec | None = None) -> None:
     """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload): the fields
     no RunSpec sets, then the spec the NeuronConfig holds through the same rules the flags meet."""
     bad = _field_problems(nc, layout)
     if not bad:
-        spec = spec_of(nc, layout)
+        spec = spec_of(nc, layout, draft)
         bad = derived_problems(nc, spec)
         if not bad:
             try:
@@ -246,6 +249,11 @@ def derived_problems(nc, spec: RunSpec) -> list[str]:
     elif spec.continuous_batching and rows != 1:
         bad.append(f"continuous batching with a prefill batch of {rows}: NxDI's cache writes by seq_id take one "
                    f"sequence per prefill (ctx_batch_size 1)")
+    fused = [f for f in ("enable_fused_speculation", "enable_eagle_speculation", "is_eagle3", "disable_kv_cache_tiling")
+             if not getattr(nc, f, False)]
+    if spec.draft and fused:  # the only speculation this port runs (NXDI_CONTRACT.md: fused-spec)
+        bad.append(f"speculation_length={spec.draft.speculation_length} without {', '.join(fused)} (Kimi-K2 "
+                   f"speculates through NxDI's fused EAGLE3 speculation only: --draft)")
     return bad
 
 

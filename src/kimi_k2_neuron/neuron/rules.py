@@ -4,6 +4,7 @@ one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
+from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
@@ -15,6 +16,9 @@ from .spec import RunSpec, Sampling
 # --ep layouts by (tp, lnc) that NxD's trn2 replica groups support (NXDI_CONTRACT.md: ep-replica-groups); 8 x 8 is
 # documented unsupported and 32 x 2 mixes EP halves. Kimi-K2 fits only at TP=64 LNC=2.
 EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+# NxDI's EAGLE hidden-state buffer holds 2 x speculation_length positions and the draft loop is unrolled K - 1 times
+# into the fused graph; vLLM's EAGLE3 recipes stop at 8 (NXDI_CONTRACT.md: fused-spec)
+SPECULATION_LENGTHS = range(2, 9)
 
 
 def check(cfg: KimiK2Config, spec: RunSpec) -> None:
@@ -44,6 +48,7 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
     check_ep(cfg, s)
+    check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
 
 
@@ -91,6 +96,44 @@ def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
         need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
         raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+
+
+def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """What NxDI's fused EAGLE3 speculation can run for Kimi (NXDI_CONTRACT.md: fused-spec); the draft folder's own
+    refusals are checkpoint/draft.py's."""
+    d = spec.draft
+    if d is None:
+        return
+    k = d.speculation_length
+    if isinstance(k, bool) or not isinstance(k, int) or k not in SPECULATION_LENGTHS:
+        raise KimiInputError(f"--speculation-length {k!r}: expected {SPECULATION_LENGTHS[0]}..{SPECULATION_LENGTHS[-1]} "
+                             f"(tokens the target verifies per step; the draft proposes one fewer)")
+    if cfg.num_hidden_layers < MIN_TARGET_LAYERS:
+        raise KimiInputError(f"--draft: the target has {cfg.num_hidden_layers} layers; NxDI's EAGLE3 capture needs "
+                             f">= {MIN_TARGET_LAYERS} (layers 1, N//2 - 1 and N - 4)")
+    for flag, given, why in (
+            (f"--ep {spec.ep}", spec.ep > 1, "the verify call's expert paths (selective, all-experts) have no EP "
+                                             "variant"),
+            (f"--prefill-chunk {spec.layout.prefill_chunk}", spec.layout.prefill_chunk,
+             "the fused graph has no chunk submodel, and the draft's prefill reads the whole prompt's hidden states"),
+            (f"--seq-len {spec.seq_len}", spec.seq_len <= k, f"a step writes {k} positions")):
+        if given:
+            raise KimiInputError(f"{flag}: not with --draft ({why})")
+    c = d.checkpoint
+    if c is None:
+        return
+    if (c.hidden_size, c.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise KimiInputError(f"--draft {d.path}: hidden_size {c.hidden_size}, vocab_size {c.vocab_size}; expected the "
+                             f"target's {cfg.hidden_size}, {cfg.vocab_size}")
+    tp = spec.tp
+    for name, n in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size)):
+        if n % tp:  # NxDI's Llama shards the draft's attention and MLP over the whole TP group (draft-tp)
+            raise KimiInputError(f"--draft {d.path}: {name}={n} does not split --tp {tp} ways (the draft runs at the "
+                                 f"target's TP)")
+    kv = c.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise KimiInputError(f"--draft {d.path}: num_key_value_heads={kv} neither divides nor is a multiple of --tp "
+                             f"{tp} (NxDI's GQA sharding)")
 
 
 def check_experts(cfg: KimiK2Config, spec: RunSpec) -> None:
