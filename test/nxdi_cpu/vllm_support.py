@@ -168,7 +168,8 @@ def llm_child(args: dict, out: str) -> None:
     llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=1,
               max_model_len=args["max_model_len"], max_num_seqs=args["max_num_seqs"],
               num_gpu_blocks_override=args["max_num_seqs"], enable_prefix_caching=False, enforce_eager=True,
-              additional_config={"override_neuron_config": {"on_cpu": True}})
+              additional_config={"override_neuron_config": {"on_cpu": True}},
+              speculative_config=args.get("speculative_config"))
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
     Path(out).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))

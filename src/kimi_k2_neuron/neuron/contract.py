@@ -173,7 +173,7 @@ def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpe
     bad = _field_problems(nc, layout)
     if not bad:
         spec = spec_of(nc, layout, draft)
-        bad = derived_problems(nc, spec)
+        bad = derived_problems(nc, spec) + _speculation_problems(nc, spec)
         if not bad:
             try:
                 rules.check(cfg, spec)
@@ -249,12 +249,15 @@ def derived_problems(nc, spec: RunSpec) -> list[str]:
     elif spec.continuous_batching and rows != 1:
         bad.append(f"continuous batching with a prefill batch of {rows}: NxDI's cache writes by seq_id take one "
                    f"sequence per prefill (ctx_batch_size 1)")
+    return bad
+
+
+def _speculation_problems(nc, spec: RunSpec) -> list[str]:
+    """The only speculation this port runs (NXDI_CONTRACT.md: fused-spec); a vLLM request's flags are the plugin's."""
     fused = [f for f in ("enable_fused_speculation", "enable_eagle_speculation", "is_eagle3", "disable_kv_cache_tiling")
              if not getattr(nc, f, False)]
-    if spec.draft and fused:  # the only speculation this port runs (NXDI_CONTRACT.md: fused-spec)
-        bad.append(f"speculation_length={spec.draft.speculation_length} without {', '.join(fused)} (Kimi-K2 "
-                   f"speculates through NxDI's fused EAGLE3 speculation only: --draft)")
-    return bad
+    return [f"speculation_length={spec.draft.speculation_length} without {', '.join(fused)} (Kimi-K2 speculates "
+            f"through NxDI's fused EAGLE3 speculation only: --draft)"] if spec.draft and fused else []
 
 
 def _restore_block_sharding_strategy(bmm) -> None:

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from neuronx_distributed.modules.moe.moe_configs import BlockwiseMatmulConfig  # noqa: E402
 from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig  # noqa: E402
 from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig,  # noqa: E402
-                                                                       NeuronLlamaForCausalLM)
+                                                                       NeuronLlamaForCausalLM, NeuronLlamaModel)
 from neuronx_distributed_inference.modules.generation.sampling import prepare_sampling_params  # noqa: E402
 
 from kimi_k2_neuron.checkpoint.draft import Eagle3Draft, neuron_tensors, read_config, read_draft  # noqa: E402
@@ -45,6 +45,26 @@ _FACTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_va
           "rms_norm_eps", "rope_theta", "max_position_embeddings")
 FUSED_TAG = "fused_speculation_model"
 DRAFT_PREFIX, TARGET_PREFIX = "draft_model.", "target_model."
+
+
+# -- the draft ------------------------------------------------------------------------------------------------------
+
+class Eagle3DraftModel(NeuronLlamaModel):
+    """NxDI's Llama EAGLE3 draft in the draft's dtype throughout. Its fc (WeightGatheredColumnParallel) declares no
+    dtype, so under the target's cast_type "as-declared" (which keeps Kimi's router float32) it would stay float32
+    beside bf16 activations; NxDI's own EAGLE flow casts the whole model (cast_type "config"), which this does for the
+    draft alone (NXDI_CONTRACT.md: llama-eagle3-draft)."""
+
+    def __init__(self, config, optimize_inference: bool = True):
+        super().__init__(config, optimize_inference)
+        self.to(config.neuron_config.torch_dtype)
+
+
+class Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
+    """The draft_model_cls: NxDI builds the draft from its _model_cls and reloads its config with its config class
+    (Llama's); its weights come from fused_spec.state_dict, not its get_state_dict."""
+
+    _model_cls = Eagle3DraftModel
 
 
 # -- the configs ----------------------------------------------------------------------------------------------------
@@ -76,11 +96,11 @@ def draft_config(target_nc, path: str) -> LlamaInferenceConfig:
 
 
 def fused_spec_config(target_nc, path: str) -> FusedSpecNeuronConfig:
-    """worker_cls: Kimi's model; draft_model_cls NxDI's Llama, whose _model_cls builds the draft."""
+    """worker_cls: Kimi's model; draft_model_cls: NxDI's Llama, whose _model_cls builds the draft."""
     from .modeling import NeuronKimiK2Model
 
     return FusedSpecNeuronConfig(NeuronKimiK2Model, draft_config=draft_config(target_nc, path), draft_model_path=path,
-                                 draft_model_cls=NeuronLlamaForCausalLM)
+                                 draft_model_cls=Eagle3DraftForCausalLM)
 
 
 def complete(app) -> None:
@@ -94,7 +114,7 @@ def complete(app) -> None:
     if fused is None or not fused.draft_model_path:
         raise KimiInputError("speculative decoding needs an EAGLE3 draft: --draft DIR (vLLM: --speculative-config "
                              "with \"model\")")
-    if fused.draft_model_cls is not NeuronLlamaForCausalLM:
+    if fused.draft_model_cls is not Eagle3DraftForCausalLM:
         read_config(fused.draft_model_path, config.core_config())
         config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, fused.draft_model_path)
 

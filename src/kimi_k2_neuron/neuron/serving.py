@@ -76,6 +76,10 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
              f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron"]
     if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
+    if spec.draft:  # "eagle": vLLM 0.13 refuses "eagle3" for kimi_k2 (NXDI_CONTRACT.md: vllm-spec-config)
+        config = {"method": "eagle", "model": str(Path(spec.draft.path).resolve()),
+                  "num_speculative_tokens": spec.draft.speculation_length}
+        flags.append(f"--speculative-config {shlex.quote(json.dumps(config))}")
     env = f"{COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
     return " \\\n    ".join([f"{env} vllm serve {shlex.quote(str(Path(checkpoint).resolve()))}", *flags])
 
