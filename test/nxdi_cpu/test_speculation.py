@@ -1,0 +1,160 @@
+"""Speculative decoding with an EAGLE3 draft (issue 29) through the real NxDI fused speculation in NxD's CPU mode:
+NxDI's fused submodels (context encoding with the draft's prefill, one fused graph: draft steps, one target verify of
+speculation_length tokens, NxDI's greedy acceptance), NxDI's Llama EAGLE3 draft, our NeuronKimiK2Model as the target
+(its 3-layer capture, the 4H gather), the replicated and the sequence-sharded latent cache, our generation loop and
+the CLI. A tiny 7-layer FP8 target (three distinct captured layers) and the tiny draft `make-tiny --draft-for`
+writes, at TP 2.
+
+Oracles: the tokens of the same model without a draft (NxDI's token-generation graph, a different graph), which the
+rest of the tier checks against transformers; and test-only drafts whose proposals are known: one proposing the
+target's own next tokens (must be accepted whole: speculation_length tokens a step), one proposing tokens it never
+picks (accepted 1 a step), both through the real EAGLE3 graph with the draft's sampled token replaced by a forward
+hook on the draft model (test code). NxD's greedy speculation calls torch_neuronx's Argmax custom op, device-only:
+stood in by torch.argmax in test code (device_ops/sitecustomize.py). Not here: the sampling branch of the fused step
+(it does not run in NxD's CPU mode), neuronx-cc, trn2 accept lengths and latency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from nxdi_support import cpu_options, stand_in_device_ops, with_device_ops
+
+from kimi_k2_neuron.checkpoint.draft import read_draft
+from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.neuron.spec import DraftSpec, GREEDY
+from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.runtime.chat import prompt_ids
+from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
+from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+from kimi_k2_neuron.testing.tiny_draft import make_tiny_draft
+
+K = 4  # --speculation-length: the draft proposes 3, a step emits 1..4
+NEW = 8
+PROMPTS = ["Hello there, how are you today?", "Hi"]  # ragged rows in one batch
+
+pytestmark = pytest.mark.fp8_selective_cpu  # the baseline decodes on NxD's FP8 selective-loading path
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculation")
+    target = make_tiny(root / "target", quant="fp8", shards=2, seed=1, config_overrides={"num_hidden_layers": 7})
+    return target, make_tiny_draft(root / "draft", target, seed=2)
+
+
+@pytest.fixture(scope="module")
+def chat(models):
+    """The prompts' token ids through the chat template, and the stop ids, as the CLI makes them."""
+    tok = KimiTokenizer.from_dir(models[0])
+    return prompt_ids(tok, PROMPTS), tok.stop_ids(list(KimiK2Config.from_file(models[0]).eos_token_ids))
+
+
+def _generate_job(rank: int, o, rows, stop_ids):
+    """At each rank: the non-speculative tokens (replicated and sequence-sharded cache), and the fused model's with
+    the tiny draft, the oracle draft and the wrong draft; -> {name: (tokens, tokens each step emitted per row)}."""
+    from kimi_k2_neuron.neuron.serving import Decoding, generate_ids
+
+    plain = dataclasses.replace(o.spec, draft=None)
+    out = {}
+    for name, spec in (("plain", plain), ("plain-sequence", dataclasses.replace(plain, layout=Layout(kv_group=2)))):
+        app = backend.build(dataclasses.replace(o, spec=spec), _seq_len(rows), len(rows), GREEDY)
+        # K more than the speculative runs ask: the oracle's truth for every position a step can propose
+        out[name] = (generate_ids(app, rows, set(), Decoding(NEW + K)), [])
+    truth = [row + new for row, new in zip(rows, out["plain"][0])]
+    app = backend.build(o, _seq_len(rows), len(rows), GREEDY)
+    for name, proposals in (("tiny", None), ("oracle", truth), ("wrong", [[t + 1 for t in row] for row in truth])):
+        handle = _propose(app, proposals, app.config.vocab_size) if proposals else None
+        steps: list = []
+        out[name] = (generate_ids(app, rows, set(), Decoding(NEW), accepted=steps), steps)
+        if handle:
+            handle.remove()
+    return out
+
+
+def _seq_len(rows) -> int:
+    """The plain runs' NEW + K tokens (nxdi_cpu.options.request_spec adds K more with a draft)."""
+    return max(map(len, rows)) + NEW + K
+
+
+def _propose(app, proposals, vocab: int):
+    """A forward hook on the fused graph's draft model: each single-token draft call proposes proposals[row][q] for
+    the position q it drafts (draft position p - 1 + i proposes position p + i + 1: the draft runs one behind)."""
+    draft = app.fused_spec_model.model.draft_model
+
+    def hook(_module, args, output):
+        ids, positions = args[0], args[2]
+        if ids.shape[1] != 1:  # the draft's prefill and its cache rewrite after the verify
+            return output
+        want = [proposals[r][q + 2] % vocab if q + 2 < len(proposals[r]) else 0
+                for r, q in enumerate(positions.view(-1).tolist())]
+        output = list(output)
+        output[0] = torch.tensor(want, dtype=output[0].dtype).view_as(output[0])
+        return output
+
+    return draft.register_forward_hook(hook)
+
+
+@pytest.fixture(scope="module")
+def runs(models, chat):
+    """One run of ranks for every in-process case (builds are the tier's cost)."""
+    stand_in_device_ops()
+    target, draft = models
+    rows, _ = chat
+    spec = DraftSpec(path=str(draft), speculation_length=K,
+                     checkpoint=read_draft(draft, KimiK2Config.from_file(target)))
+    o = backend.prepare(cpu_options(target, tp=2, draft=spec), _seq_len(rows), len(rows), GREEDY, rows)
+    return backend.run(o, _generate_job, rows, chat[1])
+
+
+def test_the_fused_graph_gives_the_plain_tokens_with_the_tiny_draft(runs):
+    """A random draft: NxDI accepts only position 0's token (the target's own), so every token is the verify's."""
+    plain = [row[:NEW] for row in runs["plain"][0]]
+    tokens, steps = runs["tiny"]
+    assert runs["plain-sequence"][0] == runs["plain"][0]
+    assert tokens == plain and [len(t) for t in tokens] == [NEW, NEW]
+    assert steps and all(1 <= n <= K for step in steps for n in step)
+
+
+def test_an_oracle_draft_is_accepted_whole_every_step(runs):
+    """Proposals equal to the target's own next tokens: every verify position's KV entry and logits must be right
+    for NxDI to accept all of them, K tokens each step, and the tokens are still the plain ones."""
+    tokens, steps = runs["oracle"]
+    assert tokens == [row[:NEW] for row in runs["plain"][0]]
+    assert steps and all(n == K for step in steps for n in step)
+    assert len(steps) == -(-(NEW - 1) // K)  # the prefill's token, then K a step
+
+
+def test_a_wrong_draft_is_accepted_one_token_a_step(runs):
+    tokens, steps = runs["wrong"]
+    assert tokens == [row[:NEW] for row in runs["plain"][0]]
+    assert len(steps) == NEW - 1 and all(n == 1 for step in steps for n in step)
+
+
+def test_generate_with_a_draft_over_the_sequence_sharded_cache_prints_the_plain_tokens(models, chat, runs, env):
+    """`kimi-k2-neuron generate --backend nxdi-cpu --tp 2 --kv-shard sequence --draft D --speculation-length 4`,
+    in a user's environment (the Argmax stand-in aside), two chat prompts: the tokens of the same model without a
+    draft, cut at the stop tokens as the CLI cuts them, and the accept length on stderr."""
+    target, draft = models
+    cmd = [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--tp", "2", "--model",
+           str(target), "--kv-shard", "sequence", "--draft", str(draft), "--speculation-length", str(K), "--greedy",
+           "--max-new-tokens", str(NEW), "--json", *(a for p in PROMPTS for a in ("--prompt", p))]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=with_device_ops(env), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)["tokens"]
+    stops = chat[1]
+    want = [_cut(row[:NEW], stops) for row in runs["plain-sequence"][0]]
+    assert got == want
+    line = next(line for line in r.stderr.splitlines() if line.startswith("speculation (--speculation-length 4)"))
+    assert re.search(r"\d+ fused steps, accept length [1-4]\.\d\d tokens per step per row", line), line
+
+
+def _cut(row, stops):
+    return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
