@@ -111,7 +111,8 @@ def cpu_class():
 
         def load(self, compiled_model_path, *args, **kwargs):
             weights = Path(compiled_model_path) / "weights"
-            event("load", path=str(compiled_model_path), presharded=weights.is_dir())
+            event("load", path=str(compiled_model_path), presharded=weights.is_dir(),
+                  draft=getattr(self.config.fused_spec_config, "draft_model_path", None))
             return self.to_cpu(str(weights) if weights.is_dir() else None)
 
         def checkpoint_loader_fn(self, mmap: bool = False):
@@ -199,8 +200,8 @@ def refusals_child(args: dict, out: str) -> None:
                 # (DISABLE_NEURON_CUSTOM_SCHEDULER unset), so on 0.13 its chunked-prefill branch stops at an
                 # AttributeError before the model is asked. Set from 0.13's field, as ../shared's compat shims do.
                 object.__setattr__(sc, "chunked_prefill_enabled", sc.enable_chunked_prefill)
-            get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None, None,
-                             vc.additional_config or {})
+            get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None,
+                             vc.speculative_config, vc.additional_config or {})
             result["error"] = None
         except Exception as e:  # noqa: BLE001 -- the test reads what was raised
             result.update(error=type(e).__name__, message=str(e))
