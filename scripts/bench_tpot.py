@@ -255,7 +255,16 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
                                      benchmark_report_path=str(Path(d) / "nxdi.json"))
     return raw, {"device": "trn2", "compiled": str(args.compiled), "spec": record.get("spec"),
                  "tp": nc.tp_degree, "batch": nc.max_batch_size, "seq_len": nc.seq_len,
-                 "max_context_length": nc.max_context_length}
+                 "max_context_length": nc.max_context_length, "modelled": modelled_times(config)}
+
+
+def modelled_times(config) -> dict:
+    """The planner's modelled TPOT and TTFT of this compiled configuration (its saved NeuronConfig and layout), beside
+    what the benchmark measures: the first trn2 run tests the time model."""
+    from kimi_k2_neuron.neuron.contract import layout_of, spec_of
+    from kimi_k2_neuron.neuron.fit import modelled
+
+    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config)))
 
 
 def _cpu(args) -> tuple[dict, dict]:

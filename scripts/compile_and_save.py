@@ -84,10 +84,12 @@ def main(argv=None) -> int:
         # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1
         spec = run_spec(args, cfg, record, checkpoint=str(Path(args.model).resolve()),
                         continuous_batching=args.for_vllm and args.batch > 1)
+        spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
         if args.dry_run:
-            return _dry_run(args, cfg, record, spec, p)
+            return _dry_run(args, cfg, record, spec, p, why)
+        print(f"layout: {why}")
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
@@ -128,6 +130,27 @@ def main(argv=None) -> int:
     return 0
 
 
+def choose_layout(args, cfg, spec):
+    """(spec at the layout to compile, why it is that one). With no layout flag given (and not --for-vllm, whose
+    request carries none), the layout that fits with the lowest modelled TPOT, then TTFT (`plan --best`, at
+    --moe-prefill); else the flags'."""
+    from kimi_k2_neuron.launch import layout_flags_given
+    from kimi_k2_neuron.neuron.fit import best_layout
+    from kimi_k2_neuron.neuron.spec import layout_flags
+
+    given = layout_flags_given(args)
+    if given or args.for_vllm:
+        return spec, f"{' '.join(given) or 'replicated cache, one-shot prefill'}, as given" + (
+            " (--for-vllm: vllm-neuron's request carries no layout)" if args.for_vllm and not given else "")
+    best, fitting = best_layout(cfg, spec, modes=(spec.moe_prefill,))
+    if best is None:
+        return spec, "replicated cache, one-shot prefill: no layout fits by the planner (see below)"
+    flags = " ".join(layout_flags(best.layout)) or "replicated cache, one-shot prefill"
+    return (dataclasses.replace(spec, layout=best.layout),
+            f"{flags}, the planner's choice: the lowest modelled TPOT ({best.decode.total_s * 1e3:.2f} ms, an "
+            f"estimate) of the {len(fitting)} layouts that fit (plan --best); give a layout flag to choose another")
+
+
 def check_for_vllm(args) -> None:
     """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call, samples on the
     device and reads tokens, not logits."""
@@ -148,7 +171,7 @@ def check_for_vllm(args) -> None:
                              f"request, which carries no layout, and drives the prefills itself)")
 
 
-def _dry_run(args, cfg, record, spec, p) -> int:
+def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, with the weight layout saved
     beside it there, the MoE path of each submodel and the plan, as JSON on stdout. A raw checkpoint is planned as
     `convert` would write it."""
@@ -156,13 +179,14 @@ def _dry_run(args, cfg, record, spec, p) -> int:
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron import moe_paths
         from kimi_k2_neuron.neuron.contract import LAYOUT_KEY
-        from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
+        from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
     except ImportError as e:
         return sdk_missing(e)
     checkpoint = args.model if record else converted_dir_for(args.model, spec.scheme.name)
     spec = dataclasses.replace(spec, checkpoint=str(Path(checkpoint).resolve()))
     try:
         config = KimiK2InferenceConfig.for_serving(cfg, spec)
+        app = NeuronKimiK2ForCausalLM(str(checkpoint), config)  # its submodels' wrappers, nothing traced
     except KimiInputError as e:
         return fail(e)
     tokens = spec.prefill_tokens
@@ -172,10 +196,11 @@ def _dry_run(args, cfg, record, spec, p) -> int:
                                  moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
     saved = json.loads(config.to_json_string())
     report = {
-        "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY],
+        "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY], "layout_choice": why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       "token_generation": {"tokens": spec.batch, "path": decode}},
+        "compiler_args": {wrapper.tag: wrapper.compiler_args for wrapper in app.models},
         "plan": p.to_dict()}
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command

@@ -221,7 +221,8 @@ def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted,
 # -- ranks: TP over gloo, NxD's pre-sharding ---------------------------------------------------------------------------
 
 def _tp1(opts):
-    return backend.logits(dataclasses.replace(opts, tp=1, presharded=None), ROWS, PREFILL)[0]
+    return backend.logits(dataclasses.replace(opts, spec=dataclasses.replace(opts.spec, tp=1), presharded=None), ROWS,
+                          PREFILL)[0]
 
 
 def _close(a, b):

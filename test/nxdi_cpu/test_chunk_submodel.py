@@ -281,3 +281,19 @@ def test_the_sharded_chunk_masks_are_nxdis_speculation_masks_over_the_owned_entr
             others = torch.ones(N, dtype=torch.bool)
             others[owned] = False
             assert not active_all[:, :, others].any()
+
+
+def test_write_rows_writes_the_chunk_into_its_line_only(monkeypatch):
+    """NxDI's dynamic-update-slice in CPU mode: the chunk's contiguous slots of its line, nothing else."""
+    from kimi_k2_neuron.neuron import chunked_prefill as cp
+
+    monkeypatch.setenv("NXD_CPU_MODE", "1")
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(3, 1, 16, 5, generator=g)
+    update = torch.randn(1, 1, 4, 5, generator=g)
+    slots = torch.tensor([[8, 9, 10, 11]])
+    got = cp.write_rows(cache, update, torch.tensor([2]), slots)
+    want = cache.clone()
+    for j, s in enumerate(slots[0].tolist()):
+        want[2, 0, s] = update[0, 0, j]
+    assert torch.equal(got, want) and not torch.equal(got, cache)

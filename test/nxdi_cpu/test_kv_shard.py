@@ -241,7 +241,7 @@ def test_a_seq_len_the_group_does_not_divide_is_refused(per_channel):
 def test_the_cpu_harness_rounds_its_cache_up_to_a_multiple_of_the_group(per_channel):
     o = cpu_options(model=per_channel, tp=4, layout=Layout(kv_group=4))
     assert [backend.padded_seq_len(o, n) for n in (17, 20, 21)] == [20, 20, 24]
-    assert backend.padded_seq_len(dataclasses.replace(o, layout=Layout()), 17) == 17
+    assert backend.padded_seq_len(dataclasses.replace(o, spec=dataclasses.replace(o.spec, layout=Layout())), 17) == 17
 
 
 def test_generation_with_the_sharded_cache_gives_the_replicated_tokens(per_channel):

@@ -43,6 +43,30 @@ def _config(tmp_path, name, **opts):
     return cfg, KimiK2InferenceConfig.from_core(cfg, MoENeuronConfig(**kw))
 
 
+def test_bench_tpot_reports_the_planners_model_of_the_config_it_loads(tmp_path):
+    """scripts/bench_tpot.py reads the compiled folder's config back (NxDI's save and load) into the spec the planner
+    models: the modelled TPOT it reports beside its measurement is the one `plan` prints for the same run."""
+    import importlib.util
+
+    from kimi_k2_neuron.neuron.fit import plan
+
+    spec = RunSpec(tp=64, seq_len=2048, batch=4, scheme=BF16_EXPERTS, layout=Layout(shard_attn_a=True))
+    cfg, config = _config(tmp_path, "kimi-k2-instruct-0905.json", seq_len=2048, batch=4,
+                          layout=Layout(shard_attn_a=True))
+    config = KimiK2InferenceConfig.from_core(cfg, config.neuron_config,
+                                             **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
+    config.save(str(tmp_path / "compiled"))
+    loaded = KimiK2InferenceConfig.load(str(tmp_path / "compiled"))
+    bench_spec = importlib.util.spec_from_file_location("bench_tpot", REPO / "scripts" / "bench_tpot.py")
+    bench = importlib.util.module_from_spec(bench_spec)
+    bench_spec.loader.exec_module(bench)
+    got = bench.modelled_times(loaded)
+    want = plan(cfg, spec)
+    assert got["tpot_ms"] == pytest.approx(want.decode.total_s * 1e3, rel=1e-9)
+    assert got["ttft_longest_prompt_ms"] == pytest.approx(want.ttft_s * 1e3, rel=1e-9)
+    assert got["decode"]["collective_count"] == want.decode.collective_count == 129 + 61  # + the q_a|kv_a gathers
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_config_survives_nxdis_save_and_load(tmp_path, name):
     cfg, config = _config(tmp_path, name)
@@ -126,12 +150,13 @@ def test_moe_expert_parallelism_is_rechecked_on_a_real_neuron_config(tmp_path, o
     assert needle in str(e.value)
 
 
-@pytest.mark.parametrize("scratchpad", [None, 1024])
-def test_compiler_args_are_nxdis_own_plus_flags_nxdis_own_models_use(converted, scratchpad):
+@pytest.mark.parametrize("scratchpad,chunk", [(None, None), (1024, None), (None, 8)])
+def test_compiler_args_are_nxdis_own_plus_flags_nxdis_own_models_use(converted, scratchpad, chunk):
     """Each submodel's string, as compile_and_save builds the application, against what NxDI's ModelWrapper computes
     for the same config by itself (model_wrapper.py:85-162): all of NxDI's kept (prefill's
     --modular-flow-mac-threshold=10, a scratchpad page size reaching the compiler); and every flag added is one that
-    NxDI's own MoE models pass neuronx-cc, spelled as they spell it (their source, read here)."""
+    NxDI's own MoE models pass neuronx-cc, spelled as they spell it (their source, read here). The chunk submodel
+    (--prefill-chunk) compiles with the context-encoding string as it is; every submodel has each option once."""
     from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 
     import neuronx_distributed_inference
@@ -139,13 +164,21 @@ def test_compiler_args_are_nxdis_own_plus_flags_nxdis_own_models_use(converted, 
 
     ckpt = converted[("fp8", "fp8-blockwise")]
     cfg = KimiK2Config.from_file(ckpt)
-    opts = RunSpec(tp=1, seq_len=16, scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(ckpt), moe_prefill="torch",
+    opts = RunSpec(tp=1, seq_len=32, scheme=ConversionRecord.of(cfg).scheme, checkpoint=str(ckpt), moe_prefill="torch",
+                   layout=Layout(prefill_chunk=chunk),
                    extra={} if scratchpad is None else {"scratchpad_page_size": scratchpad})
     app = NeuronKimiK2ForCausalLM(str(ckpt), KimiK2InferenceConfig.for_serving(cfg, opts))
+    assert [w.tag for w in app.models][2:] == (["chunked_prefill_model"] if chunk else [])
+    for w in app.models:  # each option once: no second --internal-hlo2tensorizer-options, -O, --lnc
+        opts_given = [o.split("=")[0].split(" ")[0] for o in w.compiler_args.split(" --") if o.strip()]
+        assert len(opts_given) == len(set(opts_given)), (w.tag, w.compiler_args)
     models = Path(neuronx_distributed_inference.__file__).parent / "models"
     nxdi_moe_models = [(models / m).read_text() for m in ("mixtral/modeling_mixtral.py", "dbrx/modeling_dbrx.py",
                                                           "qwen3_moe/modeling_qwen3_moe.py")]
     for w in app.models:
+        if w.tag == "chunked_prefill_model":
+            assert w.compiler_args == app.context_encoding_model.compiler_args
+            continue
         nxdi = ModelWrapper(config=w.config, model_cls=w.model_cls, tag=w.tag, compiler_args=None).compiler_args
         assert w.compiler_args.startswith(nxdi.strip() + " ")
         added = w.compiler_args[len(nxdi.strip()):].split(" --")

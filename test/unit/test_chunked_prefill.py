@@ -101,18 +101,6 @@ def test_last_real_index():
     assert cp.last_real_index(padded, pos).tolist() == [[4]]
 
 
-def test_write_rows_writes_the_chunk_into_its_line_only():
-    g = torch.Generator().manual_seed(0)
-    cache = torch.randn(3, 1, 16, 5, generator=g)
-    update = torch.randn(1, 1, 4, 5, generator=g)
-    slots = torch.tensor([[8, 9, 10, 11]])
-    got = cp.write_rows(cache, update, torch.tensor([2]), slots)
-    want = cache.clone()
-    for j, s in enumerate(slots[0].tolist()):
-        want[2, 0, s] = update[0, 0, j]
-    assert torch.equal(got, want) and not torch.equal(got, cache)
-
-
 def test_hidden_rows_puts_the_drivers_calls_back_into_rows():
     h = 3
     one_call = torch.randn(2, 6, h)

@@ -292,6 +292,9 @@ def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
     (dict(), False, "/c: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron convert /c DST"),
     (dict(ctx_batch_size=4), True, "continuous batching with a prefill batch of 4"),
     (dict(tp_degree=3), True, "num_attention_heads=64 is not divisible by 3"),
+    # the prefill kernel's 128-token tiles at Kimi's shapes: refused in vLLM's words, not a silent torch loop
+    (dict(seq_len=1000, max_context_length=1000), True, "--max-model-len 1000: NxD's prefill kernel at these shapes "
+     "computes whole 128-token tiles; use a multiple of 128 (1024 or 896)"),
 ])
 def test_what_a_vllm_request_cannot_get_is_refused_in_one_line(over, record, needle, one_line_error):
     one_line_error(lambda: contract.neuron_config_kwargs(kimi_cfg(), vllm_request_.spec_of_request(

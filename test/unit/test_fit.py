@@ -14,6 +14,7 @@ from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.neuron.fit import GiB, MiB, format_plan, max_batch, max_seq_len, plan
 from kimi_k2_neuron.neuron.spec import RunSpec
+from kimi_k2_neuron.neuron.timing import Port
 
 CONFIGS = Path(__file__).parents[1] / "data" / "configs"
 KIMI = CONFIGS / "kimi-k2-instruct-0905.json"
@@ -32,8 +33,8 @@ def dsv3():
     return KimiK2Config.from_file(DSV3)
 
 
-CONTRIB = dict(kv_slots=2, router_dtype="bf16")
-MODELLED = ("kv_slots", "router_dtype")  # plan()'s model of other ports, beside the spec
+CONTRIB = dict(port=Port(kv_slots=2, router_dtype="bf16"))
+MODELLED = ("kv_slots", "router_dtype")  # plan()'s model of other ports (timing.Port), beside the spec
 
 
 def spec(**fields) -> RunSpec:
@@ -43,7 +44,7 @@ def spec(**fields) -> RunSpec:
 def planned(cfg, args: dict):
     """plan() of one dict of the spec's fields and plan()'s other keywords."""
     return plan(cfg, spec(**{k: v for k, v in args.items() if k not in MODELLED}),
-                **{k: args[k] for k in MODELLED if k in args})
+                Port(**{k: args[k] for k in MODELLED if k in args}))
 
 
 # What `convert` writes from an FP8 (or BF16) source (formats/scheme.py), and unquantized experts.
@@ -161,7 +162,7 @@ def test_expert_scale_shapes_at_tp64(kimi):
 
 
 def test_kv_cache_and_slots(kimi):
-    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE), kv_slots=2)
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE), Port(kv_slots=2))
     # 61 layers x 2 slots x 1024 tokens x 576 x 2 bytes = 143,917,056 (nxdi_contracts §1.4: 144 MB at B=1, S=1K)
     assert p.kv_cache.bytes == 143_917_056
     one = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=4, scheme=BLOCKWISE))
@@ -170,7 +171,7 @@ def test_kv_cache_and_slots(kimi):
 
 def test_roofline(kimi):
     p1 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE))
-    assert p1.active_experts_per_layer == pytest.approx(kimi.num_experts_per_tok)
+    assert p1.experts_read_per_layer == kimi.num_experts_per_tok
     assert p1.hbm_bytes_per_s == pytest.approx(2.9e12 / 4)
     # Bytes one decode step reads on a core, by hand: every non-expert weight, 61 layers of attention replicated
     # (q_a + kv_a) 61*7168*(1536+576)*2 = 1,846,935,552 and TP-split (q_b + kv_b + o)
@@ -182,12 +183,13 @@ def test_roofline(kimi):
     assert p1.bytes_per_token == 3_208_761_568
     assert p1.tpot_lower_bound_s == pytest.approx(3_208_761_568 / 725e9)
     p32 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=32, scheme=BLOCKWISE))
-    assert 8 < p32.active_experts_per_layer < kimi.n_routed_experts  # selective loading: the experts hit
+    # selective loading: each token's top-k, a repeat read again (NxD's loop over the tokens)
+    assert p32.experts_read_per_layer == 32 * 8 < kimi.n_routed_experts
     assert p32.bytes_per_token > p1.bytes_per_token
     # batch * top_k >= E: NxD runs every expert (expert_mlps_v2.py:1473-1478); with EP > 1 it always does
     p48 = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE))
     ep4 = plan(kimi, spec(tp=64, ep=4, lnc=2, seq_len=1024, batch=48, scheme=BLOCKWISE))
-    assert p48.active_experts_per_layer == kimi.n_routed_experts and ep4.active_experts_per_layer == 384 // 4
+    assert p48.experts_read_per_layer == kimi.n_routed_experts and ep4.experts_read_per_layer == 384 // 4
     # Lower bound: at least the expert bytes it is expected to touch, never more than everything on the core.
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
 
@@ -508,6 +510,7 @@ def test_cli_refuses_bad_counts_before_planning(flags, words, capsys, one_line_e
 
 SEQ = Layout(kv_group=64, prefill_chunk=1024)
 SHARDED = dataclasses.replace(SEQ, shard_attn_a=True, shard_router=True)
+UNCHUNKED, UNCHUNKED_SHARDED = (dataclasses.replace(x, prefill_chunk=None) for x in (SEQ, SHARDED))
 LATENT_TOKEN = 61 * 576 * 2  # 70,272 bytes of latent per token, all layers (68.6 KiB)
 
 
@@ -539,7 +542,8 @@ def test_the_sequence_sharded_cache_is_a_64th_plus_nxdis_reserve(kimi):
 def test_sharding_q_a_kv_a_and_the_router_leaves_a_64th_of_them(kimi):
     """q_a [1536, 7168] + kv_a [576, 7168] bf16 in 61 layers and the router [384, 7168] fp32 in 60 split 64 ways;
     the router's bias [384] stays whole. Per rank 2.30 GiB less, and each decode step reads that much less."""
-    whole, split = _at(kimi, 1024, 1, SEQ), _at(kimi, 1024, 1, SHARDED)
+    # (at 1,024 tokens one prefill call: a chunk as wide as the cache is refused)
+    whole, split = _at(kimi, 1024, 1, UNCHUNKED), _at(kimi, 1024, 1, UNCHUNKED_SHARDED)
     attn_a, router = 61 * (1536 + 576) * 7168 * 2, 60 * 384 * 7168 * 4
     assert _row(whole, "attention q_a+kv_a (replicated)") == attn_a
     assert _row(split, "attention q_a+kv_a (TP, gathered)") == attn_a // 64
@@ -553,7 +557,7 @@ def test_sharding_q_a_kv_a_and_the_router_leaves_a_64th_of_them(kimi):
 def test_the_sharded_cache_reads_its_slots_per_decode_step(kimi):
     """The roofline reads the rank's slots: at 1,024 x 1, 144 slots (16 + 128) instead of 1,024; 3.209 GB -> 3.147
     GB, and 0.679 GB with q_a/kv_a and the router split as well."""
-    rep, seq, split = _at(kimi, 1024, 1), _at(kimi, 1024, 1, SEQ), _at(kimi, 1024, 1, SHARDED)
+    rep, seq, split = _at(kimi, 1024, 1), _at(kimi, 1024, 1, UNCHUNKED), _at(kimi, 1024, 1, UNCHUNKED_SHARDED)
     assert rep.bytes_per_token - seq.bytes_per_token == (1024 - 144) * 576 * 2 * 61
     assert round(seq.bytes_per_token / 1e9, 3) == 3.147 and round(split.bytes_per_token / 1e9, 3) == 0.679
 
@@ -564,15 +568,16 @@ def test_decode_collectives_added_per_step(kimi):
     (2,112 bf16) one all-gather per layer; the router's 384 fp32 logits one per MoE layer."""
     assert _at(kimi, 1024, 1).collectives == ()
     split = _at(kimi, 262144, 8, SHARDED)
-    got = {c.what.split(" (")[0]: (c.count, c.bytes_per_token) for c in split.collectives}
-    assert got == {"absorbed Q all-gather": (61, 64 * 576 * 2), "softmax max all-reduce": (61, 64 * 4),
-                   "[context | sum] reduce-scatter": (61, 64 * 513 * 4), "q_a|kv_a output all-gather": (61, 2112 * 2),
-                   "router logits all-gather": (60, 384 * 4)}
+    got = {c.what.split(" (")[0]: (c.count, c.group, c.bytes) for c in split.collectives}  # batch 8
+    assert got == {"absorbed Q all-gather": (61, 64, 8 * 64 * 576 * 2), "softmax max all-reduce": (61, 64, 8 * 64 * 4),
+                   "[context | sum] reduce-scatter": (61, 64, 8 * 64 * 513 * 4),
+                   "q_a|kv_a output all-gather": (61, 64, 8 * 2112 * 2), "router logits all-gather": (60, 64, 8 * 384 * 4)}
     assert sum(c.count for c in split.collectives) == 183 + 61 + 60
-    q = split.collectives[0]
-    assert q.bytes_per_step(8) == 61 * 73_728 * 8
+    # among the step's own: 61 o_proj, 1 dense and 60 MoE all-reduces, the embedding's all-gather, the sampler's 6
+    assert split.decode.collective_count == 129 + 183 + 61 + 60
+    assert set(split.collectives) < set(split.decode.collectives)
     g16 = _at(kimi, 262144, 8, dataclasses.replace(SEQ, kv_group=16))  # 1 head per rank, 16 gathered
-    assert g16.collectives[0].bytes_per_token == 16 * 576 * 2
+    assert (g16.collectives[0].group, g16.collectives[0].bytes) == (16, 8 * 16 * 576 * 2)
 
 
 def test_a_chunked_prefill_costs_one_chunk_whatever_the_batch(kimi):
@@ -585,8 +590,9 @@ def test_a_chunked_prefill_costs_one_chunk_whatever_the_batch(kimi):
     assert _row(one, "prefill activations") == 512 * MiB
     attention = 64 * 1024 * 576 * 2 + 64 * 128 * (4224 + 16) * 8 + 64 * 1024 * 513 * 4
     assert _row(one, "prefill chunk attention") == attention
-    rep = _at(kimi, 49152, 1, Layout(prefill_chunk=1024))  # 1 head per rank over the cache and the chunk
-    assert _row(rep, "prefill chunk attention") == 1024 * (49152 + 1024) * 8
+    # replicated: 1 head per rank over the cache and the chunk, in the same 128-query tiles the shell computes
+    rep = _at(kimi, 49152, 1, Layout(prefill_chunk=1024))
+    assert _row(rep, "prefill chunk attention") == 1024 * 576 * 2 + 128 * (49152 + 1024) * 8 + 1024 * 513 * 4
     assert _row(_at(kimi, 1024, 4), "prefill activations") == 4 * 512 * MiB  # one-shot: batch x context
 
 
@@ -621,8 +627,8 @@ def test_max_batch_when_none_fits(kimi):
 
 def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
     """The sharded cache at batch 16 holds 185,344 tokens (181 chunks of 1,024); the replicated cache with chunked
-    prefill 48,128 at batch 1. Each is the last multiple of the chunk that fits."""
-    for layout, batch, want in ((SEQ, 16, 185344), (Layout(prefill_chunk=1024), 1, 48128), (SEQ, 8, 262144)):
+    prefill 53,248 at batch 1 (its chunk attention in the shell's 128-query tiles). Each is the last multiple of the chunk that fits."""
+    for layout, batch, want in ((SEQ, 16, 185344), (Layout(prefill_chunk=1024), 1, 53248), (SEQ, 8, 262144)):
         p = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout))
         assert p.seq_len == want and p.fits and p.seq_len % 1024 == 0
         if want < kimi.max_position_embeddings:
@@ -655,15 +661,14 @@ def test_cli_plans_the_long_context_layout(capsys):
                    "chunks of 1024 tokens, one row per call; split across ranks: q_a/kv_a, router",
                    "attention q_a+kv_a (TP, gathered)", "router (TP, gathered) + bias (replicated)",
                    "prefill chunk attention (64 heads, 128-query tiles)", "prefill 1 x 1024 tokens",
-                   "collectives the layout adds per decode step", "router logits all-gather (TP), fp32"):
+                   "collectives per decode step", "router logits all-gather (TP), fp32", " 433 collectives "):
         assert needle in out, needle
-    added = next(line for line in out.splitlines() if line.strip().startswith("added"))
-    assert added.split()[1] == "304"
     assert main([*args, "--seq-len", "131072", "--max-batch", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["max_batch"] == d["batch"] == 38 and d["layout"]["kv_group"] == 64 and d["cache_slots_per_rank"] == 2176
     assert [c["count"] for c in d["collectives"]] == [61, 61, 61, 61, 60]
-    assert d["collectives"][0]["bytes_per_step"] == 61 * 73_728 * 38
+    assert d["collectives"][0]["bytes"] == 73_728 * 38
+    assert d["decode"]["collective_count"] == 129 + 304 and d["tpot_ms"] > d["tpot_lower_bound_ms"]
     assert main([*args, "--seq-len", "131072", "--max-batch"]) == 0
     assert capsys.readouterr().out.startswith("max batch at seq_len 131072: 38; the plan at it:")
     assert main([*args, "--max-seq-len", "--batch", "16", "--json"]) == 0

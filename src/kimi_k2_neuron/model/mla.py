@@ -16,6 +16,9 @@ from ..parallel import ParallelContext, owner_of, slot_of, slot_positions
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
+# Queries per score block of a multi-token attend_sharded (a prefill chunk): bounds its [heads x G, tile, keys] float32
+# scores, which the fit planner counts (neuron/fit.py).
+CHUNK_QUERY_TILE = 128
 # modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
 # Kimi-K2-Thinking and K2.5).
 LORA_NORM_EPS = 1e-6

@@ -76,16 +76,6 @@ def last_real_index(attention_mask: torch.Tensor, position_ids: torch.Tensor) ->
     return (attention_mask.sum(-1, keepdim=True) - 1 - position_ids[:, :1]).clamp(0, n - 1)
 
 
-def write_rows(cache: torch.Tensor, update: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [lines, heads, T, D] with update [B, heads, N, D] written at lines seq_ids [B], slots [B, N]: the
-    chunk's write into its row's line (sequence-sharded: the owned entries at owned_slots)."""
-    b, heads, n, _ = update.shape
-    lines = seq_ids.view(b, 1, 1).expand(b, heads, n).long()
-    head = torch.arange(heads, device=cache.device).view(1, heads, 1).expand(b, heads, n)
-    pos = slots.view(b, 1, n).expand(b, heads, n).long()
-    return torch.index_put(cache, (lines, head, pos), update.to(cache.dtype))
-
-
 def hidden_rows(calls: list[torch.Tensor], lengths: list[int], chunk: int | None) -> list[torch.Tensor]:
     """Each row's prefill hidden states [length, H] from the normed outputs of the prefill calls in the driver's
     order (one call for all rows; or per row its CTE call, then its chunks)."""
@@ -119,8 +109,23 @@ def enable_chunked_prefill(app, **model_init_kwargs) -> None:
     nc.buckets = generate_buckets_for_tkg(config)
     app.chunked_prefill_model = app.model_wrapper(
         config=config, model_cls=app._model_cls, tag=CHUNK_MODEL_TAG,
-        compiler_args=app.context_encoding_model.compiler_args, model_init_kwargs={**model_init_kwargs, "chunk": True})
+        model_init_kwargs={**model_init_kwargs, "chunk": True})
+    # The finished context-encoding string as it is: given as compiler_args, ModelWrapper would append a second
+    # --internal-hlo2tensorizer-options (NXDI_CONTRACT.md: compiler-args)
+    app.chunked_prefill_model.compiler_args = app.context_encoding_model.compiler_args
     app.models.append(app.chunked_prefill_model)
+
+
+def write_rows(cache: torch.Tensor, update: torch.Tensor, seq_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [lines, heads, T, D] with one row's update [1, heads, N, D] written at line seq_ids[0] from slot
+    slots[0, 0]: a chunk's slots are contiguous (sequence-sharded: its owned entries' p // G), so one
+    dynamic-update-slice, as NxDI writes a prefill into its line, not a scatter of dynamic indices
+    (NXDI_CONTRACT.md: chunk-write)."""
+    from neuronx_distributed_inference.modules.kvcache.utils import dynamic_update_slice
+
+    zero = torch.zeros((), dtype=torch.int32, device=cache.device)
+    start = [seq_ids[0].to(torch.int32), zero, slots[0, 0].to(torch.int32), zero]
+    return dynamic_update_slice(cache, update.to(cache.dtype), start)
 
 
 def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *_unused):

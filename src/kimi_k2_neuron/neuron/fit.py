@@ -21,10 +21,14 @@ from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.parallel import Layout, slots_for
 
-from . import moe_paths, rules
+from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
+
+from . import moe_paths, rules, timing
 from .moe_paths import decodes_all_experts
 from .rules import check_counts
 from .spec import FD_RESERVED_SLOTS, RunSpec
+from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, decode_time, experts_read, layout_collectives,
+                     moe_prefill_work, prefill_time)
 
 GiB = 2**30
 MiB = 2**20
@@ -63,19 +67,6 @@ class Row:
 
 
 @dataclass(frozen=True)
-class Collective:
-    """A collective the layout adds to every decode step: how many run (one per layer or MoE layer) and the bytes of
-    its tensor per token on one rank (an all-gather's output, an all-reduce's tensor, a reduce-scatter's input)."""
-
-    what: str
-    count: int
-    bytes_per_token: int
-
-    def bytes_per_step(self, batch: int) -> int:
-        return self.count * self.bytes_per_token * batch
-
-
-@dataclass(frozen=True)
 class Plan:
     model: str
     tp: int
@@ -90,25 +81,31 @@ class Plan:
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
     decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
-    kv_slots: int
+    port: Port  # the build modelled: this port's, or a published one's (kv_slots, router dtype, ...)
     layout: Layout
     cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (RunSpec.cache_slots)
     logical_cores: int
     capacity_bytes: int  # the logical core's HBM
     usable_bytes: int  # what the runtime leaves to the model (RUNTIME_RESERVED_BYTES less)
-    router_dtype: str
     weights: tuple[Row, ...]
     kv_cache: Row
     allowance: tuple[Row, ...]
-    collectives: tuple[Collective, ...]  # what the layout adds to each decode step
+    collectives: tuple[Collective, ...]  # what the layout adds to a decode step (among decode.collectives)
     total_bytes: int
     fits: bool
     unfused_fp32_bytes: int  # fp32 dequantization products not in total_bytes (assumed fused; moe_temporaries)
-    active_experts_per_layer: float  # expected distinct routed experts one decode step reads on this core
+    experts_read_per_layer: int  # routed experts one decode step reads per MoE layer on this core (timing.experts_read)
     bytes_per_token: int
     hbm_bytes_per_s: float
-    tpot_lower_bound_s: float
+    tpot_lower_bound_s: float  # the byte roofline: bytes_per_token / hbm_bytes_per_s
+    decode: Timing  # the modelled decode step (an estimate: timing.py)
+    prefill: Timing  # the modelled first prefill call (the context bucket; with chunks, the CTE's chunk 0)
+    ttft_s: float  # the modelled prefill of the longest prompt: one bucket, or seq_len tokens in chunks
     assumptions: tuple[str, ...]
+
+    @property
+    def kv_slots(self) -> int:
+        return self.port.kv_slots
 
     @property
     def weight_bytes(self) -> int:
@@ -134,14 +131,22 @@ class Plan:
         for key in ("weights", "allowance"):
             d[key] = [{**r, "gib": r["bytes"] / GiB} for r in d[key]]
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
-        d["collectives"] = [{**c, "bytes_per_step": c_.bytes_per_step(self.batch)}
-                            for c, c_ in zip(d["collectives"], self.collectives)]
-        d.update(weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
+        for key in ("decode", "prefill"):
+            d[key] = _timing_dict(getattr(self, key))
+        d.update(tpot_ms=self.decode.total_s * 1e3, ttft_ms=self.ttft_s * 1e3, weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
                  usable_gib=self.usable_bytes / GiB, unfused_fp32_gib=self.unfused_fp32_bytes / GiB,
                  headroom_gib=self.headroom_bytes / GiB, tpot_lower_bound_ms=self.tpot_lower_bound_s * 1e3)
         return d
+
+
+def _timing_dict(t: Timing) -> dict:
+    """A Timing in ms by component, each collective with its count, group and bytes."""
+    return {"total_ms": t.total_s * 1e3, "bytes": t.bytes, "bytes_ms": t.bytes_s * 1e3, "flops_ms": t.flops_s * 1e3,
+            "collectives_ms": t.collectives_s * 1e3, "fixed_ms": t.fixed_s * 1e3, "batch_ms": t.batch_s * 1e3,
+            "collective_count": t.collective_count,
+            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives]}
 
 
 def _div(n: int, parts: int) -> int:
@@ -150,14 +155,17 @@ def _div(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def _check(cfg: KimiK2Config, spec: RunSpec, kv_slots: int) -> None:
+def _check(cfg: KimiK2Config, spec: RunSpec, port: Port) -> None:
     """The shell's rules, and what only a plan can refuse."""
-    if kv_slots not in (1, 2):
-        raise KimiInputError(f"--kv-slots {kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
+    if port.kv_slots not in (1, 2):
+        raise KimiInputError(f"--kv-slots {port.kv_slots!r}: expected 1 (latent only) or 2 (stock KVCacheManager K+V)")
+    if port.router_dtype not in ("fp32", "bf16"):
+        raise KimiInputError(f"--router-dtype {port.router_dtype!r}: expected fp32 (this port) or bf16")
     if spec.lnc is None:
         raise KimiInputError("--lnc None: the planner needs 1 or 2")
-    if spec.layout.sequence_sharded and kv_slots != 1:
-        raise KimiInputError(f"--kv-slots {kv_slots}: the sequence-sharded cache is our latent-only manager's (1)")
+    if spec.layout.sequence_sharded and port.kv_slots != 1:
+        raise KimiInputError(f"--kv-slots {port.kv_slots}: the sequence-sharded cache is our latent-only manager's "
+                             f"(1)")
     rules.check_shapes(cfg, spec)
     if spec.tp > _logical_cores(spec.lnc):
         raise KimiInputError(f"--tp {spec.tp}: exceeds the {_logical_cores(spec.lnc)} logical cores of a "
@@ -317,12 +325,10 @@ def _allowance(cfg: KimiK2Config, tokens: int, moe: dict, chunked: bool = False)
     return rows
 
 
-# -- the long-context layout (issue 17): the chunk's attention temporaries and the decode collectives ----------------
+# -- the long-context layout (issue 17): the chunk's attention temporaries ------------------------------------------
 #
-# Sharded, a chunk attends hG = heads/tp x G gathered heads in QUERY_TILE tiles (model/mla.py attend_sharded).
-QUERY_TILE = 128
-MERGE_DTYPE_BYTES = FP32
-
+# Sharded, a chunk attends hG = heads/tp x G gathered heads in tiles of the shell's CHUNK_QUERY_TILE queries
+# (model/mla.py attend_sharded, as the decoder layer calls it); the merge is in float32.
 
 def _gathered_heads(cfg: KimiK2Config, tp: int, layout: Layout) -> int:
     return cfg.num_attention_heads // tp * layout.kv_group
@@ -333,65 +339,59 @@ def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) -> 
     n = layout.prefill_chunk
     if n is None:
         return None
-    if not layout.sequence_sharded:
-        h = cfg.num_attention_heads // tp
-        return Row(f"prefill chunk attention ({h} head{'s' * (h > 1)}, untiled)", "fp32",
-                   h * n * (slots + n) * 2 * FP32)
-    hg, g = _gathered_heads(cfg, tp, layout), layout.kv_group
-    tile = min(QUERY_TILE, n)
+    hg, g = _gathered_heads(cfg, tp, layout), layout.kv_group  # G = 1: this rank's heads over the whole cache
+    tile = min(CHUNK_QUERY_TILE, n)
     q = hg * n * cfg.latent_dim * BF16
     scores = hg * tile * (slots + slots_for(n, g)) * 2 * FP32
-    partials = hg * n * (cfg.kv_lora_rank + 1) * MERGE_DTYPE_BYTES
-    return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles)", "mixed",
-               q + scores + partials)
+    partials = hg * n * (cfg.kv_lora_rank + 1) * FP32
+    return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles)", "mixed", q + scores + partials)
 
 
-def _collectives(cfg: KimiK2Config, tp: int, layout: Layout) -> list[Collective]:
-    """The collectives the layout adds to a decode step (not the o_proj/MoE all-reduces every layout has)."""
-    layers, out = cfg.num_hidden_layers, []
-    if layout.sequence_sharded:
-        hg = _gathered_heads(cfg, tp, layout)
-        out += [Collective("absorbed Q all-gather (KV group), bf16", layers, hg * cfg.latent_dim * BF16),
-                Collective("softmax max all-reduce (KV group), fp32", layers, hg * FP32),
-                Collective("[context | sum] reduce-scatter (KV group), fp32", layers,
-                           hg * (cfg.kv_lora_rank + 1) * MERGE_DTYPE_BYTES)]
-    if layout.shard_attn_a:
-        out.append(Collective("q_a|kv_a output all-gather (TP), bf16", layers,
-                              (cfg.q_lora_rank + cfg.latent_dim) * BF16))
-    if layout.shard_router:
-        n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
-        out.append(Collective("router logits all-gather (TP), fp32", n_moe, cfg.n_routed_experts * FP32))
-    return out
-
-
-def _bytes_per_token(cfg, weights: list[Row], tp, ep, slots, batch) -> tuple[float, int]:
-    """Bytes one decode step reads per rank (the duplicate V slot is not read)."""
-    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    if ep > 1 or decodes_all_experts(e, k, batch):  # with EP it must (check_ep)
-        active = float(e // ep)
-    else:  # selective loading: uniform, independent routing misses an expert per token with probability 1 - k/E
-        active = (e // ep) * (1 - (1 - k / e) ** batch)
+def _bytes_per_token(cfg: KimiK2Config, spec: RunSpec, weights: list[Row]) -> tuple[int, int]:
+    """(routed experts read per MoE layer, bytes one decode step reads per rank); the duplicate V slot is not
+    read."""
+    read = experts_read(cfg, spec)
+    e_local = cfg.n_routed_experts // spec.ep
     routed = (Part.ROUTED_EXPERTS, Part.EXPERT_SCALES)
     experts = sum(r.bytes for r in weights if r.part in routed)  # weights and scales, every MoE layer
     non_expert = sum(r.bytes for r in weights if r.part not in (*routed, Part.EMBEDDING))
-    embed_rows = batch * _div(cfg.hidden_size, tp) * BF16
-    experts_read = experts * active / (e // ep)
-    kv_read = cfg.num_hidden_layers * batch * slots * cfg.latent_dim * BF16
-    return active, int(non_expert + embed_rows + experts_read + kv_read)
+    embed_rows = spec.batch * _div(cfg.hidden_size, spec.tp) * BF16
+    kv_read = cfg.num_hidden_layers * spec.batch * spec.cache_slots * cfg.latent_dim * BF16
+    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read)
 
 
-def plan(cfg: KimiK2Config, spec: RunSpec, kv_slots: int = 1, router_dtype: str = "fp32") -> Plan:
-    """The spec's HBM and decode bound per logical core. `kv_slots` 2 and `router_dtype` "bf16" model other ports
-    (NxDI's stock KV cache, a bf16 router)."""
-    _check(cfg, spec, kv_slots)
-    if router_dtype not in ("fp32", "bf16"):
-        raise KimiInputError(f"--router-dtype {router_dtype!r}: expected fp32 (this port) or bf16")
+def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, prior: int) -> PrefillWork:
+    """What one prefill call computes: the non-expert matmuls every token goes through (lm_head and the embedding aside:
+    the last position, a gather), and its MoE path's work."""
+    dense = [r for r in weights if r.part in (Part.ATTENTION_A, Part.ATTENTION_B, Part.DENSE_MLP, Part.SHARED_EXPERTS,
+                                              Part.ROUTER)]
+    params = sum(r.bytes // (FP32 if r.dtype == "fp32" else BF16) for r in dense)
+    return PrefillWork(spec.prefill_tokens, prior, params, sum(r.bytes for r in dense),
+                       moe_prefill_work(cfg, spec, path, spec.scheme.quantized))
+
+
+def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str) -> tuple[Timing, float]:
+    """(the first prefill call, the prefill of the longest prompt): one bucket, or with chunks a prompt of seq_len
+    tokens, chunk k attending the k x N positions before it."""
+    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE)
+    n = spec.layout.prefill_chunk
+    if n is None:
+        return first, first.total_s
+    later = sum(prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE).total_s
+                for k in range(1, spec.seq_len // n))
+    return first, first.total_s + later
+
+
+def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
+    """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
+    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port)."""
+    _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
     bandwidth = TRN2_HBM_BW_PER_CHIP * lnc / TRN2_PHYSICAL_CORES_PER_CHIP
-    weights = _weights(cfg, tp, ep, spec.scheme, router_dtype, layout)
+    weights = _weights(cfg, tp, ep, spec.scheme, port.router_dtype, layout)
     # the stock KVCacheManager gives the latent a K and a same-width V slot
-    slots = spec.cache_slots
+    slots, kv_slots = spec.cache_slots, port.kv_slots
     where = f", {slots} slots/rank of G={layout.kv_group}" if layout.sequence_sharded else ""
     kv = Row(f"KV cache (MLA latent x {kv_slots} slot{'s' * (kv_slots > 1)}{where})", "bf16",
              cfg.num_hidden_layers * kv_slots * batch * slots * cfg.latent_dim * BF16)
@@ -399,19 +399,77 @@ def plan(cfg: KimiK2Config, spec: RunSpec, kv_slots: int = 1, router_dtype: str 
     chunk = _chunk_attention(cfg, tp, slots, layout)
     allowance = _allowance(cfg, spec.prefill_tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
     total = sum(r.bytes for r in (*weights, kv, *allowance))
-    active, per_token = _bytes_per_token(cfg, weights, tp, ep, slots, batch)
+    read, per_token = _bytes_per_token(cfg, spec, weights)
+    first, ttft = _ttft(cfg, spec, weights, moe["prefill_path"])
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
         experts=spec.scheme.name, context_len=spec.context_length, prefill_rows=spec.prefill_batch,
         moe_prefill=spec.prefill_mode(cfg), prefill_path=moe["prefill_path"], prefill_blocks=moe["prefill_blocks"],
-        decode_path=moe["decode_path"],        kv_slots=kv_slots, layout=layout, cache_slots_per_rank=slots, logical_cores=_logical_cores(lnc),
-        capacity_bytes=capacity, usable_bytes=usable, router_dtype=router_dtype,
-        weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance),
-        collectives=tuple(_collectives(cfg, tp, layout)), total_bytes=total,
-        fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], active_experts_per_layer=active,
+        decode_path=moe["decode_path"], port=port, layout=layout, cache_slots_per_rank=slots,
+        logical_cores=_logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
+        weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
+        collectives=tuple(layout_collectives(cfg, spec, rows=batch, queries=1, query_tile=1)),
+        fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
-        assumptions=_assumptions(kv_slots, router_dtype, layout))
+        decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
+        assumptions=_assumptions(port, layout))
+
+
+def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
+    """The planner's modelled times of a run (estimates), for a benchmark to report beside what it measured: TPOT (one
+    decode step), one prefill call, the prefill of the longest prompt, each decode component."""
+    p = plan(cfg, spec, port)
+    return {"estimate": "kimi-k2-neuron plan's time model (neuron/timing.py), not a measurement",
+            "tpot_ms": p.decode.total_s * 1e3, "prefill_call_ms": p.prefill.total_s * 1e3,
+            "ttft_longest_prompt_ms": p.ttft_s * 1e3, "decode": _timing_dict(p.decode),
+            "prefill": _timing_dict(p.prefill)}
+
+
+# Chunk sizes the layout search tries (each must divide seq_len and be a multiple of the KV group).
+SEARCHED_CHUNKS = (512, 1024, 2048, 4096)
+
+
+def layouts(cfg: KimiK2Config, spec: RunSpec, modes: tuple[str, ...] = tuple(moe_paths.MODES)) -> list[RunSpec]:
+    """spec at every layout the search tries: each KV group NxD can lay out at its TP and LNC, each chunk size or none,
+    each split of q_a/kv_a and the router, each of `modes` for the MoE prefill; the rules refuse the ones that cannot
+    run."""
+    groups = [g for g in range(1, spec.tp + 1) if spec.tp % g == 0
+              and rules.group_layout_supported(spec.tp, g, spec.lnc)]
+    chunks = [None, *(n for n in SEARCHED_CHUNKS if n < spec.seq_len)]
+    splits = [(a, r) for a in (False, True) for r in (False, True)] if spec.tp > 1 else [(False, False)]
+    return [replace(spec, max_context_length=None, moe_prefill=mode,
+                    layout=Layout(kv_group=g, prefill_chunk=n, shard_attn_a=a, shard_router=r))
+            for g in groups for n in chunks for a, r in splits for mode in modes]
+
+
+def best_layout(cfg: KimiK2Config, spec: RunSpec, modes: tuple[str, ...] = tuple(moe_paths.MODES),
+                port: Port = THIS_PORT) -> tuple[Plan | None, list[Plan]]:
+    """(the fastest layout that fits, by modelled decode time, then TTFT; every fitting plan, fastest first).
+    Refused layouts are skipped; the spec's own layout (and MoE prefill mode) is ignored."""
+    fitting = []
+    for candidate in layouts(cfg, spec, modes):
+        try:
+            p = plan(cfg, candidate, port)
+        except KimiInputError:
+            continue
+        if p.fits:
+            fitting.append(p)
+    fitting.sort(key=lambda p: (round(p.decode.total_s, 6), p.ttft_s))
+    return (fitting[0] if fitting else None), fitting
+
+
+def published_spec(cfg: KimiK2Config, name: str) -> tuple[RunSpec, Port]:
+    """A published port's run and build (timing.PUBLISHED), for `plan --port NAME`."""
+    from kimi_k2_neuron.formats.scheme import scheme_for
+
+    from .spec import Sampling
+
+    p = timing.PUBLISHED_BY_NAME[name]
+    fields = dict(p.spec)
+    scheme = scheme_for(fields.pop("experts"), "fp8")
+    sampling = Sampling(on_device=fields.pop("on_device_sampling", True))
+    return RunSpec(**fields, scheme=scheme, sampling=sampling, checkpoint="(published port)"), p.port
 
 
 def max_seq_len(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
@@ -428,7 +486,8 @@ def max_seq_len(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
     moe_paths.mode(mode)
     fixed = layout.prefill_chunk if context_len is None else context_len
     multiple = math.lcm(layout.kv_group, layout.prefill_chunk or 1)
-    ranges = [(-(-lo // s) * s, hi // s * s, s) for lo, hi, step in
+    least = 2 * layout.prefill_chunk if layout.prefill_chunk else 1  # a chunk as wide as the cache is refused
+    ranges = [(-(-max(lo, least) // s) * s, hi // s * s, s) for lo, hi, step in
               _constant_path_ranges(cfg, batch, spec.ep, fixed, mode) for s in [math.lcm(step, multiple)]]
     ranges = [r for r in ranges if r[0] <= r[1]]
     if not ranges:
@@ -540,9 +599,9 @@ def fallback_advice(plans: list[Plan], failed: str) -> str:
     return "\n".join(lines)
 
 
-def _assumptions(kv_slots: int, router_dtype: str, layout: Layout) -> tuple[str, ...]:
+def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
-          "latent (what a port on the stock manager pays)" if kv_slots == 2 else
+          "latent (what a port on the stock manager pays)" if port.kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
           "models the stock manager's duplicate V slot)")
     router = "split by experts, logits all-gathered" if layout.shard_router else "replicated"
@@ -550,15 +609,16 @@ def _assumptions(kv_slots: int, router_dtype: str, layout: Layout) -> tuple[str,
     lc = []
     if layout.sequence_sharded:
         lc.append(f"sequence-sharded cache: NxDI's flash-decoding layout, position p on rank p % {layout.kv_group}, "
-                  f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its decode collectives "
-                  f"below are counted, not timed")
+                  f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its merge adds 3 "
+                  f"collectives per layer to a decode step, 1 + 2 per {CHUNK_QUERY_TILE}-query tile to a prefill chunk")
     if layout.prefill_chunk:
         lc.append(f"chunked prefill: one row of {layout.prefill_chunk} tokens per call through one graph (batch 1); "
-                  "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries; the chunk "
-                  "graph's own NEFF code is not counted")
+                  "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries as the shell "
+                  "tiles them; the chunk graph's own NEFF code is not counted")
+    r = port.router_dtype
     return (
-        f"non-expert weights bf16; router {router_dtype} ({router}), its e_score_correction_bias {router_dtype} "
-        f"whole on every rank; q_a/kv_a {attn_a}",
+        f"non-expert weights bf16; router {r} ({router}), its e_score_correction_bias {r} whole on every rank; "
+        f"q_a/kv_a {attn_a}",
         kv, *lc,
         "allowance and usable HBM are calibrated on the AWS DeepSeek-V3 contrib's footprint (1.55 GiB runtime + "
         "prefill scratchpad 512 MiB per 1024 tokens at hidden 7168, in 512 MiB pages; 0.43 GiB kept by the runtime, "
@@ -568,8 +628,13 @@ def _assumptions(kv_slots: int, router_dtype: str, layout: Layout) -> tuple[str,
         "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
         "dequantization are assumed fused into their bf16 results and are not counted",
         "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
-        "n_routed_experts or EP > 1 (NxD's all-experts decode), else the distinct experts uniform, independent "
-        "routing hits, each read once; ignores compute, collectives and launch overheads",
+        "n_routed_experts or EP > 1 (NxD's all-experts decode), else batch x top_k experts per MoE layer, a repeat "
+        "read again (NxD's selective loading loops over the tokens); ignores compute, collectives and launch "
+        "overheads",
+        "modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
+        "collective at 24 us + bytes / 100 GB/s, 214 us per layer and 46 us per further token per MoE layer fitted on "
+        "the AWS DeepSeek-V3 contrib's published TPOT, prefill scaled by a factor fitted on its TTFT; checked against "
+        "the community Kimi ports in docs/planner.md",
     )
 
 
@@ -604,24 +669,30 @@ def format_plan(p: Plan) -> str:
               f"whole",
               "",
               f"decode roofline, a lower bound and not a prediction: {p.bytes_per_token / 1e9:.3f} GB read per "
-              f"token per core ({p.active_experts_per_layer:.2f} routed experts per MoE layer) / "
+              f"token per core ({p.experts_read_per_layer} routed experts per MoE layer) / "
               f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s = TPOT >= {p.tpot_lower_bound_s * 1e3:.2f} ms",
-              *_collective_lines(p),
+              *_timing_lines(p),
               "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
 
 
-def _collective_lines(p: Plan) -> list[str]:
-    """The decode collectives the layout adds: per step count and bytes at this batch."""
-    if not p.collectives:
-        return []
-    w = 52
-    lines = ["", f"{'collectives the layout adds per decode step':<{w}}{'count':>6}{'B/token':>10}{'MB/step':>10}"]
-    lines += [f"  {c.what:<{w - 2}}{c.count:>6}{c.bytes_per_token:>10}{c.bytes_per_step(p.batch) / 1e6:>10.3f}"
-              for c in p.collectives]
-    lines.append(f"  {'added':<{w - 2}}{sum(c.count for c in p.collectives):>6}{'':>10}"
-                 f"{sum(c.bytes_per_step(p.batch) for c in p.collectives) / 1e6:>10.3f}")
+def _timing_lines(p: Plan) -> list[str]:
+    """The modelled decode step by component and collective, and the prefill it implies."""
+    d, w = p.decode, 52
+    lines = ["", f"modelled TPOT, an estimate (timing.py): {d.total_s * 1e3:.2f} ms = bytes {d.bytes_s * 1e3:.2f} + "
+                 f"{d.collective_count} collectives {d.collectives_s * 1e3:.2f} + per-layer {d.fixed_s * 1e3:.2f}"
+                 + (f" + batch loop {d.batch_s * 1e3:.2f}" if d.batch_s else "") + " ms",
+             f"  {'collectives per decode step':<{w - 2}}{'count':>6}{'group':>6}{'bytes':>10}{'ms':>8}"]
+    lines += [f"  {c.what:<{w - 2}}{c.count:>6}{c.group:>6}{c.bytes:>10}{c.seconds() * 1e3:>8.2f}"
+              for c in d.collectives]
+    f = p.prefill
+    longest = (f"a prompt of {p.seq_len} tokens in {p.seq_len // p.layout.prefill_chunk} chunks"
+               if p.layout.prefill_chunk else f"a {p.context_len}-token bucket")
+    lines.append(f"modelled prefill, an estimate: {f.total_s * 1e3:.0f} ms per call ({p.prefill_rows} x "
+                 f"{p.context_len} tokens: matmuls {f.flops_s * 1e3:.0f} + MoE/weight traffic {f.bytes_s * 1e3:.0f} + "
+                 f"per-layer {f.fixed_s * 1e3:.0f} + {f.collective_count} collectives {f.collectives_s * 1e3:.0f}); "
+                 f"TTFT of {longest}: {p.ttft_s:.2f} s")
     return lines
 
 

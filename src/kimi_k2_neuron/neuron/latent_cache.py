@@ -32,16 +32,17 @@ class LatentKVCacheManager(KVCacheManager):
 
     def update_kv_by_layer_id(self, idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer, seq_len,
                               **kwargs):
-        """The flash-decoding decode write scatters V with K's index, which the 1-wide V slot cannot take: here K
-        alone, at NxDI's slot (NXDI_CONTRACT.md: fd-write); the rest is NxDI's (which passes every argument by
-        keyword, kv_active_mask and kvcache_buffer among kwargs)."""
+        """The flash-decoding decode write scatters V with K's index, which the 1-wide V slot cannot take: here each
+        with its own index at NxDI's slot, V's zeros too, so that neither output is its input unchanged (an aliased
+        buffer no CPU trace exercises) (NXDI_CONTRACT.md: fd-write); the rest is NxDI's (which passes every argument
+        by keyword, kv_active_mask and kvcache_buffer among kwargs)."""
         if is_for_context_encoding or not self.flash_decoding_enabled:
             return super().update_kv_by_layer_id(idx, is_for_context_encoding, seq_ids, position_ids, kv_per_layer,
                                                  seq_len, **kwargs)
         kv_active_mask = kwargs.get("kv_active_mask")
         k_cache, v_cache = self._fetch_cache(idx, kwargs.get("kvcache_buffer"))
-        latest_k = kv_per_layer[0]
         # the owner writes position p at slot p // G; the others into the last slot, which no mask exposes
         slot = torch.where(kv_active_mask == 1, slot_of(position_ids, self.num_cores_per_group), seq_len - 1)
-        index = slot.view(-1, 1, slot.shape[-1], 1).expand_as(latest_k).to(torch.int64)
-        return torch.scatter(k_cache, 2, index, latest_k.to(k_cache.dtype)), v_cache
+        slot = slot.view(-1, 1, slot.shape[-1], 1).to(torch.int64)
+        return tuple(torch.scatter(cache, 2, slot.expand_as(latest), latest.to(cache.dtype))
+                     for cache, latest in zip((k_cache, v_cache), kv_per_layer))

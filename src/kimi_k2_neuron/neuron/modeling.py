@@ -34,6 +34,7 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, ConversionRecord  # noqa: E402
 from kimi_k2_neuron.formats.scheme import ExpertScheme  # noqa: E402
 from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
+from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
@@ -341,8 +342,9 @@ class KimiK2DecoderLayer(DecoderLayer):
             past = past_key_value[0][:, 0]
             if self.flash_decoding and kwargs.get("kimi_chunk"):  # the chunk entries this rank keeps and writes
                 entries = self._owned(entries)
+            # a chunk's scores in tiles of CHUNK_QUERY_TILE queries, as the fit planner counts them
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
-                                                                [attention_mask, active_mask])
+                                                                [attention_mask, active_mask], CHUNK_QUERY_TILE)
         else:
             past = past_key_value[0][:, 0]
             prior, active = decode_masks(attention_mask, entries.shape[1])

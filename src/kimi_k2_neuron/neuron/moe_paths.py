@@ -117,9 +117,11 @@ def blockwise_blocks(cfg: KimiK2Config, tokens: int, ep: int, block_size: int) -
 
 
 def default_mode(cfg: KimiK2Config, tp: int, ep: int, lnc: int | None, tokens: int) -> str:
-    """DEFAULT_MODE where its kernel can run these shapes, else "torch" (tiny configs)."""
+    """DEFAULT_MODE where its kernel can run the model's shapes, else "torch" (tiny configs). A prefill of tokens the
+    kernel's output tiles do not hold keeps DEFAULT_MODE, whose rule then refuses it: never a silent torch loop of
+    hundreds of unrolled blocks at Kimi's shapes."""
     try:
-        check_prefill_mode(cfg, DEFAULT_MODE, tp, ep, lnc, tokens)
+        check_prefill_mode(cfg, DEFAULT_MODE, tp, ep, lnc, -(-tokens // OUTPUT_TILE) * OUTPUT_TILE)
     except KimiInputError:
         return "torch"
     return DEFAULT_MODE

@@ -13,9 +13,10 @@ from . import moe_paths
 from .moe_paths import decodes_all_experts
 from .spec import RunSpec, Sampling
 
-# --ep layouts by (tp, lnc) that NxD's trn2 replica groups support (NXDI_CONTRACT.md: ep-replica-groups); 8 x 8 is
-# documented unsupported and 32 x 2 mixes EP halves. Kimi-K2 fits only at TP=64 LNC=2.
-EP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+# Group sizes by (tp, lnc) that NxD's trn2 replica-group logic supports for groups of adjacent ranks: 8 x 8 is
+# documented unsupported, 32 x 2 needs its other logic (for EP it mixes the two halves), 2 x 32 is not documented
+# (NXDI_CONTRACT.md: ep-replica-groups). Kimi-K2 fits only at TP=64 LNC=2. Both --ep and --kv-group take them.
+GROUP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
 # NxDI's EAGLE hidden-state buffer holds 2 x speculation_length positions and the draft loop is unrolled K - 1 times
 # into the fused graph; vLLM's EAGLE3 recipes stop at 8 (NXDI_CONTRACT.md: fused-spec)
 SPECULATION_LENGTHS = range(2, 9)
@@ -58,6 +59,10 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
     if g > 1:
         if spec.tp % g:  # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
             raise KimiInputError(f"--kv-group {g}: must divide --tp {spec.tp} (a KV group is G adjacent ranks)")
+        if spec.lnc is not None and not group_layout_supported(spec.tp, g, spec.lnc):
+            raise KimiInputError(f"--kv-group {g} at --tp {spec.tp} --lnc {spec.lnc}: not a layout of adjacent-rank "
+                                 f"groups NxD's replica groups support; use --kv-group in "
+                                 f"{list(GROUP_LAYOUTS.get((spec.tp, spec.lnc), ()))}")
         if seq_len % g:
             raise KimiInputError(f"--seq-len {seq_len}: with --kv-shard sequence must be a multiple of --kv-group {g} "
                                  f"(NxDI's get_cache_size divides it; its cache manager would pad it silently)")
@@ -75,11 +80,15 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
         if context != n:
             raise KimiInputError(f"--max-context-length {context}: with --prefill-chunk {n} the prefill bucket "
                                  f"is the chunk; leave it out or give {n}")
+        if n == seq_len:  # NxD would route every prefill to the chunk graph (same input shapes), a wasted NEFF
+            raise KimiInputError(f"--prefill-chunk {n}: equals --seq-len; the context-encoding graph already prefills "
+                                 f"{n} tokens in one call: leave --prefill-chunk out")
     check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
 
 
-def ep_layout_supported(tp: int, ep: int, lnc: int | None) -> bool:
-    return ep == 1 or ep in EP_LAYOUTS.get((tp, lnc), ())
+def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:
+    """Groups of `size` adjacent ranks of `tp` at this LNC; sizes 1 and (off the table: CPU, other TPs) any."""
+    return size == 1 or (tp, lnc) not in GROUP_LAYOUTS or size in GROUP_LAYOUTS[(tp, lnc)]
 
 
 def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
@@ -89,9 +98,9 @@ def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
     if ep == 1:
         return
-    if lnc is not None and not ep_layout_supported(tp, ep, lnc):
+    if lnc is not None and (ep not in GROUP_LAYOUTS.get((tp, lnc), ())):
         raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
-                             f"support; use --ep in {list(EP_LAYOUTS.get((tp, lnc), (1,)))}")
+                             f"support; use --ep in {list(GROUP_LAYOUTS.get((tp, lnc), (1,)))}")
     if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
         need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
         raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "

@@ -13,7 +13,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME
 from kimi_k2_neuron.parallel import Layout
 
-from . import contract
+from . import contract, moe_paths
 from .spec import DraftSpec, RunSpec
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
@@ -48,6 +48,14 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     bad = contract.derived_problems(nc, spec)
     if bad:
         raise KimiInputError("; ".join(bad))
+    tile = moe_paths.OUTPUT_TILE
+    if spec.prefill_mode(cfg) == "shard-on-block" and spec.prefill_tokens % tile:
+        # the kernel's rule, in vLLM's words: a prefill of whole output tiles, never a silent torch loop of hundreds of
+        # unrolled blocks (moe_paths.default_mode)
+        lower = spec.seq_len // tile * tile
+        raise KimiInputError(f"--max-model-len {spec.seq_len}: NxD's prefill kernel at these shapes computes whole "
+                             f"{tile}-token tiles; use a multiple of {tile} ({lower + tile}"
+                             + (f" or {lower})" if lower else ")"))
     return spec
 
 
