@@ -21,7 +21,8 @@ from .arguments import (Parser, add_generation_args, add_kv_layout_args, add_spe
                         sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, atomic_output, resume_hint, run_command
-from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
+from .launch import (check_layout_flags, cpu_backend, cpu_generate, cpu_options, draft_spec, layout_options,
+                     run_spec)
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
@@ -247,7 +248,8 @@ def cmd_plan(a) -> int:
     if a.port:
         return _plan_published(a, cfg)
     # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
-    spec = run_spec(a, cfg, ConversionRecord.of(cfg), checkpoint=a.model)
+    spec = run_spec(a, cfg, ConversionRecord.of(cfg), checkpoint=a.model,
+                    draft=draft_spec(a, cfg, finite=False))  # the draft's headers: no tensor read to plan
     model = dict(port=Port(kv_slots=a.kv_slots, router_dtype=a.router_dtype))
     if a.best:
         return _plan_best(a, cfg, spec, model["port"])
@@ -516,6 +518,7 @@ def _plan_parser(sub) -> None:
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     add_spec_args(s, "layout")
+    add_spec_args(s.add_argument_group("speculative decoding"), "draft")
     s.add_argument("--json", action="store_true", help="print the plan as JSON (every time component in ms)")
 
 

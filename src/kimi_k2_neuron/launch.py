@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, cache_dir, fail, integer,
+from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, cache_dir, fail, integer,
                         kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
@@ -40,6 +40,8 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     layout = p.add_argument_group("with --cpu, the long-context layout (a compiled folder has its own)")
     add_kv_layout_args(layout)
     add_weight_sharding_args(layout)
+    add_spec_args(p.add_argument_group("with --cpu, speculative decoding (a compiled folder has its own draft)"),
+                  "draft")
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:
@@ -65,7 +67,8 @@ def check_compiled_args(args: argparse.Namespace) -> None:
     given = layout_flags_given(args)
     if given:
         raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
-    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
+    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None),
+                        ("--draft", args.draft is not None), ("--speculation-length", args.speculation_length)):
         if given:
             raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
 

@@ -103,6 +103,12 @@ def fused_spec_config(target_nc, path: str) -> FusedSpecNeuronConfig:
                                  draft_model_cls=Eagle3DraftForCausalLM)
 
 
+def of_spec(target_nc, draft: DraftSpec | None) -> FusedSpecNeuronConfig | None:
+    """The FusedSpecNeuronConfig a run spec's draft asks for; none without a draft or before its folder is known (a
+    vLLM request: complete() takes vllm-neuron's)."""
+    return fused_spec_config(target_nc, draft.path) if draft and draft.path else None
+
+
 def complete(app) -> None:
     """Before the application builds its submodels: a fused NeuronConfig gets its draft. vllm-neuron attaches a
     FusedSpecNeuronConfig without a draft class, built with the target's config class (NXDI_CONTRACT.md:
@@ -196,9 +202,11 @@ def verify_blockwise(nc):
 
 
 def state_dict(app, target: dict) -> dict:
-    """checkpoint_loader_fn's fused state dict: the target's tensors under target_model., the draft's (checked
+    """checkpoint_loader_fn's state dict: the target's, or fused, its tensors under target_model., the draft's (checked
     again as read: names, shapes, dtypes, finite) under draft_model. in NxDI Llama's names. NxDI's own loader would
     prefix through class attributes it never resets (NXDI_CONTRACT.md: fused-checkpoint-prefix)."""
+    if not app.neuron_config.enable_fused_speculation:
+        return target
     fused = app.config.fused_spec_config
     draft = read_draft(fused.draft_model_path, app.config.core_config())
     checkpoint = app.neuron_config.quantized_checkpoints_path or app.model_path

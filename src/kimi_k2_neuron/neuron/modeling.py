@@ -74,8 +74,7 @@ class KimiK2InferenceConfig(InferenceConfig):
     @classmethod
     def for_serving(cls, cfg: KimiK2Config, spec: RunSpec) -> "KimiK2InferenceConfig":
         nc = MoENeuronConfig(**contract.neuron_config_kwargs(cfg, spec))
-        draft = spec.draft and spec.draft.path and fused_spec.fused_spec_config(nc, spec.draft.path)
-        return cls.from_core(cfg, nc, fused_spec_config=draft or None,
+        return cls.from_core(cfg, nc, fused_spec_config=fused_spec.of_spec(nc, spec.draft),
                              **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
 
     @classmethod
@@ -454,8 +453,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
-        state = load_neuron_state_dict(path, self.config)
-        return fused_spec.state_dict(self, state) if self.neuron_config.enable_fused_speculation else state
+        return fused_spec.state_dict(self, load_neuron_state_dict(path, self.config))
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
         """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""

@@ -115,8 +115,9 @@ def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:
         return
     k = d.speculation_length
     if isinstance(k, bool) or not isinstance(k, int) or k not in SPECULATION_LENGTHS:
-        raise KimiInputError(f"--speculation-length {k!r}: expected {SPECULATION_LENGTHS[0]}..{SPECULATION_LENGTHS[-1]} "
-                             f"(tokens the target verifies per step; the draft proposes one fewer)")
+        lo, hi = SPECULATION_LENGTHS[0], SPECULATION_LENGTHS[-1]
+        raise KimiInputError(f"--speculation-length {k!r}: expected {lo}..{hi} (tokens the target verifies per step; "
+                             f"the draft proposes one fewer)")
     if cfg.num_hidden_layers < MIN_TARGET_LAYERS:
         raise KimiInputError(f"--draft: the target has {cfg.num_hidden_layers} layers; NxDI's EAGLE3 capture needs "
                              f">= {MIN_TARGET_LAYERS} (layers 1, N//2 - 1 and N - 4)")
