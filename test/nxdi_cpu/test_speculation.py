@@ -24,11 +24,11 @@ import sys
 
 import pytest
 import torch
-from nxdi_support import cpu_options, stand_in_device_ops, with_device_ops
+from nxdi_support import REPO, cpu_options, stand_in_device_ops, with_device_ops
 
 from kimi_k2_neuron.checkpoint.draft import read_draft
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.neuron.spec import DraftSpec, GREEDY
+from kimi_k2_neuron.neuron.spec import GREEDY, DraftSpec, RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.chat import prompt_ids
@@ -70,6 +70,12 @@ def _generate_job(rank: int, o, rows, stop_ids):
         out[name] = (generate_ids(app, rows, set(), Decoding(NEW + K)), [])
     truth = [row + new for row, new in zip(rows, out["plain"][0])]
     app = backend.build(o, _seq_len(rows), len(rows), GREEDY)
+    fused = app.fused_spec_model.model
+    out["buffers"] = {"seq_len": app.neuron_config.seq_len,  # this rank's, as NxDI built them
+                      "draft_weights": sum(p.numel() for p in fused.draft_model.parameters() if p.is_floating_point())
+                      - sum(t.numel() for t in fused.draft_model.kv_mgr.past_key_values),
+                      "draft_kv": sum(t.numel() for t in fused.draft_model.kv_mgr.past_key_values),
+                      "buffer": fused.hidden_state_rolling_buffer.hidden_states.numel()}
     for name, proposals in (("tiny", None), ("oracle", truth), ("wrong", [[t + 1 for t in row] for row in truth])):
         handle = _propose(app, proposals, app.config.vocab_size) if proposals else None
         steps: list = []
@@ -158,3 +164,42 @@ def test_generate_with_a_draft_over_the_sequence_sharded_cache_prints_the_plain_
 
 def _cut(row, stops):
     return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
+
+
+def test_the_planners_draft_rows_are_the_buffers_nxdi_builds(models, runs):
+    """plan's per-core rows for the draft (bf16 bytes) against the element counts of the draft's parameters, its KV
+    cache and the hidden-state buffer in NxDI's fused model at TP 2 (float32 on CPU: compared in elements)."""
+    from kimi_k2_neuron.formats.record import expert_scheme
+    from kimi_k2_neuron.neuron.fit import plan
+
+    target, draft = models
+    built = runs["buffers"]
+    cfg = KimiK2Config.from_file(target)
+    spec = RunSpec(tp=2, lnc=2, seq_len=built["seq_len"], batch=len(PROMPTS), moe_prefill="torch",
+                   scheme=expert_scheme(cfg, None, None),
+                   draft=DraftSpec(path=str(draft), speculation_length=K, checkpoint=read_draft(draft, cfg)))
+    rows = {r.kind.split(" (")[0]: r.bytes // 2 for r in plan(cfg, spec).speculation.rows}
+    assert rows == {"EAGLE3 draft weights": built["draft_weights"], "EAGLE3 draft KV cache": built["draft_kv"],
+                    "EAGLE hidden-state buffer": built["buffer"],
+                    "verify MoE temporaries": rows.get("verify MoE temporaries")}
+
+
+def test_compile_for_vllm_with_a_draft_prints_the_speculative_config(models, tmp_path, env):
+    """compile_and_save.py --dry-run --for-vllm --draft: the NeuronConfig NxDI would compile (fused EAGLE3, the
+    draft's config and class saved beside it for the reload), the fused submodel with Kimi's compiler arguments, and
+    the vllm serve line with --speculative-config."""
+    target, draft = models
+    out = tmp_path / "compiled"
+    r = subprocess.run([sys.executable, str(REPO / "scripts/compile_and_save.py"), "--model", str(target), "--out",
+                        str(out), "--tp", "2", "--seq-len", "64", "--batch", "2", "--moe-prefill", "torch",
+                        "--for-vllm", "--dry-run", "--draft", str(draft), "--speculation-length", str(K)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    nc = report["neuron_config"]
+    assert (nc["enable_fused_speculation"], nc["enable_eagle_speculation"], nc["is_eagle3"],
+            nc["speculation_length"], nc["kv_cache_tiling"]) == (True, True, True, K, False)
+    assert set(report["compiler_args"]) == {"context_encoding_model", "fused_speculation_model"}
+    assert "--enable-saturate-infinity" in report["compiler_args"]["fused_speculation_model"]
+    config = json.loads(report["vllm_serve"].split("--speculative-config ")[1].strip().strip("'"))
+    assert config == {"method": "eagle", "model": str(draft.resolve()), "num_speculative_tokens": K}

@@ -189,20 +189,25 @@ def test_generate_refuses_what_speculation_cannot_run(argv, words, pair, tmp_pat
 
 def _spec(pair, **fields) -> tuple[KimiK2Config, RunSpec]:
     target, draft = pair
+    draft = fields.pop("draft", draft)
     cfg = KimiK2Config.from_file(target)
     d = DraftSpec(path=str(draft), speculation_length=fields.pop("k", 4), checkpoint=read_draft(draft, cfg))
     from kimi_k2_neuron.formats.record import expert_scheme
 
     return cfg, RunSpec(tp=fields.pop("tp", 2), lnc=None, seq_len=64, scheme=expert_scheme(cfg, None, None),
-                        draft=d, **fields)
+                        moe_prefill="torch", draft=d, **fields)
 
 
 @pytest.mark.parametrize("fields, words", [
     ({"ep": 2, "batch": 8}, "--ep 2: not with --draft"),
-    ({"tp": 8}, "num_attention_heads=4 does not split --tp 8 ways"),
+    ({"tp": 4, "heads": 6}, "num_attention_heads=6 does not split --tp 4 ways"),
     ({"k": 0}, "--speculation-length 0: expected 2..8"),
 ], ids=["ep", "draft heads", "k"])
-def test_rules_refuse_what_nxdis_fused_speculation_cannot_run(fields, words, pair, one_line_error):
+def test_rules_refuse_what_nxdis_fused_speculation_cannot_run(fields, words, pair, draft_copy, one_line_error):
+    heads = fields.pop("heads", None)
+    if heads:  # 6 heads of 32: the same q/k/v/o shapes as the tiny draft's 4 of 48
+        _config(num_attention_heads=heads, num_key_value_heads=heads, head_dim=H // heads)(draft_copy)
+        fields["draft"] = draft_copy
     cfg, spec = _spec(pair, **fields)
     one_line_error(lambda: rules.check_shapes(cfg, spec), words)
 
@@ -215,7 +220,7 @@ def test_a_draft_on_a_three_layer_target_is_refused(tiny_dirs, pair, one_line_er
 
 def test_the_neuron_config_of_a_draft_run(pair):
     """NxDI's fused EAGLE3 flags (config.py:243-256), KV tiling off for the latent cache (config.py:400-411)."""
-    cfg, spec = _spec(pair, k=5)
+    cfg, spec = _spec(pair, k=5, checkpoint="/converted")
     kw = contract.neuron_config_kwargs(cfg, spec)
     assert {k: kw[k] for k in ("enable_fused_speculation", "enable_eagle_speculation", "is_eagle3",
                                "speculation_length", "disable_kv_cache_tiling")} == {
@@ -250,3 +255,53 @@ def test_vllms_speculative_config_as_the_request_spec(pair, one_line_error):
         "--speculative-config num_speculative_tokens 5, compiled for 4 (NxDI's speculation_length)"]
     plain = RunSpec(**{**spec.__dict__, "draft": None})
     assert "num_speculative_tokens none, compiled for 4" in vllm_request.compiled_mismatches(plain, compiled)[0]
+
+
+# -- the planner ----------------------------------------------------------------------------------------------------
+
+def test_plan_with_a_draft_prints_its_hbm_and_the_effective_tpot(pair, capsys):
+    target, draft = pair
+    rc, out, _ = run_cli(["plan", "--model", target, "--tp", "2", "--seq-len", "64", "--moe-prefill", "torch",
+                          "--draft", draft, "--speculation-length", "4"], capsys)
+    assert rc == 0
+    section = out.split("speculative decoding, an estimate")[1]
+    assert "EAGLE3 draft weights" in section and "EAGLE3 draft KV cache" in section
+    assert "effective TPOT at accept length 2.3:" in section and "effective TPOT at accept length 3.2:" in section
+    rc, out, _ = run_cli(["plan", "--model", target, "--tp", "2", "--seq-len", "64", "--moe-prefill", "torch",
+                          "--draft", draft, "--json"], capsys)
+    spec = json.loads(out)["speculation"]
+    assert spec["speculation_length"] == 4 and set(spec["effective_tpot_ms"]) == {"2.3", "3.2"}
+
+
+def _k25_draft():
+    """TorchSpec's Kimi-K2.5 EAGLE3 draft config (configs/draft_models/kimi_k25_eagle3.json), as facts."""
+    from kimi_k2_neuron.checkpoint.draft import Eagle3Draft
+
+    return Eagle3Draft(path="/data/kimi-k2.5-eagle3", hidden_size=7168, intermediate_size=12288,
+                       num_attention_heads=64, num_key_value_heads=64, head_dim=128, vocab_size=163840,
+                       rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=262144)
+
+
+def test_the_draft_at_kimis_shapes_in_the_plan():
+    """TP 64: the draft's weights are the public layout's tensors (its table at the real sizes) split 64 ways but the
+    norms; its MHA cache one KV head a rank; the verify's MoE selective at batch 1 x 4 tokens, all-experts (and
+    counted) at 16 x 4 = 64 tokens >= n_routed_experts / top_k = 48."""
+    from kimi_k2_neuron.formats.record import expert_scheme
+    from kimi_k2_neuron.neuron.fit import plan
+
+    cfg = KimiK2Config.from_file(Path(__file__).parents[1] / "data/configs/kimi-k2-instruct-0905.json")
+    d = _k25_draft()
+    h, v, q, i = 7168, 163840, 64 * 128, 12288
+    layout = {"embed": (v, h), "fc": (h, 3 * h), "q": (q, 2 * h), "k": (q, 2 * h), "v": (q, 2 * h), "o": (h, q),
+              "gate": (i, h), "up": (i, h), "down": (h, i), "lm_head": (v, h)}
+    split = sum(a * b for a, b in layout.values()) * 2 // 64
+    norms = 4 * h * 2
+    for batch, path in ((1, "selective"), (16, "all-experts")):
+        spec = RunSpec(tp=64, seq_len=1024, batch=batch, scheme=expert_scheme(cfg, None, None),
+                       draft=DraftSpec(path=d.path, speculation_length=4, checkpoint=d))
+        s = plan(cfg, spec).speculation
+        rows = {r.kind.split(" (")[0]: r.bytes for r in s.rows}
+        assert rows["EAGLE3 draft weights"] == split + norms
+        assert rows["EAGLE3 draft KV cache"] == batch * 1024 * 2 * 1 * 128 * 2
+        assert s.verify_path == path and ("verify MoE temporaries" in rows) == (path == "all-experts")
+        assert s.step_s == s.verify.total_s + s.draft_s and s.tpot_s(2.0) == s.step_s / 2

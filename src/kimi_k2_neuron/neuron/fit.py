@@ -767,11 +767,13 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
     path = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens) else \
         "selective"
+    norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
     rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
-                _div(c.weight_bytes, tp)),
+                _div(c.weight_bytes - norms, tp) + norms),
             Row(f"EAGLE3 draft KV cache ({kv_heads} KV head/rank x {spec.seq_len})", "bf16", draft_kv),
-            Row(f"EAGLE hidden-state buffer (2 x {k} positions x 3 hidden)", "bf16",
-                b * 2 * k * 3 * c.hidden_size * BF16)]
+            # one line per row and a spare (NxDI's HiddenStateRollingBuffer)
+            Row(f"EAGLE hidden-state buffer ({b} + 1 rows x 2 x {k} positions x 3 hidden)", "bf16",
+                (b + 1) * 2 * k * 3 * c.hidden_size * BF16)]
     if path == "all-experts":
         rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
                         moe_temporaries(cfg, path, tokens, tp, spec.ep, spec.scheme)[0]))

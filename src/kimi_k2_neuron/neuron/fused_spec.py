@@ -219,8 +219,9 @@ def state_dict(app, target: dict) -> dict:
 
 def generate_fused(app, rows: list[list[int]], max_new_tokens: int, sampling: Sampling, stopped, on_step=None):
     """New tokens per row (rows fill the compiled batch), a fused call per step until every row is `stopped(tokens)`
-    or has max_new_tokens; -> (tokens per row, tokens each step emitted per live row). NxDI's HF adapter runs batch 1
-    only and stops short (NXDI_CONTRACT.md: fused-adapter). `on_step(tokens)` after each call."""
+    or has max_new_tokens; -> (tokens per row, tokens each step emitted per live row). The tokens are what NxDI's
+    acceptance keeps (NXDI_CONTRACT.md: fused-acceptance). NxDI's HF adapter runs batch 1 only and stops short
+    (NXDI_CONTRACT.md: fused-adapter). `on_step(tokens)` after each call."""
     batch, width = len(rows), max(len(r) for r in rows)
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros(batch, width, dtype=torch.long)

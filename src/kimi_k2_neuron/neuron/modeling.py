@@ -94,8 +94,8 @@ class KimiK2InferenceConfig(InferenceConfig):
         return config
 
     def add_derived_config(self):
-        if getattr(self.neuron_config, "is_eagle_draft", False):  # vllm-neuron's draft config (NXDI_CONTRACT.md:
-            return fused_spec.as_vllm_draft_config(self)           # vllm-spec-config)
+        if getattr(self.neuron_config, "is_eagle_draft", False):  # NXDI_CONTRACT.md: vllm-spec-config
+            return fused_spec.as_vllm_draft_config(self)
         if isinstance(self.neuron_config, KimiK2ServingRequest):
             # vllm-neuron's load_pretrained_config records the checkpoint folder as _name_or_path.
             built = self.for_request(self.neuron_config, getattr(self, "_name_or_path", None))
