@@ -57,9 +57,10 @@ def chat(models):
     return prompt_ids(tok, PROMPTS), tok.stop_ids(list(KimiK2Config.from_file(models[0]).eos_token_ids))
 
 
-def _generate_job(rank: int, o, rows, stop_ids):
+def _generate_job(rank: int, o, rows, presharded: str):
     """At each rank: the non-speculative tokens (replicated and sequence-sharded cache), and the fused model's with
-    the tiny draft, the oracle draft and the wrong draft; -> {name: (tokens, tokens each step emitted per row)}."""
+    the tiny draft, the oracle draft and the wrong draft, and from NxD's pre-sharded files of the fused model;
+    -> {name: (tokens, tokens each step emitted per row)}."""
     from kimi_k2_neuron.neuron.serving import Decoding, generate_ids
 
     plain = dataclasses.replace(o.spec, draft=None)
@@ -82,6 +83,8 @@ def _generate_job(rank: int, o, rows, stop_ids):
         out[name] = (generate_ids(app, rows, set(), Decoding(NEW), accepted=steps), steps)
         if handle:
             handle.remove()
+    app = backend.build(dataclasses.replace(o, presharded=presharded), _seq_len(rows), len(rows), GREEDY)
+    out["presharded"] = (generate_ids(app, rows, set(), Decoding(NEW)), [])
     return out
 
 
@@ -109,15 +112,17 @@ def _propose(app, proposals, vocab: int):
 
 
 @pytest.fixture(scope="module")
-def runs(models, chat):
-    """One run of ranks for every in-process case (builds are the tier's cost)."""
+def runs(models, chat, tmp_path_factory):
+    """One run of ranks for every in-process case (builds are the tier's cost); the fused model's weights pre-sharded
+    first, as compile_and_save's compile() does after its trace (backend.preshard: NxD's ModelBuilder)."""
     stand_in_device_ops()
     target, draft = models
     rows, _ = chat
     spec = DraftSpec(path=str(draft), speculation_length=K,
                      checkpoint=read_draft(draft, KimiK2Config.from_file(target)))
     o = backend.prepare(cpu_options(target, tp=2, draft=spec), _seq_len(rows), len(rows), GREEDY, rows)
-    return backend.run(o, _generate_job, rows, chat[1])
+    presharded = backend.preshard(o, tmp_path_factory.mktemp("presharded"), _seq_len(rows), len(rows))
+    return {**backend.run(o, _generate_job, rows, str(presharded)), "presharded_dir": presharded}
 
 
 def test_the_fused_graph_gives_the_plain_tokens_with_the_tiny_draft(runs):
@@ -203,3 +208,15 @@ def test_compile_for_vllm_with_a_draft_prints_the_speculative_config(models, tmp
     assert "--enable-saturate-infinity" in report["compiler_args"]["fused_speculation_model"]
     config = json.loads(report["vllm_serve"].split("--speculative-config ")[1].strip().strip("'"))
     assert config == {"method": "eagle", "model": str(draft.resolve()), "num_speculative_tokens": K}
+
+
+def test_the_draft_is_pre_sharded_with_the_target(runs):
+    """NxD's ModelBuilder shards the fused state dict (draft_model. in NxDI's names after its pre-shard hooks,
+    target_model.), one file per rank, and the model loaded from those files gives the same tokens."""
+    from safetensors import safe_open
+
+    with safe_open(str(runs["presharded_dir"] / "tp1_sharded_checkpoint.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "draft_model.layers.0.self_attn.qkv_proj.q_proj.weight" in names and "draft_model.fc.weight" in names
+    assert any(n.startswith("target_model.layers.6.mlp.") for n in names)
+    assert runs["presharded"][0] == [row[:NEW] for row in runs["plain"][0]]

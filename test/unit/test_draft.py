@@ -17,7 +17,7 @@ from kimi_k2_neuron import cli
 from kimi_k2_neuron.checkpoint.draft import aux_layer_ids, neuron_tensors, read_draft
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.neuron import contract, rules, vllm_request
-from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec
+from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec, Sampling
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
 from kimi_k2_neuron.testing.tiny_draft import make_tiny_draft
@@ -202,7 +202,8 @@ def _spec(pair, **fields) -> tuple[KimiK2Config, RunSpec]:
     ({"ep": 2, "batch": 8}, "--ep 2: not with --draft"),
     ({"tp": 4, "heads": 6}, "num_attention_heads=6 does not split --tp 4 ways"),
     ({"k": 0}, "--speculation-length 0: expected 2..8"),
-], ids=["ep", "draft heads", "k"])
+    ({"sampling": Sampling(on_device=False)}, "--no-on-device-sampling: not with --draft"),
+], ids=["ep", "draft heads", "k", "host sampling"])
 def test_rules_refuse_what_nxdis_fused_speculation_cannot_run(fields, words, pair, draft_copy, one_line_error):
     heads = fields.pop("heads", None)
     if heads:  # 6 heads of 32: the same q/k/v/o shapes as the tiny draft's 4 of 48

@@ -126,7 +126,8 @@ def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:
                                              "variant"),
             (f"--prefill-chunk {spec.layout.prefill_chunk}", spec.layout.prefill_chunk,
              "the fused graph has no chunk submodel, and the draft's prefill reads the whole prompt's hidden states"),
-            (f"--seq-len {spec.seq_len}", spec.seq_len <= k, f"a step writes {k} positions")):
+            (f"--seq-len {spec.seq_len}", spec.seq_len <= k, f"a step writes {k} positions"),
+            ("--no-on-device-sampling", not spec.sampling.on_device, "NxDI's fused speculation samples on the device")):
         if given:
             raise KimiInputError(f"{flag}: not with --draft ({why})")
     c = d.checkpoint

@@ -91,7 +91,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | No
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     """shard_weights as compile() runs it, outside CPU mode: there NxD would ask the mocked torch.distributed for
     gloo groups (NXD_CPU_MODE.md: sharding-outside-cpu-mode)."""
-    app = application(o, seq_len, batch)
+    app = application(o, seq_len, batch, GREEDY if o.spec.draft else None)  # fused speculation samples on device
     with nxd_cpu_mode(False):
         app.shard_weights(str(out))
     return Path(out) / "weights"
