@@ -220,3 +220,26 @@ def test_the_draft_is_pre_sharded_with_the_target(runs):
     assert "draft_model.layers.0.self_attn.qkv_proj.q_proj.weight" in names and "draft_model.fc.weight" in names
     assert any(n.startswith("target_model.layers.6.mlp.") for n in names)
     assert runs["presharded"][0] == [row[:NEW] for row in runs["plain"][0]]
+
+
+def test_a_compiled_folders_config_reloads_the_draft(models, tmp_path):
+    """neuron_config.json as compile() saves it, loaded as a compiled folder is (and vllm-neuron's precompiled
+    branch): NxDI rebuilds the draft's config with our draft class's config class, the target's worker class by name,
+    and the reload's spec holds the draft's facts (from its config, not its folder)."""
+    from kimi_k2_neuron.formats.record import expert_scheme
+    from kimi_k2_neuron.neuron import fused_spec
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2Model
+
+    target, draft = models
+    cfg = KimiK2Config.from_file(target)
+    d = DraftSpec(path=str(draft), speculation_length=K, checkpoint=read_draft(draft, cfg))
+    spec = RunSpec(tp=2, lnc=2, seq_len=64, batch=2, scheme=expert_scheme(cfg, None, None), checkpoint="/converted",
+                   moe_prefill="torch", draft=d)
+    KimiK2InferenceConfig.for_serving(cfg, spec).save(tmp_path)
+    config = KimiK2InferenceConfig.load(tmp_path)
+    fused = config.fused_spec_config
+    assert (fused.draft_model_cls, fused.worker_cls) == (fused_spec.Eagle3DraftForCausalLM, NeuronKimiK2Model)
+    dnc = fused.draft_config.neuron_config
+    assert (dnc.is_eagle_draft, dnc.is_eagle3, dnc.enable_eagle_draft_input_norm, dnc.kv_cache_tiling) == (
+        True, True, True, False)
+    assert fused_spec.draft_of(config) == d and fused_spec.draft_of(config).checkpoint == d.checkpoint

@@ -123,6 +123,8 @@ def complete(app) -> None:
     if fused.draft_model_cls is not Eagle3DraftForCausalLM:
         read_config(fused.draft_model_path, config.core_config())
         config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, fused.draft_model_path)
+    # a reload's NeuronConfig sets it again with enable_eagle_speculation; the target fuses, not the draft
+    config.fused_spec_config.draft_config.neuron_config.enable_fused_speculation = False
 
 
 def draft_of(config) -> DraftSpec | None:
