@@ -16,6 +16,12 @@ it).
 --cpu runs the same benchmark on the NxDI model in NxD's CPU mode, built from --model for --seq-len and --batch: it
 exercises the runner end to end, and its report says `"device": "cpu"`; its latencies say nothing about trn2.
 
+With a draft (a folder compiled with --draft, or --cpu --draft DIR): the per-length run times every call of NxDI's
+fused speculation submodel (a step: K - 1 draft tokens and the target's verify) and counts the tokens each emitted;
+the report's tpot_ms is the step over the measured accept length (the time per emitted token), beside the step and
+the accept length. Without --context-lengths it runs at half the prefill bucket (NxDI's benchmark_sampling drives
+fused speculation through its HF adapter, batch 1 only, and hooks no fused submodel).
+
 Examples:
   python scripts/bench_tpot.py --compiled /data/compiled/tp64-s1024-b1 --num-runs 20 --report tpot.json
   python scripts/bench_tpot.py --compiled /data/compiled/tp64-s262144 --context-lengths 1024,8192,32768,131072
@@ -40,6 +46,7 @@ from kimi_k2_neuron.runtime.ranks import RanksError
 
 
 DEFAULT_NUM_RUNS, DEFAULT_DECODE_STEPS = 20, 32
+FUSED = "fused_speculation_model"  # NxDI's tag of the fused speculation submodel
 
 
 
@@ -71,6 +78,9 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
         return {k: entry[f"latency_ms_{k}"] for k in ("p50", "p90", "p99")} | {"avg": entry["latency_ms_avg"]}
 
     tpot = pct(nxdi_report.get("token_generation_model"))
+    step, accept = pct(nxdi_report.get(FUSED)), nxdi_report.get("accept_length")
+    if step and accept:  # a fused step emits accept_length tokens a row on average: the time per token
+        tpot = {k: v / accept for k, v in step.items()}
     out = {
         "tpot_ms": tpot,  # one decode step (batch rows, one token each)
         # one context-encoding call: with --prefill-chunk, a row's first chunk (the sweep adds prefill_ms, all calls)
@@ -80,6 +90,7 @@ def summarize(nxdi_report: dict, batch: int, meta: dict) -> dict:
         "decode_tokens_per_s_per_sequence_p50": 1000 / tpot["p50"] if tpot else None,
         "decode_tokens_per_s_p50": batch * 1000 / tpot["p50"] if tpot else None,
         "e2e_generation_ms": pct(nxdi_report.get("e2e_model")),
+        **({"fused_step_ms": step, "accept_length": accept} if step else {}),
         "method": "NxDI benchmark_sampling(target='all'): per-call latency hooks on the submodels",
         **meta,
     }
@@ -100,18 +111,23 @@ def _check_flags(args: argparse.Namespace) -> None:
         from kimi_k2_neuron.nxdi_cpu.options import check_request
 
         seq_len, batch = _cpu_shape(args)
-        # a CPU run prefills up to seq_len: one bucket of seq_len, or chunks (kimi_k2_neuron.nxdi_cpu.backend)
-        _check_lengths(args, seq_len, seq_len, f"--seq-len {seq_len}")
         o = cpu_options(args)
+        if o.spec.draft and args.context_lengths is None:
+            args.context_lengths = [_default_length(seq_len, seq_len, o.spec.draft.speculation_length)]
+        # a CPU run prefills up to seq_len: one bucket of seq_len, or chunks (kimi_k2_neuron.nxdi_cpu.backend)
+        _check_lengths(args, seq_len, seq_len, f"--seq-len {seq_len}",
+                       o.spec.draft.speculation_length if o.spec.draft else 0)
         check_request(o, seq_len, batch, cfg=o.config)
 
 
-def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str) -> None:
+def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str, k: int = 0) -> None:
     """Each --context-lengths L prefilled (L <= context_len: the prefill bucket, or seq_len with chunks) and followed
-    by --decode-steps steps inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len."""
+    by --decode-steps steps inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len
+    (with a draft K - 2 fewer: the last fused step writes K positions, serving.generate_ids)."""
     if args.context_lengths is None:
         return
     steps = _decode_steps(args)
+    seq_len -= max(k - 2, 0)
     for n in args.context_lengths:
         if n > context_len:
             raise KimiInputError(f"--context-lengths {n}: above the prefill bucket of {context_len} tokens "
@@ -124,6 +140,11 @@ def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, sou
 
 def _decode_steps(args: argparse.Namespace) -> int:
     return args.decode_steps or DEFAULT_DECODE_STEPS
+
+
+def _default_length(seq_len: int, context_len: int, k: int) -> int:
+    """A draft run's prompt without --context-lengths: half the prefill bucket, within the cache's room."""
+    return max(2, min(context_len // 2, seq_len - DEFAULT_DECODE_STEPS - 1 - max(k - 2, 0)))
 
 
 def _cpu_shape(args: argparse.Namespace) -> tuple[int, int]:
@@ -163,7 +184,10 @@ def _line(report: dict, batch: int, where: str) -> str:
     t = report["tpot_ms"]
     first = (f"prefill {report['prefill_ms']:.1f} ms" if report.get("prefill_ms") is not None else
              f"TTFT p50 {report['ttft_ms']['p50']:.1f} ms")
-    return f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {batch}); {first}{where}"
+    per = (f" per emitted token: fused step p50 {report['fused_step_ms']['p50']:.2f} ms / accept length "
+           f"{report['accept_length']:.2f}" if report.get("accept_length") else "")
+    return (f"TPOT p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f} ms, p99 {t['p99']:.2f} ms (batch {batch}{per}); "
+            f"{first}{where}")
 
 
 SWEEP_METHOD = ("per context length: one generation of a prefill and --decode-steps decode steps, NxDI's latency hooks "
@@ -185,29 +209,32 @@ def sweep(app, lengths: list[int], steps: int, progress: bool = True) -> list[di
 
     batch, vocab = app.neuron_config.max_batch_size, app.config.vocab_size
     ids = torch.Generator().manual_seed(0)
+    accepted: list = []  # with a draft: the tokens each fused step emitted per live row
 
     def generate(n: int, new: int) -> list[list[int]]:
         app.reset()  # a new batch: prefill again (benchmark_sampling's preprocess_func)
         rows = torch.randint(0, vocab, (batch, n), generator=ids).tolist()
-        return generate_ids(app, rows, set(), Decoding(max_new_tokens=new))
+        accepted.clear()
+        return generate_ids(app, rows, set(), Decoding(max_new_tokens=new), accepted=accepted)
 
     generate(min(lengths), 2)
     collectors = create_submodule_latency_collectors(app)
     register_latency_collectors(collectors, app)
-    chunked = getattr(app, "chunked_prefill_model", None)
-    if chunked is not None:  # NxDI's collectors know only its own submodels
-        collectors[chunked.tag] = LatencyCollector()
-        register_forward_latency_collector(collectors[chunked.tag], chunked)
+    for extra in (getattr(app, "chunked_prefill_model", None), getattr(app, "fused_spec_model", None)):
+        if extra is not None:  # NxDI's collectors know only its own submodels
+            collectors[extra.tag] = LatencyCollector()
+            register_forward_latency_collector(collectors[extra.tag], extra)
     with bar_of(lengths, desc="context lengths", unit="length", disable=not progress) as bar:
         try:
-            return [_timed(generate, collectors, n, steps, batch) for n in bar]
+            return [_timed(generate, collectors, n, steps, batch, accepted) for n in bar]
         except BaseException:
             bar.leave = False  # the stop's (or error's) one line takes the bar's place
             raise
 
 
-def _timed(generate, collectors: dict, n: int, steps: int, batch: int) -> dict:
-    """One generation at prompt length n, timed by the submodels' collectors and end to end."""
+def _timed(generate, collectors: dict, n: int, steps: int, batch: int, accepted: list) -> dict:
+    """One generation at prompt length n, timed by the submodels' collectors and end to end; with a draft, the
+    accept length of its fused steps."""
     from neuronx_distributed_inference.utils.benchmark import LatencyCollector, generate_report
 
     for c in collectors.values():
@@ -218,11 +245,14 @@ def _timed(generate, collectors: dict, n: int, steps: int, batch: int) -> dict:
     e2e.hook()
     if any(len(row) != steps + 1 for row in out):
         raise RuntimeError(f"context {n}: generated {[len(r) for r in out]} tokens, expected {steps + 1} per row")
-    tokens = {"context_encoding_model": n, "token_generation_model": steps}
+    tokens = {"context_encoding_model": n, "token_generation_model": steps, FUSED: steps}
     report = {k: generate_report(c.latency_list, tokens.get(k, 0), batch, n_runs=1) for k, c in collectors.items()}
+    emitted = [t for step in accepted for t in step]
+    if emitted:
+        report["accept_length"] = sum(emitted) / len(emitted)
     report["e2e_model"] = generate_report(e2e.latency_list, n + steps + 1, batch, n_runs=1)
     # the time to the first token: every prefill call, the chunk submodel's too (one row a call with chunks)
-    prefill = [t for k, c in collectors.items() if k != "token_generation_model" for t in c.latency_list]
+    prefill = [t for k, c in collectors.items() if k not in ("token_generation_model", FUSED) for t in c.latency_list]
     report["prefill_ms"] = 1000 * sum(prefill)
     report["timed_calls"] = {k: len(c.latency_list) for k, c in collectors.items()}
     return report
@@ -242,7 +272,10 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
     compiled = config.neuron_config
     # with chunks a prompt up to seq_len is prefilled, N tokens a call
     longest = compiled.seq_len if layout_of(config).prefill_chunk else compiled.max_context_length
-    _check_lengths(args, compiled.seq_len, longest, f"the compiled {args.compiled}")
+    k = compiled.speculation_length if compiled.enable_fused_speculation else 0
+    if k and args.context_lengths is None:
+        args.context_lengths = [_default_length(compiled.seq_len, longest, k)]
+    _check_lengths(args, compiled.seq_len, longest, f"the compiled {args.compiled}", k)
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
     if args.context_lengths is not None:
@@ -264,8 +297,9 @@ def modelled_times(config) -> dict:
     what the benchmark measures: the first trn2 run tests the time model."""
     from kimi_k2_neuron.neuron.contract import layout_of, spec_of
     from kimi_k2_neuron.neuron.fit import modelled
+    from kimi_k2_neuron.neuron.fused_spec import draft_of
 
-    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config)))
+    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config), draft_of(config)))
 
 
 def _cpu(args) -> tuple[dict, dict]:

@@ -15,6 +15,11 @@ taken is printed at the end).
 continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
 pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
 
+--draft DIR --speculation-length K compiles NxDI's fused EAGLE3 speculation (docs/speculative.md): the context encoding
+(the draft's prefill inside) and one fused graph of K - 1 draft steps and a K-token target verify, in place of the
+token-generation graph; the draft's weights are pre-sharded beside the target's. With --for-vllm the printed command
+carries --speculative-config '{"method": "eagle", "model": DIR, "num_speculative_tokens": K}'.
+
 Example (trn2.48xlarge, LNC=2 -> 64 logical cores):
   python scripts/compile_and_save.py --model /data/kimi-k2-neuron-fp8 --out /data/compiled/tp64-s1024-b1 \\
       --tp 64 --lnc 2 --seq-len 1024 --batch 1
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
                   batch=dict(help="batch compiled into both the prefill and decode graphs"))
     p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")
-    add_spec_args(p, "sampler", "moe", "layout")
+    add_spec_args(p, "sampler", "moe", "layout", "draft")
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
                         "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
@@ -196,12 +201,16 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
     decode = moe_paths.call_path(spec.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
                                  moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
+    step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
+    if spec.draft:  # the fused graph's verify of batch x K tokens, all-experts past selective (fused_spec.py)
+        decode = moe_paths.call_path(step, cfg.num_experts_per_tok, cfg.n_routed_experts,
+                                     moe_paths.ALL_EXPERTS_BLOCK_SIZE, decode=False)
     saved = json.loads(config.to_json_string())
     report = {
         "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY], "layout_choice": why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
-                      "token_generation": {"tokens": spec.batch, "path": decode}},
+                      ("fused_speculation" if spec.draft else "token_generation"): {"tokens": step, "path": decode}},
         "compiler_args": {wrapper.tag: wrapper.compiler_args for wrapper in app.models},
         "plan": p.to_dict()}
     from kimi_k2_neuron.neuron import kernels  # the NKI kernels each graph calls or not, each with why

@@ -9,9 +9,15 @@ they mean for `kimi-k2-neuron generate` on CPU.
 model in NxD's CPU mode, built from --model at --tp ranks, compiled for this batch and length; nothing is traced or
 compiled, and its timing says nothing about trn2.
 
+A folder compiled with --draft (compile_and_save.py) speculates with its EAGLE3 draft: NxDI's fused speculation, the
+target verifying --speculation-length tokens a step; the tokens are the target's greedy ones (sampling: NxDI's
+acceptance rule, docs/speculative.md), and the accept length is printed on stderr. With --cpu, --draft DIR and
+--speculation-length K build the same.
+
 Examples:
   python scripts/run_inference.py --compiled /data/compiled/tp64-s1024-b1 --prompt "What is the capital of France?"
   python scripts/run_inference.py --cpu --model ~/.cache/kimi-k2-neuron/tiny-fp8 --prompt "Hello, Kimi!"
+  python scripts/run_inference.py --cpu --model tiny7 --draft tiny7-draft --speculation-length 4 --prompt "Hi"
 
 Arguments are parsed and checked before the Neuron SDK is imported, so --help and bad flags answer without it.
 """
@@ -109,7 +115,13 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
     rules.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
     app = load_compiled(args.compiled, checkpoint)
     decoding = Decoding(args.max_new_tokens, Sampling.of(*sampling_values(args)), tuple(args.stop))
-    return generate_ids(app, rows, stops, decoding, decode=partial(reply_text, tok), stream=stream)
+    accepted: list = []
+    out = generate_ids(app, rows, stops, decoding, decode=partial(reply_text, tok), stream=stream, accepted=accepted)
+    if app.neuron_config.enable_fused_speculation:  # compiled with --draft
+        from kimi_k2_neuron.neuron.fused_spec import accept_summary
+
+        print(accept_summary(accepted, app.neuron_config.speculation_length), file=sys.stderr)
+    return out
 
 
 if __name__ == "__main__":

@@ -278,12 +278,20 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                                                       "(needed by the logit-parity test)")),
         "--global-topk": ("sampler", dict(type=integer(1), default=256,
                                           help="on-device sampling's top-k pre-selection")),
+        "--draft": ("draft", dict(default=None, metavar="DIR",
+                                  help="speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: config.json "
+                                       "+ safetensors; docs/speculative.md): NxDI's fused speculation, the target "
+                                       "verifying --speculation-length tokens a step (default: no speculation)")),
+        "--speculation-length": ("draft", dict(type=integer(2), default=None, metavar="K",
+                                               help="with --draft: tokens the target verifies per step, the most "
+                                                    "one step emits; the draft proposes K - 1 (vLLM's "
+                                                    "num_speculative_tokens) (default: 4)")),
     }
 
 
 def add_spec_args(p, *names: str, **overrides: dict) -> None:
-    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, sampler) on p (a parser
-    or an argument group), in the table's order; overrides: {dest: add_argument keywords to change}."""
+    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, sampler, draft) on p
+    (a parser or an argument group), in the table's order; overrides: {dest: add_argument keywords to change}."""
     for flag, (group, kw) in _spec_flags().items():
         if flag in names or group in names:
             dest = flag[2:].replace("-", "_")

@@ -7,7 +7,6 @@ before any model is loaded wherever config.json alone can tell.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from functools import partial
@@ -21,10 +20,11 @@ from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_arg
                         check_out_dir, check_out_file, fail, integer, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, run_command, save_safetensors
-from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options, run_spec
-from .formats import DEFAULT_SCHEME, EXPERT_FORMATS, SCHEMES
+from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
+from .formats import DEFAULT_SCHEME, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
+from .plan_command import add_plan_parser
 from .testing import TINY_LAYOUTS
 
 
@@ -46,8 +46,22 @@ def cmd_make_tiny(a) -> int:
     from .testing.tiny_checkpoint import LAYOUTS, make_tiny
 
     check_out_dir(a.out, "OUT")
-    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, layout=a.layout)
+    if a.draft_for:
+        return _make_tiny_draft(a)
+    layers = {"num_hidden_layers": a.layers} if a.layers else None
+    out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, config_overrides=layers, layout=a.layout)
     print(f"wrote a tiny {a.layout} checkpoint ({a.quant or LAYOUTS[a.layout].quant}) to {out}")
+    return 0
+
+
+def _make_tiny_draft(a) -> int:
+    from .testing.tiny_draft import make_tiny_draft
+
+    given = [f for f, on in (("--quant", a.quant != "fp8"), ("--shards", a.shards != 3), ("--layers", a.layers)) if on]
+    if given:
+        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is the Llama EAGLE3 layout's)")
+    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed)
+    print(f"wrote tiny EAGLE3 draft for {a.draft_for} to {out}")
     return 0
 
 
@@ -106,6 +120,9 @@ def _bound_prefill(a, cfg, rows: list[list[int]], prefill_len: int | None = None
 def _check_backend(a) -> None:
     """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
     if a.fn is cmd_generate and a.backend != NXDI_CPU:  # first: the layout rules' advice (--tp 2) would not help
+        if a.draft is not None or a.speculation_length is not None:
+            raise KimiInputError(f"{'--draft' if a.draft else '--speculation-length'}: speculative decoding is NxDI's "
+                                 f"fused speculation; give --backend {NXDI_CPU}")
         for flag, given in (("--tp", a.tp > 1), ("--kv-shard sequence", a.kv_shard == "sequence"),
                             ("--shard-attn-a", a.shard_attn_a), ("--shard-router", a.shard_router)):
             if given:
@@ -232,127 +249,6 @@ def cmd_demo(a) -> int:
     return 0
 
 
-def cmd_plan(a) -> int:
-    from .config import KimiK2Config
-    from .formats.record import ConversionRecord
-    from .neuron.fit import format_plan, max_batch, max_seq_len, plan, plan_json
-    from .neuron.timing import Port
-
-    _check_plan_modes(a)
-    layout_options(a)  # the layout flags' own refusals, before config.json
-    if a.model and Path(a.model).is_file():
-        raise KimiInputError(f"--model {a.model}: is a file; --model takes a checkpoint folder, --config a "
-                             f"config.json file")
-    cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
-    if a.port:
-        return _plan_published(a, cfg)
-    # a converted checkpoint's scheme (through --model or --config), else what convert would write from this one
-    spec = run_spec(a, cfg, ConversionRecord.of(cfg), checkpoint=a.model)
-    model = dict(port=Port(kv_slots=a.kv_slots, router_dtype=a.router_dtype))
-    if a.best:
-        return _plan_best(a, cfg, spec, model["port"])
-    if a.max_batch:
-        p = max_batch(cfg, spec, **model)
-        found = p.batch if p.fits else None
-        print(plan_json(p, max_batch=found) if a.json else f"{_max_batch_line(p, found)}\n{format_plan(p)}")
-        return 0 if p.fits else 1
-    if not a.max_seq_len:
-        p = plan(cfg, spec, **model)
-        print(plan_json(p) if a.json else format_plan(p))
-        return 0 if p.fits else 1
-    p = max_seq_len(cfg, spec, **model)
-    found = p.seq_len if p.fits else None
-    print(plan_json(p, max_seq_len=found) if a.json else f"{_max_seq_len_line(cfg, p, found)}\n{format_plan(p)}")
-    return 0 if p.fits else 1
-
-
-def _check_plan_modes(a) -> None:
-    """plan's modes, one at a time: a plan, --max-seq-len, --max-batch, --best, --port."""
-    if a.max_batch and (a.seq_len is None or a.batch is not None):
-        raise KimiInputError("--max-batch: searches the batch at --seq-len; give --seq-len and leave out --batch and "
-                             "--max-seq-len")
-    if a.best and (a.max_seq_len or a.max_batch):
-        raise KimiInputError("--best: searches the layouts at one --seq-len and --batch; not with --max-seq-len or "
-                             "--max-batch")
-    if a.port:
-        given = [f for f, on in (("--tp", a.tp is not None), ("--best", a.best), ("--max-batch", a.max_batch),
-                                 ("--max-seq-len", a.max_seq_len), ("--seq-len", a.seq_len is not None))
-                 if on]
-        if given:
-            raise KimiInputError(f"--port {a.port}: plans that port at its own published configuration; leave out "
-                                 f"{', '.join(given)}")
-    elif a.tp is None:
-        raise KimiInputError("--tp: required (or --port NAME, a published port at its own configuration)")
-    elif a.seq_len is None and not a.max_seq_len:
-        raise KimiInputError("--seq-len: required (or --max-seq-len)")
-
-
-def _plan_published(a, cfg) -> int:
-    """A published port at its own configuration: the modelled TPOT and TTFT beside what it published."""
-    from .neuron.fit import format_plan, plan, plan_json, published_spec
-    from .neuron.timing import PUBLISHED_BY_NAME
-
-    spec, port = published_spec(cfg, a.port)
-    p, pub = plan(cfg, spec, port), PUBLISHED_BY_NAME[a.port]
-    tpot, ttft = p.decode.total_s * 1e3, p.ttft_s * 1e3
-    line = (f"{a.port} ({pub.source}): published TPOT {pub.tpot_ms} ms, modelled {tpot:.2f} ms "
-            f"({tpot / pub.tpot_ms - 1:+.1%}); published TTFT {pub.ttft_ms} ms, modelled {ttft:.0f} ms "
-            f"({ttft / pub.ttft_ms - 1:+.1%}); estimates")
-    print(plan_json(p, published=dict(tpot_ms=pub.tpot_ms, ttft_ms=pub.ttft_ms, source=pub.source)) if a.json
-          else f"{line}\n{format_plan(p)}")
-    return 0
-
-
-def _plan_best(a, cfg, spec, port) -> int:
-    """The layouts that fit at --seq-len and --batch, fastest modelled decode first; the plan of the best."""
-    from .neuron.fit import best_layout, format_plan, plan_json
-    from .neuron.spec import layout_flags
-
-    best, fitting = best_layout(cfg, spec, port=port)
-    if a.json:
-        print(plan_json(best, best_flags=layout_flags(best.layout), fitting=len(fitting)) if best
-              else json.dumps({"best": None, "fitting": 0}))
-        return 0 if best else 1
-    if best is None:
-        print(f"no layout fits {spec.seq_len} x {spec.batch} at --tp {spec.tp} by the planner (estimates)")
-        return 1
-    lines = [f"best layout by modelled TPOT (estimates; {len(fitting)} layouts fit): "
-             f"{' '.join(layout_flags(best.layout)) or 'replicated cache, one-shot prefill'} "
-             f"--moe-prefill {best.moe_prefill}",
-             f"  {'layout':<70}{'TPOT ms':>9}{'TTFT s':>9}"]
-    for p in fitting[:6]:
-        flags = f"{' '.join(layout_flags(p.layout)) or '(replicated)'} --moe-prefill {p.moe_prefill}"
-        lines.append(f"  {flags:<70}{p.decode.total_s * 1e3:>9.2f}{p.ttft_s:>9.1f}")
-    print("\n".join(lines) + "\n" + format_plan(best))
-    return 0
-
-
-def _max_batch_line(p, found: int | None) -> str:
-    from .neuron.fit import GiB
-
-    if found is None:
-        return (f"max batch: none fits at seq_len {p.seq_len} (batch {p.batch} needs {p.total_bytes / GiB:.2f} GiB); "
-                f"the plan at it:")
-    return f"max batch at seq_len {p.seq_len}: {found}; the plan at it:"
-
-
-def _max_seq_len_line(cfg, p, found: int | None) -> str:
-    from .neuron.fit import GiB
-
-    top = cfg.max_position_embeddings
-    if found is None:
-        return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
-                f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
-    from .parallel import Layout
-    from .neuron.fit import seq_len_step
-
-    step = seq_len_step(p)
-    taken_by = "the shard-on-block kernel takes" if p.layout == Layout() else "these options take"
-    beyond = ("= max_position_embeddings" if found == top else f"{found + 1} does not fit" if step == 1 else
-              f"the next {taken_by}, {found + step}, does not fit")
-    return f"max seq_len: {found} ({beyond}; searched up to max_position_embeddings {top}); the plan at it:"
-
-
 def load_converter():
     """The convert command's start-up: its imports, the fixed cost that scripts/bench_convert.py measures apart."""
     import gc
@@ -409,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="kimi-k2-neuron", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for add in (_make_tiny_parser, _logits_parser, _generate_parser, _convert_parser, _demo_parser, _plan_parser,
-                _trace_cpu_parser):
+    for add in (_make_tiny_parser, _logits_parser, _generate_parser, _convert_parser, _demo_parser,
+                partial(add_plan_parser, command=_command), _trace_cpu_parser):
         add(sub)
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # what a missing command's error names (not `cmd`)
     return p
@@ -435,6 +331,11 @@ def _make_tiny_parser(sub) -> None:
                         "(default: what the --layout release ships, fp8 for k2, int4 for the others)")
     s.add_argument("--shards", type=integer(1), default=3, metavar="N", help="number of safetensors files")
     s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
+    s.add_argument("--layers", type=integer(1), default=None, metavar="N",
+                   help="decoder layers (default: 3); an EAGLE3 target needs 7 (three distinct captured layers)")
+    s.add_argument("--draft-for", metavar="TARGET", default=None,
+                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in the public Llama EAGLE3 "
+                        "layout that --draft takes (default: write a target)")
 
 
 def _logits_parser(sub) -> None:
@@ -459,6 +360,8 @@ def _generate_parser(sub) -> None:
     add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
     s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
     _model_opts(s, core_tp=False)
+    add_spec_args(s.add_argument_group("speculative decoding (--backend nxdi-cpu: NxDI's fused EAGLE3 speculation)"),
+                  "draft")
 
 
 def _convert_parser(sub) -> None:
@@ -476,51 +379,6 @@ def _convert_parser(sub) -> None:
 def _demo_parser(sub) -> None:
     s = _command(sub, "demo", "make a tiny FP8 checkpoint, generate from it, compare with transformers", cmd_demo)
     s.add_argument("--max-new-tokens", type=integer(1), default=16, metavar="N", help="tokens to generate")
-
-
-def _plan_parser(sub) -> None:
-    from .neuron.timing import PUBLISHED_BY_NAME
-
-    s = _command(sub, "plan", "will it fit, and how fast? HBM per logical core on trn2.48xlarge and the modelled decode "
-                              "and prefill time, estimates (exit 0 fits, 1 does not)", cmd_plan)
-    src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
-    src.add_argument("--config", help="a config.json file")
-    add_spec_args(s, "parallel", tp=dict(required=False, default=None,
-                                         help="tensor-parallel degree (logical cores per model replica; no "
-                                              "default: required unless --port)"))
-    seq = s.add_mutually_exclusive_group()
-    add_spec_args(seq, "--seq-len", seq_len=dict(default=None, help="KV cache length (prompt + generated tokens); "
-                                                                     "no default: required unless --max-seq-len or "
-                                                                     "--port"))
-    seq.add_argument("--max-seq-len", action="store_true",
-                     help="search the largest seq_len that fits (up to max_position_embeddings) and plan it; "
-                          "--json adds max_seq_len (null if none fits)")
-    add_spec_args(s, "--max-context-length", "--batch", batch=dict(default=None,
-                                                                     help="sequences decoded together (default 1)"))
-    s.add_argument("--max-batch", action="store_true",
-                   help="search the largest batch that fits at --seq-len and plan it; --json adds max_batch (null if "
-                        "none fits)")
-    s.add_argument("--best", action="store_true",
-                   help="search the layouts that fit at --seq-len and --batch (KV group, --prefill-chunk, the "
-                        "--shard-* options, --moe-prefill; the ones given are ignored) and plan the one with the "
-                        "lowest modelled TPOT, then TTFT (scripts/compile_and_save.py compiles that choice when given "
-                        "no layout flag)")
-    s.add_argument("--port", choices=sorted(PUBLISHED_BY_NAME), default=None,
-                   help="plan a published trn2 port at its own configuration and build (its seq_len, batch, experts, "
-                        "KV cache, router, sampler) beside the TPOT and TTFT it published, with --config of the model "
-                        "it serves (docs/planner.md; default: this project's build, as the flags give it)")
-    add_spec_args(s, "experts", "moe", experts=dict(
-        choices=EXPERT_FORMATS, help="routed-expert storage on device (default: what a converted --model holds, which "
-                                     f"is the only value accepted for it; else {DEFAULT_SCHEME}, as "
-                                     "scripts/compile_and_save.py)"))
-    s.add_argument("--kv-slots", type=integer(1), default=1,
-                   help="1: a cache of the latent entries alone (ours, the default); 2: the same beside an unused "
-                        "slot of the same width per entry (NxDI's stock KVCacheManager)")
-    s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
-    add_spec_args(s, "layout")
-    s.add_argument("--json", action="store_true", help="print the plan as JSON (every time component in ms)")
 
 
 def _trace_cpu_parser(sub) -> None:

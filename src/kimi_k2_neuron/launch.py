@@ -9,9 +9,10 @@ import dataclasses
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .cache import converted_root
-from .arguments import (Parser, add_kv_layout_args, add_weight_sharding_args, fail, integer,
+from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, fail, integer,
                         kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
@@ -40,6 +41,8 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     layout = p.add_argument_group("with --cpu, the long-context layout (a compiled folder has its own)")
     add_kv_layout_args(layout)
     add_weight_sharding_args(layout)
+    add_spec_args(p.add_argument_group("with --cpu, speculative decoding (a compiled folder has its own draft)"),
+                  "draft")
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:
@@ -65,7 +68,8 @@ def check_compiled_args(args: argparse.Namespace) -> None:
     given = layout_flags_given(args)
     if given:
         raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
-    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None)):
+    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None),
+                        ("--draft", args.draft is not None), ("--speculation-length", args.speculation_length)):
         if given:
             raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
 
@@ -97,7 +101,27 @@ def run_spec(args: argparse.Namespace, cfg=None, record=None, **fixed):
         from .formats.record import expert_scheme
 
         kw["scheme"] = expert_scheme(cfg, record, args.experts)
+    if "draft" not in fixed:
+        kw["draft"] = draft_spec(args, cfg)
     return RunSpec(**{**kw, "layout": layout_options(args), **fixed})
+
+
+def draft_spec(args: argparse.Namespace, cfg, finite: bool = True):
+    """--draft and --speculation-length as a DraftSpec (None without --draft), the draft folder read and checked
+    against the target's config (checkpoint/draft.py: every tensor's name, shape, dtype, and with `finite` its
+    values) before any work."""
+    path, k = getattr(args, "draft", None), getattr(args, "speculation_length", None)
+    if path is None:
+        if k is not None:
+            raise KimiInputError(f"--speculation-length {k}: needs --draft (the draft proposes the tokens)")
+        return None
+    from .checkpoint.draft import read_draft
+    from .config import KimiK2Config
+    from .neuron.spec import DraftSpec
+
+    cfg = cfg or KimiK2Config.from_file(args.model)
+    return DraftSpec(path=str(Path(path).resolve()), speculation_length=4 if k is None else k,
+                     checkpoint=read_draft(path, cfg, finite=finite))
 
 
 def cpu_options(args: argparse.Namespace, one_rank_group: bool = False, cfg=None):
@@ -110,7 +134,7 @@ def cpu_options(args: argparse.Namespace, one_rank_group: bool = False, cfg=None
 
     one_rank = one_rank_group and getattr(args, "kv_shard", "none") == "sequence" and kv_group_of(args, True) == 1
     spec = RunSpec(tp=args.tp, ep=getattr(args, "ep", 1), lnc=None, moe_prefill=None,
-                   layout=layout_options(args, one_rank_group))
+                   layout=layout_options(args, one_rank_group), draft=draft_spec(args, cfg))
     return CpuOptions(model=args.model, spec=spec, experts=args.experts, dtype=getattr(args, "dtype", "float32"),
                       cache_dir=str(converted_root()), flash_decoding_one_rank=one_rank, config=cfg)
 
@@ -234,5 +258,5 @@ def sdk_missing(e: ImportError) -> int:
 
 
 __all__ = ["add_compiled_args", "add_verbose", "begin", "check_compiled_args", "check_host_resources", "cpu_backend",
-           "cpu_generate", "cpu_options", "host_memory_available", "run_spec", "script_parser", "sdk_missing",
+           "cpu_generate", "cpu_options", "draft_spec", "host_memory_available", "run_spec", "script_parser", "sdk_missing",
            "set_fp8_env", "start"]

@@ -54,3 +54,26 @@ def replicated_run(model: str, job, rows, prefill, out_dir: Path):
 
     o = backend.prepare(cpu_options(model), max(map(len, rows)), len(rows))
     return backend.run(o, job, rows, prefill, str(out_dir)), load_file(Path(out_dir) / "rank0.safetensors")
+
+
+# -- the device-only op NxD's greedy speculation calls (device_ops/sitecustomize.py) --------------------------------
+
+DEVICE_OPS = HERE / "device_ops"
+
+
+def with_device_ops(env: dict) -> dict:
+    """`env` for a child process whose Python stands in torch_neuronx's Argmax (device_ops/sitecustomize.py)."""
+    return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(DEVICE_OPS), env.get("PYTHONPATH", "")) if p)}
+
+
+def stand_in_device_ops() -> None:
+    """The same stand-in in this process (and the ranks it spawns, which inherit PYTHONPATH)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("nxdi_cpu_device_ops", DEVICE_OPS / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.patch_loaded()
+    os.environ["PYTHONPATH"] = with_device_ops(dict(os.environ))["PYTHONPATH"]
+    sys.modules.setdefault("nxdi_cpu_device_ops", module)

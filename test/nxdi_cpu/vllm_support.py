@@ -115,7 +115,8 @@ def cpu_class():
 
         def load(self, compiled_model_path, *args, **kwargs):
             weights = Path(compiled_model_path) / "weights"
-            event("load", path=str(compiled_model_path), presharded=weights.is_dir())
+            event("load", path=str(compiled_model_path), presharded=weights.is_dir(),
+                  draft=getattr(self.config.fused_spec_config, "draft_model_path", None))
             return self.to_cpu(str(weights) if weights.is_dir() else None)
 
         def checkpoint_loader_fn(self, mmap: bool = False):
@@ -246,7 +247,8 @@ def llm_child(args: dict, out: str) -> None:
     llm = LLM(model=args["model"], skip_tokenizer_init=True, dtype="bfloat16", tensor_parallel_size=1,
               max_model_len=args["max_model_len"], max_num_seqs=args["max_num_seqs"],
               num_gpu_blocks_override=args["max_num_seqs"], enable_prefix_caching=False, enforce_eager=True,
-              additional_config={"override_neuron_config": {"on_cpu": True}})
+              additional_config={"override_neuron_config": {"on_cpu": True}},
+              speculative_config=args.get("speculative_config"))
     params = SamplingParams(temperature=0.0, max_tokens=args["max_tokens"], ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]], params)
     Path(out).write_text(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
@@ -276,8 +278,8 @@ def refusals_child(args: dict, out: str) -> None:
                 # (DISABLE_NEURON_CUSTOM_SCHEDULER unset), so on 0.13 its chunked-prefill branch stops at an
                 # AttributeError before the model is asked. Set from 0.13's field, as our vLLM plugin does.
                 object.__setattr__(sc, "chunked_prefill_enabled", sc.enable_chunked_prefill)
-            get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None, None,
-                             vc.additional_config or {})
+            get_neuron_model(vc.model_config, vc.cache_config, vc.parallel_config, vc.scheduler_config, None,
+                             vc.speculative_config, vc.additional_config or {})
             result["error"] = None
         except Exception as e:  # noqa: BLE001 -- the test reads what was raised
             result.update(error=type(e).__name__, message=str(e))

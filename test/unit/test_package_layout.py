@@ -24,7 +24,7 @@ STAGES = (
     ("testing",),
     ("neuron",),
     ("nxdi_cpu",),
-    ("arguments", "launch", "cli"),
+    ("arguments", "launch", "plan_command", "cli"),
 )
 STAGE = {top: i for i, tops in enumerate(STAGES) for top in tops}
 

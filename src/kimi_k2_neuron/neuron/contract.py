@@ -7,7 +7,6 @@ Needs torch and the core, not the Neuron SDK. Each choice cites by name the NxDI
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
 from kimi_k2_neuron.parallel import Layout
 
 from . import moe_paths, rules
-from .spec import RunSpec, Sampling
+from .spec import LAYOUT_KEY, DraftSpec, RunSpec, Sampling
 
 # Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
 # (NXDI_CONTRACT.md: moe-settings, normalize-reload).
@@ -31,7 +30,6 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
 # -- the layout: an InferenceConfig attribute, which survives NxDI's save and load where an unknown NeuronConfig field
 # would not (NXDI_CONTRACT.md: layout-attribute) ------------------------------------------------------------------
 
-LAYOUT_KEY = "kimi_k2_layout"
 
 
 def layout_attribute(layout: Layout) -> dict[str, Any]:
@@ -89,6 +87,9 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
     # The MoE kernel's LNC defaults to the platform's, not to the NeuronConfig's (NXDI_CONTRACT.md: moe-kernel-lnc).
     lnc = {} if s.lnc is None else {"logical_nc_config": s.lnc}
     kw["blockwise_matmul_config"] = {**lnc, **moe_paths.mode(s.prefill_mode(cfg)).blockwise}
+    if s.draft:  # NxDI's fused EAGLE3 speculation, no KV tiling (NXDI_CONTRACT.md: fused-spec, fused-kv-tiling)
+        kw.update(enable_fused_speculation=True, enable_eagle_speculation=True, is_eagle3=True,
+                  speculation_length=s.draft.speculation_length, disable_kv_cache_tiling=True)
     if sampling.on_device:
         kw["on_device_sampling_config"] = dict(**sampling.settings, dynamic=True, global_topk=sampling.global_topk)
     if s.scheme.quantized:
@@ -106,8 +107,9 @@ def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list
             *(["mlp.router"] if layout.shard_router else [])]
 
 
-def spec_of(nc, layout: Layout) -> RunSpec:
-    """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads."""
+def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
+    """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads; the
+    draft is its config's (fused_spec.draft_of)."""
     ods = getattr(nc, "on_device_sampling_config", None)
     sampling = Sampling(on_device=False) if ods is None else Sampling(
         do_sample=bool(getattr(ods, "do_sample", False)), top_k=getattr(ods, "top_k", 1),
@@ -121,7 +123,7 @@ def spec_of(nc, layout: Layout) -> RunSpec:
                    sampling=sampling, output_logits=bool(getattr(nc, "output_logits", False)),
                    moe_prefill=None if bmm is None else moe_paths.mode_of(bmm),
                    continuous_batching=bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk,
-                   layout=layout)
+                   layout=layout, draft=draft)
 
 
 # -- what this port refuses of a NeuronConfig, on every construction (the reload too) ------------------------------
@@ -134,8 +136,7 @@ UNSUPPORTED = (
     ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
     ("is_prefix_caching", (False,), "prefix caching needs the block layout"),
     ("is_chunked_prefill", (False,), "chunked prefill needs the block layout"),
-    ("speculation_length", (0,), "speculative decoding is not implemented"),
-    ("enable_fused_speculation", (False,), "speculative decoding is not implemented"),
+    ("enable_token_tree", (False,), "EAGLE token trees are not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
     # NXDI_CONTRACT.md: layer-boundary-markers
     ("layer_boundary_markers", (False,), "per-layer KV update is not implemented"),
@@ -159,16 +160,16 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout) -> None:
+def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpec | None = None) -> None:
     """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload): the fields
     no RunSpec sets, then the spec the NeuronConfig holds through the same rules the flags meet."""
     bad = _field_problems(nc, layout)
     try:
-        spec = spec_of(nc, layout)
-        bad += derived_problems(nc, spec)
+        spec = spec_of(nc, layout, draft)
+        bad += derived_problems(nc, spec) + _speculation_problems(nc, spec)
         rules.check(cfg, spec)
     except KimiInputError as e:
-        bad.append(in_fields(str(e)))
+        bad.append(rules.in_fields(str(e)))
     if bad:
         raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
     for name, value in MOE_SETTINGS.items():
@@ -177,26 +178,6 @@ def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout) -> None:
     rc = getattr(nc, "router_config", None)
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
-
-
-# The NeuronConfig field (or InferenceConfig attribute) each run-spec flag sets, for naming a rule's refusal on a
-# reloaded config by what it holds
-FIELD_OF_FLAG = {"--tp": "tp_degree", "--ep": "moe_ep_degree", "--lnc": "logical_nc_config", "--seq-len": "seq_len",
-                 "--batch": "max_batch_size", "--max-context-length": "max_context_length",
-                 "--kv-group": f"{LAYOUT_KEY}.kv_group", "--prefill-chunk": f"{LAYOUT_KEY}.prefill_chunk",
-                 "--top-k": "on_device_sampling_config.top_k"}
-_FLAG_VALUE = re.compile(r"(--[a-z-]+) (\d+)\b")
-
-
-def in_fields(message: str) -> str:
-    """A rules refusal ("--ep 8 at --tp 64: ...") naming the fields that hold the values ("moe_ep_degree=8 at
-    tp_degree=64: ..."); its advice keeps the flags, which a recompile takes."""
-    def field(m: re.Match) -> str:
-        name = FIELD_OF_FLAG.get(m.group(1))
-        return f"{name}={m.group(2)}" if name else m.group(0)
-
-    head, sep, advice = message.partition("; use ")
-    return _FLAG_VALUE.sub(field, head) + sep + advice
 
 
 def _field_problems(nc, layout: Layout) -> list[str]:
@@ -260,6 +241,14 @@ def derived_problems(nc, spec: RunSpec) -> list[str]:
         bad.append(f"continuous batching with a prefill batch of {rows}: NxDI's cache writes by seq_id take one "
                    f"sequence per prefill (ctx_batch_size 1)")
     return bad
+
+
+def _speculation_problems(nc, spec: RunSpec) -> list[str]:
+    """The only speculation this port runs (NXDI_CONTRACT.md: fused-spec); a vLLM request's flags are the plugin's."""
+    fused = [f for f in ("enable_fused_speculation", "enable_eagle_speculation", "is_eagle3", "disable_kv_cache_tiling")
+             if not getattr(nc, f, False)]
+    return [f"speculation_length={spec.draft.speculation_length} without {', '.join(fused)} (Kimi-K2 speculates "
+            f"through NxDI's fused EAGLE3 speculation only: --draft)"] if spec.draft and fused else []
 
 
 def _restore_block_sharding_strategy(bmm) -> None:

@@ -102,6 +102,7 @@ class Plan:
     prefill: Timing  # the modelled first prefill call (the context bucket; with chunks, the CTE's chunk 0)
     ttft_s: float  # the modelled prefill of the longest prompt: one bucket, or seq_len tokens in chunks
     assumptions: tuple[str, ...]
+    speculation: "Speculation | None" = None  # with an EAGLE3 draft: its HBM (in total_bytes) and the fused step
 
     @property
     def kv_slots(self) -> int:
@@ -133,6 +134,11 @@ class Plan:
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
         for key in ("decode", "prefill"):
             d[key] = _timing_dict(getattr(self, key))
+        if self.speculation is not None:
+            d["speculation"] = {**{k: v for k, v in d["speculation"].items() if k != "verify"},
+                                "verify": _timing_dict(self.speculation.verify),
+                                "effective_tpot_ms": {str(a): self.speculation.tpot_s(a) * 1e3
+                                                      for a in ACCEPT_LENGTHS}}
         d.update(tpot_ms=self.decode.total_s * 1e3, ttft_ms=self.ttft_s * 1e3, weight_bytes=self.weight_bytes, headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
                  total_gib=self.total_bytes / GiB, capacity_gib=self.capacity_bytes / GiB,
@@ -398,7 +404,8 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
     moe = _moe_runs(cfg, spec)
     chunk = _chunk_attention(cfg, tp, slots, layout)
     allowance = _allowance(cfg, spec.prefill_tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
-    total = sum(r.bytes for r in (*weights, kv, *allowance))
+    speculation = _speculation(cfg, spec, weights, port)
+    total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
     read, per_token = _bytes_per_token(cfg, spec, weights)
     first, ttft = _ttft(cfg, spec, weights, moe["prefill_path"])
     usable = capacity - RUNTIME_RESERVED_BYTES
@@ -413,7 +420,7 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
-        assumptions=_assumptions(port, layout))
+        assumptions=_assumptions(port, layout), speculation=speculation)
 
 
 def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
@@ -423,7 +430,9 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
     return {"estimate": "kimi-k2-neuron plan's time model (neuron/timing.py), not a measurement",
             "tpot_ms": p.decode.total_s * 1e3, "prefill_call_ms": p.prefill.total_s * 1e3,
             "ttft_longest_prompt_ms": p.ttft_s * 1e3, "decode": _timing_dict(p.decode),
-            "prefill": _timing_dict(p.prefill)}
+            "prefill": _timing_dict(p.prefill),
+            **({"speculation": {"fused_step_ms": p.speculation.step_s * 1e3, "effective_tpot_ms": {
+                str(a): p.speculation.tpot_s(a) * 1e3 for a in ACCEPT_LENGTHS}}} if p.speculation else {})}
 
 
 # Chunk sizes the layout search tries (each must divide seq_len and be a multiple of the KV group).
@@ -672,6 +681,7 @@ def format_plan(p: Plan) -> str:
               f"token per core ({p.experts_read_per_layer} routed experts per MoE layer) / "
               f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s = TPOT >= {p.tpot_lower_bound_s * 1e3:.2f} ms",
               *_timing_lines(p),
+              *_speculation_lines(p),
               "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
     return "\n".join(lines)
@@ -714,3 +724,82 @@ def _moe_line(p: Plan) -> str:
 
 def plan_json(p: Plan, **extra) -> str:
     return json.dumps({**p.to_dict(), **extra}, indent=2)
+
+
+# -- speculative decoding with an EAGLE3 draft (neuron/fused_spec.py) --------------------------------------------------
+#
+# One fused step: the draft's speculation_length calls (K - 1 proposals of one token a row, then one call over the K
+# candidates that rewrites its cache with the target's hidden states) and one target call verifying K tokens a row
+# (NXDI_CONTRACT.md: fused-spec). A step emits 1..K tokens a row; the effective TPOT is the step over the accept
+# length. The accept lengths printed: 2.3, the low end of lightseekorg/kimi-k2.5-eagle3's model card (2.3-3.8, K2.5,
+# 3 draft steps), and 3.2, inside that range (README: speculative decoding).
+ACCEPT_LENGTHS = (2.3, 3.2)
+# a draft call's collectives in NxDI's Llama: the embedding's all-gather, fc's output gather, the o_proj and MLP
+# all-reduces, the argmax's two all-gathers (NxD operators/argmax.py)
+DRAFT_CALL_COLLECTIVES = 6
+
+
+@dataclass(frozen=True)
+class Speculation:
+    draft: str
+    speculation_length: int
+    rows: tuple[Row, ...]  # per core: the draft's weights and KV cache, the hidden-state buffer, verify temporaries
+    verify_path: str  # the verify call's MoE path for batch x K tokens (NxD's, as a decode of that many tokens)
+    verify: Timing  # the target's verify call (timing.decode_time at batch x K tokens, the cache read per row)
+    draft_s: float  # the draft's K calls
+    step_s: float  # one fused step
+
+    def tpot_s(self, accept_length: float) -> float:
+        """The modelled time per token when a step emits accept_length tokens a row on average."""
+        return self.step_s / accept_length
+
+
+def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Port) -> Speculation | None:
+    """The draft's HBM and the fused step's time (estimates, from shapes and timing.py's constants); the draft's
+    facts are its config.json's (launch.draft_spec). TODO(issue 27): the draft calls' fixed cost and collectives
+    are modelled here with timing.TRN2's per-layer and per-collective constants, not by a timing.py function."""
+    d = spec.draft
+    if d is None or d.checkpoint is None:
+        return None
+    c, k, b, tp = d.checkpoint, d.speculation_length, spec.batch, spec.tp
+    tokens = b * k
+    kv_heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
+    draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
+    path = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens) else \
+        "selective"
+    norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
+    rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
+                _div(c.weight_bytes - norms, tp) + norms),
+            Row(f"EAGLE3 draft KV cache ({kv_heads} KV head/rank x {spec.seq_len})", "bf16", draft_kv),
+            # one line per row and a spare (NxDI's HiddenStateRollingBuffer)
+            Row(f"EAGLE hidden-state buffer ({b} + 1 rows x 2 x {k} positions x 3 hidden)", "bf16",
+                (b + 1) * 2 * k * 3 * c.hidden_size * BF16)]
+    if path == "all-experts":
+        rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
+                        moe_temporaries(cfg, path, tokens, tp, spec.ep, spec.scheme)[0]))
+    verify_spec = replace(spec, batch=tokens)
+    _, verify_bytes = _bytes_per_token(cfg, verify_spec, weights)
+    verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
+    verify = decode_time(cfg, verify_spec, verify_bytes, port)
+    t = timing.TRN2
+    call_bytes = _div(c.weight_bytes - 2 * c.vocab_size * c.hidden_size, tp) + draft_kv  # the embedding: a gather
+    draft_s = k * (call_bytes / t.hbm_bytes_per_s + DRAFT_CALL_COLLECTIVES * t.alpha_s + t.layer_s)
+    return Speculation(draft=str(d.path), speculation_length=k, rows=tuple(rows), verify_path=path, verify=verify,
+                       draft_s=draft_s, step_s=verify.total_s + draft_s)
+
+
+def _speculation_lines(p: Plan) -> list[str]:
+    s = p.speculation
+    if s is None:
+        return []
+    w = 58
+    lines = ["", f"speculative decoding, an estimate: EAGLE3 draft {s.draft}, --speculation-length "
+                 f"{s.speculation_length} (the target verifies {s.speculation_length} tokens a row a step)",
+             *(f"  {r.kind:<{w - 2}}{r.dtype:>6}{r.bytes / GiB:>10.3f}" for r in s.rows),
+             f"  (in the total above: {sum(r.bytes for r in s.rows) / GiB:.3f} GiB)",
+             f"  fused step {s.step_s * 1e3:.2f} ms = target verify of {p.batch} x {s.speculation_length} tokens "
+             f"(MoE {s.verify_path}) {s.verify.total_s * 1e3:.2f} + {s.speculation_length} draft calls "
+             f"{s.draft_s * 1e3:.2f} ms"]
+    lines += [f"  effective TPOT at accept length {a}: {s.tpot_s(a) * 1e3:.2f} ms (without the draft: "
+              f"{p.decode.total_s * 1e3:.2f} ms)" for a in ACCEPT_LENGTHS]
+    return lines

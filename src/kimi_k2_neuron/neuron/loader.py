@@ -122,15 +122,20 @@ def rank_passes(start: int, size: int, env: Mapping[str, str],
     return [(s, min(per_pass, start + size - s)) for s in range(start, start + size, per_pass)]
 
 
-# The KV cache: no checkpoint holds it (NxD's StateInitializer zero-fills it on device).
+# The KV cache: no checkpoint holds it (NxD's StateInitializer zero-fills it on device); under fused speculation the
+# draft's and the target's (draft_model., target_model.) and the EAGLE hidden-state buffer.
 RUNTIME_STATE_PREFIX = "kv_mgr.past_key_values."
+RUNTIME_STATE = (RUNTIME_STATE_PREFIX, "hidden_state_rolling_buffer.")
 
 
 def unloaded_parameters(model, missing_keys, state) -> list[str]:
-    """Missing keys but the KV cache and second names of loaded parameters (NXDI_CONTRACT.md: shared-rank-util)."""
+    """Missing keys but the runtime state and second names of loaded parameters (NXDI_CONTRACT.md:
+    shared-rank-util)."""
     params = model.state_dict(keep_vars=True)
     loaded = {id(params[k]) for k in state if k in params}
-    return sorted(k for k in missing_keys if not k.startswith(RUNTIME_STATE_PREFIX) and id(params[k]) not in loaded)
+    runtime = [k for k in missing_keys if any(k.split(".", 1)[-1].startswith(p) or k.startswith(p)
+                                              for p in RUNTIME_STATE)]
+    return sorted(k for k in missing_keys if k not in runtime and id(params[k]) not in loaded)
 
 
 def read_presharded(folder: str | Path, rank: int) -> dict[str, torch.Tensor]:

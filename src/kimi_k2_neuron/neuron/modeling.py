@@ -40,7 +40,7 @@ from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext, stripe  # noqa: E402
 
-from . import chunked_prefill, contract, vllm_request  # noqa: E402
+from . import chunked_prefill, contract, fused_spec, vllm_request  # noqa: E402
 from .latent_cache import LatentKVCacheManager  # noqa: E402
 from .loader import load_neuron_state_dict, model_state_dict, rank_passes  # noqa: E402
 from .spec import RunSpec, layout_flags  # noqa: E402
@@ -73,7 +73,8 @@ class KimiK2InferenceConfig(InferenceConfig):
 
     @classmethod
     def for_serving(cls, cfg: KimiK2Config, spec: RunSpec) -> "KimiK2InferenceConfig":
-        return cls.from_core(cfg, MoENeuronConfig(**contract.neuron_config_kwargs(cfg, spec)),
+        nc = MoENeuronConfig(**contract.neuron_config_kwargs(cfg, spec))
+        return cls.from_core(cfg, nc, fused_spec_config=fused_spec.of_spec(nc, spec.draft),
                              **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
 
     @classmethod
@@ -93,6 +94,8 @@ class KimiK2InferenceConfig(InferenceConfig):
         return config
 
     def add_derived_config(self):
+        if getattr(self.neuron_config, "is_eagle_draft", False):  # NXDI_CONTRACT.md: vllm-spec-config
+            return fused_spec.as_vllm_draft_config(self)
         if isinstance(self.neuron_config, KimiK2ServingRequest):
             # vllm-neuron's load_pretrained_config records the checkpoint folder as _name_or_path.
             built = self.for_request(self.neuron_config, getattr(self, "_name_or_path", None))
@@ -108,7 +111,7 @@ class KimiK2InferenceConfig(InferenceConfig):
         self.num_cores_per_group = layout.kv_group
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
-        contract.enforce_neuron_config(self.neuron_config, self.core_config(), layout)
+        contract.enforce_neuron_config(self.neuron_config, self.core_config(), layout, fused_spec.draft_of(self))
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",
@@ -275,7 +278,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
             capacity_factor=nc.capacity_factor,
             enable_spmd_rank=nc.blockwise_matmul_config.parallelize_token_to_block_mapping,
         ),
-        blockwise_matmul_config=nc.blockwise_matmul_config,
+        blockwise_matmul_config=fused_spec.verify_blockwise(nc),  # NXDI_CONTRACT.md: verify-moe-path
         sequence_parallel_enabled=False,
         dtype=dtype,
         is_prefill=nc.is_prefill_stage,
@@ -372,6 +375,10 @@ class NeuronKimiK2Model(NeuronBaseModel):
             return chunked_prefill.chunk_forward(self, *args, **kwargs)
         return super().forward(*args, **kwargs)
 
+    def get_model_output(self, *args, **kwargs):
+        """EAGLE3's target capture gathered 4H wide (NXDI_CONTRACT.md: eagle3-cte-gather)."""
+        return fused_spec.target_output(self, super().get_model_output(*args, **kwargs), kwargs)
+
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
         nc = config.neuron_config
         self.on_device_sampling = nc.on_device_sampling_config is not None
@@ -446,7 +453,7 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     def checkpoint_loader_fn(self, mmap: bool = False):
         path = self.neuron_config.quantized_checkpoints_path or self.model_path
-        return load_neuron_state_dict(path, self.config)
+        return fused_spec.state_dict(self, load_neuron_state_dict(path, self.config))
 
     def shard_weights(self, compiled_model_path, debug=False, pre_shard_weights_hook=None):
         """A few ranks per pass (NXDI_CONTRACT.md: builder-rank-window)."""
@@ -466,8 +473,13 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
 
     # Kimi's compiler arguments are added to each ModelWrapper's own, so NxDI's per-submodel choices stay.
     def enable_context_encoding(self, **model_init_kwargs):
+        fused_spec.complete(self)  # first thing NxDI's __init__ builds (NXDI_CONTRACT.md: fused-spec)
         super().enable_context_encoding(**model_init_kwargs)
         _add_compiler_args(self.context_encoding_model)
+
+    def enable_fused_spec(self):
+        super().enable_fused_spec()
+        _add_compiler_args(self.fused_spec_model)
 
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
@@ -481,7 +493,6 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
             return chunked_prefill.prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
         return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
                                           **kwargs)
-
 
 
 def _add_compiler_args(wrapper) -> None:

@@ -4,18 +4,24 @@ one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
+import re
+
+from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
 
 from . import moe_paths
 from .moe_paths import decodes_all_experts
-from .spec import RunSpec, Sampling
+from .spec import LAYOUT_KEY, RunSpec, Sampling
 
 # Group sizes by (tp, lnc) that NxD's trn2 replica-group logic supports for groups of adjacent ranks: 8 x 8 is
 # documented unsupported, 32 x 2 needs its other logic (for EP it mixes the two halves), 2 x 32 is not documented
 # (NXDI_CONTRACT.md: ep-replica-groups). Kimi-K2 fits only at TP=64 LNC=2. Both --ep and --kv-group take them.
 GROUP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
+# NxDI's EAGLE hidden-state buffer holds 2 x speculation_length positions and the draft loop is unrolled K - 1 times
+# into the fused graph; vLLM's EAGLE3 recipes stop at 8 (NXDI_CONTRACT.md: fused-spec)
+SPECULATION_LENGTHS = range(2, 9)
 
 
 def check(cfg: KimiK2Config, spec: RunSpec) -> None:
@@ -47,6 +53,7 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
     check_ep(cfg, s)
+    check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
 
 
@@ -104,6 +111,46 @@ def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
                              f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
 
 
+def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:
+    """What NxDI's fused EAGLE3 speculation can run for Kimi (NXDI_CONTRACT.md: fused-spec); the draft folder's own
+    refusals are checkpoint/draft.py's."""
+    d = spec.draft
+    if d is None:
+        return
+    k = d.speculation_length
+    if isinstance(k, bool) or not isinstance(k, int) or k not in SPECULATION_LENGTHS:
+        lo, hi = SPECULATION_LENGTHS[0], SPECULATION_LENGTHS[-1]
+        raise KimiInputError(f"--speculation-length {k!r}: expected {lo}..{hi} (tokens the target verifies per step; "
+                             f"the draft proposes one fewer)")
+    if cfg.num_hidden_layers < MIN_TARGET_LAYERS:
+        raise KimiInputError(f"--draft: the target has {cfg.num_hidden_layers} layers; NxDI's EAGLE3 capture needs "
+                             f">= {MIN_TARGET_LAYERS} (layers 1, N//2 - 1 and N - 4)")
+    for flag, given, why in (
+            (f"--ep {spec.ep}", spec.ep > 1, "the verify call's expert paths (selective, all-experts) have no EP "
+                                             "variant"),
+            (f"--prefill-chunk {spec.layout.prefill_chunk}", spec.layout.prefill_chunk,
+             "the fused graph has no chunk submodel, and the draft's prefill reads the whole prompt's hidden states"),
+            (f"--seq-len {spec.seq_len}", spec.seq_len <= k, f"a step writes {k} positions"),
+            ("--no-on-device-sampling", not spec.sampling.on_device, "NxDI's fused speculation samples on the device")):
+        if given:
+            raise KimiInputError(f"{flag}: not with --draft ({why})")
+    c = d.checkpoint
+    if c is None:
+        return
+    if (c.hidden_size, c.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise KimiInputError(f"--draft {d.path}: hidden_size {c.hidden_size}, vocab_size {c.vocab_size}; expected the "
+                             f"target's {cfg.hidden_size}, {cfg.vocab_size}")
+    tp = spec.tp
+    for name, n in (("num_attention_heads", c.num_attention_heads), ("intermediate_size", c.intermediate_size)):
+        if n % tp:  # NxDI's Llama shards the draft's attention and MLP over the whole TP group (draft-tp)
+            raise KimiInputError(f"--draft {d.path}: {name}={n} does not split --tp {tp} ways (the draft runs at the "
+                                 f"target's TP)")
+    kv = c.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise KimiInputError(f"--draft {d.path}: num_key_value_heads={kv} neither divides nor is a multiple of --tp "
+                             f"{tp} (NxDI's GQA sharding)")
+
+
 def check_experts(cfg: KimiK2Config, spec: RunSpec) -> None:
     """The experts' scales shard only for the expert TP degrees (tp / ep) whose slices hold whole scale blocks."""
     scheme, tp, ep = spec.scheme, spec.tp, spec.ep
@@ -136,3 +183,25 @@ def check_prompt_lengths(lengths: list[int]) -> None:
     if min(lengths) == 1 < max(lengths):
         raise KimiInputError("a one-token prompt cannot share a batch with longer prompts (NxDI's HF adapter "
                              "positions its padding wrongly); run it in a batch of its own")
+
+
+# -- a refusal's words on a reloaded NeuronConfig -----------------------------------------------------------------
+
+# The NeuronConfig field (or InferenceConfig attribute) each run-spec flag sets, for naming a rule's refusal on a
+# reloaded config by what it holds
+FIELD_OF_FLAG = {"--tp": "tp_degree", "--ep": "moe_ep_degree", "--lnc": "logical_nc_config", "--seq-len": "seq_len",
+                 "--batch": "max_batch_size", "--max-context-length": "max_context_length",
+                 "--kv-group": f"{LAYOUT_KEY}.kv_group", "--prefill-chunk": f"{LAYOUT_KEY}.prefill_chunk",
+                 "--top-k": "on_device_sampling_config.top_k"}
+_FLAG_VALUE = re.compile(r"(--[a-z-]+) (\d+)\b")
+
+
+def in_fields(message: str) -> str:
+    """A rules refusal ("--ep 8 at --tp 64: ...") naming the fields that hold the values ("moe_ep_degree=8 at
+    tp_degree=64: ..."); its advice keeps the flags, which a recompile takes."""
+    def field(m: re.Match) -> str:
+        name = FIELD_OF_FLAG.get(m.group(1))
+        return f"{name}={m.group(2)}" if name else m.group(0)
+
+    head, sep, advice = message.partition("; use ")
+    return _FLAG_VALUE.sub(field, head) + sep + advice

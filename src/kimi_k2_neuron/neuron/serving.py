@@ -78,6 +78,10 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
              "--middleware kimi_k2_neuron.neuron.vllm_api.KimiApi --chat-template-content-format string"]
     if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
+    if spec.draft:  # "eagle": vLLM 0.13 refuses "eagle3" for kimi_k2 (NXDI_CONTRACT.md: vllm-spec-config)
+        config = {"method": "eagle", "model": str(Path(spec.draft.path).resolve()),
+                  "num_speculative_tokens": spec.draft.speculation_length}
+        flags.append(f"--speculative-config {shlex.quote(json.dumps(config))}")
     env = f"{COMPILED_ARTIFACTS_ENV}={shlex.quote(str(Path(compiled).resolve()))}"
     return " \\\n    ".join([f"{env} vllm serve {shlex.quote(str(Path(checkpoint).resolve()))}", *flags])
 
@@ -118,9 +122,10 @@ def generate(app, tokenizer, prompts: list[str], decoding: Decoding = Decoding()
 
 
 def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Decoding(), decode=None,
-                 stream=None) -> list[list[int]]:
-    """New token ids per row from NxDI's HF adapter, cut after the first stop. `decode`: ids -> text (for `stream`,
-    row 0's text as it grows, and the stop strings)."""
+                 stream=None, accepted: list | None = None) -> list[list[int]]:
+    """New token ids per row from NxDI's HF adapter, or with a draft our fused-speculation loop (fused_spec.py), cut
+    after the first stop. `decode`: ids -> text (for `stream`, row 0's text as it grows, and the stop strings).
+    `accepted` receives the tokens each fused step emitted per live row."""
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
 
     from kimi_k2_neuron.runtime.chat import StopStrings
@@ -140,12 +145,24 @@ def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Deco
     longest = nc.seq_len if layout_of(app.config).prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
-    limit = max(nc.seq_len - width, 1)  # the first new token comes from prefill alone
+    # the first new token comes from prefill alone; a fused step at p writes p .. p + K - 1 (fused-positions)
+    limit = max(nc.seq_len - width - max(nc.speculation_length - 2, 0), 1)
     max_new_tokens = decoding.max_new_tokens
     if max_new_tokens > limit:
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,
                        limit, nc.seq_len)
         max_new_tokens = limit
+    strings = StopStrings(decode, decoding.stop, start=width) if decoding.stop else None
+    if nc.enable_fused_speculation:
+        from .fused_spec import generate_fused
+
+        stream_row = _Stream(decode, 0, stream) if stream else None
+        on_step = (lambda new: stream_row(torch.tensor(new[:1]), None)) if stream_row else None
+        new, steps = generate_fused(app, enc, max_new_tokens, decoding.sampling,
+                                    lambda t: _finished(t, stop_ids, strings) != t, on_step)
+        if accepted is not None:
+            accepted.extend(steps)
+        return [_finished(row, stop_ids, strings) for row in new[:n]]
     pad = 0  # pad slots are masked out; any id will do
     input_ids = torch.tensor([e + [pad] * (width - len(e)) for e in enc])
     attention_mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in enc])
@@ -153,7 +170,6 @@ def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Deco
     gen_cfg = GenerationConfig(**decoding.sampling.settings, max_new_tokens=max_new_tokens, eos_token_id=stops,
                                pad_token_id=pad)
     criteria = StoppingCriteriaList([_Stream(decode, width, stream)] if stream else [])
-    strings = StopStrings(decode, decoding.stop, start=width) if decoding.stop else None
     if strings:
         criteria.append(strings)
     out = HuggingFaceGenerationAdapter(app).generate(input_ids, attention_mask=attention_mask,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kimi_k2_neuron.checkpoint.draft import Eagle3Draft
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.scheme import ExpertScheme
 from kimi_k2_neuron.parallel import Layout, slots_for
@@ -17,6 +18,10 @@ from . import moe_paths
 # NxDI's flash-decoding cache keeps this many slots per rank beyond seq_len / G: non-owners of a decoded token write
 # it into the last one, which no mask exposes (NXDI_CONTRACT.md: fd-cache-size).
 FD_RESERVED_SLOTS = 128
+
+# The InferenceConfig attribute a RunSpec's Layout is saved under: not NeuronConfig fields, which NxDI validates
+# (NXDI_CONTRACT.md: layout-attribute).
+LAYOUT_KEY = "kimi_k2_layout"
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,17 @@ class Sampling:
 GREEDY = Sampling()
 
 
+@dataclass(frozen=True)
+class DraftSpec:
+    """An EAGLE3 draft run with the target in NxDI's fused speculation (neuron/fused_spec.py)."""
+
+    path: str | None  # the draft folder; None where it is not known yet (a vLLM request before vllm-neuron adds it)
+    # NxDI's speculation_length: tokens the target verifies per step, the most a step emits; drafts per step one
+    # fewer (vLLM's num_speculative_tokens is this number: NXDI_CONTRACT.md: vllm-spec-config)
+    speculation_length: int = 4
+    checkpoint: Eagle3Draft | None = field(default=None, compare=False)  # its config.json's facts, when read
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One compiled (or CPU-mode) configuration of the model."""
@@ -65,9 +81,10 @@ class RunSpec:
     moe_prefill: str | None = moe_paths.DEFAULT_MODE
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
-    # an InferenceConfig attribute, not NeuronConfig fields (contract.LAYOUT_KEY); its prefill_chunk is the CTE
+    # an InferenceConfig attribute, not NeuronConfig fields (LAYOUT_KEY); its prefill_chunk is the CTE
     # bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
     layout: Layout = Layout()
+    draft: DraftSpec | None = None  # speculative decoding with this EAGLE3 draft (NXDI_CONTRACT.md: fused-spec)
     extra: Mapping[str, Any] = field(default_factory=dict)  # further NeuronConfig kwargs (checked by NxDI)
 
     @property

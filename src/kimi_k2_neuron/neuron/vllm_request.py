@@ -14,7 +14,7 @@ from kimi_k2_neuron.formats import DEFAULT_SCHEME
 from kimi_k2_neuron.parallel import Layout
 
 from . import contract, moe_paths
-from .spec import RunSpec
+from .spec import DraftSpec, RunSpec
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
 COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
@@ -42,8 +42,9 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     if record is None:
         raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
                              f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
-    spec = dataclasses.replace(contract.spec_of(nc, Layout()), scheme=record.scheme, checkpoint=str(checkpoint),
-                               moe_prefill=None, extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {})
+    spec = dataclasses.replace(contract.spec_of(nc, Layout(), draft_of_request(nc)), scheme=record.scheme,
+                               checkpoint=str(checkpoint), moe_prefill=None,
+                               extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {})
     bad = contract.derived_problems(nc, spec)
     if bad:
         raise KimiInputError("; ".join(bad))
@@ -56,6 +57,18 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
                              f"{tile}-token tiles; use a multiple of {tile} ({lower + tile}"
                              + (f" or {lower})" if lower else ")"))
     return spec
+
+
+def draft_of_request(nc) -> DraftSpec | None:
+    """--speculative-config as vllm-neuron passes it: num_speculative_tokens is NxDI's speculation_length, and only
+    method "eagle" sets NxDI's EAGLE flow (vLLM 0.13 refuses "eagle3" for a kimi_k2 target); the draft folder comes
+    later, in the FusedSpecNeuronConfig vllm-neuron attaches (NXDI_CONTRACT.md: vllm-spec-config)."""
+    if not (getattr(nc, "enable_fused_speculation", False) or getattr(nc, "speculation_length", 0)):
+        return None
+    if not getattr(nc, "enable_eagle_speculation", False):
+        raise KimiInputError("--speculative-config: Kimi-K2 speculates with an EAGLE3 draft only; give "
+                             "'{\"method\": \"eagle\", \"model\": DRAFT, \"num_speculative_tokens\": K}'")
+    return DraftSpec(path=None, speculation_length=nc.speculation_length)
 
 
 def compiled_mismatches(request: RunSpec, nc) -> list[str]:
@@ -74,6 +87,11 @@ def compiled_mismatches(request: RunSpec, nc) -> list[str]:
     if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
         bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
                    f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
+    compiled_k = getattr(nc, "speculation_length", 0) if getattr(nc, "enable_fused_speculation", False) else 0
+    asked_k = r.draft.speculation_length if r.draft else 0
+    if asked_k != compiled_k:
+        bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
+                   f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
     ods = nc.on_device_sampling_config
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")

@@ -44,6 +44,10 @@ def prepare(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None =
     every rank, and the converted config and record carried in o (o.config: the caller's read of o.model's
     config.json, if it has one)."""
     cfg = check_request(o, seq_len, batch, sampling, prompts, cfg=o.config)
+    if o.spec.draft:
+        from kimi_k2_neuron.nxdi_cpu.fused_spec_cpu import check_device_ops
+
+        check_device_ops()
     record = ConversionRecord.of(cfg)
     path = Path(o.model)
     if record is None:
@@ -72,14 +76,16 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | No
         request_spec(o, seq_len, batch), scheme=o.record.scheme, checkpoint=o.model,
         sampling=sampling or Sampling(on_device=False), output_logits=sampling is not None and not on_cpu,
         extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype],
-               **({"flash_decoding_enabled": True} if o.flash_decoding_one_rank else {})})
+               **({"flash_decoding_enabled": True} if o.flash_decoding_one_rank else {}),
+               # nkilib's max kernel is device-only (NXD_CPU_MODE.md: fused-spec-cpu)
+               **({"disable_argmax_kernel": True} if o.spec.draft else {})})
     return CpuKimiK2ForCausalLM(o.model, KimiK2InferenceConfig.for_serving(o.config, spec))
 
 
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     """shard_weights as compile() runs it, outside CPU mode: there NxD would ask the mocked torch.distributed for
     gloo groups (NXD_CPU_MODE.md: sharding-outside-cpu-mode)."""
-    app = application(o, seq_len, batch)
+    app = application(o, seq_len, batch, GREEDY if o.spec.draft else None)  # fused speculation samples on device
     with nxd_cpu_mode(False):
         app.shard_weights(str(out))
     return Path(out) / "weights"
@@ -287,9 +293,13 @@ def _generate_job(rank: int, o: CpuOptions, g: Generation, stream=None) -> tuple
     app = build(o, seq_len=g.seq_len, batch=len(g.rows), sampling=g.sampling)
     tok = KimiTokenizer.from_dir(g.tokenizer_dir) if g.tokenizer_dir else None
     decode = partial(reply_text, tok) if tok else None
-    paths = MoEPaths(app)
+    paths, accepted = MoEPaths(app), []
     rows = generate_ids(app, g.rows, set(g.stop_ids), Decoding(g.max_new_tokens, g.sampling, g.stop), decode=decode,
-                        stream=stream if rank == 0 else None)
+                        stream=stream if rank == 0 else None, accepted=accepted)
+    if o.spec.draft:
+        from kimi_k2_neuron.neuron.fused_spec import accept_summary
+
+        return rows, paths.report() + "\n" + accept_summary(accepted, o.spec.draft.speculation_length)
     return rows, paths.report()
 
 

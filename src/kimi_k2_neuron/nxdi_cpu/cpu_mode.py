@@ -16,6 +16,7 @@ from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
 from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM
 from kimi_k2_neuron.runtime.ranks import free_port
 
+from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group
 from .options import check_cpu_run
 
 
@@ -54,7 +55,7 @@ class CpuMode:
                 dst.data = src.data
 
 
-class CpuKimiK2ForCausalLM(CpuMode, NeuronKimiK2ForCausalLM):
+class CpuKimiK2ForCausalLM(FusedSpecCpu, CpuMode, NeuronKimiK2ForCausalLM):
     """The product's application with to_cpu (nxdi_cpu.backend builds this one)."""
 
 
@@ -75,7 +76,7 @@ def _build_as_on_device(wrapper) -> nn.Module:
 def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
     """NxD only warns of tensors without a parameter (NXDI_CONTRACT.md: sharding-not-strict)."""
     names = model.state_dict().keys()
-    extra = sorted(k for k in state if k not in names)
+    extra = sorted(k for k in checked_names(state) if k not in names)
     if extra:
         raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
 
@@ -99,4 +100,5 @@ def _init_cpu_process_groups(nc, kv_group: int) -> int:
                                                  expert_model_parallel_size=nc.ep_degree, skip_collective_init=True)
     if kv_group > 1:
         parallel_state.initialize_kv_group(kv_group, sequential_ranks_in_group=True)
+    init_draft_group(nc)
     return torch.distributed.get_rank()

@@ -85,8 +85,10 @@ def check_layout(o: CpuOptions, cfg: KimiK2Config | None = None) -> KimiK2Config
 
 
 def request_spec(o: CpuOptions, seq_len: int, batch: int) -> RunSpec:
-    """o's spec at a request's shape: a cache of at least seq_len positions (padded_seq_len), `batch` rows."""
-    return dataclasses.replace(o.spec, seq_len=padded_seq_len(o, seq_len), batch=batch)
+    """o's spec at a request's shape: a cache of at least seq_len positions (padded_seq_len), `batch` rows; with a
+    draft, speculation_length more, as the last fused step writes that many (NXDI_CONTRACT.md: fused-positions)."""
+    extra = o.spec.draft.speculation_length if o.spec.draft else 0
+    return dataclasses.replace(o.spec, seq_len=padded_seq_len(o, seq_len + extra), batch=batch)
 
 
 def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | None = None,
@@ -100,6 +102,10 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | 
     check_one_call(cfg.num_attention_heads, spec.prefill_batch, spec.context_length, keys, "prefill", ranks=o.tp)
     if sampling is not None:
         rules.check_top_k(sampling)
+        if o.spec.draft and sampling.do_sample:
+            raise KimiInputError("--temperature with --draft: NxDI's sampling branch of the fused speculation step "
+                                 "does not run in NxD's CPU mode (NXD_CPU_MODE.md: fused-spec-cpu); greedy here, "
+                                 "sampling on trn2")
     if prompts is not None:
         rules.check_prompt_lengths([len(r) for r in prompts])
     return cfg

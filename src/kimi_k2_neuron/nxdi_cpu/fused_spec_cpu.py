@@ -1,0 +1,71 @@
+"""NxDI's fused speculation (neuron/fused_spec.py) in NxD's CPU mode: what ModelBuilder and the device's aliased state
+do on trn2, and NxDI's CPU branches get wrong (NXD_CPU_MODE.md: fused-spec-cpu). Mixed into the harness's application
+before CpuMode; nothing on trn2 runs it."""
+
+from __future__ import annotations
+
+from neuronx_distributed.parallel_layers import parallel_state
+
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.neuron.fused_spec import DRAFT_PREFIX
+
+# the fused outputs' head: accepted tokens, next input ids, next mask, next positions (+ draft and target logits)
+HEAD, HEAD_WITH_LOGITS = 4, 6
+
+
+class FusedSpecCpu:
+    """The state a fused call returns copied into both submodels' modules (on device one aliased state), and the
+    outputs' head kept as fused_outputs."""
+
+    def _copy_past_key_values(self, outputs):
+        """NxDI's CPU branch reads a draft_model the wrapper does not have and slices the outputs from 2."""
+        if not self.neuron_config.enable_fused_speculation:
+            return super()._copy_past_key_values(outputs)
+        fused = self.fused_spec_model.model
+        nd, nt = len(fused.draft_model.kv_mgr.past_key_values), len(fused.target_model.kv_mgr.past_key_values)
+        head = HEAD_WITH_LOGITS if self.neuron_config.output_logits else HEAD
+        draft, target = outputs[head:head + nd], outputs[head + nd:head + nd + nt]
+        buffer = outputs[head + nd + nt]  # the rolling hidden-state buffer, whole
+        for wrapper in (self.context_encoding_model, self.fused_spec_model):
+            model = wrapper.model
+            for dst, src in (*zip(model.draft_model.kv_mgr.past_key_values, draft),
+                             *zip(model.target_model.kv_mgr.past_key_values, target)):
+                dst.data = src
+            model.hidden_state_rolling_buffer.hidden_states.data = buffer
+
+    def _get_constructed_outputs(self, outputs, is_run_on_neuron):
+        """NxDI's CPU branch keeps outputs[0] alone."""
+        if self.neuron_config.enable_fused_speculation and not is_run_on_neuron:
+            head = HEAD_WITH_LOGITS if self.neuron_config.output_logits else HEAD
+            return self._construct_output(list(outputs[:head]))
+        return super()._get_constructed_outputs(outputs, is_run_on_neuron)
+
+
+def init_draft_group(nc) -> None:
+    """The draft's embedding, lm_head and sampler run on NxD's speculative draft group, which ModelBuilder makes on
+    device (NxDI's init_custom_process_group_fn); the draft runs at the target's TP (NXDI_CONTRACT.md: draft-tp)."""
+    if nc.enable_fused_speculation:
+        parallel_state.initialize_speculative_draft_group(nc.tp_degree)
+
+
+def checked_names(state: dict) -> list[str]:
+    """The names to_cpu checks against the model: the draft's are renamed by NxDI's pre-shard hooks (q/k/v into
+    qkv_proj) before they match, and checkpoint/draft.py has checked them strictly as read."""
+    return [k for k in state if not k.startswith(DRAFT_PREFIX)]
+
+
+def check_device_ops() -> None:
+    """NxD's greedy speculation calls torch_neuronx's Argmax custom op directly (NXD_CPU_MODE.md: fused-spec-cpu),
+    which the nxdi-cpu import shim does not implement: refused here, before any work, rather than mid-run."""
+    import importlib
+
+    import torch
+
+    # (the package re-exports the function under the module's name)
+    module = importlib.import_module("neuronx_distributed.operators.argmax")
+    try:
+        module.Argmax.apply(torch.zeros(1, 2), 1, False)
+    except NotImplementedError:
+        raise KimiInputError("--draft in NxD's CPU mode: NxD's greedy speculation calls torch_neuronx's Argmax "
+                             "custom op, which this torch_neuronx (the nxdi-cpu import shim) does not implement; "
+                             "the nxdi-cpu tests stand it in (NXD_CPU_MODE.md: fused-spec-cpu)") from None
