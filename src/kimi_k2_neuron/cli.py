@@ -57,7 +57,8 @@ def cmd_make_tiny(a) -> int:
 def _make_tiny_draft(a) -> int:
     from .testing.tiny_draft import make_tiny_draft
 
-    given = [f for f, on in (("--quant", a.quant != "fp8"), ("--shards", a.shards != 3), ("--layers", a.layers)) if on]
+    given = [f for f, on in (("--quant", a.quant), ("--layout", a.layout != "k2"), ("--shards", a.shards != 3),
+                             ("--layers", a.layers)) if on]
     if given:
         raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is the Llama EAGLE3 layout's)")
     out = make_tiny_draft(a.out, a.draft_for, seed=a.seed)

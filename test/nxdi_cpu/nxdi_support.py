@@ -56,18 +56,19 @@ def replicated_run(model: str, job, rows, prefill, out_dir: Path):
     return backend.run(o, job, rows, prefill, str(out_dir)), load_file(Path(out_dir) / "rank0.safetensors")
 
 
-# -- the device-only op NxD's greedy speculation calls (device_ops/sitecustomize.py) --------------------------------
+# -- the device-only ops the tier stands in: Argmax, DynamicUpdateSlice (device_ops/sitecustomize.py) ---------------
 
 DEVICE_OPS = HERE / "device_ops"
 
 
 def with_device_ops(env: dict) -> dict:
-    """`env` for a child process whose Python stands in torch_neuronx's Argmax (device_ops/sitecustomize.py)."""
+    """`env` for a child process whose Python stands in torch_neuronx's Argmax and DynamicUpdateSlice
+    (device_ops/sitecustomize.py)."""
     return {**env, "PYTHONPATH": os.pathsep.join(p for p in (str(DEVICE_OPS), env.get("PYTHONPATH", "")) if p)}
 
 
-def stand_in_device_ops() -> None:
-    """The same stand-in in this process (and the ranks it spawns, which inherit PYTHONPATH)."""
+def stand_in_device_ops():
+    """The same stand-ins in this process (and the ranks it spawns, which inherit PYTHONPATH) -> their module."""
     import importlib.util
     import sys
 
@@ -76,4 +77,4 @@ def stand_in_device_ops() -> None:
     spec.loader.exec_module(module)
     module.patch_loaded()
     os.environ["PYTHONPATH"] = with_device_ops(dict(os.environ))["PYTHONPATH"]
-    sys.modules.setdefault("nxdi_cpu_device_ops", module)
+    return sys.modules.setdefault("nxdi_cpu_device_ops", module)

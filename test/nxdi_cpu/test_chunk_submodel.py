@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nxdi_support import cpu_options, rel_err, replicated_run
+from nxdi_support import cpu_options, rel_err, replicated_run, with_device_ops
 from safetensors.torch import load_file, save_file
 
 from kimi_k2_neuron.errors import KimiInputError
@@ -116,8 +116,10 @@ def test_generate_with_chunks_equals_the_core_runners_greedy_tokens(ckpt, env, t
 
 
 def test_trace_cpu_traces_the_chunk_graph_clean(ckpt, env):
+    """The chunk's cache write is NxDI's dynamic_update_slice, an xla_hlo_call on device: the tier stands it in
+    (device_ops/sitecustomize.py), as a Neuron SDK provides it."""
     r = _cli(["trace-cpu", "--model", ckpt, "--submodel", "chunk", "--prefill-chunk", "4", "--seq-len", "16",
-              "--json"], {**env, "PJRT_DEVICE": "CPU"})
+              "--json"], with_device_ops({**env, "PJRT_DEVICE": "CPU"}))
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["clean"], r.stdout + r.stderr[-3000:]
     assert report["submodel"] == "chunk" and report["host_syncs"] == 0 and not report["aten_fallbacks"]
@@ -129,7 +131,7 @@ def test_trace_cpu_traces_the_sequence_sharded_graphs_clean_at_one_rank(ckpt, en
     """trace-cpu --kv-shard sequence at the one rank traced here: a KV group of 1, so NxDI's flash-decoding masks, the
     128-slot reserve and the owned-slot writes are traced, without a collective (TP=2 tracing: docs/nxdi_on_cpu.md)."""
     r = _cli(["trace-cpu", "--model", ckpt, "--submodel", submodel, "--kv-shard", "sequence", "--seq-len", "16",
-              "--json", *flags], {**env, "PJRT_DEVICE": "CPU"})
+              "--json", *flags], with_device_ops({**env, "PJRT_DEVICE": "CPU"}))
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["clean"], r.stdout + r.stderr[-3000:]
     assert report["submodel"] == submodel and report["host_syncs"] == 0 and not report["aten_fallbacks"]

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 import torch
-from nxdi_support import cpu_options, oracle_logits, rel_err, replicated_run
+from nxdi_support import cpu_options, oracle_logits, rel_err, replicated_run, stand_in_device_ops
 from safetensors.torch import load_file, save_file
 from test_xla_trace import torch_fill_prefix  # noqa: F401  (the fixture; importing it also enables the sync log)
 
@@ -149,7 +149,8 @@ def test_the_flash_decoding_graphs_trace_clean_at_one_rank(per_channel, torch_fi
     equal to eager: NxDI's mask_util masks and 128-slot window, the garbage-slot K write, the CTE filter indexed by
     SPMDRank's tensor and attend_sharded's arithmetic, with identity collectives; the chunk submodel's owned entries,
     masks over the rank's slots and write at p // G (chunked_prefill.py). TP > 1: test_xla_trace.py's refusal says
-    what it would take."""
+    what it would take. The chunk's write is NxDI's dynamic_update_slice, an xla_hlo_call the tier stands in."""
+    stand_in_device_ops()
     o = cpu_options(model=per_channel, dtype="float32", layout=Layout(prefill_chunk=chunk),
                            flash_decoding_one_rank=True)
     r = xla_trace.trace(xla_trace.TraceOptions(o, submodel, seq_len=16, batch=batch))
