@@ -56,7 +56,7 @@ def measure(root: Path, a: argparse.Namespace) -> dict[str, list[tuple[float, fl
 
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.runtime.runner import CpuRunner
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
     out: dict[str, list[tuple[float, float]]] = {}
     for seed in range(a.models):

@@ -25,7 +25,7 @@ from .formats import DEFAULT_SCHEME, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
 from .plan_command import add_plan_parser
-from .testing import TINY_LAYOUTS
+from .tiny import TINY_LAYOUTS
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -43,7 +43,7 @@ def _rows(text: str) -> list[list[int]]:
 
 
 def cmd_make_tiny(a) -> int:
-    from .testing.tiny_checkpoint import LAYOUTS, make_tiny
+    from .tiny.checkpoint import LAYOUTS, make_tiny
 
     check_out_dir(a.out, "OUT")
     if a.draft_for:
@@ -55,7 +55,7 @@ def cmd_make_tiny(a) -> int:
 
 
 def _make_tiny_draft(a) -> int:
-    from .testing.tiny_draft import make_tiny_draft
+    from .tiny.draft_checkpoint import make_tiny_draft
 
     given = [f for f, on in (("--quant", a.quant), ("--layout", a.layout != "k2"), ("--shards", a.shards != 3),
                              ("--layers", a.layers)) if on]
@@ -208,7 +208,7 @@ def _check_generate_args(a) -> None:
 
 
 def cmd_demo(a) -> int:
-    from .testing.tiny_checkpoint import make_tiny
+    from .tiny.checkpoint import make_tiny
     from .runtime.chat import prompt_ids
     from .runtime.runner import CpuRunner
     from .runtime.sampling import SamplingParams
@@ -238,7 +238,7 @@ def cmd_demo(a) -> int:
     t0 = time.perf_counter()
     ours = runner.logits(rows, prefill_len=len(ids))
     try:
-        from .testing.transformers_oracle import hf_logits, hf_model
+        from .tiny.transformers_oracle import hf_logits, hf_model
     except ImportError as e:
         print(f"skipped the transformers comparison ({e.name} missing): pip install 'kimi-k2-neuron[test]'")
         return 0

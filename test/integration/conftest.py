@@ -82,7 +82,7 @@ def served(tmp_path_factory) -> Served:
 
 def _compile_mini(root: Path) -> tuple[Path, Path]:
     from kimi_k2_neuron.config import KimiK2Config
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.formats.record import ConversionRecord
     from kimi_k2_neuron.neuron.serving import compile_model

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
 HERE = Path(__file__).resolve().parent
 

@@ -3,7 +3,7 @@
     python oracle.py MODEL_DIR ROWS_JSON PREFILL_LEN OUT.safetensors [--bf16-non-experts]
 
 Writes `row{i}`: float32 [len(row i), V] logits of DeepseekV3ForCausalLM fed the raw checkpoint as
-kimi_k2_neuron.testing.transformers_oracle dequantizes it with transformers' / compressed-tensors' code (each row
+kimi_k2_neuron.tiny.transformers_oracle dequantizes it with transformers' / compressed-tensors' code (each row
 alone, its first min(PREFILL_LEN, len) tokens in one call, then one token at a time through HF's KV cache).
 --bf16-non-experts rounds every weight but the routed experts and the router to bfloat16 first: what a converted
 checkpoint stores.
@@ -15,7 +15,7 @@ import sys
 import torch
 from safetensors.torch import save_file
 
-from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
 
 def main(model_dir, rows_json, prefill_len, out, *flags):

@@ -20,8 +20,8 @@ import vllm_support as vs
 from kimi_slow_tokenizer import write_slow_tokenizer
 
 from kimi_k2_neuron.convert import convert
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
-from kimi_k2_neuron.testing.tiny_tokenizer import CHAT_TEMPLATES, write_tiny_tokenizer
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
+from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer
 
 REPLY_TOKENS = 8
 

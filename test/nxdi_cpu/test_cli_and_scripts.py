@@ -81,7 +81,7 @@ def test_the_k26_and_k27_layouts_through_the_nxdi_shell(release, env, tmp_path):
     """Kimi-K2.6 and K2.7-Code (K2.5's layout: text_config, language_model. tensors, a vision tower; INT4 experts)
     through `generate --backend nxdi-cpu`, converted on the way: the NxDI model gives the core runner's tokens on the
     raw checkpoint; K2.7's generation config makes both sample, --greedy keeps them comparable."""
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
     model = make_tiny(tmp_path / release, layout=release)
     args = ["generate", "--model", str(model), "--prompt", "Hello, Kimi!", "--max-new-tokens", "4", "--json",

@@ -25,7 +25,7 @@ from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
 from kimi_k2_neuron.nxdi_cpu import backend, cpu_mode
 from kimi_k2_neuron.parallel import Layout
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 
 # -- the config: KimiK2InferenceConfig through NxDI's save and load ----------------------------------------------------

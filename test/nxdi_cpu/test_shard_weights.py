@@ -39,7 +39,7 @@ from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.ranks import run_ranks
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
 PREFILL = 4

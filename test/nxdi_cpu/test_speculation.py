@@ -33,8 +33,8 @@ from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.runtime.chat import prompt_ids
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
-from kimi_k2_neuron.testing.tiny_draft import make_tiny_draft
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
+from kimi_k2_neuron.tiny.draft_checkpoint import make_tiny_draft
 
 K = 4  # --speculation-length: the draft proposes 3, a step emits 1..4
 NEW = 8

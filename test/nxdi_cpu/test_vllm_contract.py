@@ -26,7 +26,7 @@ from kimi_slow_tokenizer import write_slow_tokenizer  # noqa: E402
 
 from kimi_k2_neuron.runtime import tool_calls as grammar  # noqa: E402
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer  # noqa: E402
-from kimi_k2_neuron.testing.tiny_tokenizer import CHAT_TEMPLATES, write_tiny_tokenizer  # noqa: E402
+from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer  # noqa: E402
 
 SERVE_LEN = 768  # byte-level tiny tokenizer: a chat with tools and a history is ~600 tokens
 BATCH = 2

@@ -33,8 +33,8 @@ from test_vllm_serving import BATCH, MAX_MODEL_LEN, MAX_TOKENS, PROMPTS, llm_arg
 
 from kimi_k2_neuron.convert import convert  # noqa: E402
 from kimi_k2_neuron.nxdi_cpu import backend  # noqa: E402
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny  # noqa: E402
-from kimi_k2_neuron.testing.tiny_draft import make_tiny_draft  # noqa: E402
+from kimi_k2_neuron.tiny.checkpoint import make_tiny  # noqa: E402
+from kimi_k2_neuron.tiny.draft_checkpoint import make_tiny_draft  # noqa: E402
 
 K = 4
 pytestmark = pytest.mark.fp8_selective_cpu

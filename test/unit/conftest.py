@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
 
 @pytest.fixture(scope="session")

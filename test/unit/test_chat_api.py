@@ -1,6 +1,6 @@
 """Kimi's chat-completions contract (runtime/chat_api.py) on requests: Kimi-Vendor-Verifier's parameter, tool_choice,
 response_format and thinking cases (tests/params, tests/k3_features: their requests and the accept/refuse each
-expects), and what the tiny release templates (testing.tiny_tokenizer) say about thinking. The same rules through
+expects), and what the tiny release templates (tiny.tokenizer_files) say about thinking. The same rules through
 vLLM's real server: test/nxdi_cpu/test_vllm_contract.py."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from kimi_k2_neuron.runtime.chat_api import ApiError, ChatFacts, kimi_request
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-from kimi_k2_neuron.testing.tiny_tokenizer import CHAT_TEMPLATES, write_tiny_tokenizer
+from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer
 
 CONTRACT = ChatFacts(opens_thinking=True, contract=True)
 ASK = [{"role": "user", "content": "Say 'OK' and nothing else."}]

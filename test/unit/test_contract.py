@@ -25,7 +25,7 @@ from kimi_k2_neuron.neuron import contract, loader, rules, sdk
 from kimi_k2_neuron.neuron import vllm_request as vllm_request_
 from kimi_k2_neuron.neuron.spec import RunSpec, Sampling
 from kimi_k2_neuron.parallel import Layout
-from kimi_k2_neuron.testing.tiny_checkpoint import dense_weights, tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import dense_weights, tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test/data/configs"

@@ -214,7 +214,7 @@ def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny_dirs,
     checkpoint of the same seed, so its logits, raw and converted, are that checkpoint's (checked against
     transformers in test_model_vs_transformers); plan reads the converted one; generate stops on both of Kimi's end
     tokens and, for K2.7, samples as its generation config asks unless --greedy."""
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
     raw = make_tiny(tmp_path / release, layout=release, seed=0)
     want = CpuRunner(tiny_dirs["int4"]).logits(ROWS, prefill_len=8)

@@ -1,4 +1,4 @@
-"""EAGLE3 drafts (checkpoint/draft.py, testing/tiny_draft.py) and what the shell's SDK-free parts make of --draft:
+"""EAGLE3 drafts (checkpoint/draft.py, tiny/draft_checkpoint.py) and what the shell's SDK-free parts make of --draft:
 `make-tiny --draft-for` writes the public Llama EAGLE3 layout (TorchSpec's LlamaForCausalLMEagle3 and its Kimi-K2.5
 config, restated as data: the oracle), --draft reads it as it would a real draft, and every draft NxDI cannot run is
 one `error:` line before any work; the run spec's rules, the NeuronConfig fields and vLLM's request."""
@@ -19,8 +19,8 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.neuron import contract, rules, vllm_request
 from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec, Sampling
 from kimi_k2_neuron.parallel import Layout
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
-from kimi_k2_neuron.testing.tiny_draft import make_tiny_draft
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
+from kimi_k2_neuron.tiny.draft_checkpoint import make_tiny_draft
 
 H, V, HEADS, HEAD_DIM, I = 192, 512, 4, 48, 384  # the tiny target's hidden and vocabulary; the draft's attention, MLP
 # TorchSpec's LlamaForCausalLMEagle3 modules (torchspec/models/draft/llama3_eagle.py), at the tiny sizes

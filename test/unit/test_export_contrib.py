@@ -79,7 +79,7 @@ def test_every_exported_module_is_the_package_s_own(exported):
     doc = Path("kimi_k2_neuron/neuron/NXDI_CONTRACT.md")  # the evidence its code cites by name
     assert (exported / "src" / doc).read_bytes() == (REPO / "src" / doc).read_bytes()
     assert Path("kimi_k2_neuron/cli.py") not in vendored
-    assert Path("kimi_k2_neuron/testing/transformers_oracle.py") not in vendored
+    assert Path("kimi_k2_neuron/tiny/transformers_oracle.py") not in vendored
     others = {p.name for p in (exported / "src").iterdir()} - {"kimi_k2_neuron"}
     assert others == {"modeling_kimi_k2.py"}
 

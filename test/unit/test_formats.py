@@ -16,7 +16,7 @@ from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, ConversionRecord
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 from kimi_k2_neuron.weights import full_shape, owned_params
 
 

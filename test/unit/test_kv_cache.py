@@ -6,7 +6,7 @@ import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.runtime.kv_cache import LatentCache
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 CFG = KimiK2Config.from_dict(tiny_config_dict("bf16"))
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimi_k2_neuron.runtime import memory
-from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
 # Under `ulimit -v` of LIMIT, a prefill of TOKENS tokens of the tiny model (4 heads) in one call does not fit: today's
 # main ended in a traceback (DefaultCPUAllocator: can't allocate memory) for the first parametrisation below.

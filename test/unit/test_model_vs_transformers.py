@@ -2,7 +2,7 @@
 same tiny checkpoints.
 
 The oracle reads and dequantizes the checkpoint with transformers' / compressed-tensors' code
-(kimi_k2_neuron.testing.transformers_oracle), so this covers our shard reading, dequantization, weight loading and all
+(kimi_k2_neuron.tiny.transformers_oracle), so this covers our shard reading, dequantization, weight loading and all
 of the model math at once.
 """
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kimi_k2_neuron.runtime.runner import CpuRunner
-from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100, 2, 90, 91, 92]]
 TOL = 1e-3  # of max |logit|, float32

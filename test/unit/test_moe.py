@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.model.moe import MLP, MoE
 from kimi_k2_neuron.parallel import SINGLE
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 
 def _filled(module: torch.nn.Module, seed: int) -> torch.nn.Module:

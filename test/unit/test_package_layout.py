@@ -11,8 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # Earliest first: the config and the formats' math, the converted format, reading checkpoints, the model, the
-# converter, running it, the test fixtures, the Neuron shell (what runs on trn2, its fit planner beside the rules it
-# applies), its CPU verification harness, the commands.
+# converter, running it, the built-in tiny checkpoints (make-tiny, demo), the Neuron shell (what runs on trn2, its fit
+# planner beside the rules it applies), its CPU verification harness, the commands; last the test fixtures no
+# command imports.
 STAGES = (
     ("errors", "cache", "interrupts", "progress", "config"),
     ("quant",),
@@ -21,10 +22,11 @@ STAGES = (
     ("model", "parallel", "weights"),
     ("convert",),
     ("runtime",),
-    ("testing",),
+    ("tiny",),
     ("neuron",),
     ("nxdi_cpu",),
     ("arguments", "launch", "plan_command", "cli"),
+    ("testing",),
 )
 STAGE = {top: i for i, tops in enumerate(STAGES) for top in tops}
 

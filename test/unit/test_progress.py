@@ -53,7 +53,7 @@ def test_disabled_writes_nothing(monkeypatch):
 
 def test_a_redirected_convert_writes_lines(tmp_path):
     """The command as a user runs it under nohup or with 2> log: stderr is a pipe here."""
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
     src = make_tiny(tmp_path / "src", quant="fp8", shards=2, seed=0)
     r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", "convert", str(src), str(tmp_path / "dst"),

@@ -10,7 +10,7 @@ import torch
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding, apply_rotary_pos_emb, yarn_apply_mscale)
 
-from kimi_k2_neuron.testing.transformers_oracle import hf_config
+from kimi_k2_neuron.tiny.transformers_oracle import hf_config
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.model.rope import RotaryTable, apply_interleaved_rope, inv_freq, softmax_scale, yarn_ramp_bounds
 

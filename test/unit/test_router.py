@@ -5,7 +5,7 @@ import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.model.router import NoAuxTcRouter
 

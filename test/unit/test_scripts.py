@@ -22,7 +22,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION
 from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
 from kimi_k2_neuron.neuron import contract, sdk
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test/data/configs"

@@ -1,4 +1,4 @@
-"""The tiny checkpoints (kimi_k2_neuron.testing.tiny_checkpoint) are stored the way the real ones are: FP8 blockwise
+"""The tiny checkpoints (kimi_k2_neuron.tiny.checkpoint) are stored the way the real ones are: FP8 blockwise
 with partial blocks, INT4 pack-quantized experts, experts cut across shards, Kimi's tokenizer."""
 
 import json
@@ -10,8 +10,8 @@ import torch
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
-from kimi_k2_neuron.testing.tiny_checkpoint import LAYOUTS, make_tiny
-from kimi_k2_neuron.testing.tiny_tokenizer import tiny_special_id
+from kimi_k2_neuron.tiny.checkpoint import LAYOUTS, make_tiny
+from kimi_k2_neuron.tiny.tokenizer_files import tiny_special_id
 
 
 def test_fp8_tiny_layout(tiny_dirs):

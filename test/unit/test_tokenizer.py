@@ -11,7 +11,7 @@ import tiktoken.load
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.runtime.tokenizer import KIMI_PAT_STR, KIMI_SPECIAL_BASE, KimiTokenizer
-from kimi_k2_neuron.testing.tiny_tokenizer import tiny_special_id, write_tiny_tokenizer
+from kimi_k2_neuron.tiny.tokenizer_files import tiny_special_id, write_tiny_tokenizer
 
 NUM_BASE = 300
 SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"

@@ -15,7 +15,7 @@ import pytest
 from kimi_k2_neuron.runtime.tool_calls import (CALL_BEGIN, CALL_END, TOOL_MARKERS, Call, Content, Dropped,
                                                OutputStream, Parsed, Reasoning, ToolCall, collect, infer_name, parse,
                                                split_reasoning, tool_name)
-from kimi_k2_neuron.testing.tiny_tokenizer import KIMI_SPECIAL_TOKENS, tiny_special_id
+from kimi_k2_neuron.tiny.tokenizer_files import KIMI_SPECIAL_TOKENS, tiny_special_id
 from kimi_k2_neuron.testing.tool_call_streams import (ASSISTANT_HEADER, GOLDENS, TURN_END, assistant_output,
                                                       TokenStream, text_chunks, tiny_tokenizer)
 

@@ -19,7 +19,7 @@ from kimi_k2_neuron.model.router import NoAuxTcRouter
 from kimi_k2_neuron.parallel import Layout, ParallelContext
 from kimi_k2_neuron.runtime.ranks import run_ranks
 from kimi_k2_neuron.runtime.runner import CpuRunner
-from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
 ROWS = [[5, 17, 300, 42, 256, 9], [400, 3, 3, 260, 100, 2]]
 LONG = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31, 2, 3, 99, 98, 97, 11, 12, 60],
@@ -46,7 +46,7 @@ def test_cli_logits_tp2_equals_tp1(tiny_dirs, tmp_path):
 def test_cli_logits_with_the_sequence_sharded_cache_at_tp2_equal_tp1_and_transformers(tiny_dirs, tmp_path):
     """`logits --tp 2 --kv-shard sequence --prefill-chunk 2` on ragged rows (each run on its own, prefilled in 3.5
     chunks, then 13 and 12 tokens through the decode path): the TP=1 replicated one-shot logits, and transformers'."""
-    from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+    from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
     out = tmp_path / "tp2.safetensors"
     ids = ";".join(",".join(map(str, r)) for r in LONG)
@@ -100,7 +100,7 @@ def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
     by row (1e-3). Cache: rank r holds exactly the positions p with p % G == r % G at slot p // G, equal to the TP=1
     cache there; slots past a row's end are never written."""
     from kimi_k2_neuron.runtime.ranks import run_ranks
-    from kimi_k2_neuron.testing.transformers_oracle import hf_logits, hf_model
+    from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
     ckpt = tiny_dirs["int4"]
     run_ranks(sharded_rank, tp, args=(tp, str(ckpt), LONG, str(tmp_path)))
@@ -207,7 +207,7 @@ def test_the_sharded_router_selects_the_same_experts_on_every_rank(tiny_dirs, hf
 def test_a_split_that_does_not_divide_is_refused(one_line_error):
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.parallel import check_weight_sharding
-    from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+    from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
     cfg = KimiK2Config.from_dict(tiny_config_dict("bf16"))
     check_weight_sharding(cfg, 4, True, True)  # 160, 96 + 16 and 8 split 4 ways

@@ -11,7 +11,7 @@ import pytest
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import vllm_api
-from kimi_k2_neuron.testing.tiny_tokenizer import CHAT_TEMPLATES, write_tiny_tokenizer
+from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer
 
 
 class App:

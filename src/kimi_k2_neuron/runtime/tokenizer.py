@@ -10,7 +10,7 @@ Encoding from the same data:
   ``eos_token`` and usually ``chat_template``.
 * ``chat_template.jinja`` (optional) overrides the config's template, as in HF.
 
-kimi_k2_neuron.testing.tiny_tokenizer writes the same format for tiny test checkpoints.
+kimi_k2_neuron.tiny.tokenizer_files writes the same format for tiny test checkpoints.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ CONFIG_NAME = "tokenizer_config.json"
 TEMPLATE_NAME = "chat_template.jinja"
 
 # Real Kimi-K2 has 163584 base tokens, so its specials start here; tiny tokenizers keep each special at the
-# same offset from their own num_base (testing.tiny_tokenizer.tiny_special_id).
+# same offset from their own num_base (tiny.tokenizer_files.tiny_special_id).
 KIMI_SPECIAL_BASE = 163584
 NUM_SPECIAL_SLOTS = 256
 

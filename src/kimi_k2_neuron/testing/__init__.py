@@ -1,6 +1,2 @@
-"""Test fixtures and the independent oracle, not used to serve: tiny checkpoints in Kimi-K2's real storage formats
-(tiny_checkpoint, with its tiny_tokenizer) and transformers' DeepseekV3ForCausalLM fed weights dequantized by
-other people's code (transformers_oracle, which needs the `test` extra)."""
-
-# make-tiny's --layout names (torch-free, for the argument parser): the releases tiny_checkpoint.LAYOUTS describes.
-TINY_LAYOUTS = ("k2", "k2-thinking", "k2.5", "k2.6", "k2.7")
+"""Test fixtures no command uses: checkpoints with one TP rank's real tensor shapes (rank_slice) and tool-call golden
+streams of the tiny tokenizer (tool_call_streams). Last in the import order: nothing in the product imports it."""

@@ -26,8 +26,8 @@ from ..config import KimiK2Config
 from ..errors import KimiInputError
 from ..formats.layout import logical_shapes
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
-from .tiny_checkpoint import TINY_BASE_TOKENS, random_weight, store, stray_buffer
-from .tiny_tokenizer import tiny_special_id, write_tiny_tokenizer
+from ..tiny.checkpoint import TINY_BASE_TOKENS, random_weight, store, stray_buffer
+from ..tiny.tokenizer_files import tiny_special_id, write_tiny_tokenizer
 
 # Dimensions NxD splits across the TP ranks (attention by heads, MLPs by intermediate columns, lm_head by vocab).
 SPLIT_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",

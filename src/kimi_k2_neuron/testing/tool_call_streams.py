@@ -3,7 +3,7 @@
 Each output is what the chat template writes for an assistant message (content, then the tool-call section with
 each call's id and arguments), so the message itself is the expected parse; Thinking outputs put
 <think>REASONING</think> first, as Kimi-K2-Thinking writes it. The tiny tokenizer keeps Kimi's special tokens at
-their real offsets (tiny_tokenizer.tiny_special_id), so every marker is one token, as with the real tokenizer.
+their real offsets (tiny.tokenizer_files.tiny_special_id), so every marker is one token, as with the real tokenizer.
 `TokenStream.deltas` cuts a token stream into chunks of n tokens and decodes each chunk as a streaming detokenizer does:
 UTF-8 bytes split across chunks wait for the rest of their character.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..runtime.tokenizer import KimiTokenizer
-from .tiny_tokenizer import write_tiny_tokenizer
+from ..tiny.tokenizer_files import write_tiny_tokenizer
 
 ASSISTANT_HEADER = "<|im_assistant|>assistant<|im_middle|>"
 TURN_END = "<|im_end|>"

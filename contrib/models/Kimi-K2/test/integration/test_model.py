@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.trn2, pytest.mark.skipif(SKIP is not None, reason=SKIP
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(loaded application, converted checkpoint, KimiK2Config) of the tiny model."""
-    from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
     from modeling_kimi_k2 import (DEFAULT_SCHEME, ConversionRecord, KimiK2Config, RunSpec, compile_model, convert,
                                   load_compiled)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_k2_neuron.testing.tiny_checkpoint import make_tiny
+from kimi_k2_neuron.tiny.checkpoint import make_tiny
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.convert import convert
 from kimi_k2_neuron.formats import DEFAULT_SCHEME

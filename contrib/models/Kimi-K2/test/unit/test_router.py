@@ -7,7 +7,7 @@ with them transformers (skipped, with the missing packages named, elsewhere)."""
 import pytest
 import torch
 
-from kimi_k2_neuron.testing.tiny_checkpoint import tiny_config_dict
+from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 from kimi_k2_neuron.config import KimiK2Config
 
 EXPERTS, TOP_K, TOKENS = 16, 4, 24

@@ -5,7 +5,7 @@ INT4 routed experts) or a BF16 export; several shards with one MoE layer's exper
 stray `rotary_emb.inv_freq` buffers as real dumps have; a tokenizer in Kimi's format. A `layout` (LAYOUTS) picks
 the checkpoint around those tensors: Kimi-K2(-Instruct/-0905), -Thinking, or K2.5, K2.6 and K2.7-Code, which keep
 K2.5's multimodal layout (the language model's fields under `text_config`, its tensors under `language_model.`, a
-vision tower and projector beside it) with their chat templates (testing.tiny_tokenizer.CHAT_TEMPLATES),
+vision tower and projector beside it) with their chat templates (tiny.tokenizer_files.CHAT_TEMPLATES),
 end-of-turn ids and generation configs. The dimensions are small
 but chosen so that FP8 128x128 blocks are partial at the edges (none of them is a multiple of 128), INT4 groups
 of 32 divide the expert input dims, and attention heads split evenly over 2 ranks.
@@ -27,7 +27,7 @@ from ..quant.fp8 import quantize_blockwise
 from ..quant.int4 import quantize_group
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
 from . import TINY_LAYOUTS
-from .tiny_tokenizer import CHAT_TEMPLATES, tiny_special_id, write_tiny_tokenizer
+from .tokenizer_files import CHAT_TEMPLATES, tiny_special_id, write_tiny_tokenizer
 
 QUANTS = ("fp8", "int4", "bf16")
 EOS, IM_END = KIMI_SPECIAL_BASE + 1, KIMI_SPECIAL_BASE + 2  # [EOS] 163585, <|im_end|> 163586
