@@ -6,7 +6,9 @@ machine without them and run in NxD's CPU mode.
 
 Test infrastructure, never on a trn2 host (there the real packages are installed). What NxD/NxDI need at import
 time is a name to bind; nothing of the SDK runs here, so every function, kernel and class below raises
-NotImplementedError when used, naming itself, except a few plain values that NxD reads on CPU: the platform target
+NotImplementedError when used, naming itself, except two device ops computed in torch by their documented semantics
+(device_ops.py: Argmax, which NxD's greedy speculation calls, and xla_hlo_call's DynamicUpdateSlice, NxDI's KV-cache
+writes under torch_xla) and a few plain values that NxD reads on CPU: the platform target
 ("trn2"), torch_neuronx's version string (ModelBuilder checks it is a 2.x release), a collectives config that
 initialize_model_parallel builds and only ring attention reads, the kernels' enums and dtype names, and one frozen
 config record. Kernels that NxD/NxDI import inside try/except are left out on purpose, so that they take their own
@@ -164,7 +166,9 @@ MODULES: dict[str, list[str]] = {
         "AwsNeuronModuleMarkerEndForward = 'AwsNeuronModuleMarkerEndForward'",
     ],
     "torch_neuronx.xla_impl.ops": [
-        "class Argmax", "class ConcatenateOp", "class RmsNorm", "class TopK", "kernel xla_hlo_call",
+        # torch stand-ins for Argmax and xla_hlo_call's DynamicUpdateSlice (device_ops.py says why)
+        "from _nxdi_cpu_device_ops import Argmax, xla_hlo_call  # noqa: F401",
+        "class ConcatenateOp", "class RmsNorm", "class TopK",
         "_nki_jit = kernel_decorator('torch_neuronx.xla_impl.ops.nki_jit')",
         "def nki_jit(*args, **kwargs):  # NxD calls it as nki_jit()(kernel)",
         "    return _nki_jit(*args, **kwargs) if args else _nki_jit",
@@ -203,6 +207,7 @@ def write(dest: Path) -> None:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     (dest / "_nxdi_cpu_stand_in.py").write_text(HELPERS)
+    shutil.copyfile(Path(__file__).with_name("device_ops.py"), dest / "_nxdi_cpu_device_ops.py")
     packages = {".".join(m.split(".")[:i]) for m in MODULES for i in range(1, m.count(".") + 1)}
     for module in sorted(packages | set(MODULES)):
         parts = module.split(".")

@@ -68,7 +68,8 @@ def with_device_ops(env: dict) -> dict:
 
 
 def stand_in_device_ops():
-    """The same stand-ins in this process (and the ranks it spawns, which inherit PYTHONPATH) -> their module."""
+    """The same stand-ins in this process (and the ranks it spawns, which inherit PYTHONPATH) -> their module
+    (scripts/nxdi_cpu_tier/device_ops.py)."""
     import importlib.util
     import sys
 
@@ -77,4 +78,4 @@ def stand_in_device_ops():
     spec.loader.exec_module(module)
     module.patch_loaded()
     os.environ["PYTHONPATH"] = with_device_ops(dict(os.environ))["PYTHONPATH"]
-    return sys.modules.setdefault("nxdi_cpu_device_ops", module)
+    return sys.modules.setdefault("nxdi_cpu_device_ops", module)._ops()

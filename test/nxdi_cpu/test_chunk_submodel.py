@@ -117,7 +117,7 @@ def test_generate_with_chunks_equals_the_core_runners_greedy_tokens(ckpt, env, t
 
 def test_trace_cpu_traces_the_chunk_graph_clean(ckpt, env):
     """The chunk's cache write is NxDI's dynamic_update_slice, an xla_hlo_call on device: the tier stands it in
-    (device_ops/sitecustomize.py), as a Neuron SDK provides it."""
+    (scripts/nxdi_cpu_tier/device_ops.py), as a Neuron SDK provides it."""
     r = _cli(["trace-cpu", "--model", ckpt, "--submodel", "chunk", "--prefill-chunk", "4", "--seq-len", "16",
               "--json"], with_device_ops({**env, "PJRT_DEVICE": "CPU"}))
     report = json.loads(r.stdout)

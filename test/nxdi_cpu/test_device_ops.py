@@ -1,4 +1,4 @@
-"""The tier's stand-ins for torch_neuronx's device ops (device_ops/sitecustomize.py) against NxDI's own code: its
+"""The tier's stand-ins for torch_neuronx's device ops (scripts/nxdi_cpu_tier/device_ops.py) against NxDI's own code: its
 DynamicUpdateSlice, through NxDI's dynamic_update_slice and fill_prefix with torch_xla's device, equals the update
 NxDI's CPU-mode branch of the same functions writes (modules/kvcache/utils.py), and traces with no host sync."""
 

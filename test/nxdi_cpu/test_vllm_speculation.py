@@ -4,7 +4,7 @@ enable_eagle_speculation, speculation_length 4), its draft config built with our
 FusedSpecNeuronConfig without a draft class (NXDI_CONTRACT.md: vllm-spec-config) -> our model's own fused EAGLE3
 speculation (neuron/fused_spec.py) in NxD's CPU mode, on a tiny 7-layer converted checkpoint and the tiny draft.
 vLLM runs in child processes (vllm_support.py; test_vllm_serving.py has the rest of the serving tier); NxD's
-device-only Argmax is stood in (device_ops/sitecustomize.py). Reference: `generate --backend nxdi-cpu`'s code path
+device-only Argmax is stood in (scripts/nxdi_cpu_tier/device_ops.py). Reference: `generate --backend nxdi-cpu`'s code path
 without a draft (NxDI's token-generation graph), bfloat16 at TP=1, as test_vllm_serving.py's.
 
 Greedy equality in bfloat16 holds up to floating point: the verify computes speculation_length tokens at once (on the

@@ -6,7 +6,6 @@ tensors); the traced graph is executed by XLA's CPU compiler. MoE paths covered:
 selective-loading decode, NxD's torch code on the XLA device (not the NKI kernels a trn2 build may use).
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ import sys
 
 import pytest
 
-from nxdi_support import cpu_options
+from nxdi_support import cpu_options, stand_in_device_ops
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
@@ -103,12 +102,13 @@ def test_a_host_sync_in_a_layer_is_caught_and_its_frame_named(converted, torch_f
     assert "read_back_mid_forward" in r.format()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch_neuronx._shim_base") is None,
-                    reason="a real torch_neuronx has xla_hlo_call; only the nxdi-cpu import shim stops here")
-def test_without_the_swap_context_encoding_stops_at_fill_prefix_and_says_so(converted):
-    r = xla_trace.trace(_options(converted, "fp8-blockwise", "context", 1))
-    assert not r.clean and "NotImplementedError" in r.stopped and "fill_prefix" in r.stopped
-    assert "kvcache/utils.py:84" in r.stopped
+def test_without_the_swap_context_encoding_writes_through_the_tiers_dynamic_update_slice(converted):
+    """NxDI's fill_prefix as on device, an xla_hlo_call DynamicUpdateSlice, computed by the tier's stand-in
+    (scripts/nxdi_cpu_tier/device_ops.py): the same one clean graph, equal to eager."""
+    stand_in_device_ops()
+    r = xla_trace.trace(_options(converted, "fp8-blockwise", "context", 1, dtype="float32"))
+    _assert_one_clean_graph(r)
+    assert r.max_rel_diff_vs_eager < 1e-5, r.rel_diff_vs_eager
 
 
 def test_cli_reports_json_and_exit_code(converted):

@@ -76,6 +76,30 @@ print(hasattr(a, "attention_cte"))
     assert r.stdout.split() == ["2", "trn2", "None", "False", "BLOCKWISE_SYMMETRIC", "False"]
 
 
+def test_the_two_device_ops_the_shim_computes(shim):
+    """Argmax and xla_hlo_call's DynamicUpdateSlice are torch stand-ins (device_ops.py; held to NxDI's own CPU-mode
+    branch in test/nxdi_cpu/test_device_ops.py); the ops beside them still refuse."""
+    script = """
+import torch
+from torch_neuronx.xla_impl import ops
+x = torch.tensor([[1., 5., 2.], [7., 0., 3.]])
+print(ops.Argmax.apply(x, 1, False).tolist())
+
+@ops.xla_hlo_call
+def write(tensor, update, *starts):
+    return tensor.dtype[tensor.sizes].DynamicUpdateSlice(tensor, update, *starts)
+
+print(write(torch.zeros(2, 4), torch.ones(1, 2), torch.tensor(1), torch.tensor(1)).tolist())
+try:
+    ops.TopK.apply(x)
+except NotImplementedError:
+    print("refused")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(shim)})
+    assert r.stdout.split("\n")[:3] == ["[1, 0]", "[[0.0, 0.0, 0.0, 0.0], [0.0, 1.0, 1.0, 0.0]]", "refused"], r.stderr
+
+
 # A stand-in for the method the fix edits: the CPU-safe selection it keeps (fix.CPU_SAFE), the two lines it removes
 FORWARD = "\n".join([
     "    def forward(self, x, expert_indices=None):",

@@ -56,7 +56,8 @@ def checked_names(state: dict) -> list[str]:
 
 def check_device_ops() -> None:
     """NxD's greedy speculation calls torch_neuronx's Argmax custom op directly (NXD_CPU_MODE.md: fused-spec-cpu),
-    which the nxdi-cpu import shim does not implement: refused here, before any work, rather than mid-run."""
+    binary-only; the tier's import shim computes it (scripts/nxdi_cpu_tier/device_ops.py). Where a shim only raises,
+    refused here, before any work, rather than mid-run."""
     import importlib
 
     import torch
@@ -67,5 +68,6 @@ def check_device_ops() -> None:
         module.Argmax.apply(torch.zeros(1, 2), 1, False)
     except NotImplementedError:
         raise KimiInputError("--draft in NxD's CPU mode: NxD's greedy speculation calls torch_neuronx's Argmax "
-                             "custom op, which this torch_neuronx (the nxdi-cpu import shim) does not implement; "
-                             "the nxdi-cpu tests stand it in (NXD_CPU_MODE.md: fused-spec-cpu)") from None
+                             "custom op, which this torch_neuronx (an import shim) does not implement; the tier "
+                             "scripts/build_nxdi_cpu_tier.sh builds computes it (NXD_CPU_MODE.md: "
+                             "fused-spec-cpu)") from None

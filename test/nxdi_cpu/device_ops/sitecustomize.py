@@ -1,125 +1,43 @@
-"""Test infrastructure of the nxdi-cpu tier, not the product. With this folder on PYTHONPATH every Python process of a
-test (the CLI, its spawned ranks, vLLM's engine) gets torch stand-ins for two torch_neuronx device ops that the nxdi-cpu
-import shim only raises:
-
-- Argmax, which NxD's greedy speculation calls directly (NxD operators/argmax.py; NXD_CPU_MODE.md: fused-spec-cpu):
-  torch.argmax with the op's documented arguments (tensor, dim, keepdim), as NxD's docstring gives it.
-- xla_hlo_call for the one HLO NxDI's KV-cache writes build with it, DynamicUpdateSlice (NxDI modules/kvcache/
-  utils.py: fill_prefix, dynamic_update_slice; the chunk submodel's write, NXDI_CONTRACT.md: chunk-write), so an XLA
-  trace of those graphs runs on torch_xla's CPU device: the update written at XLA's clamped start indices, in torch ops
-  with no host sync (test_device_ops.py holds it to NxDI's own CPU-mode branch). Any other HLO raises, naming it.
-
-Installed when torch_neuronx.xla_impl.ops is first imported, so a process that never imports it pays nothing;
-nxdi_support.stand_in_device_ops does the same in a process that already has."""
+"""Test infrastructure of the nxdi-cpu tier, not the product. The tier's torch stand-ins for torch_neuronx's Argmax and
+xla_hlo_call DynamicUpdateSlice live in scripts/nxdi_cpu_tier/device_ops.py, which the import shim that
+scripts/build_nxdi_cpu_tier.sh writes already serves. With this folder on PYTHONPATH, every Python process of a test
+(the CLI, its spawned ranks, vLLM's engine) gets them in a venv whose shim only raises there (one built by ../shared's
+setup.sh): installed when torch_neuronx.xla_impl.ops is first imported, so a process that never imports it pays
+nothing; nxdi_support.stand_in_device_ops does the same in a process that already has."""
 
 import importlib.abc
 import importlib.util
 import sys
+from pathlib import Path
 
 TARGET = "torch_neuronx.xla_impl.ops"
+SOURCE = Path(__file__).resolve().parents[3] / "scripts" / "nxdi_cpu_tier" / "device_ops.py"
+# the modules that imported the ops by name before they were stood in
+USERS = {"Argmax": ("neuronx_distributed.operators.argmax",),
+         "xla_hlo_call": ("neuronx_distributed_inference.modules.kvcache.utils",)}
 
 
-class TorchArgmax:
-    @staticmethod
-    def apply(tensor, dim, keepdim=False):
-        import torch
-
-        return torch.argmax(tensor, dim=dim, keepdim=keepdim)
-
-
-def dynamic_update_slice(operand, update, starts):
-    """XLA's DynamicUpdateSlice: each start clamped to [0, operand - update] along its dimension, then `update`
-    written there; as index_select and where, so torch_xla traces it with tensor starts and no host sync."""
-    import torch
-
-    full, mask = update, None
-    for d, (size, width, start) in enumerate(zip(operand.shape, update.shape, starts)):
-        if size == width:
-            continue
-        start = torch.as_tensor(start, device=operand.device).to(torch.int64).clamp(0, size - width)
-        offset = torch.arange(size, device=operand.device) - start
-        full = full.index_select(d, offset.clamp(0, width - 1))
-        shape = [1] * operand.dim()
-        shape[d] = size
-        inside = ((offset >= 0) & (offset < width)).view(shape)
-        mask = inside if mask is None else mask & inside
-    return full.clone() if mask is None else torch.where(mask, full, operand)
+def _ops():
+    if "_nxdi_cpu_device_ops" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_nxdi_cpu_device_ops", SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["_nxdi_cpu_device_ops"] = module
+    return sys.modules["_nxdi_cpu_device_ops"]
 
 
-class _Hlo:
-    """What an xla_hlo_call function is handed for a tensor (its .dtype, .sizes, .scribe), and what it returns."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    @property
-    def sizes(self):
-        return tuple(self.tensor.shape)
-
-    @property
-    def dtype(self):
-        return _Type(self.tensor.device)
-
-    @property
-    def scribe(self):
-        return _Scribe(self.tensor.device)
-
-
-class _Scribe:
-    def __init__(self, device):
-        self.device = device
-
-    def __getattr__(self, name):  # scribe.u32, scribe.s32, ...
-        return _Type(self.device)
-
-
-class _Type:
-    def __init__(self, device):
-        self.device = device
-
-    def __getitem__(self, shape):  # dtype[shape].Op(...)
-        return self
-
-    def Constant(self, constant_value):  # noqa: N802 -- the scribe's name
-        import torch
-
-        return _Hlo(torch.tensor(constant_value, device=self.device))
-
-    def DynamicUpdateSlice(self, operand, update, *starts):  # noqa: N802
-        return _Hlo(dynamic_update_slice(operand.tensor, update.tensor, [s.tensor for s in starts]))
-
-    def __getattr__(self, name):
-        raise NotImplementedError(f"torch_neuronx xla_hlo_call {name}: the nxdi-cpu tier's stand-in "
-                                  f"(test/nxdi_cpu/device_ops) computes DynamicUpdateSlice only")
-
-
-def xla_hlo_call(function):
-    import functools
-
-    import torch
-
-    @functools.wraps(function)
-    def call(*args):
-        wrap = [_Hlo(a) if isinstance(a, torch.Tensor) else a for a in args]
-        return function(*wrap).tensor
-
-    return call
-
-
-# NxDI's modules that imported xla_hlo_call by name (NxD's argmax module: Argmax)
-HLO_USERS = ("neuronx_distributed_inference.modules.kvcache.utils",)
+def _install(module) -> None:
+    for name in USERS:
+        setattr(module, name, getattr(_ops(), name))
 
 
 def patch_loaded() -> None:
     """Where the ops are already imported: the shim's module, and the modules that imported them by name."""
-    for name in (TARGET, "neuronx_distributed.operators.argmax"):
-        module = sys.modules.get(name)
-        if module is not None:
-            module.Argmax = TorchArgmax
-    for name in (TARGET, *HLO_USERS):
-        module = sys.modules.get(name)
-        if module is not None:
-            module.xla_hlo_call = xla_hlo_call
+    for name, users in USERS.items():
+        for user in (TARGET, *users):
+            module = sys.modules.get(user)
+            if module is not None:
+                setattr(module, name, getattr(_ops(), name))
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -132,8 +50,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            module.Argmax = TorchArgmax
-            module.xla_hlo_call = xla_hlo_call
+            _install(module)
 
         spec.loader.exec_module = exec_module
         return spec
