@@ -219,7 +219,7 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     if args.for_vllm:
         from kimi_k2_neuron.neuron.serving import vllm_serve_command
 
-        report["vllm_serve"] = vllm_serve_command(checkpoint, args.out, spec)
+        report["vllm_serve"] = vllm_serve_command(checkpoint, args.out, spec, tokenizer_dir=args.model)
     print(json.dumps(report, indent=2, default=str))
     return 0
 

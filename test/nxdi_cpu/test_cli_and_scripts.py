@@ -220,10 +220,12 @@ def test_what_config_and_flags_refuse_is_refused_before_converting(tiny, env, tm
 
 @pytest.mark.parametrize("script", ["run_inference.py", "bench_tpot.py"])
 def test_a_folder_compile_and_save_did_not_write_is_one_line(script, env, tmp_path):
+X
+    compiled.mkdir()
     flags = ["--prompt", "hi"] if script == "run_inference.py" else ["--report", str(tmp_path / "r.json")]
-    r = _run(["--compiled", str(tmp_path), *flags], env, script)
+    r = _run(["--compiled", str(compiled), *flags], env, script)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert r.stderr.strip().splitlines()[-1] == (f"error: --compiled {tmp_path}: not a folder written by "
+    assert r.stderr.strip().splitlines()[-1] == (f"error: --compiled {compiled}: not a folder written by "
                                                  f"scripts/compile_and_save.py (no kimi_k2_neuron.json in it)")
 
 

@@ -65,8 +65,11 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
     return app
 
 
-def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSpec) -> str:
-    """The `vllm serve` line whose request is the one compiled (vllm_request.compiled_mismatches)."""
+def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSpec,
+                       tokenizer_dir: str | Path | None = None) -> str:
+    """The `vllm serve` line whose request is the one compiled (vllm_request.compiled_mismatches). Its chat template
+    is read from tokenizer_dir (default: checkpoint; a dry run's raw folder, not yet converted: convert copies its
+    tokenizer files as they are)."""
     from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 
     parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
@@ -76,7 +79,7 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
              f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron",
              # Kimi's API contract (docs/vllm.md); message content as strings, as Kimi's templates render it
              "--middleware kimi_k2_neuron.neuron.vllm_api.KimiApi --chat-template-content-format string"]
-    if "<think>" in (KimiTokenizer.from_dir(checkpoint).chat_template or ""):
+    if "<think>" in (KimiTokenizer.from_dir(tokenizer_dir or checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
     if spec.draft:  # "eagle": vLLM 0.13 refuses "eagle3" for kimi_k2 (NXDI_CONTRACT.md: vllm-spec-config)
         config = {"method": "eagle", "model": str(Path(spec.draft.path).resolve()),

@@ -85,9 +85,17 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | No
 def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     """shard_weights as compile() runs it, outside CPU mode: there NxD would ask the mocked torch.distributed for
     gloo groups (NXD_CPU_MODE.md: sharding-outside-cpu-mode)."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
     app = application(o, seq_len, batch, GREEDY if o.spec.draft else None)  # fused speculation samples on device
-    with nxd_cpu_mode(False):
-        app.shard_weights(str(out))
+    # ModelBuilder sets NxD's model-parallel state up for the compile's world, as in compile()'s own process: here it
+    # must not see the state (a cached TP size) an in-process run left, nor leave its mock world's behind
+    parallel_state.destroy_model_parallel()
+    try:
+        with nxd_cpu_mode(False):
+            app.shard_weights(str(out))
+    finally:
+        parallel_state.destroy_model_parallel()
     return Path(out) / "weights"
 
 
