@@ -734,9 +734,6 @@ def plan_json(p: Plan, **extra) -> str:
 # length. The accept lengths printed: 2.3, the low end of lightseekorg/kimi-k2.5-eagle3's model card (2.3-3.8, K2.5,
 # 3 draft steps), and 3.2, inside that range (README: speculative decoding).
 ACCEPT_LENGTHS = (2.3, 3.2)
-# a draft call's collectives in NxDI's Llama: the embedding's all-gather, fc's output gather, the o_proj and MLP
-# all-reduces, the argmax's two all-gathers (NxD operators/argmax.py)
-DRAFT_CALL_COLLECTIVES = 6
 
 
 @dataclass(frozen=True)
@@ -755,9 +752,8 @@ class Speculation:
 
 
 def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Port) -> Speculation | None:
-    """The draft's HBM and the fused step's time (estimates, from shapes and timing.py's constants); the draft's
-    facts are its config.json's (launch.draft_spec). TODO(issue 27): the draft calls' fixed cost and collectives
-    are modelled here with timing.TRN2's per-layer and per-collective constants, not by a timing.py function."""
+    """The draft's HBM and the fused step's time (estimates: timing.decode_time for the verify, timing.draft_call_time
+    for each draft call); the draft's facts are its config.json's (launch.draft_spec)."""
     d = spec.draft
     if d is None or d.checkpoint is None:
         return None
@@ -781,9 +777,8 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     _, verify_bytes = _bytes_per_token(cfg, verify_spec, weights)
     verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
     verify = decode_time(cfg, verify_spec, verify_bytes, port)
-    t = timing.TRN2
     call_bytes = _div(c.weight_bytes - 2 * c.vocab_size * c.hidden_size, tp) + draft_kv  # the embedding: a gather
-    draft_s = k * (call_bytes / t.hbm_bytes_per_s + DRAFT_CALL_COLLECTIVES * t.alpha_s + t.layer_s)
+    draft_s = k * timing.draft_call_time(call_bytes)
     return Speculation(draft=str(d.path), speculation_length=k, rows=tuple(rows), verify_path=path, verify=verify,
                        draft_s=draft_s, step_s=verify.total_s + draft_s)
 

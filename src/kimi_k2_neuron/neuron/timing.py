@@ -192,6 +192,17 @@ class PrefillWork:
     moe: "MoeWork"
 
 
+# a draft call's collectives in NxDI's Llama: the embedding's all-gather, fc's output gather, the o_proj and MLP
+# all-reduces, the argmax's two all-gathers (NxD operators/argmax.py); each moves one token's hidden a row
+DRAFT_CALL_COLLECTIVES = 6
+
+
+def draft_call_time(read_bytes: int, c: Constants = TRN2) -> float:
+    """One call of an EAGLE3 draft (one dense decoder layer): its weights and cache over HBM bandwidth, its
+    collectives at their latency, one layer's fixed cost (fitted on a MoE layer: an upper bound for a dense one)."""
+    return read_bytes / c.hbm_bytes_per_s + DRAFT_CALL_COLLECTIVES * c.alpha_s + c.layer_s
+
+
 @dataclass(frozen=True)
 class MoeWork:
     """One MoE layer's routed experts on one core for one prefill call."""
