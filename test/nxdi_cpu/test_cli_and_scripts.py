@@ -220,7 +220,7 @@ def test_what_config_and_flags_refuse_is_refused_before_converting(tiny, env, tm
 
 @pytest.mark.parametrize("script", ["run_inference.py", "bench_tpot.py"])
 def test_a_folder_compile_and_save_did_not_write_is_one_line(script, env, tmp_path):
-X
+    compiled = tmp_path / "compiled"  # the report beside it, not inside (refused first, in its own words)
     compiled.mkdir()
     flags = ["--prompt", "hi"] if script == "run_inference.py" else ["--report", str(tmp_path / "r.json")]
     r = _run(["--compiled", str(compiled), *flags], env, script)
