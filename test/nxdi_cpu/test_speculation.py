@@ -167,6 +167,20 @@ def test_generate_with_a_draft_over_the_sequence_sharded_cache_prints_the_plain_
     assert re.search(r"\d+ fused steps, accept length [1-4]\.\d\d tokens per step per row", line), line
 
 
+def test_generate_with_a_draft_at_tp_1_batch_1_prints_the_plain_tokens(models, env):
+    """The other corner of the lossless claim (TP 2, batch 2 above; vLLM's test: TP 1, batch 2): `generate --tp 1`,
+    one prompt, the replicated cache, with and without the draft."""
+    target, draft = models
+    cmd = [sys.executable, "-m", "kimi_k2_neuron.cli", "generate", "--backend", "nxdi-cpu", "--tp", "1", "--model",
+           str(target), "--greedy", "--max-new-tokens", str(NEW), "--json", "--prompt", PROMPTS[0]]
+    runs = [subprocess.run(cmd + flags, capture_output=True, text=True, env=with_device_ops(env), timeout=900)
+            for flags in ([], ["--draft", str(draft), "--speculation-length", str(K)])]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    plain, fused = (json.loads(r.stdout)["tokens"] for r in runs)
+    assert fused == plain and len(plain[0]) > 1
+    assert "speculation (--speculation-length 4)" in runs[1].stderr
+
+
 def _cut(row, stops):
     return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
 
