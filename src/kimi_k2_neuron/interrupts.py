@@ -28,6 +28,8 @@ REPEAT_WINDOW_S = 1.0
 _first_signal_at: float | None = None
 PARTIAL_SUFFIX = ".partial"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# what a writer killed by SIGPIPE exits with; a command whose stdout's reader left (`plan | head -1`) ends with it
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
 
 
 class Interrupted(KeyboardInterrupt):
@@ -48,10 +50,14 @@ def run_command(main, argv=None) -> int:
     SIG...` line on stderr and exit code 130 / 143, no traceback. A second signal while the first one's clean-up
     runs ends the process at once (still one line). argv None means the process's own command line: the handlers
     then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
-    output already flushed); otherwise (tests calling main in-process) the previous handlers come back."""
+    output already flushed); otherwise (tests calling main in-process) the previous handlers come back. A reader of
+    stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's."""
     handlers = _install() if threading.current_thread() is threading.main_thread() else None
     try:
         return main(argv)
+    except BrokenPipeError:
+        _silence(sys.stdout)
+        return BROKEN_PIPE_EXIT
     except KeyboardInterrupt as e:  # Interrupted, or the default SIGINT handler's before ours was installed
         e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -94,6 +100,20 @@ def _exit_now(signum, frame):
 def _flush(stream) -> None:
     try:
         stream.flush()
+    except BrokenPipeError:
+        _silence(stream)
+    except (OSError, ValueError):
+        pass
+
+
+def _silence(stream) -> None:
+    """Point a stream whose reader has gone at /dev/null, so the interpreter's last flush of what it still buffers
+    does not print an `Exception ignored ... BrokenPipeError` and exit 120 (Python's signal docs, "Note on
+    SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
     except (OSError, ValueError):
         pass
 

@@ -300,3 +300,18 @@ def test_an_atomic_output_has_the_modes_a_plain_write_gets(tmp_path):
     with atomic_output(tmp_path / "out") as tmp:
         tmp.write_bytes(b"x")
     assert (tmp_path / "out").stat().st_mode == plain.stat().st_mode
+
+
+@pytest.mark.parametrize("flags", [[], ["--best", "--json"]], ids=["buffered whole", "written mid-run"])
+def test_a_reader_that_leaves_early_ends_the_command_quietly(flags):
+    """`plan | head -1`: the pipe's reader gone before plan writes, so its writes fail (mid-run, or the last flush):
+    no traceback, no `Exception ignored`, exit 141 as a writer killed by SIGPIPE, or plan's own when only the last
+    flush failed."""
+    config = REPO / "test" / "data" / "configs" / "kimi-k2-instruct-0905.json"
+    read, write = os.pipe()
+    os.close(read)  # before the child starts: its first write or flush meets no reader
+    r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", "plan", "--config", str(config), "--tp", "64",
+                        "--seq-len", "1024", *flags], stdout=write, stderr=subprocess.PIPE, text=True,
+                       env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=600)
+    os.close(write)
+    assert r.returncode in (0, interrupts.BROKEN_PIPE_EXIT) and r.stderr == "", (r.returncode, r.stderr[-2000:])
