@@ -39,7 +39,7 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, checkpoint_folder, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, run_spec, script_parser,
@@ -48,7 +48,7 @@ from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layo
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", required=True, type=checkpoint_folder, metavar="DIR",
                    help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
                         "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
                         "size, before it starts)")

@@ -66,6 +66,15 @@ def integer(lo: int, hi: int | None = None):
     return parse
 
 
+def checkpoint_folder(text: str) -> str:
+    """type= for a checkpoint folder a command reads: a file (its config.json, a shard) is refused here, naming the
+    flag; a missing path is left to the reader, which says what it expected there."""
+    if Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: is a file; expected a checkpoint folder (the one holding "
+                                         f"config.json)")
+    return text
+
+
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_spec_args,
                         add_weight_sharding_args, apply_sampling_defaults, cache_dir, check_generation_args,
-                        check_out_dir, check_out_file, fail, integer, sampling_values)
+                        check_out_dir, check_out_file, checkpoint_folder, fail, integer, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
@@ -341,7 +341,7 @@ def _make_tiny_parser(sub) -> None:
 
 def _logits_parser(sub) -> None:
     s = _command(sub, "logits", "logits at every position (prefill, then teacher-forced decode)", cmd_logits)
-    s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    s.add_argument("--model", required=True, type=checkpoint_folder, metavar="DIR", help="checkpoint folder")
     s.add_argument("--input-ids", type=_rows, required=True, metavar="IDS",
                    help='e.g. "1,2,3;4,5,6" (rows separated by ;)')
     s.add_argument("--prefill-len", type=integer(0), default=None, metavar="K",
@@ -354,7 +354,7 @@ def _logits_parser(sub) -> None:
 
 def _generate_parser(sub) -> None:
     s = _command(sub, "generate", "generate on CPU; several --prompt decode as one batch", cmd_generate)
-    s.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder")
+    s.add_argument("--model", required=True, type=checkpoint_folder, metavar="DIR", help="checkpoint folder")
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--input-ids", type=_rows, metavar="IDS",
                      help='token ids instead of --prompt, e.g. "1,2,3;4,5" (rows separated by ;)')
@@ -368,7 +368,8 @@ def _generate_parser(sub) -> None:
 def _convert_parser(sub) -> None:
     s = _command(sub, "convert", "convert a Kimi-K2 checkpoint once into the Neuron-ready FP8 expert layout",
                  cmd_convert)
-    s.add_argument("src", help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
+    s.add_argument("src", type=checkpoint_folder, metavar="SRC",
+                   help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
     s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
                    help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
@@ -385,7 +386,7 @@ def _demo_parser(sub) -> None:
 def _trace_cpu_parser(sub) -> None:
     s = _command(sub, "trace-cpu", "trace one NxDI submodel with torch_xla on the XLA CPU device, as NxD traces it "
                                    "for neuronx-cc (exit 0: one clean graph, 1: not)", cmd_trace_cpu)
-    s.add_argument("--model", required=True, metavar="DIR",
+    s.add_argument("--model", required=True, type=checkpoint_folder, metavar="DIR",
                    help="checkpoint folder (a raw one is converted once into $KIMI_K2_NEURON_CACHE/converted)")
     s.add_argument("--experts", choices=SCHEMES, default=None,
                    help=f"the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from .cache import converted_root
-from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, fail, integer,
-                        kv_group_of, sampling_values)
+from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, checkpoint_folder, fail,
+                        integer, kv_group_of, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
@@ -29,7 +29,7 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
     p.add_argument("--compiled", metavar="DIR",
                    help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
-    p.add_argument("--model", default=None, metavar="DIR",
+    p.add_argument("--model", default=None, type=checkpoint_folder, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "
                         "or converted)")
     p.add_argument("--cpu", action="store_true",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .arguments import add_spec_args, integer
+from .arguments import add_spec_args, checkpoint_folder, integer
 from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
 from .launch import draft_spec, layout_options, run_spec
@@ -21,9 +21,6 @@ def cmd_plan(a) -> int:
 
     _check_plan_modes(a)
     layout_options(a)  # the layout flags' own refusals, before config.json
-    if a.model and Path(a.model).is_file():
-        raise KimiInputError(f"--model {a.model}: is a file; --model takes a checkpoint folder, --config a "
-                             f"config.json file")
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
     if a.port:
         return _plan_published(a, cfg)
@@ -142,7 +139,8 @@ def add_plan_parser(sub, command) -> None:
     s = command(sub, "plan", "will it fit, and how fast? HBM per logical core on trn2.48xlarge and the modelled decode "
                               "and prefill time, estimates (exit 0 fits, 1 does not)", cmd_plan)
     src = s.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory (reads DIR/config.json)")
+    src.add_argument("--model", type=checkpoint_folder, metavar="DIR",
+                     help="checkpoint directory (reads DIR/config.json)")
     src.add_argument("--config", help="a config.json file")
     add_spec_args(s, "parallel", tp=dict(required=False, default=None,
                                          help="tensor-parallel degree (logical cores per model replica; no "

@@ -149,7 +149,12 @@ BAD_ARGS = [
     (["plan", "--config", "{tmp}/nope.json", "--tp", "2", "--seq-len", "8", "--experts", "bf16"],
      "nope.json: not found (expected a config.json)"),
     (["plan", "--model", "{model}/config.json", "--tp", "2", "--seq-len", "8"],
-     "config.json: is a file; --model takes a checkpoint folder, --config a config.json file"),
+     "--model: {model}/config.json: is a file; expected a checkpoint folder (the one holding config.json)"),
+    # every command that reads a checkpoint folder names the flag given a file (a new user's slip)
+    (["generate", "--model", "{model}/config.json", "--prompt", "hi"], "--model: {model}/config.json: is a file"),
+    (["logits", "--model", "{model}/config.json", "--input-ids", "1,2"], "--model: {model}/config.json: is a file"),
+    (["trace-cpu", "--model", "{model}/config.json"], "--model: {model}/config.json: is a file"),
+    (["convert", "{model}/config.json", "{tmp}/out"], "SRC: {model}/config.json: is a file"),
     ([], "required: {make-tiny,logits,generate,convert,demo,plan,trace-cpu}"),
     # generate
     (["generate", "--model", "{model}", "--prompt", "hi", "--stop", ""], "--stop '': expected a non-empty string"),
@@ -182,7 +187,7 @@ def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny_dirs, tmp_
                                                     one_line_error):
     argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
     rc, out, err = run_cli(argv, capsys)
-    one_line_error.exit(rc, err, words)
+    one_line_error.exit(rc, err, words.replace("{model}", str(tiny_dirs["fp8"])))
     assert out == ""
 
 
