@@ -134,3 +134,16 @@ def test_modelled_tpot_is_above_the_byte_roofline_and_every_component_is_reporte
     assert decode["bytes_ms"] == pytest.approx(d["tpot_lower_bound_ms"])
     # 61 o_proj, 60 MoE and 1 dense-MLP all-reduces, the embedding's all-gather, the sampler's 6, 61 q_a|kv_a gathers
     assert decode["collective_count"] == sum(c["count"] for c in decode["collectives"]) == 129 + 61
+
+
+@pytest.mark.parametrize("name, other", [("deepseek-v3-contrib", "kimi-k2-instruct-0905.json"),
+                                         ("kimi-k2.5-community", "deepseek-v3.json")])
+def test_a_port_is_planned_only_with_the_config_of_the_model_it_serves(name, other, capsys, one_line_error):
+    """Each published port's shape is its own config.json's (test/data/configs), and another model's is refused:
+    its times would be set against numbers that port never ran."""
+    pub = PUBLISHED_BY_NAME[name]
+    own = KimiK2Config.from_file(CONFIGS / pub.config)
+    assert (own.hidden_size, own.num_hidden_layers, own.n_routed_experts, own.num_attention_heads) == pub.shape
+    rc = main(["plan", "--config", str(CONFIGS / other), "--port", name])
+    one_line_error.exit(rc, capsys.readouterr().err, f"--port {name}: the config given", "is not the model that "
+                        "port serves", pub.config)

@@ -475,6 +475,11 @@ def published_spec(cfg: KimiK2Config, name: str) -> tuple[RunSpec, Port]:
     from .spec import Sampling
 
     p = timing.PUBLISHED_BY_NAME[name]
+    shape = (cfg.hidden_size, cfg.num_hidden_layers, cfg.n_routed_experts, cfg.num_attention_heads)
+    if shape != p.shape:
+        names = "hidden_size, num_hidden_layers, n_routed_experts, num_attention_heads"
+        raise KimiInputError(f"--port {name}: the config given ({names} {shape}) is not the model that port serves "
+                             f"{p.shape} (test/data/configs/{p.config}); give that model's config.json")
     fields = dict(p.spec)
     scheme = scheme_for(fields.pop("experts"), "fp8")
     sampling = Sampling(on_device=fields.pop("on_device_sampling", True))

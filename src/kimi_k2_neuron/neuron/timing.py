@@ -262,6 +262,9 @@ class Published:
 
     name: str
     config: str  # a config.json of test/data/configs
+    # (hidden_size, num_hidden_layers, n_routed_experts, num_attention_heads) of that model: plan --port refuses
+    # another's config.json, whose times would be compared with numbers it never ran
+    shape: tuple[int, int, int, int]
     spec: dict  # RunSpec fields; "experts" the scheme's name
     port: Port
     tpot_ms: float
@@ -272,19 +275,19 @@ class Published:
 PUBLISHED = (
     # NxDI's benchmark_sampling p50, seq 512 (one 512-token bucket), batch 1, on-device greedy; BF16 experts, a bf16
     # GroupLimited router, the stock K+V cache, the SDK 2.28 default blockwise kernel (block 512: 263 blocks a layer)
-    Published("deepseek-v3-contrib", "deepseek-v3.json",
+    Published("deepseek-v3-contrib", "deepseek-v3.json", (7168, 61, 256, 128),
               dict(tp=64, lnc=2, seq_len=512, batch=1, experts="bf16", moe_prefill="torch"),
               Port(kv_slots=2, router_dtype="bf16", dense_reduce_bytes=FP32, sampler="argmax"), 20.5, 1667.0,
               "aws-neuron/neuronx-distributed-inference@4bcdc54 contrib/models/DeepSeek-V3/README.md"),
     # a host loop's mean over 31 decode steps, seq 512, batch 1, logits to the host; FP8 per-channel experts, a bf16
     # router, the stock K+V cache, the shared expert's own fp32 all-reduce, all-experts prefill
-    Published("kimi-k2.5-community", "kimi-k2-instruct-0905.json",
+    Published("kimi-k2.5-community", "kimi-k2-instruct-0905.json", (7168, 61, 384, 64),
               dict(tp=64, lnc=2, seq_len=512, batch=1, experts="fp8-per-channel", moe_prefill="all-experts",
                    on_device_sampling=False),
               Port(kv_slots=2, router_dtype="bf16", shared_expert_reduce=True, dense_reduce_bytes=FP32, sampler="host"),
               21.4, 2094.6, "jimburtoft/neuronx-distributed-inference@13eccd9 contrib/models/Kimi-K2.5/README.md"),
     # the same contrib's K2.6 run, on K2.5's compiled NEFFs (its README): the spread between the two is the data's own
-    Published("kimi-k2.6-community", "kimi-k2-instruct-0905.json",
+    Published("kimi-k2.6-community", "kimi-k2-instruct-0905.json", (7168, 61, 384, 64),
               dict(tp=64, lnc=2, seq_len=512, batch=1, experts="fp8-per-channel", moe_prefill="all-experts",
                    on_device_sampling=False),
               Port(kv_slots=2, router_dtype="bf16", shared_expert_reduce=True, dense_reduce_bytes=FP32, sampler="host"),
