@@ -7,9 +7,9 @@ the host: free disk in --out for the pre-sharded weights, and host RAM for NxDI'
 file whole. --dry-run prints the NeuronConfig it would compile and the weight layout saved beside it
 (--shard-attn-a, --shard-router), the MoE path of each submodel and the planner's verdict as JSON, and touches
 nothing (it needs NxDI importable, not the Neuron compiler).
-A raw HF checkpoint is first converted, once, into a sibling folder <model>-neuron-<experts> (kimi_k2_neuron.convert;
-an estimated 10-35 min for the 1T model on a trn2.48xlarge, not measured; a progress bar shows the ETA and the time
-taken is printed at the end).
+A raw HF checkpoint is first converted, once, into $KIMI_K2_NEURON_CACHE/converted/<name>-neuron-<experts>-<tag>
+(kimi_k2_neuron.convert, where every tool finds it; an estimated 10-35 min for the 1T model on a trn2.48xlarge, not
+measured; a progress bar shows the ETA and the time taken is printed at the end).
 
 --for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
 continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
@@ -155,7 +155,8 @@ def choose_layout(args, cfg, spec):
     flags = " ".join(layout_flags(best.layout)) or "replicated cache, one-shot prefill"
     return (dataclasses.replace(spec, layout=best.layout),
             f"{flags}, the planner's choice: the lowest modelled TPOT ({best.decode.total_s * 1e3:.2f} ms, an "
-            f"estimate) of the {len(fitting)} layouts that fit (plan --best); give a layout flag to choose another")
+            f"estimate) of the {len(fitting)} layouts that fit at --moe-prefill {spec.prefill_mode(cfg)} (plan --best searches "
+            f"every mode); give a layout flag to choose another")
 
 
 def check_for_vllm(args) -> None:

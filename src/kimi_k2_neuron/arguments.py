@@ -264,8 +264,8 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                       help="none: every rank holds the whole latent KV cache; sequence: the ranks of "
                                            "a KV group split every sequence, position p on rank p %% G (NxDI's "
                                            "flash-decoding layout), and decode merges their partial attention "
-                                           "(default: none; given, a layout flag: compile_and_save then builds the "
-                                           "layouts' flags as given, not the planner's choice)")),
+                                           "(default: none; compile_and_save.py: any layout flag given, even "
+                                           "--kv-shard none, builds the layout as given, not the planner's choice)")),
         "--kv-group": ("layout", dict(type=integer(1), default=None, metavar="G",
                                       help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: "
                                            "--tp, one group)")),

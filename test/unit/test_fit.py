@@ -194,7 +194,7 @@ def test_roofline(kimi):
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
 
 
-# --- what the MoE allocates while it runs (NxD's code; plan.moe_temporaries) -----------------------------------------
+# --- what the MoE allocates while it runs (NxD's code; fit.moe_temporaries) -----------------------------------------
 # Kimi at TP=64, EP=1: 384 local experts, each gate_up [7168, 64] + down [32, 7168] = 3 x 7168 x 32 = 688,128
 # elements; all 384: 264,241,152 elements, 528,482,304 bytes in bf16, 1,056,964,608 in fp32.
 
