@@ -97,11 +97,12 @@ def _plan_best(a, cfg, spec, port) -> int:
         return 1
     lines = [f"best layout by modelled TPOT (estimates; {len(fitting)} layouts fit): "
              f"{' '.join(layout_flags(best.layout)) or 'replicated cache, one-shot prefill'} "
-             f"--moe-prefill {best.moe_prefill}",
-             f"  {'layout':<70}{'TPOT ms':>9}{'TTFT s':>9}"]
-    for p in fitting[:6]:
-        flags = f"{' '.join(layout_flags(p.layout)) or '(replicated)'} --moe-prefill {p.moe_prefill}"
-        lines.append(f"  {flags:<70}{p.decode.total_s * 1e3:>9.2f}{p.ttft_s:>9.1f}")
+             f"--moe-prefill {best.moe_prefill}"]
+    rows = [(f"{' '.join(layout_flags(p.layout)) or '(replicated)'} --moe-prefill {p.moe_prefill}", p)
+            for p in fitting[:6]]
+    w = max(len(flags) for flags, _ in rows) + 2
+    lines.append(f"  {'layout':<{w}}{'TPOT ms':>9}{'TTFT s':>9}")
+    lines += [f"  {flags:<{w}}{p.decode.total_s * 1e3:>9.2f}{p.ttft_s:>9.1f}" for flags, p in rows]
     print("\n".join(lines) + "\n" + format_plan(best))
     return 0
 

@@ -772,8 +772,8 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
                 _div(c.weight_bytes - norms, tp) + norms),
             Row(f"EAGLE3 draft KV cache ({kv_heads} KV head/rank x {spec.seq_len})", "bf16", draft_kv),
-            # one line per row and a spare (NxDI's HiddenStateRollingBuffer)
-            Row(f"EAGLE hidden-state buffer ({b} + 1 rows x 2 x {k} positions x 3 hidden)", "bf16",
+            # rows + a spare x 2 x K positions x 3 captured hiddens (NxDI's HiddenStateRollingBuffer)
+            Row(f"EAGLE hidden-state buffer ({b}+1 x 2 x {k} x 3 hidden)", "bf16",
                 (b + 1) * 2 * k * 3 * c.hidden_size * BF16)]
     if path == "all-experts":
         rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
