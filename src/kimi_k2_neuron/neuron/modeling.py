@@ -152,7 +152,7 @@ def _check_compiled(folder: str, request: RunSpec, config: KimiK2InferenceConfig
                    f" (its config.json's {CONVERSION_KEY} differs)")
     if bad:
         raise KimiInputError(f"{where}: " + "; ".join(bad) + "; compile for these flags with "
-                             f"scripts/compile_and_save.py --for-vllm, or change them")
+                             "scripts/compile_and_save.py --for-vllm, or change them")
 
 
 # == the model ===================================================================================================
