@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import shutil
 import signal
 import sys
@@ -56,6 +57,8 @@ def run_command(main, argv=None) -> int:
     try:
         return main(argv)
     except BrokenPipeError:
+        if not _reader_gone(sys.stdout):  # another pipe (a rank's, a child's): not ours to hush
+            raise
         _silence(sys.stdout)
         return BROKEN_PIPE_EXIT
     except KeyboardInterrupt as e:  # Interrupted, or the default SIGINT handler's before ours was installed
@@ -104,6 +107,16 @@ def _flush(stream) -> None:
         _silence(stream)
     except (OSError, ValueError):
         pass
+
+
+def _reader_gone(stream) -> bool:
+    """Whether `stream` is a pipe whose reading end is closed (poll reports POLLERR on its writing end)."""
+    try:
+        poller = select.poll()
+        poller.register(stream.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _silence(stream) -> None:

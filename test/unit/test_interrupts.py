@@ -315,3 +315,12 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(flags):
                        env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=600)
     os.close(write)
     assert r.returncode in (0, interrupts.BROKEN_PIPE_EXIT) and r.stderr == "", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_not_hushed(capsys):
+    """Only stdout's reader leaving ends a command quietly: a broken pipe elsewhere (a rank's) stays an error."""
+    def main(argv):
+        raise BrokenPipeError("a rank's pipe")
+
+    with pytest.raises(BrokenPipeError):
+        interrupts.run_command(main, [])
