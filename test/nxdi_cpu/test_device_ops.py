@@ -2,11 +2,11 @@
 DynamicUpdateSlice, through NxDI's dynamic_update_slice and fill_prefix with torch_xla's device, equals the update
 NxDI's CPU-mode branch of the same functions writes (modules/kvcache/utils.py), and traces with no host sync."""
 
-import os
-
 import pytest
 import torch
 from nxdi_support import stand_in_device_ops
+
+from kimi_k2_neuron.nxdi_cpu import backend
 
 
 @pytest.fixture(scope="module")
@@ -15,10 +15,6 @@ def utils():
     from neuronx_distributed_inference.modules.kvcache import utils
 
     return utils
-
-
-def _cpu_mode(on: bool):
-    os.environ["NXD_CPU_MODE"] = "1" if on else "0"
 
 
 CASES = [  # cache [lines, heads, T, D], update, start (in range: XLA's clamp and NxDI's CPU branch agree there)
@@ -36,31 +32,23 @@ def test_dynamic_update_slice_equals_nxdis_cpu_branch(utils, cache_shape, update
     torch.manual_seed(0)
     cache, update = torch.randn(cache_shape), torch.randn(update_shape)
     starts = [torch.tensor(s, dtype=torch.int32) for s in start]
-    previous = os.environ.get("NXD_CPU_MODE")
-    try:
-        _cpu_mode(True)
+    with backend.nxd_cpu_mode(True):
         want = utils.dynamic_update_slice(cache.clone(), update, [int(s) for s in start])
-        _cpu_mode(False)
+    with backend.nxd_cpu_mode(False):
         device = torch_xla.device()
         got = utils.dynamic_update_slice(cache.to(device), update.to(device), [s.to(device) for s in starts])
         assert torch.equal(got.cpu(), want)
         got = utils.dynamic_update_slice(cache, update, starts)  # eager, on the host
         assert torch.equal(got, want)
-    finally:
-        os.environ["NXD_CPU_MODE"] = previous if previous is not None else "0"
 
 
 def test_fill_prefix_equals_nxdis_cpu_branch(utils):
     torch.manual_seed(1)
     cache, prefix = torch.randn(2, 1, 16, 8), torch.randn(2, 1, 6, 8)
-    previous = os.environ.get("NXD_CPU_MODE")
-    try:
-        _cpu_mode(True)
+    with backend.nxd_cpu_mode(True):
         want = utils.fill_prefix(cache.clone(), prefix)
-        _cpu_mode(False)
+    with backend.nxd_cpu_mode(False):
         assert torch.equal(utils.fill_prefix(cache.clone(), prefix), want)
-    finally:
-        os.environ["NXD_CPU_MODE"] = previous if previous is not None else "0"
 
 
 def test_a_start_past_the_end_is_clamped_as_xla_specifies():
