@@ -27,10 +27,29 @@ class Layout:
     prefill_chunk: int | None = None  # tokens per prefill call (one row a call); None: the prompt in one call
     shard_attn_a: bool = False  # q_a_proj + kv_a_proj_with_mqa split by output rows and all-gathered
     shard_router: bool = False  # the router's experts split across the ranks, its float32 logits all-gathered
+    # A prefill chunk's attention over the sequence-sharded cache merges over this many adjacent ranks, after each
+    # gathers the cache of the G / chunk_group ranks holding the rest of its positions (model/mla.py attend_chunk);
+    # None: chunk_group_candidates' cheapest at the call's shapes
+    chunk_group: int | None = None
+
+    def __post_init__(self):
+        c = self.chunk_group
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int) or c < 1 or self.kv_group % c):
+            raise KimiInputError(f"chunk_group {c!r}: must be an integer dividing the KV group {self.kv_group} (None: "
+                                 f"the cheaper of its candidates)")
 
     @property
     def sequence_sharded(self) -> bool:
         return self.kv_group > 1
+
+    def chunk_group_candidates(self) -> tuple[int, ...]:
+        """The merge groups a chunk may use: the whole KV group, or a quarter of it, each rank gathering the cache of
+        3 others (the replica-group meshes NxD's own 3-stage top-k lays out at TP=64 on trn2: consecutive, and
+        strided within a block, operators/topk.py); a set chunk_group only."""
+        if self.chunk_group is not None:
+            return (self.chunk_group,)
+        g = self.kv_group
+        return (g, g // 4) if g % 4 == 0 else (g,)
 
 
 # -- the sequence-sharded cache's one position map: position p lives on group rank p % G, at slot p // G --------------
@@ -56,6 +75,25 @@ def stripe(n: int, group: int, rank, device=None) -> torch.Tensor:
     return torch.arange(0, n, group, dtype=torch.int64, device=device) + rank
 
 
+def chunk_key_positions(slots: int, group: int, chunk_group: int, rank, device=None) -> torch.Tensor:
+    """[G / Gc x slots]: the positions of the cache a rank holds after gathering its chunk cache group (the group
+    ranks r % Gc + Gc k, k = 0 .. G / Gc - 1, in that order; ParallelContext.gather_chunk_cache): those p with
+    p % Gc == r % Gc."""
+    members = torch.remainder(torch.as_tensor(rank, device=device), chunk_group) + chunk_group * torch.arange(
+        group // chunk_group, device=device)
+    return (torch.arange(slots, device=device)[None, :] * group + members.reshape(-1, 1)).reshape(-1)
+
+
+def chunk_meshes(tp: int, group: int, chunk_group: int) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+    """(the chunk groups: Gc adjacent ranks; the pools: the G / Gc ranks r % Gc + Gc k of each KV group of G adjacent
+    ranks), each as all its groups of ranks; None where it is a single rank or, for the chunk groups, the KV group
+    itself."""
+    merge = [list(range(s, s + chunk_group)) for s in range(0, tp, chunk_group)] if 1 < chunk_group < group else None
+    pool = ([list(range(s + j, s + group, chunk_group)) for s in range(0, tp, group) for j in range(chunk_group)]
+            if chunk_group < group else None)
+    return merge, pool
+
+
 def slots_for(positions: int, group: int) -> int:
     """Slots a rank needs to hold its share of `positions` positions."""
     return -(-positions // group)
@@ -69,6 +107,8 @@ class ParallelContext:
     rank: int = 0
     layout: Layout = Layout()
     kv_process_group: Any = field(default=None, compare=False)
+    # {Gc: (the Gc adjacent ranks a chunk merges over, the G / Gc ranks whose caches it gathers)} (runtime/tp.py)
+    chunk_process_groups: Any = field(default=None, compare=False)
 
     @property
     def kv_group(self) -> int:
@@ -160,6 +200,46 @@ class ParallelContext:
         torch.distributed.all_reduce(x, group=self.kv_process_group)
         h = x.shape[1] // self.kv_group
         return x.narrow(1, self.kv_rank() * h, h)
+
+    # -- a prefill chunk's groups (Layout.chunk_group): Gc adjacent ranks merge; the G / Gc ranks holding positions
+    # equal modulo Gc pool their caches -------------------------------------------------------------------------------
+
+    def gather_chunk_heads(self, x: torch.Tensor, chunk_group: int, dim: int = 1) -> torch.Tensor:
+        """Along `dim` over the Gc adjacent ranks, in rank order."""
+        return self._gather(x, chunk_group, self._chunk_group(chunk_group, 0), dim)
+
+    def gather_chunk_cache(self, x: torch.Tensor, chunk_group: int) -> torch.Tensor:
+        """[B, T, latent] -> [B, G / Gc x T, latent]: the caches of the group ranks r % Gc + Gc k, in k order."""
+        return self._gather(x, self.kv_group // chunk_group, self._chunk_group(chunk_group, 1), 1)
+
+    def max_over_chunk_group(self, x: torch.Tensor, chunk_group: int) -> torch.Tensor:
+        if chunk_group == 1:
+            return x
+        x = x.clone()
+        torch.distributed.all_reduce(x, torch.distributed.ReduceOp.MAX, group=self._chunk_group(chunk_group, 0))
+        return x
+
+    def reduce_scatter_chunk_heads(self, x: torch.Tensor, chunk_group: int) -> torch.Tensor:
+        """[B, h x Gc, ...] partial sums -> the Gc ranks' sum of this rank's h heads (gloo: all-reduce, slice)."""
+        if chunk_group == 1:
+            return x
+        x = x.contiguous().clone()
+        torch.distributed.all_reduce(x, group=self._chunk_group(chunk_group, 0))
+        h = x.shape[1] // chunk_group
+        return x.narrow(1, self.rank % chunk_group * h, h)
+
+    def _chunk_group(self, chunk_group: int, which: int):
+        if chunk_group == self.kv_group and which == 0:
+            return self.kv_process_group
+        return self.chunk_process_groups[chunk_group][which]
+
+    @staticmethod
+    def _gather(x: torch.Tensor, size: int, group, dim: int) -> torch.Tensor:
+        if size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(size)]
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
 
 
 SINGLE = ParallelContext()

@@ -173,22 +173,16 @@ LONG_PREFILL = [23, 21]
 
 def sharded_job(rank, o, rows, prefill, out_dir, attend_every_chunk_entry=False):
     """Teacher-forced logits and the number of chunk-submodel calls; this rank's K cache buffers saved to out_dir.
-    attend_every_chunk_entry: the mutation, every rank attending all N chunk entries causally (each counted G times
-    in attend_sharded's merge), its writes kept right."""
-    from kimi_k2_neuron.neuron import chunked_prefill as cp
+    attend_every_chunk_entry: the mutation, every rank attending all N chunk entries causally (each counted Gc times
+    in attend_chunk's merge), its writes kept right."""
+    from kimi_k2_neuron.model import mla
 
     app = backend.build(o, seq_len=max(map(len, rows)), batch=len(rows))
     calls = []
     if o.spec.layout.prefill_chunk:
         app.chunked_prefill_model.model.register_forward_pre_hook(lambda *_: calls.append(1))
-    if attend_every_chunk_entry:
-        g, r = o.spec.layout.kv_group, rank % o.spec.layout.kv_group
-        for layer in app.chunked_prefill_model.model.layers:
-            layer.flash_decoding = False  # no owner filter in the chunk branch
-        write = cp.write_rows
-        cp.owned_positions = lambda pos, group=1, rank=0: pos
-        cp.write_rows = lambda cache, update, seq_ids, slots: write(
-            cache, update[:, :, stripe(update.shape[2], g, r)], seq_ids, slots)
+    if attend_every_chunk_entry:  # attend_chunk's owner filter (the decoder layer's write filter is parallel.stripe)
+        mla.stripe = lambda n, group, rank, device=None: torch.arange(n, device=device)
     logits = backend.teacher_forced_logits(app, rows, prefill)
     cache = app.token_generation_model.model.kv_mgr.past_key_values
     save_file({f"k{i}": t.data.clone() for i, t in enumerate(cache[0::2])}, f"{out_dir}/rank{rank}.safetensors")
@@ -203,17 +197,21 @@ def one_shot(per_channel, tmp_path_factory):
     return logits, cache
 
 
-def run_sharded(ckpt, tp, g, out_dir, mutate=False):
-    o = cpu_options(model=ckpt, tp=tp, layout=Layout(kv_group=g, prefill_chunk=N))
+def run_sharded(ckpt, tp, g, out_dir, mutate=False, chunk_group=None):
+    o = cpu_options(model=ckpt, tp=tp, layout=Layout(kv_group=g, prefill_chunk=N, chunk_group=chunk_group))
     o = backend.prepare(o, max(map(len, LONG)), len(LONG))
     return o, backend.run(o, sharded_job, LONG, LONG_PREFILL, str(out_dir), mutate)
 
 
-@pytest.mark.parametrize("tp,g", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "tp4-two-groups"])
-def test_chunks_over_the_sharded_cache_give_the_one_shot_logits_and_cache(per_channel, one_shot, tmp_path, tp, g):
+@pytest.mark.parametrize("tp,g,c", [(2, 2, None), (4, 4, None), (4, 2, None), (4, 4, 2), (4, 4, 4)],
+                         ids=["tp2", "tp4", "tp4-two-groups", "tp4-chunk-group-2", "tp4-chunk-group-4"])
+def test_chunks_over_the_sharded_cache_give_the_one_shot_logits_and_cache(per_channel, one_shot, tmp_path, tp, g, c):
+    """Layout.chunk_group None: the cheaper of its candidates at these shapes (MLAttention.chunk_group); 2: NxD's
+    collectives over groups the shell makes (modeling.mesh_group), two adjacent ranks merging after each pooled 2
+    caches; 4: the merge over the whole KV group."""
     assert all(p > 2.5 * N and len(r) - p >= 3 * tp for r, p in zip(LONG, LONG_PREFILL))
     want, full = one_shot
-    o, (got, calls) = run_sharded(per_channel, tp, g, tmp_path)
+    o, (got, calls) = run_sharded(per_channel, tp, g, tmp_path, chunk_group=c)
     assert calls == 2 + 2  # rows of 23 and 21 prompt tokens: 2 chunks after the CTE's each
     for r, row in enumerate(LONG):
         assert rel_err(got[r, :len(row)], want[r, :len(row)]) < 1e-4, f"row {r}"

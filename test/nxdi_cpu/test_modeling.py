@@ -467,3 +467,23 @@ def test_the_kv_group_seam_through_nxds_collectives_is_the_cores(tmp_path, g):
         for op in ("gather", "max", "reduce_scatter", "attend"):
             torch.testing.assert_close(got[f"nxd.{op}"], got[f"core.{op}"], rtol=1e-6, atol=1e-6)
         assert got["nxd.gather"].shape == (2, 3 * g, 5, 7) and got["nxd.reduce_scatter"].shape == (2, 3, 5, 9)
+
+
+def test_the_chunk_groups_on_device_are_one_group_per_mesh_as_nxd_makes_its_own():
+    """NxDParallelContext's chunk groups outside NxD's CPU mode, under ModelBuilder's mock_distributed as tracing runs
+    the forward (NXDI_CONTRACT.md: chunk-groups): one group per mesh, whose replica groups (what NxD's comm
+    collectives read) are the whole mesh. At TP=64, G=64 and the chunk group of 16: the consecutive 16s NxD lays out
+    for a KV group of 16, and the 4 ranks strided by 16 of its 3-stage top-k; each made once. In NxD's CPU mode the
+    same groups are gloo's (test_chunk_submodel.py's chunk group 2 runs through them)."""
+    from neuronx_distributed.parallel_layers import comm
+    from neuronx_distributed.parallel_layers.parallel_state import arrange_kv_groups
+    from neuronx_distributed.trace.mock_torchdist import mock_distributed
+    from neuronx_distributed.utils.utils import hardware
+
+    with backend.nxd_cpu_mode(False), mock_distributed(world_size=64):
+        torch.distributed.init_process_group("xla", rank=0, world_size=64)
+        ctx = modeling.NxDParallelContext(tp_size=64, layout=Layout(kv_group=64, prefill_chunk=1024))
+        merge, pool = ctx._mesh(16, 0), ctx._mesh(16, 1)
+        assert comm._get_group_mesh(merge) == arrange_kv_groups(1, 64, 16, True, hardware.TRN2)
+        assert comm._get_group_mesh(pool) == [list(range(i, 64, 16)) for i in range(16)]
+        assert (merge.size(), pool.size()) == (16, 4) and ctx._mesh(16, 0) is merge

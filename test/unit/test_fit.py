@@ -581,35 +581,29 @@ def test_decode_collectives_added_per_step(kimi):
 
 
 def test_a_chunked_prefill_costs_one_chunk_whatever_the_batch(kimi):
-    """The chunk graph runs one row of N tokens: its calibrated activations (512 MiB per 1,024 tokens) and MoE
-    temporaries are the same at batch 1 and 16; its attention temporaries on the sharded cache are the gathered
-    queries [64, 1024, 576] bf16, one 128-query tile of fp32 scores and exponentials over 4,224 + 16 keys, and the
-    fp32 partials [64, 1024, 513]."""
+    """The chunk graph runs one row of N tokens: its calibrated activations (512 MiB per 1,024 tokens), MoE and
+    attention temporaries are the same at batch 1 and 16 (what the attention row holds is tested against what
+    attend_chunk builds: test_chunk_merge.py); one-shot, the activations are batch x context."""
     one, many = _at(kimi, 262144, 1, SEQ), _at(kimi, 262144, 16, SEQ)
     assert [r for r in one.allowance] == [r for r in many.allowance]
     assert _row(one, "prefill activations") == 512 * MiB
-    attention = 64 * 1024 * 576 * 2 + 64 * 128 * (4224 + 16) * 8 + 64 * 1024 * 513 * 4
-    assert _row(one, "prefill chunk attention") == attention
-    # replicated: 1 head per rank over the cache and the chunk, in the same 128-query tiles the shell computes
-    rep = _at(kimi, 49152, 1, Layout(prefill_chunk=1024))
-    assert _row(rep, "prefill chunk attention") == 1024 * 576 * 2 + 128 * (49152 + 1024) * 8 + 1024 * 513 * 4
-    assert _row(_at(kimi, 1024, 4), "prefill activations") == 4 * 512 * MiB  # one-shot: batch x context
+    assert _row(_at(kimi, 1024, 4), "prefill activations") == 4 * 512 * MiB
 
 
 def test_the_goals_fit_with_the_sequence_sharded_cache(kimi):
     """Issue 17's goals at fp8-blockwise, TP=64, LNC=2: 262,144 tokens at batch 8 and 131,072 at batch 16 fit
-    with --kv-shard sequence --prefill-chunk 1024 (under 1 GiB of headroom), with over 3 GiB when q_a/kv_a and the
+    with --kv-shard sequence --prefill-chunk 1024 (1.1 GiB of headroom), with over 3 GiB when q_a/kv_a and the
     router are split too; the replicated cache fits neither."""
     for seq_len, batch in ((262144, 8), (131072, 16)):
         assert not _at(kimi, seq_len, batch, Layout(prefill_chunk=1024)).fits
         p, s = _at(kimi, seq_len, batch, SEQ), _at(kimi, seq_len, batch, SHARDED)
-        assert p.fits and 0.8 < p.headroom_bytes / GiB < 1.0
+        assert p.fits and 1.0 < p.headroom_bytes / GiB < 1.2
         assert s.fits and s.headroom_bytes - p.headroom_bytes == p.weight_bytes - s.weight_bytes
         assert s.headroom_bytes / GiB > 3.1
 
 
 @pytest.mark.parametrize("layout, seq_len, want", [
-    (SEQ, 262144, 11), (SEQ, 131072, 22), (SHARDED, 262144, 19), (SHARDED, 131072, 38),
+    (SEQ, 262144, 11), (SEQ, 131072, 24), (SHARDED, 262144, 20), (SHARDED, 131072, 40),
     (Layout(), 1024, None),
 ], ids=["seq 256K", "seq 128K", "sharded 256K", "sharded 128K", "replicated 1K"])
 def test_max_batch_is_the_last_that_fits(kimi, layout, seq_len, want):
@@ -626,9 +620,10 @@ def test_max_batch_when_none_fits(kimi):
 
 
 def test_max_seq_len_steps_by_the_group_and_the_chunk(kimi):
-    """The sharded cache at batch 16 holds 185,344 tokens (181 chunks of 1,024); the replicated cache with chunked
-    prefill 53,248 at batch 1 (its chunk attention in the shell's 128-query tiles). Each is the last multiple of the chunk that fits."""
-    for layout, batch, want in ((SEQ, 16, 185344), (Layout(prefill_chunk=1024), 1, 53248), (SEQ, 8, 262144)):
+    """The sharded cache at batch 16 holds 196,608 tokens (192 chunks of 1,024); the replicated cache with chunked
+    prefill 53,248 at batch 1 (its chunk attention in the shell's 128-query tiles). Each is the last multiple of the
+    chunk that fits."""
+    for layout, batch, want in ((SEQ, 16, 196608), (Layout(prefill_chunk=1024), 1, 53248), (SEQ, 8, 262144)):
         p = max_seq_len(kimi, spec(tp=64, ep=1, lnc=2, batch=batch, scheme=BLOCKWISE, layout=layout))
         assert p.seq_len == want and p.fits and p.seq_len % 1024 == 0
         if want < kimi.max_position_embeddings:
@@ -660,17 +655,18 @@ def test_cli_plans_the_long_context_layout(capsys):
     for needle in ("layout: KV cache sequence-sharded over G=64 ranks (4224 slots per sequence per rank); prefill "
                    "chunks of 1024 tokens, one row per call; split across ranks: q_a/kv_a, router",
                    "attention q_a+kv_a (TP, gathered)", "router (TP, gathered) + bias (replicated)",
-                   "prefill chunk attention (64 heads, 128-query tiles)", "prefill 1 x 1024 tokens",
+                   "prefill chunk attention (16 heads, 128-query tiles, 4 caches pooled)", "prefill 1 x 1024 tokens",
+                   "its attention moves 38.5 MB per layer and rank",
                    "collectives per decode step", "router logits all-gather (TP), fp32", " 433 collectives "):
         assert needle in out, needle
     assert main([*args, "--seq-len", "131072", "--max-batch", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["max_batch"] == d["batch"] == 38 and d["layout"]["kv_group"] == 64 and d["cache_slots_per_rank"] == 2176
+    assert d["max_batch"] == d["batch"] == 40 and d["layout"]["kv_group"] == 64 and d["cache_slots_per_rank"] == 2176
     assert [c["count"] for c in d["collectives"]] == [61, 61, 61, 61, 60]
-    assert d["collectives"][0]["bytes"] == 73_728 * 38
+    assert d["collectives"][0]["bytes"] == 73_728 * 40
     assert d["decode"]["collective_count"] == 129 + 304 and d["tpot_ms"] > d["tpot_lower_bound_ms"]
     assert main([*args, "--seq-len", "131072", "--max-batch"]) == 0
-    assert capsys.readouterr().out.startswith("max batch at seq_len 131072: 38; the plan at it:")
+    assert capsys.readouterr().out.startswith("max batch at seq_len 131072: 40; the plan at it:")
     assert main([*args, "--max-seq-len", "--batch", "16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["max_seq_len"] == 262144
 

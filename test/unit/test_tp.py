@@ -72,22 +72,31 @@ def ragged_batch(runner, rows):
     return torch.cat(steps, 1), cache
 
 
+def layouts(tp):
+    """KV groups of all ranks and of 2, each with its prefill chunks merged over the whole group and over fewer ranks
+    pooling their caches (Layout.chunk_group; 2 of 4 is no trn2 mesh, but the arithmetic is the general case)."""
+    out = {}
+    for g in sorted({tp, 2}):
+        for c in sorted({g, 1, 2} & set(range(1, g + 1))):
+            if g % c == 0:
+                out[f"g{g}c{c}"] = Layout(kv_group=g, chunk_group=c)
+    return out
+
+
 def sharded_rank(rank, tp, model_dir, rows, out_dir):
-    """One rank of a TP=`tp` run with the sequence-sharded cache, for KV groups of tp and of 2 ranks: the ragged
-    batch's logits and this rank's cache."""
+    """One rank of a TP=`tp` run with the sequence-sharded cache, for each of layouts(tp): the ragged batch's logits
+    and this rank's cache."""
     import torch.distributed as dist
 
-    from kimi_k2_neuron.parallel import ParallelContext
+    from kimi_k2_neuron.runtime.tp import cpu_context
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=tp)
     out = {}
-    for g in sorted({tp, 2}):
-        groups = [dist.new_group(list(range(s, s + g))) for s in range(0, tp, g)]
-        ctx = ParallelContext(tp, rank, Layout(kv_group=g), groups[rank // g])
-        runner = CpuRunner(model_dir, ctx=ctx, prefill_chunk=CHUNK)
+    for name, layout in layouts(tp).items():
+        runner = CpuRunner(model_dir, ctx=cpu_context(tp, rank, layout), prefill_chunk=CHUNK)
         logits, cache = ragged_batch(runner, rows)
-        out |= {f"g{g}.logits": logits} | {f"g{g}.layer{n}": t for n, t in enumerate(cache.layers)}
+        out |= {f"{name}.logits": logits} | {f"{name}.layer{n}": t for n, t in enumerate(cache.layers)}
     save_file(out, f"{out_dir}/rank{rank}.safetensors")
     dist.destroy_process_group()
 
@@ -95,7 +104,8 @@ def sharded_rank(rank, tp, model_dir, rows, out_dir):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
     """TP=2 and 4 with one KV group of all ranks (at TP=4 one head per rank, as Kimi at TP=64), and at TP=4 also two
-    groups of 2 (each holding a whole copy of the sequence); prefill in chunks of 2, then two rows at different
+    groups of 2 (each holding a whole copy of the sequence); each with its chunks merged over the whole group and over
+    fewer ranks pooling their caches (layouts()); prefill in chunks of 2, then two rows at different
     positions decode together for 12 steps. Logits: the TP=1 replicated one-shot run's (1e-4) and transformers' row
     by row (1e-3). Cache: rank r holds exactly the positions p with p % G == r % G at slot p // G, equal to the TP=1
     cache there; slots past a row's end are never written."""
@@ -109,11 +119,12 @@ def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
     hf = hf_model(ckpt)
     for i, row in enumerate(LONG):
         assert rel_err(want[i], hf_logits(hf, [row], len(row) - STEPS)[0, -STEPS:]) < 1e-3
-    for g in sorted({tp, 2}):
-        assert rel_err(ranks[0][f"g{g}.logits"], want) < 1e-4
+    for name, layout in layouts(tp).items():
+        g = layout.kv_group
+        assert rel_err(ranks[0][f"{name}.logits"], want) < 1e-4, name
         for r, got in enumerate(ranks):
             for n, full in enumerate(ref.layers):
-                held = got[f"g{g}.layer{n}"]
+                held = got[f"{name}.layer{n}"]
                 assert held.shape == (len(LONG), -(-full.shape[1] // g), full.shape[2])
                 positions = torch.arange(held.shape[1]) * g + r % g
                 for i, row in enumerate(LONG):

@@ -2,22 +2,25 @@
 576 wide for Kimi-K2, shared by all heads. naive (prefill) expands c_kv into per-head K and V: with an S x T score
 matrix the 128+64-wide space is 3x cheaper than the 512+64 latent one. absorbed (decode) folds W_UK into the query and
 W_UV into the output, so nothing per-head is materialized for the T cached tokens (scripts/bench_mla_decode.py).
-Sharded over a KV group, attend_sharded merges the ranks' scores by log-sum-exp; decode, prefill chunks and
-speculative verification differ only in the segments and masks they pass.
+Sharded over a KV group, attend_sharded merges the ranks' scores by log-sum-exp (decode and speculative verification
+differ only in the segments and masks they pass); a prefill chunk's attend_chunk merges over a chunk group after
+pooling caches, which moves a fifth of the bytes at Kimi's shapes (issue 27).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..config import KimiK2Config
-from ..parallel import ParallelContext, owner_of, slot_of, slot_positions
+from ..parallel import ParallelContext, chunk_key_positions, owner_of, slot_of, slot_positions, stripe
 from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
-# Queries per score block of a multi-token attend_sharded (a prefill chunk): bounds its [heads x G, tile, keys] float32
-# scores, which the fit planner counts (neuron/fit.py).
+# Queries per score block of a prefill chunk (attend_chunk): bounds its [heads x Gc, tile, keys] float32 scores, which
+# the fit planner counts (neuron/fit.py).
 CHUNK_QUERY_TILE = 128
 # modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
 # Kimi-K2-Thinking and K2.5).
@@ -62,6 +65,11 @@ class MLAttention(nn.Module):
 
     def _forward_sharded(self, q_nope, q_pe, entries, positions, latent_cache):
         g, r = self.ctx.kv_group, self.ctx.kv_rank()
+        if positions.shape[1] > 1:  # a prefill call: the cache before it, then its own entries (attend_chunk)
+            t = int(slot_of(positions.max(), g)) + 1
+            out = self.attend_chunk(q_nope, q_pe, latent_cache[:, :t], entries, positions)
+            _write_cache(latent_cache, slot_of(positions, g), entries, owner_of(positions, g) == r)
+            return out
         _write_cache(latent_cache, slot_of(positions, g), entries, owner_of(positions, g) == r)
         t = int(slot_of(positions.max(), g)) + 1  # slots that can hold a position <= the latest query's
         keys = slot_positions(t, g, r)
@@ -114,17 +122,74 @@ class MLAttention(nn.Module):
         out = torch.einsum("bhsr,hvr->bhsv", ctx_lat.to(q_nope.dtype), w_uv)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def attend_chunk(self, q_nope, q_pe, past, entries, positions, query_tile: int | None = None):
+        """A multi-token call over the sequence-sharded cache (a prefill chunk): past [B, T, latent] this rank's slots
+        (their positions before the call's first, positions[:, 0], visible), entries [B, S, latent] all of the call's
+        own, positions [B, S]. Its collectives are Kimi's per-layer chunk cost (issue 27), so the chunk group Gc
+        (chunk_group) trades them: each rank first pools the cache of the G / Gc ranks holding positions equal to
+        its own modulo Gc, then Gc adjacent ranks share their heads' kv_b and un-absorbed queries (192 wide, not
+        576), and merge W_UV's output (128 wide, not 512) with the softmax sum, in float32."""
+        b, _, s, _ = q_nope.shape
+        g, gc = self.ctx.kv_group, self.chunk_group(past.shape[1], s)
+        r = self.ctx.kv_rank()
+        key_pos = chunk_key_positions(past.shape[1], g, gc, r, past.device)
+        past = self.ctx.gather_chunk_cache(past, gc)
+        j = torch.remainder(torch.as_tensor(r, device=entries.device), gc)
+        if s % gc == 0:  # the call's entries at indices equal to this rank's modulo Gc, each seen on one rank
+            own = stripe(s, gc, j, entries.device)
+            active, active_pos = torch.index_select(entries, 1, own), torch.index_select(positions, 1, own)
+            mine = torch.ones_like(active_pos, dtype=torch.bool)
+        else:  # the core runner's uneven calls: all of them, the others masked
+            active, active_pos = entries, positions
+            mine = (torch.arange(s, device=entries.device) % gc == j)[None].expand_as(positions)
+        masks = [(key_pos[None, :] < positions[:, :1])[:, None, None, :].expand(b, 1, s, key_pos.shape[0]),
+                 ((active_pos[:, None, :] <= positions[:, :, None]) & mine[:, None, :])[:, None]]
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        w = self.ctx.gather_chunk_heads(w, gc, dim=0)  # [Gc x heads, nope + v_dim, rank]
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q = self.ctx.gather_chunk_heads(torch.cat([q_nope, q_pe.to(q_nope.dtype)], dim=-1), gc)
+        segments = [past, active.to(past.dtype)]
+        tile = s if query_tile is None else query_tile
+        hg = q.shape[1]
+        # every tile's [W_UV context | sum] and max, merged once after the last: each tile under this rank's own max
+        acc = torch.empty(b, hg, s, self.v_dim + 1, dtype=torch.float32, device=q.device)
+        tops = torch.empty(b, hg, s, 1, dtype=torch.float32, device=q.device)
+        for i in range(0, s, tile):
+            qt = q[:, :, i:i + tile]
+            q_lat = torch.cat([torch.einsum("bhsn,hnr->bhsr", qt[..., : self.nope], w_uk), qt[..., self.nope :]], -1)
+            top, total, context = self._partial(q_lat, segments, [m[:, :, i:i + tile] for m in masks])
+            acc[:, :, i:i + tile, : self.v_dim] = torch.einsum("bhsr,hvr->bhsv", context, w_uv.float())
+            acc[:, :, i:i + tile, self.v_dim :] = total
+            tops[:, :, i:i + tile] = top
+            del q_lat, top, total, context  # before the next tile's blocks (fit.py counts one tile's)
+        acc.mul_(torch.exp(tops - self.ctx.max_over_chunk_group(tops, gc)))  # 0 where this rank saw no key
+        merged = self.ctx.reduce_scatter_chunk_heads(acc, gc)  # [B, heads, S, v_dim + 1]
+        out = (merged[..., : self.v_dim] / merged[..., self.v_dim :]).to(q_nope.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def chunk_group(self, slots: int, queries: int) -> int:
+        dims = HeadDims(self.n_heads, self.nope, self.rope, self.v_dim, self.rank)
+        return chunk_group_for(self.ctx.layout, dims, slots, queries)
+
+    def _partial(self, q, segments, masks, group_max=None):
+        """-> (the max [B, h, tile, 1], the softmax sum, the latent context [.., rank]) over this rank's segments,
+        float32, under the group's max (group_max), else this rank's own."""
+        low = torch.finfo(torch.float32).min
+        # in place past the first float32 copy: one float32 score block per segment (fit.py counts it so)
+        scores = [_shared_kv_matmul(q, seg.to(q.dtype).transpose(-1, -2)).to(torch.float32, copy=True)
+                  .mul_(self.scale).masked_fill_(~m, low) for seg, m in zip(segments, masks)]
+        top = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[..., None]
+        top = top if group_max is None else group_max(top)
+        total = context = None
+        for sc, m, seg in zip(scores, masks, segments):
+            p = sc.sub_(top).exp_().mul_(m)  # keys masked here add exactly 0, even where a rank sees none
+            part = p.sum(-1, keepdim=True), _shared_kv_matmul(p.to(q.dtype), seg[..., :self.rank].to(q.dtype)).float()
+            total, context = part if total is None else (total.add_(part[0]), context.add_(part[1]))
+        return top, total, context
+
     def _merge(self, q, segments, masks):
         """-> this rank's heads' latent context [B, heads, tile, rank], float32."""
-        low = torch.finfo(torch.float32).min
-        scores = [(_shared_kv_matmul(q, seg.to(q.dtype).transpose(-1, -2)).float() * self.scale).masked_fill(~m, low)
-                  for seg, m in zip(segments, masks)]
-        top = self.ctx.max_over_kv_group(torch.stack([sc.amax(-1) for sc in scores]).amax(0))[..., None]
-        total, context = 0.0, 0.0
-        for sc, m, seg in zip(scores, masks, segments):
-            p = torch.exp(sc - top) * m  # keys masked here add exactly 0, even where a rank sees none
-            total = total + p.sum(-1, keepdim=True)
-            context = context + _shared_kv_matmul(p.to(q.dtype), seg[..., :self.rank].to(q.dtype)).float()
+        _, total, context = self._partial(q, segments, masks, self.ctx.max_over_kv_group)
         merged = self.ctx.reduce_scatter_kv_heads(torch.cat([context, total], dim=-1))
         return merged[..., :self.rank] / merged[..., self.rank:]
 
@@ -157,6 +222,49 @@ class MLAttention(nn.Module):
             ctx = _shared_kv_matmul(p, c_kv)
             ctx_lat = ctx if ctx_lat is None else ctx_lat + ctx
         return torch.einsum("bhsr,hvr->bhsv", ctx_lat, w_uv)
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """One rank's attention heads and their widths: what a chunk's collectives scale with."""
+
+    heads: int
+    nope: int
+    rope: int
+    v_dim: int
+    rank: int  # kv_lora_rank
+
+    @classmethod
+    def of(cls, cfg: KimiK2Config, tp: int) -> "HeadDims":
+        return cls(cfg.num_attention_heads // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                   cfg.kv_lora_rank)
+
+
+def chunk_group_for(layout, dims: HeadDims, slots: int, queries: int) -> int:
+    """A chunk's merge group: the Layout's, else the candidate moving the fewest bytes at these shapes (the larger
+    on a tie: fewer collectives)."""
+    def moved(c):
+        return sum(n * size for _, n, _, size in chunk_collectives(dims, layout.kv_group, c, slots, queries))
+    return min(layout.chunk_group_candidates(), key=lambda c: (moved(c), -c))
+
+
+def chunk_collectives(dims: HeadDims, group: int, chunk_group: int, slots: int, queries: int, rows: int = 1,
+                      elem: int = 2) -> list[tuple[str, int, int, int]]:
+    """What attend_chunk moves per layer for `rows` x `queries` tokens over `slots` cache slots a rank, with
+    `elem`-byte weights, cache and queries: (what, count, ranks, bytes each: an all-gather's output, a
+    reduce-scatter's input); the planner times them (neuron/timing.py)."""
+    gc, pool = chunk_group, group // chunk_group
+    hg, nope, rope, v_dim, rank = dims.heads * gc, dims.nope, dims.rope, dims.v_dim, dims.rank
+    out = []
+    if pool > 1:
+        out.append((f"cache all-gather ({pool} strided ranks)", 1, pool, rows * pool * slots * (rank + rope) * elem))
+    if gc > 1:
+        out += [("kv_b all-gather (chunk group)", 1, gc, hg * (nope + v_dim) * rank * elem),
+                ("un-absorbed Q all-gather (chunk group)", 1, gc, rows * hg * queries * (nope + rope) * elem),
+                ("softmax max all-reduce (chunk group), fp32", 1, gc, rows * hg * queries * 4),
+                ("[W_UV context | sum] reduce-scatter (chunk group), fp32", 1, gc,
+                 rows * hg * queries * (v_dim + 1) * 4)]
+    return out
 
 
 def _shared_kv_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

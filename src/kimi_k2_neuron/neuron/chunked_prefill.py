@@ -1,9 +1,9 @@
 """The chunked-prefill submodel and its driver (--prefill-chunk N). A prompt longer than N is prefilled one row at a
 time: NxDI's context-encoding submodel (bucket N, batch 1, continuous batching) on its first N tokens, then a third
 submodel, `chunked_prefill_model`, on each further N tokens, attending to the row's cache plus causally within the
-chunk through MLAttention.attend_sharded (the one multi-token path). With the replicated cache that is a KV group of
-1; with the sequence-sharded one each rank attends its slots and the chunk entries it owns, merged across the group,
-and writes those (NXDI_CONTRACT.md: fd-chunk). The graph's size does not grow with the prompt (NXDI_CONTRACT.md:
+chunk through MLAttention.attend_chunk. With the replicated cache that is a KV group of 1; with the sequence-sharded
+one each rank pools its chunk group's caches, attends them and its share of the chunk for the chunk group's heads,
+merged across that group, and writes the chunk entries it owns (NXDI_CONTRACT.md: fd-chunk, chunk-groups). The graph's size does not grow with the prompt (NXDI_CONTRACT.md:
 chunk-submodel).
 
 Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
@@ -58,8 +58,9 @@ def chunk_masks(position_ids: torch.Tensor, cache_len: int, group: int = 1, rank
     """-> prior [B, 1, N, cache_len], active [B, 1, N, N / G]; True = visible on this rank.
     prior: slot s holds position s * G + r, visible when before the chunk's first position (so never a reserve slot);
     active: the owned chunk entries (owned_positions), causal by position. Each key is then visible on exactly one
-    rank of the group (MLAttention.attend_sharded's contract). G = 1, r = 0: the replicated cache before the chunk,
-    and tril."""
+    rank of the group. G = 1, r = 0: the replicated cache before the chunk, and tril. NxDI's get_model_output takes
+    them; the decoder layer's chunk branch derives the same visibility for its chunk group (MLAttention.attend_chunk).
+    """
     b, n = position_ids.shape
     start = position_ids[:, :1]
     held = slot_positions(cache_len, group, rank, position_ids.device)  # [cache_len]

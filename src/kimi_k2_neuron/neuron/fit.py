@@ -21,13 +21,14 @@ from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.parallel import Layout, slots_for
 
-from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
+from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
 
 from . import moe_paths, rules, timing
 from .moe_paths import decodes_all_experts
 from .rules import check_counts
 from .spec import FD_RESERVED_SLOTS, RunSpec
-from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, decode_time, experts_read, layout_collectives,
+from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
+                     layout_collectives,
                      moe_prefill_work, prefill_time)
 
 GiB = 2**30
@@ -103,6 +104,9 @@ class Plan:
     ttft_s: float  # the modelled prefill of the longest prompt: one bucket, or seq_len tokens in chunks
     assumptions: tuple[str, ...]
     speculation: "Speculation | None" = None  # with an EAGLE3 draft: its HBM (in total_bytes) and the fused step
+    chunk: Timing | None = None  # the modelled last prefill chunk (the chunk submodel's call); None unchunked
+    # what one chunk's attention moves per layer and rank (timing.chunk_merge); None unchunked or unsharded
+    chunk_merge_bytes: int | None = None
 
     @property
     def kv_slots(self) -> int:
@@ -132,8 +136,8 @@ class Plan:
         for key in ("weights", "allowance"):
             d[key] = [{**r, "gib": r["bytes"] / GiB} for r in d[key]]
         d["kv_cache"]["gib"] = self.kv_cache.bytes / GiB
-        for key in ("decode", "prefill"):
-            d[key] = _timing_dict(getattr(self, key))
+        for key in ("decode", "prefill", "chunk"):
+            d[key] = _timing_dict(getattr(self, key)) if getattr(self, key) is not None else None
         if self.speculation is not None:
             d["speculation"] = {**{k: v for k, v in d["speculation"].items() if k != "verify"},
                                 "verify": _timing_dict(self.speculation.verify),
@@ -333,24 +337,32 @@ def _allowance(cfg: KimiK2Config, tokens: int, moe: dict, chunked: bool = False)
 
 # -- the long-context layout (issue 17): the chunk's attention temporaries ------------------------------------------
 #
-# Sharded, a chunk attends hG = heads/tp x G gathered heads in tiles of the shell's CHUNK_QUERY_TILE queries
-# (model/mla.py attend_sharded, as the decoder layer calls it); the merge is in float32.
-
-def _gathered_heads(cfg: KimiK2Config, tp: int, layout: Layout) -> int:
-    return cfg.num_attention_heads // tp * layout.kv_group
-
+# A chunk attends in tiles of the shell's CHUNK_QUERY_TILE queries (model/mla.py attend_chunk, as the decoder layer
+# calls it) over Gc adjacent ranks' heads (mla.chunk_group_for), each rank holding its KV group's G / Gc pooled
+# caches; the merge is in float32.
 
 def _chunk_attention(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) -> Row | None:
-    """One layer's chunk attention temporaries; None unchunked (the calibrated scratchpad holds that)."""
+    """One layer's chunk attention temporaries as attend_chunk builds them; None unchunked (the calibrated
+    scratchpad holds that)."""
     n = layout.prefill_chunk
     if n is None:
         return None
-    hg, g = _gathered_heads(cfg, tp, layout), layout.kv_group  # G = 1: this rank's heads over the whole cache
-    tile = min(CHUNK_QUERY_TILE, n)
-    q = hg * n * cfg.latent_dim * BF16
-    scores = hg * tile * (slots + slots_for(n, g)) * 2 * FP32
-    partials = hg * n * (cfg.kv_lora_rank + 1) * FP32
-    return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles)", "mixed", q + scores + partials)
+    dims, g = HeadDims.of(cfg, tp), layout.kv_group
+    h, nope, rope, v, r = dims.heads, dims.nope, dims.rope, dims.v_dim, dims.rank
+    c = chunk_group_for(layout, dims, slots, n)
+    hg, pool, tile = h * c, g // c, min(CHUNK_QUERY_TILE, n)
+    kv_b = hg * (nope + v) * r * BF16 if c > 1 else 0  # the gathered kv_b (at Gc = 1 the rank's own)
+    cache = pool * slots * cfg.latent_dim * BF16 if pool > 1 else 0
+    queries = hg * n * (nope + rope) * BF16 + hg * tile * cfg.latent_dim * BF16  # gathered; a tile absorbed
+    active = n // c * cfg.latent_dim * BF16 + n * (n // c)  # the chunk entries this rank attends, their bool mask
+    scores = hg * tile * (pool * slots + n // c) * FP32  # made float32 once, then exponentiated in place
+    # then, one segment at a time: the cache's probabilities in bf16 and their matmul's output; or a latent context
+    # summed in float32 with the next part and its bf16 matmul output
+    segment = hg * tile * max(pool * slots * BF16 + r * BF16, r * (2 * FP32 + BF16))
+    merged = hg * n * (v + 2) * FP32  # every tile's [W_UV context | sum] and max, merged after the last tile
+    pooled = f", {pool} caches pooled" if pool > 1 else ""
+    return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles{pooled})", "mixed",
+               kv_b + cache + active + queries + scores + segment + merged)
 
 
 def _bytes_per_token(cfg: KimiK2Config, spec: RunSpec, weights: list[Row]) -> tuple[int, int]:
@@ -376,16 +388,17 @@ def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: st
                        moe_prefill_work(cfg, spec, path, spec.scheme.quantized))
 
 
-def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str) -> tuple[Timing, float]:
-    """(the first prefill call, the prefill of the longest prompt): one bucket, or with chunks a prompt of seq_len
-    tokens, chunk k attending the k x N positions before it."""
+def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row],
+          path: str) -> tuple[Timing, float, Timing | None]:
+    """(the first prefill call, the prefill of the longest prompt, its last chunk): one bucket, or with chunks a
+    prompt of seq_len tokens, chunk k attending the k x N positions before it."""
     first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE)
     n = spec.layout.prefill_chunk
-    if n is None:
-        return first, first.total_s
-    later = sum(prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE).total_s
-                for k in range(1, spec.seq_len // n))
-    return first, first.total_s + later
+    if n is None or spec.seq_len <= n:
+        return first, first.total_s, None
+    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE)
+             for k in range(1, spec.seq_len // n)]
+    return first, first.total_s + sum(t.total_s for t in later), later[-1]
 
 
 def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
@@ -407,7 +420,7 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
     speculation = _speculation(cfg, spec, weights, port)
     total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
     read, per_token = _bytes_per_token(cfg, spec, weights)
-    first, ttft = _ttft(cfg, spec, weights, moe["prefill_path"])
+    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"])
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
@@ -420,7 +433,8 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
-        assumptions=_assumptions(port, layout), speculation=speculation)
+        assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
+        chunk_merge_bytes=sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1)) if last_chunk else None)
 
 
 def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
@@ -624,7 +638,8 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
     if layout.sequence_sharded:
         lc.append(f"sequence-sharded cache: NxDI's flash-decoding layout, position p on rank p % {layout.kv_group}, "
                   f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its merge adds 3 "
-                  f"collectives per layer to a decode step, 1 + 2 per {CHUNK_QUERY_TILE}-query tile to a prefill chunk")
+                  f"collectives per layer to a decode step, up to 5 to a prefill chunk (model/mla.py attend_chunk, "
+                  f"over the cheaper chunk group)")
     if layout.prefill_chunk:
         lc.append(f"chunked prefill: one row of {layout.prefill_chunk} tokens per call through one graph (batch 1); "
                   "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries as the shell "
@@ -708,6 +723,11 @@ def _timing_lines(p: Plan) -> list[str]:
                  f"{p.context_len} tokens: matmuls {f.flops_s * 1e3:.0f} + MoE/weight traffic {f.bytes_s * 1e3:.0f} + "
                  f"per-layer {f.fixed_s * 1e3:.0f} + {f.collective_count} collectives {f.collectives_s * 1e3:.0f}); "
                  f"TTFT of {longest}: {p.ttft_s:.2f} s")
+    if p.chunk is not None:
+        c = p.chunk
+        lines.append(f"  the last chunk: {c.total_s * 1e3:.0f} ms, {c.collective_count} collectives "
+                     f"{c.collectives_s * 1e3:.0f} ms" + (f"; its attention moves {p.chunk_merge_bytes / 1e6:.1f} MB "
+                                                           "per layer and rank" if p.chunk_merge_bytes else ""))
     return lines
 
 

@@ -15,17 +15,12 @@ from .sdk import require_neuron_sdk
 require_neuron_sdk()
 
 import torch  # noqa: E402
-from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
-from neuronx_distributed.modules.moe.model import MoE as NxDMoE  # noqa: E402
-from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfig  # noqa: E402
-from neuronx_distributed.modules.moe.shared_experts import SharedExperts  # noqa: E402
 from neuronx_distributed.parallel_layers import mappings, parallel_state  # noqa: E402
 from neuronx_distributed.parallel_layers.layers import (ColumnParallelLinear, ParallelEmbedding,  # noqa: E402
                                                         RowParallelLinear)
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig  # noqa: E402
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel  # noqa: E402
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler  # noqa: E402
-from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_group  # noqa: E402
 from torch import nn  # noqa: E402
 
 from kimi_k2_neuron.config import KimiK2Config, language_model_fields  # noqa: E402
@@ -37,12 +32,12 @@ from kimi_k2_neuron.model.decoder import DecoderLayer  # noqa: E402
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
-from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
-from kimi_k2_neuron.parallel import SINGLE, ParallelContext, stripe  # noqa: E402
+from kimi_k2_neuron.parallel import ParallelContext, chunk_meshes, stripe  # noqa: E402
 
 from . import chunked_prefill, contract, fused_spec, vllm_request  # noqa: E402
 from .latent_cache import LatentKVCacheManager  # noqa: E402
 from .loader import load_neuron_state_dict, model_state_dict, rank_passes  # noqa: E402
+from .nxd_moe import NxDRouter, build_moe  # noqa: E402,F401 (NxDRouter: the router NxD's MoE gets, named here too)
 from .spec import RunSpec, layout_flags  # noqa: E402
 
 # == the config ==================================================================================================
@@ -166,6 +161,7 @@ class NxDParallelContext(ParallelContext):
     reduce_dtype: torch.dtype | None = None
     config: Any = field(default=None, compare=False)
     rank_util: Any = field(default=None, compare=False)  # the model's SPMDRank (NXDI_CONTRACT.md: fd-rank)
+    meshes: dict = field(default_factory=dict, compare=False, repr=False)  # a chunk's groups, made at first use
 
     def replicated(self, in_features, out_features, dtype):
         # q_a_proj / kv_a_proj_with_mqa: small and shared by all heads, so every rank holds them whole.
@@ -228,77 +224,47 @@ class NxDParallelContext(ParallelContext):
         return mappings.reduce_scatter_to_tensor_model_parallel_region_with_dim(
             x.clone(), 1, process_group=parallel_state.get_kv_shared_group())
 
+    # -- a chunk's groups (Layout.chunk_group): NxD's collectives over meshes made as NxD makes its own, inside the
+    # traced forward on device (NXDI_CONTRACT.md: chunk-groups) -----------------------------------------------------
 
-class NxDRouter(NoAuxTcRouter):
-    """-> (logits, final weights [T, E] in the hidden dtype, ids [T, k]) (NXDI_CONTRACT.md: router-contract).
-    With shard_router its float32 weight is a gathered column-parallel linear: each rank computes its experts' logits
-    and every rank selects from the same gathered float32 [T, E]."""
+    def gather_chunk_heads(self, x, chunk_group, dim=1):
+        if chunk_group == 1:
+            return x
+        return mappings.gather_from_tensor_model_parallel_region_with_dim(x, dim, process_group=self._mesh(
+            chunk_group, 0))
 
-    def __init__(self, cfg: KimiK2Config, ctx: ParallelContext = SINGLE):
-        super().__init__(cfg, ctx)
-        self.num_experts, self.hidden_size = cfg.n_routed_experts, cfg.hidden_size
-        self.sequence_parallel_enabled, self.sequence_dimension = False, None
+    def gather_chunk_cache(self, x, chunk_group):
+        if chunk_group == self.kv_group:
+            return x
+        return mappings.gather_from_tensor_model_parallel_region_with_dim(x, 1, process_group=self._mesh(
+            chunk_group, 1))
 
-    def _init_logits(self, cfg, ctx):
-        if not ctx.layout.shard_router:
-            return super()._init_logits(cfg, SINGLE)  # a replicated float32 weight, whole on every rank
-        self.ctx, self.shard_dim = ctx, None
-        # float32, unquantized, named as NxD's own router names its linear (NXDI_CONTRACT.md: router-linear)
-        setattr(self, formats_layout.ROUTER_LINEAR, ctx.gathered(cfg.hidden_size, cfg.n_routed_experts, torch.float32))
+    def max_over_chunk_group(self, x, chunk_group):
+        if chunk_group == 1:
+            return x
+        return mappings._reduce(x.clone(), computation="max", process_group=self._mesh(chunk_group, 0))
 
-    def logits(self, x):
-        linear = getattr(self, formats_layout.ROUTER_LINEAR, None)
-        return super().logits(x) if linear is None else linear(x.float())
+    def reduce_scatter_chunk_heads(self, x, chunk_group):
+        if chunk_group == 1:
+            return x
+        return mappings.reduce_scatter_to_tensor_model_parallel_region_with_dim(
+            x.clone(), 1, process_group=self._mesh(chunk_group, 0))
 
-    def forward(self, hidden_states: torch.Tensor):
-        flat = hidden_states.reshape(-1, self.hidden_size)
-        logits = self.logits(flat)
-        weights, ids = self.select(logits)
-        affinities = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=weights.device)
-        return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
+    def _mesh(self, chunk_group, which):
+        """0: the Gc adjacent ranks (the KV group itself at Gc = G); 1: the ranks whose caches this one pools
+        (parallel.chunk_meshes). Made at the first use, unless the harness running the shell gave its own."""
+        if which == 0 and chunk_group == self.kv_group:
+            return parallel_state.get_kv_shared_group()
+        key = (chunk_group, which)
+        if key not in self.meshes:
+            self.meshes[key] = mesh_group(chunk_meshes(self.tp_size, self.kv_group, chunk_group)[which])
+        return self.meshes[key]
 
 
-def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
-              ctx: NxDParallelContext) -> NxDMoE:
-    """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
-    (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
-    nc = config.neuron_config
-    tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
-    experts = ExpertMLPsV2(
-        routed_experts_mlp_config=RoutedExpertsMLPOpsConfig(
-            num_experts=cfg.n_routed_experts,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.moe_intermediate_size,
-            top_k=cfg.num_experts_per_tok,
-            hidden_act="silu",
-            glu_mlp=nc.glu_mlp,
-            glu_type=nc.glu_type,
-            use_index_calc_kernel=nc.use_index_calc_kernel,
-            normalize_top_k_affinities=nc.normalize_top_k_affinities,
-            capacity_factor=nc.capacity_factor,
-            enable_spmd_rank=nc.blockwise_matmul_config.parallelize_token_to_block_mapping,
-        ),
-        blockwise_matmul_config=fused_spec.verify_blockwise(nc),  # NXDI_CONTRACT.md: verify-moe-path
-        sequence_parallel_enabled=False,
-        dtype=dtype,
-        is_prefill=nc.is_prefill_stage,
-        enabled_hybrid_sharding=False,
-        tensor_model_parallel_group=parallel_state.get_tensor_model_parallel_group(),
-        expert_model_parallel_group=parallel_state.get_expert_model_parallel_group(),
-        cte_tensor_model_parallel_group=cte_tp,
-        cte_expert_model_parallel_group=cte_ep,
-        tkg_tensor_model_parallel_group=tkg_tp,
-        tkg_expert_model_parallel_group=tkg_ep,
-    )
-    shared = None
-    if cfg.n_shared_experts:
-        shared = SharedExperts(hidden_size=cfg.hidden_size, intermediate_size=cfg.moe_intermediate_size,
-                               num_shared_experts=cfg.n_shared_experts, hidden_act="silu", dtype=dtype,
-                               reduce_dtype=nc.rpl_reduce_dtype)
-    moe = NxDMoE(router=NxDRouter(cfg, ctx), expert_mlps=experts, shared_experts=shared,
-                 sequence_parallel_enabled=False, sequence_dimension=1)
-    moe.eval()  # ExpertMLPsV2 takes its training path otherwise (NXDI_CONTRACT.md: moe-eval)
-    return moe
+def mesh_group(mesh: list[list[int]]):
+    """One process group whose replica groups are the whole mesh, as NxD makes its MoE and top-k groups inside the
+    traced forward (NXDI_CONTRACT.md: chunk-groups)."""
+    return torch.distributed.new_group(mesh[0], pg_options={"xla_pg_options": {"mesh": mesh}})
 
 
 def decode_masks(prior_mask: torch.Tensor, s: int):
@@ -314,7 +280,8 @@ class KimiK2DecoderLayer(DecoderLayer):
     Sequence-sharded (flash decoding): prefill attends as replicated and returns only this rank's positions; decode
     merges the KV group's partial attention under NxDI's masks (NXDI_CONTRACT.md: fd-cte-filter, fd-masks) in
     MLAttention.attend_sharded, not NxDI's GQA attention (NXDI_CONTRACT.md: fd-attention-xla-only); a prefill chunk
-    attends and returns the chunk entries this rank owns (NXDI_CONTRACT.md: fd-chunk)."""
+    attends through MLAttention.attend_chunk and returns the chunk entries this rank owns (NXDI_CONTRACT.md: fd-chunk,
+    chunk-groups)."""
 
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
@@ -334,16 +301,20 @@ class KimiK2DecoderLayer(DecoderLayer):
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
             if self.flash_decoding:
                 entries = self._owned(entries)
-        elif kwargs.get("kimi_chunk") or self.flash_decoding:
-            # A chunk (chunked_prefill.chunk_forward's masks: the cache before it, causal within it), or a
-            # flash-decoding step (the rank's slots and the step's entry under mask_util's masks): each segment
-            # under its own mask
+        elif kwargs.get("kimi_chunk"):
+            # A chunk (chunked_prefill.chunk_forward): the cache before it and the chunk itself, its scores in tiles
+            # of CHUNK_QUERY_TILE queries, as the fit planner counts them; sequence-sharded, this rank writes the
+            # chunk entries it owns
             past = past_key_value[0][:, 0]
-            if self.flash_decoding and kwargs.get("kimi_chunk"):  # the chunk entries this rank keeps and writes
+            hidden_states = hidden_states + attn.attend_chunk(q_nope, q_pe, past, entries, position_ids,
+                                                              CHUNK_QUERY_TILE)
+            if self.flash_decoding:
                 entries = self._owned(entries)
-            # a chunk's scores in tiles of CHUNK_QUERY_TILE queries, as the fit planner counts them
+        elif self.flash_decoding:
+            # a flash-decoding step: the rank's slots and the step's entry, each under mask_util's masks
+            past = past_key_value[0][:, 0]
             hidden_states = hidden_states + attn.attend_sharded(q_nope, q_pe, [past, entries.to(past.dtype)],
-                                                                [attention_mask, active_mask], CHUNK_QUERY_TILE)
+                                                                [attention_mask, active_mask])
         else:
             past = past_key_value[0][:, 0]
             prior, active = decode_masks(attention_mask, entries.shape[1])

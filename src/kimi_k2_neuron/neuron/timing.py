@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from kimi_k2_neuron.config import KimiK2Config
 
+from kimi_k2_neuron.model.mla import HeadDims, chunk_collectives, chunk_group_for
+
 from . import moe_paths
 from .spec import RunSpec
 
@@ -134,13 +136,17 @@ def _sampler_collectives(cfg: KimiK2Config, spec: RunSpec, port: Port) -> list[C
 def layout_collectives(cfg: KimiK2Config, spec: RunSpec, rows: int, queries: int, query_tile: int,
                        merge: bool = True) -> list[Collective]:
     """What the long-context layout adds per call of `rows` x `queries` tokens: the sequence-sharded merge where the
-    call attends through it (merge: a decode step or a prefill chunk; model/mla.py attend_sharded: the absorbed
-    queries gathered once, then per query tile a max all-reduce and a [context | sum] reduce-scatter), the gathered
-    q_a/kv_a and router outputs."""
+    call attends through it (merge: a decode step, model/mla.py attend_sharded: the absorbed queries gathered, then
+    per query tile a max all-reduce and a [context | sum] reduce-scatter; or a prefill chunk, attend_chunk, as
+    mla.chunk_collectives lists it at the chunk group the model chooses), the gathered q_a/kv_a and router
+    outputs."""
     layout, layers, g = spec.layout, cfg.num_hidden_layers, spec.layout.kv_group
     out = []
-    if layout.sequence_sharded and merge:
-        hg = cfg.num_attention_heads // spec.tp * g
+    heads = cfg.num_attention_heads // spec.tp
+    if layout.sequence_sharded and merge and queries > 1:
+        out += chunk_merge(cfg, spec, layers, queries, rows)
+    elif layout.sequence_sharded and merge:
+        hg = heads * g
         tiles, tile = -(-queries // query_tile), min(queries, query_tile)
         out += [Collective("absorbed Q all-gather (KV group), bf16", layers, g,
                            rows * hg * queries * cfg.latent_dim * BF16),
@@ -155,6 +161,18 @@ def layout_collectives(cfg: KimiK2Config, spec: RunSpec, rows: int, queries: int
         n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
         out.append(Collective("router logits all-gather (TP), fp32", n_moe, spec.tp, rows * cfg.n_routed_experts * FP32))
     return out
+
+
+def chunk_merge(cfg: KimiK2Config, spec: RunSpec, layers: int, queries: int | None = None,
+                rows: int = 1) -> list[Collective]:
+    """A prefill chunk's attention over the sequence-sharded cache, `layers` times: model/mla.py chunk_collectives at
+    the chunk group the model chooses (chunk_group_for) over the whole cache a rank holds; none at G = 1."""
+    if not spec.layout.sequence_sharded:
+        return []
+    dims, n = HeadDims.of(cfg, spec.tp), queries or spec.layout.prefill_chunk
+    c = chunk_group_for(spec.layout, dims, spec.cache_slots, n)
+    return [Collective(what, layers * k, size, moved) for what, k, size, moved in chunk_collectives(
+        dims, spec.layout.kv_group, c, spec.cache_slots, n, rows=rows)]
 
 
 def experts_read(cfg: KimiK2Config, spec: RunSpec) -> int:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..parallel import Layout, ParallelContext, check_kv_group
+from ..parallel import Layout, ParallelContext, check_kv_group, chunk_meshes
 from .ranks import run_ranks
 
 
@@ -37,13 +37,11 @@ def _rank_main(rank: int, job: _Job, out_path: str):
     # Only rank 0 shows progress, so tqdm needs no multiprocessing lock: a rank killed while holding one leaves it
     # to the resource tracker, which then warns on the user's terminal after the one-line error.
     tqdm.set_lock(threading.RLock())
-    tp, size = job.tp, job.layout.kv_group
+    tp = job.tp
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # ranks share the host's cores
     dist.init_process_group("gloo", rank=rank, world_size=tp)  # address and port from run_ranks' environment
     try:
-        # every rank creates every KV group, in the same order (adjacent ranks, as NxD's)
-        groups = [dist.new_group(list(range(s, s + size))) for s in range(0, tp, size)] if size > 1 else []
-        ctx = ParallelContext(tp, rank, job.layout, groups[rank // size] if groups else None)
+        ctx = cpu_context(tp, rank, job.layout)
         runner = CpuRunner(job.model_dir, dtype=job.dtype, layer_streamed=job.layer_streamed, progress=rank == 0,
                            ctx=ctx, prefill_chunk=job.layout.prefill_chunk)
         logits = runner.logits(job.rows, job.prefill_len)
@@ -51,6 +49,22 @@ def _rank_main(rank: int, job: _Job, out_path: str):
             save_file({"logits": logits.contiguous()}, out_path)
     finally:
         dist.destroy_process_group()
+
+
+def cpu_context(tp: int, rank: int, layout: Layout) -> ParallelContext:
+    """This rank's ParallelContext over gloo groups: the KV groups (adjacent ranks, as NxD's), and for each merge
+    group a prefill chunk may use (Layout.chunk_group_candidates), its adjacent ranks and the strided ranks whose
+    caches it pools. Every rank creates every group, in the same order, as gloo requires."""
+    def own(meshes):
+        made = [dist.new_group(ranks) for ranks in meshes]
+        return next(g for g, ranks in zip(made, meshes) if rank in ranks)
+
+    g = layout.kv_group
+    if g == 1:
+        return ParallelContext(tp, rank, layout)
+    kv = own([list(range(s, s + g)) for s in range(0, tp, g)])
+    chunk = {c: tuple(own(m) if m else None for m in chunk_meshes(tp, g, c)) for c in layout.chunk_group_candidates()}
+    return ParallelContext(tp, rank, layout, kv, chunk)
 
 
 def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
