@@ -206,11 +206,11 @@ class ParallelContext:
 
     def gather_chunk_heads(self, x: torch.Tensor, chunk_group: int, dim: int = 1) -> torch.Tensor:
         """Along `dim` over the Gc adjacent ranks, in rank order."""
-        return self._gather(x, chunk_group, self._chunk_group(chunk_group, 0), dim)
+        return self._gather(x, chunk_group, chunk_group, 0, dim)
 
     def gather_chunk_cache(self, x: torch.Tensor, chunk_group: int) -> torch.Tensor:
         """[B, T, latent] -> [B, G / Gc x T, latent]: the caches of the group ranks r % Gc + Gc k, in k order."""
-        return self._gather(x, self.kv_group // chunk_group, self._chunk_group(chunk_group, 1), 1)
+        return self._gather(x, self.kv_group // chunk_group, chunk_group, 1, 1)
 
     def max_over_chunk_group(self, x: torch.Tensor, chunk_group: int) -> torch.Tensor:
         if chunk_group == 1:
@@ -233,12 +233,11 @@ class ParallelContext:
             return self.kv_process_group
         return self.chunk_process_groups[chunk_group][which]
 
-    @staticmethod
-    def _gather(x: torch.Tensor, size: int, group, dim: int) -> torch.Tensor:
+    def _gather(self, x: torch.Tensor, size: int, chunk_group: int, which: int, dim: int) -> torch.Tensor:
         if size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(size)]
-        torch.distributed.all_gather(parts, x.contiguous(), group=group)
+        torch.distributed.all_gather(parts, x.contiguous(), group=self._chunk_group(chunk_group, which))
         return torch.cat(parts, dim=dim)
 
 

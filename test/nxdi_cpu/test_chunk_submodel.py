@@ -1,7 +1,7 @@
 """neuron/chunked_prefill.py through the real NxD/NxDI in NxD's CPU mode: NxDI's context-encoding submodel at bucket N
 (batch 1, continuous batching) on each row's first N tokens, then our third submodel, `chunked_prefill_model`, on each
 further N tokens (NxDI's model wrapper, get_model_output, KV cache manager reads, sampler; the chunk's attention is
-MLAttention.attend_sharded over the replicated latent cache, a KV group of 1), then NxDI's token generation.
+MLAttention.attend_chunk over the replicated latent cache, a KV group of 1), then NxDI's token generation.
 
 - Chunked == one-shot NxDI prefill, logits and the latent cache's contents at every prompt position, for a prompt of
   3.5 chunks, at TP=1 and at TP=2 (NxD's parallel layers over gloo; rank 0's cache).

@@ -38,6 +38,7 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.scale = softmax_scale(cfg)
+        self.dims = HeadDims.of(cfg, ctx.tp_size)
         heads = cfg.num_attention_heads
         # two layers or the Neuron shell's fused one, registered in the checkpoint's order (formats.layout)
         attention_a = ctx.attention_a(h, cfg.q_lora_rank, cfg.latent_dim, dtype)
@@ -158,6 +159,7 @@ class MLAttention(nn.Module):
             qt = q[:, :, i:i + tile]
             q_lat = torch.cat([torch.einsum("bhsn,hnr->bhsr", qt[..., : self.nope], w_uk), qt[..., self.nope :]], -1)
             top, total, context = self._partial(q_lat, segments, [m[:, :, i:i + tile] for m in masks])
+            # W_UV in float32 per tile, after the scores are freed: kept whole, it would sit on the peak
             acc[:, :, i:i + tile, : self.v_dim] = torch.einsum("bhsr,hvr->bhsv", context, w_uv.float())
             acc[:, :, i:i + tile, self.v_dim :] = total
             tops[:, :, i:i + tile] = top
@@ -168,8 +170,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def chunk_group(self, slots: int, queries: int) -> int:
-        dims = HeadDims(self.n_heads, self.nope, self.rope, self.v_dim, self.rank)
-        return chunk_group_for(self.ctx.layout, dims, slots, queries)
+        return chunk_group_for(self.ctx.layout, self.dims, slots, queries)
 
     def _partial(self, q, segments, masks, group_max=None):
         """-> (the max [B, h, tile, 1], the softmax sum, the latent context [.., rank]) over this rank's segments,

@@ -3,8 +3,8 @@ time: NxDI's context-encoding submodel (bucket N, batch 1, continuous batching) 
 submodel, `chunked_prefill_model`, on each further N tokens, attending to the row's cache plus causally within the
 chunk through MLAttention.attend_chunk. With the replicated cache that is a KV group of 1; with the sequence-sharded
 one each rank pools its chunk group's caches, attends them and its share of the chunk for the chunk group's heads,
-merged across that group, and writes the chunk entries it owns (NXDI_CONTRACT.md: fd-chunk, chunk-groups). The graph's size does not grow with the prompt (NXDI_CONTRACT.md:
-chunk-submodel).
+merged across that group, and writes the chunk entries it owns (NXDI_CONTRACT.md: fd-chunk, chunk-groups). The
+graph's size does not grow with the prompt (NXDI_CONTRACT.md: chunk-submodel).
 
 Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
 """
@@ -133,9 +133,10 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     """NeuronKimiK2Model.forward of the chunk submodel: NxDI's get_model_output over the row's cached line
     (is_for_speculation reads line seq_ids when the batch is below the cache's), the decoder layers' chunk branch,
     the write into line seq_ids, then the last real token's logits or sample, in NxDI's output order
-    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs, private-members). Sequence-sharded, each rank attends its slots before the
-    chunk and the chunk entries it owns, merged across the KV group, and writes those entries at p // G
-    (NXDI_CONTRACT.md: fd-chunk)."""
+    (NXDI_CONTRACT.md: chunk-submodel, submodel-outputs, private-members). Sequence-sharded, each rank attends for
+    its chunk group (MLAttention.attend_chunk) and writes the chunk entries it owns at p // G (NXDI_CONTRACT.md:
+    fd-chunk). get_model_output takes chunk_masks' masks as NxDI's attention and active masks; the chunk branch
+    derives the same visibility for its chunk group."""
     from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region_with_dim
     from neuronx_distributed_inference.modules.flashdecode.utils import get_cache_size
     from neuronx_distributed_inference.utils.distributed import get_tp_group

@@ -19,17 +19,15 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
-from kimi_k2_neuron.parallel import Layout, slots_for
-
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
+from kimi_k2_neuron.parallel import Layout
 
 from . import moe_paths, rules, timing
 from .moe_paths import decodes_all_experts
 from .rules import check_counts
 from .spec import FD_RESERVED_SLOTS, RunSpec
 from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
-                     layout_collectives,
-                     moe_prefill_work, prefill_time)
+                     layout_collectives, moe_prefill_work, prefill_time)
 
 GiB = 2**30
 MiB = 2**20
@@ -434,7 +432,8 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
         assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
-        chunk_merge_bytes=sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1)) if last_chunk else None)
+        chunk_merge_bytes=(sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1))
+                           if last_chunk and layout.sequence_sharded else None))
 
 
 def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:

@@ -5,7 +5,6 @@ one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
 from __future__ import annotations
 
 import dataclasses
-
 import re
 
 from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS

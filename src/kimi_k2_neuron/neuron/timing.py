@@ -7,7 +7,8 @@ semaphores, stragglers), plus NxD's per-token loop of the selective-loading MoE 
 matmul FLOPs at the TensorEngine's rate and its MoE path's traffic, scaled by one overhead factor. Additive, not a
 maximum: the DeepSeek-V3 contrib's profile lists compute, collectives and exposed memory as separate slices of its step.
 The constants are one table (TRN2), each with its source; the two fitted ones come from the AWS DeepSeek-V3 contrib
-and are checked against the community Kimi ports (PUBLISHED; docs/planner.md). Pure: no SDK, no torch.
+and are checked against the community Kimi ports (PUBLISHED; docs/planner.md). Pure: no SDK; the chunk's
+collectives are the model's own list (model/mla.py chunk_collectives).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kimi_k2_neuron.config import KimiK2Config
-
 from kimi_k2_neuron.model.mla import HeadDims, chunk_collectives, chunk_group_for
 
 from . import moe_paths
