@@ -26,8 +26,6 @@ its instruction limits), HBM.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from nxdi_support import REPO, cpu_options, rel_err
@@ -99,12 +97,8 @@ def _fill_prefix_torch_branch(cache, prefix_cache):
     same update in torch (test_xla_trace.py's torch_fill_prefix fixture says more)."""
     from neuronx_distributed_inference.modules.kvcache import utils
 
-    previous = os.environ.get("NXD_CPU_MODE")
-    os.environ["NXD_CPU_MODE"] = "1"
-    try:
+    with backend.nxd_cpu_mode(True):
         return utils.fill_prefix(cache, prefix_cache)
-    finally:
-        os.environ["NXD_CPU_MODE"] = previous if previous is not None else "0"
 
 
 def _trace(rank_slices, submodel, batch, seq_len):

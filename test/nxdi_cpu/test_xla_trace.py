@@ -37,12 +37,8 @@ def torch_fill_prefix(monkeypatch):
     from neuronx_distributed_inference.modules.kvcache import kv_cache_manager, utils
 
     def fill_prefix_torch_branch(cache, prefix_cache):
-        previous = os.environ.get("NXD_CPU_MODE")
-        os.environ["NXD_CPU_MODE"] = "1"
-        try:
+        with backend.nxd_cpu_mode(True):
             return utils.fill_prefix(cache, prefix_cache)
-        finally:
-            os.environ["NXD_CPU_MODE"] = previous if previous is not None else "0"
 
     monkeypatch.setattr(kv_cache_manager, "fill_prefix", fill_prefix_torch_branch)
 
