@@ -175,7 +175,7 @@ def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
     config.save(str(tmp_path))
     saved = json.loads((tmp_path / "neuron_config.json").read_text())
     assert saved[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
-                                          "shard_router": True}
+                                          "shard_router": True, "chunk_group": None}
     again = KimiK2InferenceConfig.load(str(tmp_path))
     assert contract.layout_of(again) == opts.layout
     assert "mlp.router" in again.neuron_config.modules_to_not_convert  # its linear stays float32, unquantized
@@ -209,8 +209,8 @@ def test_uneven_splits_are_refused_in_one_line(converted, tmp_path):
     saved = json.loads((tmp_path / "neuron_config.json").read_text())
     (tmp_path / "neuron_config.json").write_text(json.dumps({**saved, contract.LAYOUT_KEY: {"shard_heads": True}}))
     _one_line(lambda: KimiK2InferenceConfig.load(str(tmp_path)),
-              f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among ['kv_group', "
-              f"'prefill_chunk', 'shard_attn_a', 'shard_router'], got {{'shard_heads': True}}")
+              f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among ['chunk_group', "
+              f"'kv_group', 'prefill_chunk', 'shard_attn_a', 'shard_router'], got {{'shard_heads': True}}")
 
 
 @pytest.mark.parametrize("layout,flags", [(dict(shard_router=True), "--shard-router"),
@@ -242,7 +242,7 @@ def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
     assert got[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
-                                        "shard_router": True}
+                                        "shard_router": True, "chunk_group": None}
     assert got["neuron_config"]["tp_degree"] == 64 and "mlp.router" in got["neuron_config"]["modules_to_not_convert"]
     plain = subprocess.run(script + ["--tp", "64", "--kv-shard", "none"], capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -562,6 +562,10 @@ def test_the_layout_attribute_round_trips_and_refuses_what_it_cannot_read(one_li
     assert contract.layout_of(SimpleNamespace()) == Layout()
     one_line_error(lambda: contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: {"shard_heads": True}})),
                    f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among")
+    bad_group = {"kv_group": 4, "prefill_chunk": 8, "chunk_group": 3}
+    one_line_error(lambda: contract.layout_of(SimpleNamespace(**{contract.LAYOUT_KEY: bad_group})),
+                   f"neuron_config.json field {contract.LAYOUT_KEY}.chunk_group 3: must be an integer dividing the KV "
+                   f"group 4")
 
 
 @pytest.mark.parametrize("options,message", [

@@ -49,7 +49,10 @@ def layout_of(config) -> Layout:
     if isinstance(group, bool) or not isinstance(group, int) or group < 1:
         raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.kv_group: expected an integer >= 1 (1: the "
                              f"replicated cache), got {group!r}")
-    return Layout(**value)
+    try:
+        return Layout(**value)
+    except KimiInputError as e:  # Layout's own check (chunk_group), named by the field that holds it
+        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.{e}") from None
 
 
 # -- the RunSpec -> the NeuronConfig, and back ---------------------------------------------------------------------
