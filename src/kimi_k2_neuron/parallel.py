@@ -42,14 +42,17 @@ class Layout:
     def sequence_sharded(self) -> bool:
         return self.kv_group > 1
 
-    def chunk_group_candidates(self) -> tuple[int, ...]:
-        """The merge groups a chunk may use: the whole KV group, or a quarter of it, each rank gathering the cache of
-        3 others (the replica-group meshes NxD's own 3-stage top-k lays out at TP=64 on trn2: consecutive, and
-        strided within a block, operators/topk.py); a set chunk_group only."""
-        if self.chunk_group is not None:
-            return (self.chunk_group,)
+    @property
+    def laid_out_chunk_groups(self) -> tuple[int, ...]:
+        """The merge groups NxD has meshes for: the whole KV group, or a quarter of it, each rank gathering the cache
+        of 3 others (the replica-group meshes NxD's own 3-stage top-k lays out at TP=64 on trn2: consecutive, and
+        strided within a block, operators/topk.py)."""
         g = self.kv_group
         return (g, g // 4) if g % 4 == 0 else (g,)
+
+    def chunk_group_candidates(self) -> tuple[int, ...]:
+        """The merge groups a chunk may use: a set chunk_group, else laid_out_chunk_groups."""
+        return (self.chunk_group,) if self.chunk_group is not None else self.laid_out_chunk_groups
 
 
 # -- the sequence-sharded cache's one position map: position p lives on group rank p % G, at slot p // G --------------
@@ -107,7 +110,8 @@ class ParallelContext:
     rank: int = 0
     layout: Layout = Layout()
     kv_process_group: Any = field(default=None, compare=False)
-    # {Gc: (the Gc adjacent ranks a chunk merges over, the G / Gc ranks whose caches it gathers)} (runtime/tp.py)
+    # {(Gc, 0): the Gc adjacent ranks a chunk merges over, (Gc, 1): the G / Gc ranks whose caches it gathers}
+    # (runtime/tp.chunk_process_groups)
     chunk_process_groups: Any = field(default=None, compare=False)
 
     @property
@@ -231,7 +235,7 @@ class ParallelContext:
     def _chunk_group(self, chunk_group: int, which: int):
         if chunk_group == self.kv_group and which == 0:
             return self.kv_process_group
-        return self.chunk_process_groups[chunk_group][which]
+        return self.chunk_process_groups[(chunk_group, which)]
 
     def _gather(self, x: torch.Tensor, size: int, chunk_group: int, which: int, dim: int) -> torch.Tensor:
         if size == 1:

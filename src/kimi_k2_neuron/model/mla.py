@@ -66,13 +66,12 @@ class MLAttention(nn.Module):
 
     def _forward_sharded(self, q_nope, q_pe, entries, positions, latent_cache):
         g, r = self.ctx.kv_group, self.ctx.kv_rank()
+        t = int(slot_of(positions.max(), g)) + 1  # slots that can hold a position <= the latest query's
         if positions.shape[1] > 1:  # a prefill call: the cache before it, then its own entries (attend_chunk)
-            t = int(slot_of(positions.max(), g)) + 1
             out = self.attend_chunk(q_nope, q_pe, latent_cache[:, :t], entries, positions)
             _write_cache(latent_cache, slot_of(positions, g), entries, owner_of(positions, g) == r)
             return out
         _write_cache(latent_cache, slot_of(positions, g), entries, owner_of(positions, g) == r)
-        t = int(slot_of(positions.max(), g)) + 1  # slots that can hold a position <= the latest query's
         keys = slot_positions(t, g, r)
         mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, S, t]; all written by now
         return self.attend_sharded(q_nope, q_pe, [latent_cache[:, :t]], [mask])
@@ -139,12 +138,13 @@ class MLAttention(nn.Module):
         if s % gc == 0:  # the call's entries at indices equal to this rank's modulo Gc, each seen on one rank
             own = stripe(s, gc, j, entries.device)
             active, active_pos = torch.index_select(entries, 1, own), torch.index_select(positions, 1, own)
-            mine = torch.ones_like(active_pos, dtype=torch.bool)
+            causal = active_pos[:, None, :] <= positions[:, :, None]
         else:  # the core runner's uneven calls: all of them, the others masked
             active, active_pos = entries, positions
-            mine = (torch.arange(s, device=entries.device) % gc == j)[None].expand_as(positions)
+            causal = (active_pos[:, None, :] <= positions[:, :, None]) & (torch.arange(s, device=entries.device) % gc
+                                                                          == j)
         masks = [(key_pos[None, :] < positions[:, :1])[:, None, None, :].expand(b, 1, s, key_pos.shape[0]),
-                 ((active_pos[:, None, :] <= positions[:, :, None]) & mine[:, None, :])[:, None]]
+                 causal[:, None]]
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
         w = self.ctx.gather_chunk_heads(w, gc, dim=0)  # [Gc x heads, nope + v_dim, rank]
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]

@@ -4,7 +4,6 @@ one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
@@ -93,7 +92,7 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
         if n is None or g == 1:
             raise KimiInputError(f"{LAYOUT_KEY}.chunk_group {c}: only with --kv-shard sequence and --prefill-chunk "
                                  f"(it groups a chunk's attention over the sharded cache)")
-        meshes = dataclasses.replace(spec.layout, chunk_group=None).chunk_group_candidates()
+        meshes = spec.layout.laid_out_chunk_groups
         if spec.lnc is not None and (spec.tp, spec.lnc) in GROUP_LAYOUTS and c not in meshes:
             raise KimiInputError(f"{LAYOUT_KEY}.chunk_group {c} at --tp {spec.tp} --lnc {spec.lnc}: not a pair of "
                                  f"meshes NxD lays out; use one of {list(meshes)}")

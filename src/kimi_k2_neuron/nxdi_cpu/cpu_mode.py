@@ -15,8 +15,8 @@ from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
 from kimi_k2_neuron.neuron.contract import layout_of
 from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM, NxDParallelContext
-from kimi_k2_neuron.parallel import Layout, chunk_meshes
 from kimi_k2_neuron.runtime.ranks import free_port
+from kimi_k2_neuron.runtime.tp import chunk_process_groups
 
 from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group
 from .options import check_cpu_run
@@ -31,13 +31,13 @@ class CpuMode:
         check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
         rank = _init_cpu_process_groups(nc, self.config.num_cores_per_group)
-        chunk_groups = _chunk_groups(nc.tp_degree, layout_of(self.config))
+        chunk_groups = chunk_process_groups(nc.tp_degree, layout_of(self.config), rank)  # NXD_CPU_MODE.md: chunk-groups
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)
-            for ctx in {id(m.ctx): m.ctx for m in model.modules() if isinstance(getattr(m, "ctx", None),
-                                                                               NxDParallelContext)}.values():
-                ctx.meshes.update(chunk_groups)
+            for module in model.modules():  # the shell's context, which makes device groups at first use otherwise
+                if isinstance(getattr(module, "ctx", None), NxDParallelContext):
+                    module.ctx.meshes.update(chunk_groups)
             state = dict(loaded)  # per submodel: get_sharded_checkpoint replaces entries by this rank's slices
             _check_no_unexpected(model, state, presharded or self.model_path)
             if presharded is None:
@@ -85,18 +85,6 @@ def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
     extra = sorted(k for k in checked_names(state) if k not in names)
     if extra:
         raise KimiInputError(f"{where}: {len(extra)} tensor(s) the model has no place for: {listing(extra)}")
-
-
-def _chunk_groups(tp: int, layout: Layout) -> dict:
-    """The gloo groups of every chunk group a chunk may use (NXD_CPU_MODE.md: chunk-groups), keyed as the shell's
-    context keeps the device groups it otherwise makes at first use: every rank makes every group, in order."""
-    rank, out = torch.distributed.get_rank(), {}
-    for c in layout.chunk_group_candidates():
-        for which, mesh in enumerate(chunk_meshes(tp, layout.kv_group, c)):
-            if mesh:
-                made = [torch.distributed.new_group(ranks) for ranks in mesh]
-                out[(c, which)] = next(g for g, ranks in zip(made, mesh) if rank in ranks)
-    return out
 
 
 def _init_cpu_process_groups(nc, kv_group: int) -> int:

@@ -52,19 +52,26 @@ def _rank_main(rank: int, job: _Job, out_path: str):
 
 
 def cpu_context(tp: int, rank: int, layout: Layout) -> ParallelContext:
-    """This rank's ParallelContext over gloo groups: the KV groups (adjacent ranks, as NxD's), and for each merge
-    group a prefill chunk may use (Layout.chunk_group_candidates), its adjacent ranks and the strided ranks whose
-    caches it pools. Every rank creates every group, in the same order, as gloo requires."""
-    def own(meshes):
-        made = [dist.new_group(ranks) for ranks in meshes]
-        return next(g for g, ranks in zip(made, meshes) if rank in ranks)
-
+    """This rank's ParallelContext over gloo groups: the KV groups (adjacent ranks, as NxD's), then the chunk's."""
     g = layout.kv_group
     if g == 1:
         return ParallelContext(tp, rank, layout)
-    kv = own([list(range(s, s + g)) for s in range(0, tp, g)])
-    chunk = {c: tuple(own(m) if m else None for m in chunk_meshes(tp, g, c)) for c in layout.chunk_group_candidates()}
-    return ParallelContext(tp, rank, layout, kv, chunk)
+    kv = gloo_group([list(range(s, s + g)) for s in range(0, tp, g)], rank)
+    return ParallelContext(tp, rank, layout, kv, chunk_process_groups(tp, layout, rank))
+
+
+def chunk_process_groups(tp: int, layout: Layout, rank: int) -> dict:
+    """{(Gc, which): this rank's gloo group} for each merge group a prefill chunk may use
+    (Layout.chunk_group_candidates): 0 its adjacent ranks, 1 the strided ranks whose caches it pools
+    (parallel.chunk_meshes); the core's context and the CPU harness's NxD one both take them."""
+    return {(c, which): gloo_group(mesh, rank) for c in layout.chunk_group_candidates()
+            for which, mesh in enumerate(chunk_meshes(tp, layout.kv_group, c)) if mesh}
+
+
+def gloo_group(mesh: list[list[int]], rank: int):
+    """Every group of `mesh` created, in order, as gloo needs every rank to create every group -> `rank`'s."""
+    made = [dist.new_group(ranks) for ranks in mesh]
+    return next(group for group, ranks in zip(made, mesh) if rank in ranks)
 
 
 def tp_logits(model_dir, rows, prefill_len=None, tp=2, dtype=torch.float32, layer_streamed=False,
