@@ -14,9 +14,6 @@ The embedding is the exception: NxD splits it along hidden (shard_across_embeddi
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +21,7 @@ from safetensors.torch import save_file
 
 from ..config import KimiK2Config
 from ..errors import KimiInputError
+from ..interrupts import atomic_folder
 from ..formats.layout import logical_shapes
 from ..runtime.tokenizer import KIMI_SPECIAL_BASE
 from ..tiny.checkpoint import TINY_BASE_TOKENS, random_weight, store, stray_buffer
@@ -59,22 +57,17 @@ def make_rank_slice(out: str | Path, real_config: str | Path, tp: int, ranks: in
                     seed: int = 0) -> Path:
     """Write a random checkpoint of rank_slice_config(real_config...) to `out` (new), stored as the real checkpoint
     is (its quantization_config: blockwise FP8 or compressed-tensors INT4), one shard per decoder layer, generated
-    and written one shard at a time (a layer's 384 experts are ~0.5 GB in FP8). Renamed into place at the end."""
+    and written one shard at a time (a layer's 384 experts are ~0.5 GB in FP8). Renamed into place at the end
+    (interrupts.atomic_folder)."""
     out = Path(out)
     if out.exists():
         raise KimiInputError(f"{out} already exists; a new folder is written")
     raw_cfg = rank_slice_config(json.loads(Path(real_config).read_text()), tp, ranks, moe_layers)
     cfg = KimiK2Config.from_dict(raw_cfg, source=f"rank slice of {real_config}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         _write_by_layer(tmp, cfg, seed)
         (tmp / "config.json").write_text(json.dumps(raw_cfg, indent=2))
         write_tiny_tokenizer(tmp, num_base_tokens=TINY_BASE_TOKENS)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

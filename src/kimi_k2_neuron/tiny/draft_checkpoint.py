@@ -7,9 +7,6 @@ rarely accepts."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +16,7 @@ from ..checkpoint.draft import ARCHITECTURE, MIN_TARGET_LAYERS, aux_layer_ids
 from ..checkpoint.shards import ShardedCheckpoint
 from ..config import KimiK2Config
 from ..errors import KimiInputError
+from ..interrupts import atomic_folder, write_error
 
 DRAFT_HEADS = 4  # splits over 2 ranks, as the tier runs
 DRAFT_INTERMEDIATE_FACTOR = 2
@@ -60,8 +58,8 @@ def tiny_draft_tensors(cfg: dict, embedding: torch.Tensor, seed: int) -> dict[st
 
 
 def make_tiny_draft(out: str | Path, target: str | Path, seed: int = 0) -> Path:
-    """Write a tiny draft for the checkpoint `target` (raw or converted) to the new folder `out`; written to a temp
-    folder and renamed at the end, as make_tiny does."""
+    """Write a tiny draft for the checkpoint `target` (raw or converted) to the new folder `out`; written to a hidden
+    folder and renamed at the end (interrupts.atomic_folder), as make_tiny does."""
     out = Path(out)
     if out.exists():
         raise KimiInputError(f"{out} already exists; make-tiny writes a new folder")
@@ -73,13 +71,10 @@ def make_tiny_draft(out: str | Path, target: str | Path, seed: int = 0) -> Path:
         embedding = ckpt.get("model.embed_tokens.weight")
     config = tiny_draft_config(cfg)
     tensors = tiny_draft_tensors(config, embedding, seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_folder(out) as tmp:
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    except OSError as e:
+        raise KimiInputError(f"{out}: cannot write ({write_error(e)})") from None
     return out
