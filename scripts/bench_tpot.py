@@ -42,6 +42,7 @@ from kimi_k2_neuron.arguments import check_out_file, fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
+from kimi_k2_neuron.neuron.spec import speculation_overrun
 from kimi_k2_neuron.runtime.ranks import RanksError
 
 
@@ -123,11 +124,11 @@ def _check_flags(args: argparse.Namespace) -> None:
 def _check_lengths(args: argparse.Namespace, seq_len: int, context_len: int, source: str, k: int = 0) -> None:
     """Each --context-lengths L prefilled (L <= context_len: the prefill bucket, or seq_len with chunks) and followed
     by --decode-steps steps inside the cache: the first new token comes from the prefill, so L + steps + 1 <= seq_len
-    (with a draft K - 2 fewer: the last fused step writes K positions, serving.generate_ids)."""
+    (with a draft, spec.speculation_overrun fewer: the last fused step writes K positions)."""
     if args.context_lengths is None:
         return
     steps = _decode_steps(args)
-    seq_len -= max(k - 2, 0)
+    seq_len -= speculation_overrun(k)
     for n in args.context_lengths:
         if n > context_len:
             raise KimiInputError(f"--context-lengths {n}: above the prefill bucket of {context_len} tokens "
@@ -144,7 +145,7 @@ def _decode_steps(args: argparse.Namespace) -> int:
 
 def _default_length(seq_len: int, context_len: int, k: int) -> int:
     """A draft run's prompt without --context-lengths: half the prefill bucket, within the cache's room."""
-    return max(2, min(context_len // 2, seq_len - DEFAULT_DECODE_STEPS - 1 - max(k - 2, 0)))
+    return max(2, min(context_len // 2, seq_len - DEFAULT_DECODE_STEPS - 1 - speculation_overrun(k)))
 
 
 def _cpu_shape(args: argparse.Namespace) -> tuple[int, int]:

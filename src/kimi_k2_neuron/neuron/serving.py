@@ -24,7 +24,7 @@ from kimi_k2_neuron.interrupts import write_atomically
 from . import rules
 from .contract import layout_of
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
-from .spec import GREEDY, RunSpec, Sampling
+from .spec import GREEDY, RunSpec, Sampling, speculation_overrun
 from .vllm_request import COMPILED_ARTIFACTS_ENV
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,8 @@ def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Deco
     longest = nc.seq_len if layout_of(app.config).prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
-    # the first new token comes from prefill alone; a fused step at p writes p .. p + K - 1 (fused-positions)
-    limit = max(nc.seq_len - width - max(nc.speculation_length - 2, 0), 1)
+    # the first new token comes from prefill alone
+    limit = max(nc.seq_len - width - speculation_overrun(nc.speculation_length), 1)
     max_new_tokens = decoding.max_new_tokens
     if max_new_tokens > limit:
         logger.warning("max_new_tokens %d cut to %d: the compiled KV cache holds %d positions", max_new_tokens,

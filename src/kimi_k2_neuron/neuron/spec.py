@@ -63,6 +63,12 @@ class DraftSpec:
     checkpoint: Eagle3Draft | None = field(default=None, compare=False)  # its config.json's facts, when read
 
 
+def speculation_overrun(speculation_length: int) -> int:
+    """Cache positions a generation must leave free past its last new token's, beyond a plain decode's: a fused step
+    at p writes p .. p + K - 1 (NXDI_CONTRACT.md: fused-positions); 0 without speculation."""
+    return max(speculation_length - 2, 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """One compiled (or CPU-mode) configuration of the model."""
