@@ -33,9 +33,9 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import check_out_file, fail, integer
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import script_parser
 from kimi_k2_neuron.neuron.spec import Sampling
 
@@ -98,7 +98,10 @@ def main(argv=None) -> int:
                   + f" (tolerance {r['tolerance']:.0e}) {'ok' if r['ok'] else 'FAILED'} "
                   + f"[{time.monotonic() - t0:.1f} s]", flush=True)
     if a.report:
-        Path(a.report).write_text(json.dumps({"dry_run": a.dry_run, "results": results}, indent=2))
+        try:
+            write_atomically(a.report, json.dumps({"dry_run": a.dry_run, "results": results}, indent=2))
+        except KimiInputError as e:
+            return fail(e)
     bad = [r["case"] for r in results if not r["ok"]]
     print(f"{len(results) - len(bad)} of {len(results)} within tolerance" + (f"; not: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
@@ -113,7 +116,7 @@ def _check(a: argparse.Namespace) -> list[str]:
     if not Path(a.config).is_file():
         raise KimiInputError(f"--config {a.config}: not a file")
     if a.report:
-        check_out_dir(Path(a.report).parent, "--report")
+        check_out_file(a.report, "--report")
     return names
 
 

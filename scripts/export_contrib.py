@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from kimi_k2_neuron.arguments import check_out_dir, fail
-from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.errors import KimiInputError, special_file
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import script_parser
 
@@ -97,7 +97,7 @@ def _contrib_files() -> list[Path]:
 def check_dest(dest: Path) -> None:
     """Refuse a DEST that holds anything but an earlier export, before anything is written."""
     if dest.exists() and not dest.is_dir():
-        raise KimiInputError(f"{dest}: not a folder")
+        raise KimiInputError(f"{dest}: is {special_file(dest) or 'a file'}; expected a folder")
     here = dest.resolve()
     if here == REPO or REPO in here.parents or here in REPO.parents:  # replacing it would delete the sources
         raise KimiInputError(f"{dest}: inside this repository ({REPO}) or holding it; give a folder outside it")

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .cache import cache_dir  # noqa: F401 (the CLI's and scripts' name for it)
-from .errors import KimiInputError, MissingConfig, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link, special_file
 
 
 class Parser(argparse.ArgumentParser):
@@ -130,6 +130,10 @@ def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path
     path = Path(path)
     if path.is_dir():
         raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
+    node = special_file(path)
+    if node:  # the atomic write's rename would replace it (as root, /dev/null for the whole machine)
+        raise KimiInputError(f"{what} {path}: is {node}; expected a regular file path (the output is written "
+                             f"beside it and renamed into place, which would replace the {node.split()[-1]})")
     folder = path.parent
     if not folder.is_dir():
         why = broken_link(folder) or "not a folder"
@@ -152,7 +156,8 @@ def check_out_dir(path: str | Path, what: str) -> None:
             raise KimiInputError(f"{what} {path}: {p} is {broken}; expected a folder, or a path where one can be made")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is a file")
+        raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is "
+                             f"{special_file(existing) or 'a file'}")
     _probe_writable(existing, f"{what} {path}")
 
 

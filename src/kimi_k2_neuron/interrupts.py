@@ -20,7 +20,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import KimiInputError
+from .errors import KimiInputError, special_file
 
 STOPPING = (signal.SIGINT, signal.SIGTERM)
 # One stop can arrive twice within milliseconds (timeout(1) signals its child, then the child's process group): a
@@ -143,8 +143,13 @@ def partial_path(final: Path) -> Path:
 def atomic_output(path: str | Path):
     """Yields a temporary path beside `path` to write to; once the block ends without an error the file is fsynced
     and renamed to `path` (an existing file is replaced), else removed. An interrupted run therefore leaves either
-    the old file or none, never a file that looks complete and is not."""
+    the old file or none, never a file that looks complete and is not. A device node, FIFO or socket at `path` is
+    refused (one line), never replaced: the entry points refuse it before any work (arguments.check_out_file)."""
     path = Path(path)
+    node = special_file(path)
+    if node:
+        raise KimiInputError(f"{path}: is {node}; expected a regular file path (writing would replace the "
+                             f"{node.split()[-1]})")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}")
     open(tmp, "wb").close()  # the umask's mode, as a plain write of `path` would have (mkstemp's 0600 would stay)
     mode = tmp.stat().st_mode & 0o777
@@ -163,8 +168,12 @@ def atomic_output(path: str | Path):
 def atomic_folder(dest: str | Path):
     """Yields a new hidden folder beside `dest` to fill; once the block ends without an error it takes `dest`'s
     name (an earlier `dest` is removed, or put back if the rename fails), else it is removed. An interrupted run
-    therefore leaves the earlier folder or none, never one that looks complete and is not."""
+    therefore leaves the earlier folder or none, never one that looks complete and is not. Anything else at `dest`
+    (a file, a device node, a FIFO) is refused, never replaced."""
     dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise KimiInputError(f"{dest}: is {special_file(dest) or 'a file'}; expected a folder, or a path where one "
+                             f"can be made")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     old = tmp.with_name(tmp.name + ".old")

@@ -101,6 +101,11 @@ BAD_ARGS = [
      "--out /nonexistent/dir/x.safetensors: expected a file in an existing folder"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}"], "is a directory, expected a file"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "/proc/x.safetensors"], "refuses new files"),
+    # an output onto a device node is refused, never replaced (as root, the rename made /dev/null a regular file)
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "/dev/null"],
+     "--out /dev/null: is a character device; expected a regular file path"),
+    (["make-tiny", "/dev/null"], "OUT /dev/null: expected a folder, but /dev/null is a character device"),
+    (["convert", "{model}", "/dev/null/x", "--experts", "fp8-blockwise"], "but /dev/null is a character device"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "0"],
      "--tp: expected an integer >= 1"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "3"],

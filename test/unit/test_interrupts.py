@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -300,6 +301,24 @@ def test_an_atomic_output_has_the_modes_a_plain_write_gets(tmp_path):
     with atomic_output(tmp_path / "out") as tmp:
         tmp.write_bytes(b"x")
     assert (tmp_path / "out").stat().st_mode == plain.stat().st_mode
+
+
+def test_an_atomic_output_never_replaces_a_node(tmp_path, one_line_error):
+    """A FIFO (or /dev/null) where an output goes is refused in one line and stays what it was: the rename would have
+    put a regular file in its place."""
+    from kimi_k2_neuron.interrupts import atomic_folder, atomic_output, write_atomically
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def enter(cm):
+        with cm:
+            raise AssertionError("entered")
+
+    one_line_error(lambda: write_atomically(fifo, b"x"), f"{fifo}: is a FIFO", "would replace the FIFO")
+    one_line_error(lambda: enter(atomic_output(fifo)), "is a FIFO")
+    one_line_error(lambda: enter(atomic_folder(fifo)), f"{fifo}: is a FIFO; expected a folder")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
 
 
 @pytest.mark.parametrize("flags", [[], ["--best", "--json"]], ids=["buffered whole", "written mid-run"])

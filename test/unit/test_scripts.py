@@ -331,6 +331,12 @@ SCRIPT_BAD_ARGS = [
     ("check_kernels", ["--tokens", "1000"], "--tokens 1000: expected a multiple of 128"),
     ("check_kernels", ["--config", "/nonexistent.json"], "--config /nonexistent.json: not a file"),
     ("check_kernels", ["--nki-library", "{tmp}"], "expected an aws-neuron/nki-library checkout (d2ad3a5)"),
+    # an output onto a device node is refused, never replaced (the atomic write's rename would replace /dev/null)
+    ("check_kernels", ["--report", "/dev/null"], "--report /dev/null: is a character device"),
+    ("check_kernels", ["--report", "{tmp}"], "--report {tmp}: is a directory, expected a file"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--report", "/dev/null"], "--report /dev/null: is a character device"),
+    ("compile_and_save", ["--model", "{tmp}", "--out", "/dev/null", "--tp", "2"], "but /dev/null is a character"),
+    ("export_contrib", ["/dev/null"], "/dev/null: is a character device; expected a folder"),
     ("check_nxdi_api", ["--nxdi", "/nonexistent", "--nxd", "/nonexistent"],
      "--nxdi /nonexistent: expected a neuronx-distributed-inference checkout"),
     ("check_nxdi_api", ["--nxdi", "{tmp}", "--nxd", "{tmp}"], "expected a neuronx-distributed-inference checkout"),
@@ -364,5 +370,5 @@ def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tm
                                                            one_line_error, tiny_dirs):
     _parser(name, monkeypatch)
     rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny_dirs["fp8"]) for a in argv], capsys)
-    one_line_error.exit(rc, err, words)
+    one_line_error.exit(rc, err, words.format(tmp=tmp_path))
     assert out == "" and list(tmp_path.iterdir()) == []
