@@ -1,8 +1,9 @@
 """How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
 code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
 write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
-hidden folder, renamed), and a write that fails (a full disk) is one line naming the file. (A conversion that did not
-finish is the converter's to recognise: convert/resume.py.)
+hidden folder, renamed), and a write that fails (a full disk) is one line naming the file, stdout's too (a full
+disk, an encoding that lacks a character: replaced). (A conversion that did not finish is the converter's to
+recognise: convert/resume.py.)
 
 Stdlib only at import: every command and script installs its signal handling before importing torch.
 """
@@ -10,6 +11,7 @@ Stdlib only at import: every command and script installs its signal handling bef
 from __future__ import annotations
 
 import errno
+import io
 import os
 import select
 import shutil
@@ -52,15 +54,27 @@ def run_command(main, argv=None) -> int:
     runs ends the process at once (still one line). argv None means the process's own command line: the handlers
     then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
     output already flushed); otherwise (tests calling main in-process) the previous handlers come back. A reader of
-    stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's."""
+    stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's.
+    For the process's own command line, stdout is guarded (guard_stdout): text its encoding cannot write is
+    replaced, and a write that fails (`> /dev/full`, a full disk) ends with one `error: stdout: ...` line and
+    exit code 2, as a failed --out does."""
     handlers = _install() if threading.current_thread() is threading.main_thread() else None
+    if argv is None:
+        guard_stdout()
     try:
-        return main(argv)
+        code = main(argv)
+        if argv is None:
+            _flush(sys.stdout)  # main's last output: its failure is main's (a StdoutError), not the interpreter's
+        return code
     except BrokenPipeError:
         if not _reader_gone(sys.stdout):  # another pipe (a rank's, a child's): not ours to hush
             raise
         _silence(sys.stdout)
         return BROKEN_PIPE_EXIT
+    except StdoutError as e:
+        _silence(sys.stdout)  # what it still buffers would fail again at the interpreter's exit
+        print(f"error: stdout: cannot write ({write_error(e)})", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt as e:  # Interrupted, or the default SIGINT handler's before ours was installed
         e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -105,8 +119,49 @@ def _flush(stream) -> None:
         stream.flush()
     except BrokenPipeError:
         _silence(stream)
-    except (OSError, ValueError):
+    except StdoutError:
+        raise
+    except (OSError, ValueError, AttributeError):
         pass
+
+
+class StdoutError(OSError):
+    """A write to the guarded stdout failed (a full disk, /dev/full, a descriptor not open for writing): run_command
+    ends with one line. A broken pipe stays a BrokenPipeError (its reader left: quiet)."""
+
+
+class _StdoutFile(io.FileIO):
+    def write(self, b):
+        try:
+            return super().write(b)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+
+def stdout_over(fd: int, like) -> io.TextIOWrapper:
+    """A text stream writing to descriptor `fd` (not closed with it) as `like` does (encoding, line buffering), whose
+    failed writes raise StdoutError and which replaces what its encoding cannot write (PYTHONIOENCODING=ascii and a
+    non-ASCII reply: '?', not a UnicodeEncodeError) unless `like` names another non-strict handler."""
+    errors = getattr(like, "errors", None)
+    return io.TextIOWrapper(io.BufferedWriter(_StdoutFile(fd, "w", closefd=False)),
+                            encoding=getattr(like, "encoding", None),
+                            errors="replace" if errors in (None, "strict") else errors,
+                            line_buffering=getattr(like, "line_buffering", False))
+
+
+def guard_stdout() -> None:
+    """sys.stdout, the process's own, rebuilt by stdout_over on its descriptor (nothing to do without one)."""
+    stream = sys.stdout
+    if stream is None or stream is not sys.__stdout__:
+        return
+    try:
+        fd = stream.fileno()
+        stream.flush()
+    except (OSError, ValueError, AttributeError):
+        return
+    sys.stdout = stdout_over(fd, stream)
 
 
 def _reader_gone(stream) -> bool:

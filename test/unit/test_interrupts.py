@@ -343,3 +343,65 @@ def test_a_broken_pipe_that_is_not_stdout_is_not_hushed(capsys):
 
     with pytest.raises(BrokenPipeError):
         interrupts.run_command(main, [])
+
+
+# -- stdout that cannot take the output -----------------------------------------------------------------------------
+
+
+def _command(*argv: str, stdout, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *argv], stdout=stdout, stderr=subprocess.PIPE,
+                          env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})}, timeout=600)
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--tp", "64", "--seq-len", "1024"],  # the table, written past the buffer mid-run
+    ["plan", "--tp", "64", "--seq-len", "1024", "--json"],  # buffered whole: fails at the last flush
+    ["--version"],
+], ids=["plan", "plan --json", "--version"])
+def test_a_full_stdout_is_one_line_and_exit_2(argv):
+    """`plan > /dev/full`: one `error: stdout: cannot write (disk full)` line and exit 2 (as a full --out), no
+    traceback and no `Exception ignored` (before: a traceback and exit 1, plan's 'does not fit')."""
+    config = REPO / "test" / "data" / "configs" / "kimi-k2-instruct-0905.json"
+    argv = [*argv[:1], "--config", str(config), *argv[1:]] if argv[0] == "plan" else argv
+    with open("/dev/full", "w") as full:
+        r = _command(*argv, stdout=full)
+    assert r.returncode == 2 and r.stderr.decode() == "error: stdout: cannot write (disk full)\n", r.stderr[-2000:]
+
+
+def test_generate_json_on_a_full_stdout(tiny_dirs):
+    with open("/dev/full", "w") as full:
+        r = _command("generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--max-new-tokens", "2",
+                     "--json", stdout=full)
+    assert r.returncode == 2 and r.stderr.decode().splitlines() == ["error: stdout: cannot write (disk full)"], \
+        r.stderr[-2000:]
+
+
+def test_a_reply_the_terminal_cannot_encode_is_replaced(tiny_dirs):
+    """PYTHONIOENCODING=ascii and a reply that is not ASCII: the text with '?' where ASCII has no character, exit 0
+    (before: a UnicodeEncodeError traceback)."""
+    model = str(tiny_dirs["fp8"])
+    argv = ("generate", "--model", model, "--prompt", "héllo", "--max-new-tokens", "8")
+    text = json.loads(_command(*argv, "--json", stdout=subprocess.PIPE).stdout)["text"][0]
+    assert not text.isascii(), text  # (the tiny model's greedy bytes are not all ASCII)
+    r = _command(*argv, stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()[-2000:]
+    assert r.stdout.decode("ascii") == text.encode("ascii", "replace").decode() + "\n"
+
+
+def test_stdout_over_replaces_and_names_its_failures():
+    from kimi_k2_neuron.interrupts import StdoutError, stdout_over
+
+    read, write = os.pipe()
+    like = type("Like", (), {"encoding": "ascii", "errors": "strict", "line_buffering": False})()
+    stream = stdout_over(write, like)
+    stream.write("h\u00e9llo \u2713\n")
+    stream.flush()
+    assert os.read(read, 100) == b"h?llo ?\n"
+    os.close(write)
+    os.close(read)
+    full = os.open("/dev/full", os.O_WRONLY)
+    stream = stdout_over(full, like)
+    stream.write("x")
+    with pytest.raises(StdoutError):
+        stream.flush()
+    os.close(full)

@@ -24,6 +24,7 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa:
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
+from kimi_k2_neuron.interrupts import stdout_over  # noqa: E402
 from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
@@ -263,7 +264,7 @@ def library_output_to_stderr():
     sys.stdout.flush()
     saved, previous = os.dup(1), sys.stdout
     os.dup2(2, 1)
-    sys.stdout = open(saved, "w", closefd=False, encoding=previous.encoding, errors=previous.errors)
+    sys.stdout = stdout_over(saved, previous)  # guarded as run_command guards the process's own
     try:
         yield
     finally:
