@@ -29,6 +29,7 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from nxdi_support import cpu_options, oracle_logits, rel_err
 from safetensors import safe_open
 
+from kimi_k2_neuron.neuron import rules
 from kimi_k2_neuron.neuron.spec import Sampling
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.nxdi_cpu import backend
@@ -204,11 +205,13 @@ PROMPTS = [[5, 17, 300, 42, 256, 9, 77], [400, 3, 3, 260]]
 NEW = 5
 
 
-@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling-top_k-1"])
-def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
+# sampling at the smallest temperature the rules take (NxDI's sampler divides by it in float32) is greedy's limit
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True),
+                                      Sampling.of(rules.MIN_TEMPERATURE, 0, 1.0)],
+                         ids=["greedy", "sampling-top_k-1", "sampling-at-MIN_TEMPERATURE"])
+def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, sampling):
     o = cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
-    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, sampling=Sampling(do_sample=do_sample),
-                           seed=3)
+    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, sampling=sampling, seed=3)
     new, report = backend.generate(o, g)
     assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
     assert [len(r) for r in new] == [NEW, NEW]

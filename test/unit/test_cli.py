@@ -119,6 +119,9 @@ BAD_ARGS = [
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "-1"],
      "--temperature: expected a finite number >= 0"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "nan"], "got 'nan'"),
+    # NxDI's sampler divides by the temperature in float32: one that overflows is refused, naming the smallest it takes
+    (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1e-300", "--backend", "nxdi-cpu"],
+     "--temperature 1e-300: below 1e-30, the smallest NxDI's sampler takes"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1", "--top-p", "1.5"],
      "--top-p: expected a finite number > 0 and <= 1"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1", "--top-p", "0"], "--top-p"),

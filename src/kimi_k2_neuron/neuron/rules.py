@@ -173,10 +173,23 @@ def check_experts(cfg: KimiK2Config, spec: RunSpec) -> None:
 
 
 def check_top_k(sampling: Sampling) -> None:
-    """NxDI's on-device sampler draws from at most the compiled global top-k."""
+    """NxDI's on-device sampler draws from at most the compiled global top-k, at a temperature it can divide by."""
     if not 1 <= sampling.top_k <= sampling.global_topk:
         raise KimiInputError(f"--top-k {sampling.top_k}: on-device sampling needs 1 <= top_k <= "
                              f"{sampling.global_topk}")
+    check_temperature(sampling)
+
+
+# NxDI's sampler divides the top-k logits by the temperature in float32 (sampling.py: _multinomial_sample): below
+# this, a logit of 3.4e8 (none comes near) would overflow float32 to inf (1e-46 and less are 0) and the draw see NaN
+MIN_TEMPERATURE = 1e-30
+
+
+def check_temperature(sampling: Sampling) -> None:
+    if sampling.do_sample and not sampling.temperature >= MIN_TEMPERATURE:
+        raise KimiInputError(f"--temperature {sampling.temperature:g}: below {MIN_TEMPERATURE:g}, the smallest NxDI's "
+                             f"sampler takes (it divides the logits by the temperature in float32, which overflows "
+                             f"to inf); give {MIN_TEMPERATURE:g} or more, or 0 for greedy decoding")
 
 
 def check_counts(*named) -> None:
