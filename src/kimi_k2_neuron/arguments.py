@@ -206,7 +206,9 @@ def check_generation_args(a: argparse.Namespace) -> None:
         raise KimiInputError(f"{sampling[0]}: not allowed with --greedy (greedy decoding does not sample)")
     for flag, value in (("--top-k", a.top_k), ("--top-p", a.top_p)):
         if value is not None and not (a.temperature or 0) > 0:
-            raise KimiInputError(f"{flag}: needs --temperature > 0 (without it decoding is greedy and ignores {flag})")
+            raise KimiInputError(f"{flag}: needs --temperature > 0 (once a sampling flag is given, the checkpoint's "
+                                 f"generation_config.json sampling no longer applies, and without --temperature "
+                                 f"decoding is greedy and ignores {flag})")
     if a.system is not None and not a.chat:
         raise KimiInputError("--system: not allowed with --no-chat (the system message goes into the chat template)")
     if "" in a.stop:

@@ -129,7 +129,10 @@ BAD_ARGS = [
      "--top-k: expected an integer >= 0"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--greedy", "--temperature", "0.9"],
      "--temperature: not allowed with --greedy"),
-    (["generate", "--model", "{model}", "--prompt", "hi", "--top-k", "5"], "--top-k: needs --temperature > 0"),
+    # the rule as it is: K2.7-Code samples by default, until a sampling flag is given (it said "because greedy")
+    (["generate", "--model", "{model}", "--prompt", "hi", "--top-k", "5"],
+     "--top-k: needs --temperature > 0 (once a sampling flag is given, the checkpoint's generation_config.json "
+     "sampling no longer applies, and without --temperature decoding is greedy and ignores --top-k)"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "0", "--top-p", "0.9"],
      "--top-p: needs --temperature > 0"),
     (["generate", "--model", "{model}"], "one of the arguments --input-ids --prompt is required"),
