@@ -35,10 +35,6 @@ def test_logical_weights_are_the_core_models_parameters_in_checkpoint_order(over
     assert list(layout.logical_shapes(cfg).items()) == list(params.items())
 
 
-def test_a_config_without_a_query_lora_is_refused_in_one_line(one_line_error):
-    one_line_error(lambda: layout.logical_shapes(tiny_cfg(q_lora_rank=None)), "q_lora_rank is null")
-
-
 @pytest.fixture(scope="module")
 def converted(tiny_dirs, tmp_path_factory):
     root, out = tmp_path_factory.mktemp("formats"), {}

@@ -30,8 +30,6 @@ LORA_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     def __init__(self, cfg: KimiK2Config, dtype: torch.dtype, ctx: ParallelContext):
         super().__init__()
-        if cfg.q_lora_rank is None:
-            raise ValueError("q_lora_rank is null: MLA without a query LoRA is not implemented (Kimi-K2 has one)")
         h, d = cfg.hidden_size, cfg.qk_head_dim
         self.ctx = ctx
         self.n_heads = ctx.local(cfg.num_attention_heads, "num_attention_heads")
