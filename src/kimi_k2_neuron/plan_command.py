@@ -5,12 +5,14 @@ configuration); the planner itself is neuron/fit.py."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from .arguments import add_spec_args, checkpoint_folder, integer
 from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
-from .launch import draft_spec, layout_options, run_spec
+from .launch import draft_spec, layout_flags_given, layout_options, run_spec
+from .neuron.moe_paths import DEFAULT_MODE
 
 
 def cmd_plan(a) -> int:
@@ -87,6 +89,10 @@ def _plan_best(a, cfg, spec, port) -> int:
     from .neuron.fit import best_layout, format_plan, plan_json
     from .neuron.spec import layout_flags
 
+    replaced = layout_flags_given(a) + ([f"--moe-prefill {a.moe_prefill}"] if a.moe_prefill != DEFAULT_MODE else [])
+    if replaced:
+        print(f"note: --best searches the layout and the MoE prefill itself: {', '.join(replaced)} given, not used "
+              f"(--max-context-length, --seq-len and --batch are kept)", file=sys.stderr)
     best, fitting = best_layout(cfg, spec, port=port)
     if a.json:
         print(plan_json(best, best_flags=layout_flags(best.layout), fitting=len(fitting)) if best
@@ -159,8 +165,9 @@ def add_plan_parser(sub, command) -> None:
                    help="search the largest batch that fits at --seq-len and plan it; --json adds max_batch (null if "
                         "none fits)")
     s.add_argument("--best", action="store_true",
-                   help="search the layouts that fit at --seq-len and --batch (KV group, --prefill-chunk, the "
-                        "--shard-* options, --moe-prefill; the ones given are ignored) and plan the one with the "
+                   help="search the layouts that fit at --seq-len, --batch and any --max-context-length (KV group, "
+                        "--prefill-chunk, the --shard-* options, --moe-prefill; the ones given are not used, with a "
+                        "note saying so) and plan the one with the "
                         "lowest modelled TPOT, then TTFT (scripts/compile_and_save.py compiles that choice when given "
                         "no layout flag)")
     s.add_argument("--port", choices=sorted(PUBLISHED_BY_NAME), default=None,

@@ -455,12 +455,15 @@ SEARCHED_CHUNKS = (512, 1024, 2048, 4096)
 def layouts(cfg: KimiK2Config, spec: RunSpec, modes: tuple[str, ...] = tuple(moe_paths.MODES)) -> list[RunSpec]:
     """spec at every layout the search tries: each KV group NxD can lay out at its TP and LNC, each chunk size or none,
     each split of q_a/kv_a and the router, each of `modes` for the MoE prefill; the rules refuse the ones that cannot
-    run."""
+    run. A prefill bucket the spec gives (--max-context-length M) is kept: the one-shot prefill at M, or chunks of
+    M."""
     groups = [g for g in range(1, spec.tp + 1) if spec.tp % g == 0
               and rules.group_layout_supported(spec.tp, g, spec.lnc)]
-    chunks = [None, *(n for n in SEARCHED_CHUNKS if n < spec.seq_len)]
+    bucket = spec.max_context_length
+    sizes = SEARCHED_CHUNKS if bucket is None else (bucket,)
+    chunks = [None, *(n for n in sizes if n < spec.seq_len)]
     splits = [(a, r) for a in (False, True) for r in (False, True)] if spec.tp > 1 else [(False, False)]
-    return [replace(spec, max_context_length=None, moe_prefill=mode,
+    return [replace(spec, max_context_length=bucket if n is None else None, moe_prefill=mode,
                     layout=Layout(kv_group=g, prefill_chunk=n, shard_attn_a=a, shard_router=r))
             for g in groups for n in chunks for a, r in splits for mode in modes]
 
