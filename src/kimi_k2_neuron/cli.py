@@ -46,7 +46,7 @@ def cmd_make_tiny(a) -> int:
     from .tiny.checkpoint import LAYOUTS, make_tiny
 
     check_out_dir(a.out, "OUT")
-    if a.draft_for:
+    if a.draft_for is not None:  # '' too (an unset shell variable): refused as a draft's target, not a target made
         return _make_tiny_draft(a)
     layers = {"num_hidden_layers": a.layers} if a.layers else None
     out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, config_overrides=layers, layout=a.layout)

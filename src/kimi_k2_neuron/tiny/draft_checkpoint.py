@@ -10,16 +10,16 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ..checkpoint.draft import ARCHITECTURE, MIN_TARGET_LAYERS, aux_layer_ids
-from ..checkpoint.shards import ShardedCheckpoint
+from ..checkpoint.source import WeightSource
 from ..config import KimiK2Config
 from ..errors import KimiInputError
-from ..interrupts import atomic_folder, write_error
+from ..interrupts import atomic_folder, save_safetensors, write_error
 
 DRAFT_HEADS = 4  # splits over 2 ranks, as the tier runs
 DRAFT_INTERMEDIATE_FACTOR = 2
+EMBEDDING = "model.embed_tokens.weight"  # the logical name (WeightSource's), whatever the target stores it under
 
 
 def tiny_draft_config(target: KimiK2Config) -> dict:
@@ -58,22 +58,31 @@ def tiny_draft_tensors(cfg: dict, embedding: torch.Tensor, seed: int) -> dict[st
 
 
 def make_tiny_draft(out: str | Path, target: str | Path, seed: int = 0) -> Path:
-    """Write a tiny draft for the checkpoint `target` (raw or converted) to the new folder `out`; written to a hidden
-    folder and renamed at the end (interrupts.atomic_folder), as make_tiny does."""
+    """Write a tiny draft for the checkpoint `target` (raw in any release's layout, or converted) to the new folder
+    `out`, apart from it; written to a hidden folder and renamed at the end (interrupts.atomic_folder), files and
+    folder with the umask's modes, as make_tiny does."""
     out = Path(out)
+    if not str(target).strip():  # an unset shell variable: a draft for nothing, not a target checkpoint
+        raise KimiInputError(f"--draft-for {str(target)!r}: expected the target checkpoint's folder")
     if out.exists():
         raise KimiInputError(f"{out} already exists; make-tiny writes a new folder")
+    if Path(target).resolve() in out.resolve().parents:
+        raise KimiInputError(f"OUT {out}: is inside --draft-for {target}; expected a folder apart from the checkpoint "
+                             f"it reads")
     cfg = KimiK2Config.from_file(target)
     if cfg.num_hidden_layers < MIN_TARGET_LAYERS:
         raise KimiInputError(f"--draft-for {target}: num_hidden_layers={cfg.num_hidden_layers}; an EAGLE3 target "
                              f"needs >= {MIN_TARGET_LAYERS} (make one with make-tiny --layers {MIN_TARGET_LAYERS})")
-    with ShardedCheckpoint(target) as ckpt:
-        embedding = ckpt.get("model.embed_tokens.weight")
+    source = WeightSource(target, cfg)  # the embedding under any layout's name (K2.5's language_model. prefix too)
+    try:
+        embedding = source.get(EMBEDDING, torch.float32)
+    finally:
+        source.close()
     config = tiny_draft_config(cfg)
     tensors = tiny_draft_tensors(config, embedding, seed)
     try:
         with atomic_folder(out) as tmp:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_safetensors(tensors, tmp / "model.safetensors", metadata={"format": "pt"}, shown=out)
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
     except OSError as e:
         raise KimiInputError(f"{out}: cannot write ({write_error(e)})") from None
