@@ -428,7 +428,7 @@ def _model_opts(s, core_tp: bool = True):
 
 def main(argv=None) -> int:
     """The command line `argv` (default: the process's own) -> exit code: 0, 1 (a check said no: plan, trace-cpu),
-    2 (bad input, one line), 130 / 143 (Ctrl-C / SIGTERM, one line)."""
+    2 (bad input, one line), 130 / 143 / 129 (Ctrl-C / SIGTERM / SIGHUP, one line)."""
     return run_command(_main, argv)
 
 

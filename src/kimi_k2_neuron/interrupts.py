@@ -1,5 +1,5 @@
-"""How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
-code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
+"""How a run ends when it is cut short, and what it leaves: Ctrl-C, SIGTERM and SIGHUP end a command with one line
+and exit code 130 / 143 / 129 (run_command; SIGHUP not under nohup); output files and folders appear under their name only when complete (atomic_output,
 write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
 hidden folder, renamed), and a write that fails (a full disk) is one line naming the file, stdout's too (a full
 disk, an encoding that lacks a character: replaced). (A conversion that did not finish is the converter's to
@@ -24,7 +24,10 @@ from pathlib import Path
 
 from .errors import KimiInputError, special_file
 
-STOPPING = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP (the terminal that started the command closed) stops a command as SIGTERM does: one line (if stderr is still
+# there), exit 129, the same clean-up; unless the command was started ignoring it (nohup), which it keeps.
+STOPPING = (signal.SIGINT, signal.SIGTERM) + (() if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else
+                                              (signal.SIGHUP,))
 # One stop can arrive twice within milliseconds (timeout(1) signals its child, then the child's process group): a
 # second signal inside this window is the same stop, not a request to skip the clean-up.
 REPEAT_WINDOW_S = 1.0
@@ -49,8 +52,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 def run_command(main, argv=None) -> int:
-    """main(argv) with SIGINT and SIGTERM raising Interrupted; an interrupt ends with one `error: interrupted by
-    SIG...` line on stderr and exit code 130 / 143, no traceback. A second signal while the first one's clean-up
+    """main(argv) with SIGINT, SIGTERM and SIGHUP (STOPPING) raising Interrupted; an interrupt ends with one `error:
+    interrupted by SIG...` line on stderr and exit code 130 / 143 / 129, no traceback. A second signal while the first one's clean-up
     runs ends the process at once (still one line). argv None means the process's own command line: the handlers
     then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
     output already flushed); otherwise (tests calling main in-process) the previous handlers come back. A reader of

@@ -23,7 +23,7 @@ from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
-CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 # The child: test/pause_child.py, which pauses the command or script inside `target`'s nth call and touches a marker.
 PAUSE_CHILD = REPO / "test" / "pause_child.py"
@@ -68,8 +68,10 @@ def no_partial_files(folder: Path) -> None:
 
 
 # times 2: one stop delivered twice at once, as `timeout -s INT` does (to the child, then to its process group)
-@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)],
-                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
+# SIGHUP: the terminal closed; the promise is SIGTERM's (one line, exit 129, resumable)
+@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2),
+                                        (signal.SIGHUP, 1)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice", "SIGHUP"])
 def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny_dirs, tmp_path, capsys,
                                                                  one_line_error):
     src, dst = tiny_dirs["fp8"], tmp_path / "dst"
@@ -255,6 +257,16 @@ def test_export_contrib_interrupted_keeps_the_earlier_export(tmp_path):
 
 
 # -- run_command in-process ----------------------------------------------------------------------------------------
+
+
+def test_a_command_started_under_nohup_keeps_ignoring_sighup(tmp_path):
+    """nohup's promise (SIGHUP ignored) is kept: the command runs on through a hangup."""
+    code = ("import os, signal, sys, time; from kimi_k2_neuron import interrupts\n"
+            "def main(argv):\n    os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.2); print('ran on'); return 0\n"
+            "sys.exit(interrupts.run_command(main))")
+    r = subprocess.run(["nohup", sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=60)
+    assert r.returncode == 0 and r.stdout == "ran on\n", (r.returncode, r.stdout, r.stderr)
 
 
 def test_run_command_in_process_gives_back_the_handlers(capsys):
