@@ -181,6 +181,27 @@ def test_generate_with_a_draft_at_tp_1_batch_1_prints_the_plain_tokens(models, e
     assert "speculation (--speculation-length 4)" in runs[1].stderr
 
 
+def test_a_draft_made_for_a_k26_target_generates_the_targets_greedy_tokens(tmp_path, env):
+    """As a user follows the docs with a K2.6 target (its layout: text_config, language_model. tensors, INT4
+    experts): `make-tiny T --layout k2.6 --layers 7`, `make-tiny D --draft-for T`, then `generate --backend nxdi-cpu
+    --draft D` prints the tokens `generate --backend nxdi-cpu` prints without it (before: make-tiny --draft-for failed
+    on every K2.5-layout target, its embedding under language_model.)."""
+    cli = [sys.executable, "-m", "kimi_k2_neuron.cli"]
+    target, draft = tmp_path / "k26", tmp_path / "draft"
+    for argv in (["make-tiny", str(target), "--layout", "k2.6", "--layers", "7"],
+                 ["make-tiny", str(draft), "--draft-for", str(target)]):
+        r = subprocess.run(cli + argv, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    cmd = cli + ["generate", "--backend", "nxdi-cpu", "--model", str(target), "--greedy", "--max-new-tokens",
+                 str(NEW), "--json", "--prompt", PROMPTS[0]]
+    runs = [subprocess.run(cmd + flags, capture_output=True, text=True, env=with_device_ops(env), timeout=900)
+            for flags in ([], ["--draft", str(draft), "--speculation-length", str(K)])]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    plain, fused = (json.loads(r.stdout)["tokens"] for r in runs)
+    assert fused == plain and len(plain[0]) > 1
+    assert "speculation (--speculation-length 4)" in runs[1].stderr
+
+
 def _cut(row, stops):
     return next((row[:i + 1] for i, t in enumerate(row) if t in stops), row)
 
