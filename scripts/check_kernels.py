@@ -33,7 +33,7 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_file, fail, integer
+from kimi_k2_neuron.arguments import check_out_file, fail, integer, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import script_parser
@@ -53,16 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     p.add_argument("--dry-run", action="store_true",
                    help="compare the references with the model's math on CPU only; no device, no Neuron SDK")
-    p.add_argument("--nki-library", metavar="DIR", default=None,
+    p.add_argument("--nki-library", metavar="DIR", default=None, type=path,
                    help="an aws-neuron/nki-library checkout at d2ad3a5 (default: <venv>/nxdi-cpu-src/nki-library)")
-    p.add_argument("--config", metavar="FILE", default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
+    p.add_argument("--config", metavar="FILE", type=path, default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
                    help="Kimi-K2's config.json (a checkpoint's), whose per-rank shapes the kernels run at")
     p.add_argument("--tp", type=integer(1), default=64, help="the ranks the experts and the vocabulary split over")
     p.add_argument("--tokens", type=integer(128), default=1024,
                    help="prefill rows of the MoE kernel call (a multiple of 128: its output tiles)")
     p.add_argument("--batch", type=integer(1), default=1, help="rows of the sampler's kernels")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {', '.join(KERNELS)}")
-    p.add_argument("--report", metavar="FILE", default=None,
+    p.add_argument("--report", metavar="FILE", default=None, type=path,
                    help="write the results as JSON here too (default: no file)")
     return p
 

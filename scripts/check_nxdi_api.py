@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail
+from kimi_k2_neuron.arguments import fail, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import script_parser
@@ -496,9 +496,9 @@ def kwargs_read(fn: ast.FunctionDef) -> set[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--nxdi", required=True, metavar="PATH",
+    p.add_argument("--nxdi", required=True, metavar="PATH", type=path,
                    help="neuronx-distributed-inference checkout (git dir or work tree)")
-    p.add_argument("--nxd", required=True, metavar="PATH", help="neuronx-distributed checkout (git dir or work tree)")
+    p.add_argument("--nxd", required=True, metavar="PATH", type=path, help="neuronx-distributed checkout (git dir or work tree)")
     p.add_argument("--rev", default="HEAD", help="revision to read from git directories")
     p.add_argument("-v", "--verbose", action="store_true", help="list every passing check")
     return p

@@ -39,7 +39,7 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, checkpoint_folder, fail, integer
+from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, checkpoint_folder, fail, integer, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, run_spec, script_parser,
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
                         "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
                         "size, before it starts)")
-    p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
+    p.add_argument("--out", required=True, type=path, help="compiled folder to write: absent, empty, or an earlier compile, "
                                                 "replaced once the new one is complete")
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
                   batch=dict(help="batch compiled into both the prefill and decode graphs"))

@@ -24,7 +24,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_dir, fail
+from kimi_k2_neuron.arguments import check_out_dir, fail, path
 from kimi_k2_neuron.errors import KimiInputError, special_file
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import script_parser
@@ -140,7 +140,7 @@ def differences(dest: Path) -> list[str]:
 
 def build_parser():
     p = script_parser(__doc__)
-    p.add_argument("dest", help="folder to write (absent, empty, or an earlier export, which is replaced)")
+    p.add_argument("dest", metavar="DEST", type=path, help="folder to write (absent, empty, or an earlier export, which is replaced)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 and list the files where DEST differs from a fresh export")
     return p

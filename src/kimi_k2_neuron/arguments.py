@@ -66,9 +66,18 @@ def integer(lo: int, hi: int | None = None):
     return parse
 
 
+def path(text: str) -> str:
+    """type= for every path argument: an empty one (an unset shell variable, `--out "$OUT"`) is refused, naming the
+    flag, where it would otherwise mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset shell variable?)")
+    return text
+
+
 def checkpoint_folder(text: str) -> str:
     """type= for a checkpoint folder a command reads: a file (its config.json, a shard) is refused here, naming the
     flag; a missing path is left to the reader, which says what it expected there."""
+    path(text)
     if Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text}: is a file; expected a checkpoint folder (the one holding "
                                          f"config.json)")
@@ -294,7 +303,7 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                                                       "(needed by the logit-parity test)")),
         "--global-topk": ("sampler", dict(type=integer(1), default=256,
                                           help="on-device sampling's top-k pre-selection")),
-        "--draft": ("draft", dict(default=None, metavar="DIR",
+        "--draft": ("draft", dict(default=None, metavar="DIR", type=path,
                                   help="speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: config.json "
                                        "+ safetensors; docs/speculative.md): NxDI's fused speculation, the target "
                                        "verifying --speculation-length tokens a step (default: no speculation)")),

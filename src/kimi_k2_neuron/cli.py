@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_spec_args,
                         add_weight_sharding_args, apply_sampling_defaults, cache_dir, check_generation_args,
-                        check_out_dir, check_out_file, checkpoint_folder, fail, integer, sampling_values)
+                        check_out_dir, check_out_file, checkpoint_folder, fail, integer, path, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
@@ -322,7 +322,7 @@ def _command(sub, name: str, what: str, fn) -> argparse.ArgumentParser:
 
 def _make_tiny_parser(sub) -> None:
     s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format", cmd_make_tiny)
-    s.add_argument("out", metavar="OUT", help="the new folder to write")
+    s.add_argument("out", metavar="OUT", type=path, help="the new folder to write")
     s.add_argument("--layout", choices=TINY_LAYOUTS, default="k2",
                    help="the release whose checkpoint layout, chat template, end-of-turn id and generation config "
                         "it copies: Kimi-K2-Instruct/-0905, -Thinking, K2.5, K2.6 or K2.7-Code (the last three: "
@@ -334,7 +334,7 @@ def _make_tiny_parser(sub) -> None:
     s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
     s.add_argument("--layers", type=integer(1), default=None, metavar="N",
                    help="decoder layers (default: 3); an EAGLE3 target needs 7 (three distinct captured layers)")
-    s.add_argument("--draft-for", metavar="TARGET", default=None,
+    s.add_argument("--draft-for", metavar="TARGET", default=None, type=path,
                    help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in the public Llama EAGLE3 "
                         "layout that --draft takes (default: write a target)")
 
@@ -347,7 +347,7 @@ def _logits_parser(sub) -> None:
     s.add_argument("--prefill-len", type=integer(0), default=None, metavar="K",
                    help="positions below K come from one prefill pass, the rest one token at a time through the "
                         "decode path (default: all of them from one prefill)")
-    s.add_argument("--out", required=True, metavar="FILE",
+    s.add_argument("--out", required=True, metavar="FILE", type=path,
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s)
 
@@ -370,7 +370,7 @@ def _convert_parser(sub) -> None:
                  cmd_convert)
     s.add_argument("src", type=checkpoint_folder, metavar="SRC",
                    help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
-    s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
+    s.add_argument("dst", metavar="DST", type=path, help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
                    help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
                         f"recommended: exact from FP8 and INT4 sources)")

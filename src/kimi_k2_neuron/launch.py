@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .cache import converted_root
 from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, checkpoint_folder, fail,
-                        integer, kv_group_of, sampling_values)
+                        integer, kv_group_of, path, sampling_values)
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .errors import KimiInputError
 
@@ -27,7 +27,7 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
     the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
-    p.add_argument("--compiled", metavar="DIR",
+    p.add_argument("--compiled", metavar="DIR", type=path,
                    help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
     p.add_argument("--model", default=None, type=checkpoint_folder, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .arguments import add_spec_args, checkpoint_folder, integer
+from .arguments import add_spec_args, checkpoint_folder, integer, path
 from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
 from .launch import draft_spec, layout_flags_given, layout_options, run_spec
@@ -148,7 +148,7 @@ def add_plan_parser(sub, command) -> None:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", type=checkpoint_folder, metavar="DIR",
                      help="checkpoint directory (reads DIR/config.json)")
-    src.add_argument("--config", help="a config.json file")
+    src.add_argument("--config", type=path, help="a config.json file")
     add_spec_args(s, "parallel", tp=dict(required=False, default=None,
                                          help="tensor-parallel degree (logical cores per model replica; no "
                                               "default: required unless --port)"))

@@ -173,6 +173,19 @@ BAD_ARGS = [
     (["convert", "{model}", "{model}/sub", "--experts", "fp8-blockwise"], "/sub: is inside SRC"),
     (["convert", "{model}", "{model}", "--experts", "fp8-blockwise"], "is SRC"),
     (["convert", "{model}", "{model}/..", "--experts", "fp8-blockwise"], "holds SRC"),
+    # an empty path (an unset shell variable) is refused by its flag, not taken for the current folder (it said
+    # "DST .: holds SRC", "--out .: is a directory", "config.json: config.json not found"; plan --model '': a traceback)
+    (["convert", "{model}", "", "--experts", "fp8-blockwise"], "DST: expected a path, got '' (an unset shell"),
+    (["convert", "", "{tmp}/c", "--experts", "fp8-blockwise"], "SRC: expected a path, got ''"),
+    (["make-tiny", ""], "OUT: expected a path, got ''"),
+    (["make-tiny", "{tmp}/d", "--draft-for", ""], "--draft-for: expected a path, got ''"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", ""], "--out: expected a path, got ''"),
+    (["generate", "--model", "", "--prompt", "hi"], "--model: expected a path, got ''"),
+    (["generate", "--model", "{model}", "--prompt", "hi", "--backend", "nxdi-cpu", "--draft", " "],
+     "--draft: expected a path, got ' '"),
+    (["plan", "--model", "", "--tp", "2", "--seq-len", "8"], "--model: expected a path, got ''"),
+    (["plan", "--config", "", "--tp", "2", "--seq-len", "8"], "--config: expected a path, got ''"),
+    (["trace-cpu", "--model", "", "--submodel", "token"], "--model: expected a path, got ''"),
 ]
 
 

@@ -53,7 +53,7 @@ def test_a_draft_inside_its_target_or_for_no_target_is_refused(tmp_path, capsys,
     one_line_error.exit(rc, err, f"OUT {target / 'draft'}: is inside --draft-for {target}")
     assert sorted(p.name for p in target.iterdir()) == before
     rc, _, err = run_cli(["make-tiny", tmp_path / "d", "--draft-for", ""], capsys)
-    one_line_error.exit(rc, err, "--draft-for '': expected the target checkpoint's folder")
+    one_line_error.exit(rc, err, "--draft-for: expected a path, got ''")
     assert not (tmp_path / "d").exists()
 
 
