@@ -52,6 +52,20 @@ def special_file(path) -> str | None:
     return None
 
 
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (default when unset or empty); another value is one line naming it, where
+    int() would raise a traceback from deep inside a build."""
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise KimiInputError(f"environment variable {name}={value!r}: expected an integer") from None
+
+
 def listing(names, limit: int = 4) -> str:
     names = list(names)
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""

@@ -12,6 +12,7 @@ require_neuron_sdk()
 import torch  # noqa: E402
 from neuronx_distributed_inference.modules.kvcache.kv_cache_manager import KVCacheManager  # noqa: E402
 
+from kimi_k2_neuron.errors import env_int  # noqa: E402
 from kimi_k2_neuron.parallel import slot_of  # noqa: E402
 
 
@@ -26,7 +27,7 @@ class LatentKVCacheManager(KVCacheManager):
             raise ValueError("the latent cache supports neither kv_cache_tiling nor k_cache_transposed")
         self.v_shape = (*self.v_shape[:-1], 1)
         # A combined K+V buffer needs K and V of one numel (NXDI_CONTRACT.md: combined-kv-allocation).
-        if int(os.environ.get("NEURON_COMBINE_KV_ALLOCATIONS", "0")):
+        if env_int("NEURON_COMBINE_KV_ALLOCATIONS", 0):
             raise ValueError("NEURON_COMBINE_KV_ALLOCATIONS=1 needs K and V of one shape; the latent cache's V slot "
                              "is 1 wide. Unset it.")
 

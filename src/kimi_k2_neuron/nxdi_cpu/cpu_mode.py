@@ -11,7 +11,7 @@ from neuronx_distributed.parallel_layers import parallel_state
 from neuronx_distributed.trace.trace import get_sharded_checkpoint
 from torch import nn
 
-from kimi_k2_neuron.errors import KimiInputError, listing
+from kimi_k2_neuron.errors import KimiInputError, env_int, listing
 from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
 from kimi_k2_neuron.neuron.contract import layout_of
 from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM, NxDParallelContext
@@ -91,7 +91,7 @@ def _init_cpu_process_groups(nc, kv_group: int) -> int:
     """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process, and the KV group as
     ModelBuilder makes it (NXDI_CONTRACT.md: kv-group); returns this rank."""
     if not torch.distributed.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_int("WORLD_SIZE", 1)
         if world != nc.world_size:
             raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
                                  f"(tp_degree={nc.tp_degree})")

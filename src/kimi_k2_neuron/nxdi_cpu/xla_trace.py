@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.errors import KimiInputError, env_int
 
 from kimi_k2_neuron.neuron.chunked_prefill import CHUNK_MODEL_TAG
 
@@ -291,7 +291,7 @@ def sync_log() -> SyncLog:
     execution, so after one without it syncs are counted but not named."""
     global _SYNC_LOG
     if _SYNC_LOG is None:
-        if "PT_XLA_DEBUG_FILE" not in os.environ and int(os.environ.get("PT_XLA_DEBUG_LEVEL", "0") or 0) < 1:
+        if "PT_XLA_DEBUG_FILE" not in os.environ and env_int("PT_XLA_DEBUG_LEVEL", 0) < 1:
             fd, path = tempfile.mkstemp(prefix="kimi-k2-xla-debug-", suffix=".txt")
             os.close(fd)
             atexit.register(lambda: Path(path).unlink(missing_ok=True))
