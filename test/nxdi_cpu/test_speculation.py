@@ -165,6 +165,27 @@ def test_generate_with_a_draft_over_the_sequence_sharded_cache_prints_the_plain_
     assert got == want
     line = next(line for line in r.stderr.splitlines() if line.startswith("speculation (--speculation-length 4)"))
     assert re.search(r"\d+ fused steps, accept length [1-4]\.\d\d tokens per step per row", line), line
+    # the draft's 4 KV heads at TP 2 stay 2 a rank: NxDI's "not divisible" warning describes nothing (taken for MLA's)
+    assert "KV heads" not in r.stderr
+
+
+def test_nxdis_gqa_warning_is_dropped_only_where_it_describes_nothing():
+    """NXDI_CONTRACT.md: draft-gqa-warning. NxDI's own functions say which head counts change."""
+    import logging
+
+    from neuronx_distributed_inference.modules.attention.gqa import (determine_sharding_strategy,
+                                                                     get_shardable_head_counts)
+
+    from kimi_k2_neuron.neuron.fused_spec import NoOpGqaWarning
+
+    def kept(tp, kv):
+        message = f"TP degree ({tp}) and KV heads ({kv}) are not divisible. Overriding attention sharding strategy"
+        return NoOpGqaWarning().filter(logging.LogRecord("Neuron", logging.WARNING, "", 0, message, None, None))
+
+    for heads, kv, tp in ((4, 4, 2), (64, 8, 4), (64, 16, 8), (48, 6, 4), (40, 10, 4)):  # NxDI warns: tp % kv
+        strategy = determine_sharding_strategy(tp, kv)
+        changed = get_shardable_head_counts(tp, heads, kv, strategy)[1] != kv
+        assert kept(tp, kv) == changed, (heads, kv, tp)
 
 
 def test_generate_with_a_draft_at_tp_1_batch_1_prints_the_plain_tokens(models, env):
