@@ -273,7 +273,7 @@ def cmd_convert(a) -> int:
     except Interrupted as e:
         from .convert.resume import resume_hint
 
-        e.hint = resume_hint(a.dst)
+        e.hint = resume_hint(a.dst, a.verify)
         raise
     print(res.summary)
     return 0

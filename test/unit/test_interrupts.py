@@ -91,6 +91,23 @@ def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, ti
     assert (dst / "config.json").is_file()
 
 
+def test_an_interrupted_verify_leaves_the_finished_conversion_as_it_was(tiny_dirs, tmp_path):
+    """Ctrl-C while `convert --verify` re-hashes a finished conversion: one line saying the conversion is as it was,
+    and it is (its config.json, files and a manifest still marked complete; before, the manifest said incomplete
+    beside a config.json, and the line said nothing)."""
+    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+    convert(src, dst, "fp8-blockwise", progress=False)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.convert.converter:file_digest", 2,
+                             "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise",
+                             "--verify")
+    line = one_interrupt_line(signal.SIGINT, rc, err)
+    assert line.endswith("the conversion there is finished as it was; the re-hash stopped: run convert --verify "
+                         "again to finish it"), line
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before and out == ""
+    assert json.loads((dst / MANIFEST).read_text())["complete"] is True
+
+
 def run_cli(argv, capsys) -> tuple[int, str, str]:
     rc = cli.main(argv)
     out = capsys.readouterr()
