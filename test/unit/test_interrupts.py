@@ -276,6 +276,30 @@ def test_export_contrib_interrupted_keeps_the_earlier_export(tmp_path):
 # -- run_command in-process ----------------------------------------------------------------------------------------
 
 
+def test_a_second_ctrl_c_during_a_slow_clean_up_ends_at_once_in_one_line(tmp_path):
+    """Ctrl-C, then Ctrl-C again 1.5 s later (past the window in which a repeat is the same stop) while the first
+    one's clean-up still runs: the process ends at once, exit 130, with one line saying the clean-up was cut short
+    (an unfinished conversion is then recognised by every command, with its resume command: the SIGKILL tests)."""
+    code = ("import sys, time; from pathlib import Path; from kimi_k2_neuron import interrupts\n"
+            "def main(argv):\n"
+            "    try:\n        Path(sys.argv[1]).touch(); time.sleep(60)\n"
+            "    finally:\n        time.sleep(30)  # a clean-up that takes its time\n"
+            "sys.exit(interrupts.run_command(main))")
+    marker = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(marker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(interrupts.REPEAT_WINDOW_S + 0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert time.monotonic() - t0 < 10 and proc.returncode == 130, (proc.returncode, err)
+    assert err == "error: interrupted by SIGINT again; stopped without cleaning up\n" and out == "", err
+
+
 def test_a_command_started_under_nohup_keeps_ignoring_sighup(tmp_path):
     """nohup's promise (SIGHUP ignored) is kept: the command runs on through a hangup."""
     code = ("import os, signal, sys, time; from kimi_k2_neuron import interrupts\n"
