@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import KimiInputError, MissingConfig, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link, special_file
 
 # owner/name, as the Hub spells model ids (a relative path of two parts looks the same, hence "looks like")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -126,6 +126,10 @@ class KimiK2Config:
                                  f"give the folder DIR")
         if path.is_dir():
             path = path / "config.json"
+        node = special_file(path)
+        if node or (path.exists() and not path.is_file()):
+            raise KimiInputError(f"{path}: is {node or 'a folder'}; expected a config.json file or the checkpoint "
+                                 f"folder holding one")
         if not path.is_file():
             # a folder's config.json, or a missing folder; else a file named directly (plan --config)
             what = "not found (expected a config.json)" if path.suffix == ".json" and path.name != "config.json" \

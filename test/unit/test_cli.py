@@ -185,6 +185,8 @@ BAD_ARGS = [
      "--draft: expected a path, got ' '"),
     (["plan", "--model", "", "--tp", "2", "--seq-len", "8"], "--model: expected a path, got ''"),
     (["plan", "--config", "", "--tp", "2", "--seq-len", "8"], "--config: expected a path, got ''"),
+    (["plan", "--config", "/dev/null", "--tp", "2", "--seq-len", "8"],
+     "/dev/null: is a character device; expected a config.json file"),
     (["trace-cpu", "--model", "", "--submodel", "token"], "--model: expected a path, got ''"),
 ]
 
