@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         check_layout_flags(args)
         check_for_vllm(args)
         if not args.dry_run:
-            check_out_dir(args.out, "--out")  # before hours of conversion and compilation
+            check_out_dir(args.out, "--out", apart_from={"--model": args.model})  # before hours of work
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.of(cfg)
         # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1

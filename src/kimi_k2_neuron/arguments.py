@@ -148,16 +148,24 @@ def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path
         why = broken_link(folder) or "not a folder"
         raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is {why}")
     _probe_writable(folder, f"{what} {path}")
+    _check_apart(path, what, apart_from)
+
+
+def _check_apart(path: Path, what: str, apart_from: dict[str, str | Path] | None) -> None:
+    """`path` is not inside any input folder of `apart_from` ({flag: folder}), nor one of them."""
     for flag, folder in (apart_from or {}).items():
         if folder is None or broken_link(folder):  # (refused where the folder is read)
             continue
-        if Path(folder).resolve() in Path(path).resolve().parents:
-            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
-                                 f"path outside it")
+        inside, out = Path(folder).resolve(), Path(path).resolve()
+        if inside in out.parents or inside == out:
+            how = "is" if inside == out else "is inside"
+            raise KimiInputError(f"{what} {path}: {how} {flag} {folder}, which this command reads; expected a path "
+                                 f"outside it")
 
 
-def check_out_dir(path: str | Path, what: str) -> None:
-    """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder."""
+def check_out_dir(path: str | Path, what: str, apart_from: dict[str, str | Path] | None = None) -> None:
+    """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder; and
+    outside every input folder of `apart_from` ({flag: folder})."""
     path = Path(path).absolute()
     for p in (path, *path.parents):  # a link to nothing is no folder to write into, nor one to make
         broken = broken_link(p)
@@ -168,6 +176,7 @@ def check_out_dir(path: str | Path, what: str) -> None:
         raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is "
                              f"{special_file(existing) or 'a file'}")
     _probe_writable(existing, f"{what} {path}")
+    _check_apart(path, what, apart_from)
 
 
 # -- generation flags, the same on CPU (`kimi-k2-neuron generate`) and trn2 (scripts/run_inference.py) -------------

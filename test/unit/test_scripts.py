@@ -336,6 +336,11 @@ SCRIPT_BAD_ARGS = [
     ("check_kernels", ["--report", "{tmp}"], "--report {tmp}: is a directory, expected a file"),
     ("bench_tpot", ["--compiled", "{tmp}", "--report", "/dev/null"], "--report /dev/null: is a character device"),
     ("compile_and_save", ["--model", "{tmp}", "--out", "/dev/null", "--tp", "2"], "but /dev/null is a character"),
+    # no command writes into the checkpoint it reads (logits --out, convert and bench_tpot --report refused it)
+    ("compile_and_save", ["--model", "{tiny}", "--out", "{tiny}/compiled", "--tp", "2"],
+     "--out {tiny}/compiled: is inside --model {tiny}, which this command reads"),
+    ("compile_and_save", ["--model", "{tiny}", "--out", "{tiny}", "--tp", "2"], "--out {tiny}: is --model {tiny}"),
+    ("bench_mla_decode", ["--config", "/dev/null"], "/dev/null: is a character device; expected a config.json file"),
     ("export_contrib", ["/dev/null"], "/dev/null: is a character device; expected a folder"),
     # an empty path (an unset shell variable) is refused by its flag
     ("export_contrib", [""], "DEST: expected a path, got ''"),
@@ -378,5 +383,5 @@ def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tm
                                                            one_line_error, tiny_dirs):
     _parser(name, monkeypatch)
     rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny_dirs["fp8"]) for a in argv], capsys)
-    one_line_error.exit(rc, err, words.format(tmp=tmp_path))
+    one_line_error.exit(rc, err, words.format(tmp=tmp_path, tiny=tiny_dirs["fp8"]))
     assert out == "" and list(tmp_path.iterdir()) == []
