@@ -52,8 +52,10 @@ def test_compile_checks_the_fit_before_anything_else(tmp_path):
     """The real Kimi config with a converted-checkpoint record and no tensors: the planner refuses TP=8."""
     raw = json.loads((CONFIGS / "kimi-k2-instruct-0905.json").read_text())
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": PER_CHANNEL}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "8")
+    model = tmp_path / "model"  # --out apart from it: no command writes into the checkpoint it reads
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "8")
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
 
@@ -75,9 +77,11 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     raw.pop("quantization_config")
     nxd = scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64", "--kv-shard", "none")
-    want = plan(KimiK2Config.from_file(tmp_path), RunSpec(tp=64, scheme=ExpertScheme("fp8-blockwise", (32, 1))))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "64", "--kv-shard", "none")
+    want = plan(KimiK2Config.from_file(model), RunSpec(tp=64, scheme=ExpertScheme("fp8-blockwise", (32, 1))))
     assert want.summary() in r.stdout, r.stdout + r.stderr
 
 
@@ -108,8 +112,10 @@ def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny_dirs, tmp
 def test_compile_refuses_an_uneven_weight_split_before_anything(tmp_path, one_line_error, flag, field):
     """NxD would pad the split layer, which neither the fused split nor the planner models (parallel.py)."""
     name, value = field.split("=")
-    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict("fp8"), name: int(value)}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "4", "--moe-prefill", "torch", flag,
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**tiny_config_dict("fp8"), name: int(value)}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "4", "--moe-prefill", "torch", flag,
                  cache=tmp_path / "cache")
     one_line_error.exit(r.returncode, r.stderr, f"{flag} --tp 4: config.json field {field} is not divisible by 4")
     assert not (tmp_path / "c").exists() and not (tmp_path / "cache").exists()
