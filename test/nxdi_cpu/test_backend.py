@@ -1,4 +1,4 @@
-"""nxdi_cpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its
+"""nxdicpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its
 model wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
 core's CPU runner on the same converted checkpoint, and against transformers where the conversion is exact.
 
@@ -26,13 +26,13 @@ from unittest import mock
 import pytest
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
-from nxdi_support import cpu_options, oracle_logits, rel_err
+from nxdisupport import cpu_options, oracle_logits, rel_err
 from safetensors import safe_open
 
 from kimi_k2_neuron.neuron import rules
 from kimi_k2_neuron.neuron.spec import Sampling
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.nxdicpu import backend
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
@@ -65,7 +65,7 @@ def core_rows(ckpt, prefill, dtype=torch.float32):
 
 @pytest.mark.parametrize("prefill", [PREFILL, None], ids=["prefill4+decode", "ragged-prefill"])
 @pytest.mark.parametrize("q,scheme", COMBOS)
-def test_nxdi_cpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
+def test_nxdicpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
     got = backend.teacher_forced_logits(apps(q, scheme), ROWS, prefill)
     assert got.shape == (2, 10, 512) and torch.isnan(got[1, 6:]).all() and not torch.isnan(got[0]).any()
     for r, want in enumerate(core_rows(converted[(q, scheme)], prefill)):
@@ -82,6 +82,22 @@ def test_exact_conversions_match_transformers(apps, tiny, q, tmp_path):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
 
 
+def test_the_hooks_self_check_allows_one_rounding_of_the_dtype_and_no_more():
+    """backend.check_hooked_logits: two matmuls of the same hidden state round differently by at most one unit in
+    the last place of the dtype (bf16's 2^-7 relative), which it takes at every batch (a 1e-4 bound refused it:
+    trace-cpu at batch 4 in bf16, issue 41); another row's logits, or a bf16 result checked as float32, are refused."""
+    g = torch.Generator().manual_seed(0)
+    nxdi = (torch.randn(4, 2560, generator=g) * 4).to(torch.bfloat16).float()  # one rank's vocabulary at TP 64
+    ulp = torch.ldexp(torch.ones(()), torch.frexp(nxdi).exponent - 8)  # bf16 keeps 8 significant bits
+    one_ulp_off = nxdi + ulp * (torch.rand(nxdi.shape, generator=g) < 0.5)
+    assert torch.equal(one_ulp_off.to(torch.bfloat16).float(), one_ulp_off) and (one_ulp_off != nxdi).any()
+    backend.check_hooked_logits(one_ulp_off, nxdi, torch.bfloat16)
+    backend.check_hooked_logits(nxdi, nxdi, torch.float32)
+    for wrong, dtype in ((nxdi.roll(1, 0), torch.bfloat16), (one_ulp_off, torch.float32)):
+        with pytest.raises(RuntimeError, match="the hook read the wrong tensor"):
+            backend.check_hooked_logits(wrong, nxdi, dtype)
+
+
 def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
     """bf16 is a sanity bound, not parity: a near-tie routing decision can flip in bf16 (as the core's bf16 test)."""
     got = backend.teacher_forced_logits(apps("fp8", "fp8-blockwise", "bfloat16"), ROWS, PREFILL)
@@ -93,7 +109,7 @@ def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
 
 def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
     """The KIMI contrib's harness sent ones(pos + 1) as the decode mask, attending the stale cache slot at pos
-    (nxdi_contracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
+    (nxdicontracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
     app = apps("fp8", "fp8-blockwise")
     rows = [r[:PREFILL] for r in ROWS]
     ids, mask, pos = backend.padded_prefill(rows, [PREFILL, PREFILL])
@@ -248,7 +264,7 @@ import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
 from kimi_k2_neuron.neuron.spec import RunSpec
-from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.nxdicpu import backend
 backend.preshard(backend.CpuOptions(model=sys.argv[1], spec=RunSpec(tp=int(sys.argv[2]), lnc=None, moe_prefill=None)),
                  sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
