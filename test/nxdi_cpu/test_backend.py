@@ -1,4 +1,4 @@
-"""nxdicpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its
+"""nxdi_cpu/backend.py: the NxDI model in NxD's CPU mode (NxDI's context-encoding and token-generation submodels, its
 model wrappers, KV cache manager, sampler and generation adapter, NxD's parallel, quantized and MoE layers) against the
 core's CPU runner on the same converted checkpoint, and against transformers where the conversion is exact.
 
@@ -26,13 +26,13 @@ from unittest import mock
 import pytest
 import torch
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
-from nxdisupport import cpu_options, oracle_logits, rel_err
+from nxdi_support import cpu_options, oracle_logits, rel_err
 from safetensors import safe_open
 
 from kimi_k2_neuron.neuron import rules
 from kimi_k2_neuron.neuron.spec import Sampling
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.nxdicpu import backend
+from kimi_k2_neuron.nxdi_cpu import backend
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100]]
@@ -65,7 +65,7 @@ def core_rows(ckpt, prefill, dtype=torch.float32):
 
 @pytest.mark.parametrize("prefill", [PREFILL, None], ids=["prefill4+decode", "ragged-prefill"])
 @pytest.mark.parametrize("q,scheme", COMBOS)
-def test_nxdicpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
+def test_nxdi_cpu_logits_equal_the_core_runner(apps, converted, q, scheme, prefill):
     got = backend.teacher_forced_logits(apps(q, scheme), ROWS, prefill)
     assert got.shape == (2, 10, 512) and torch.isnan(got[1, 6:]).all() and not torch.isnan(got[0]).any()
     for r, want in enumerate(core_rows(converted[(q, scheme)], prefill)):
@@ -109,7 +109,7 @@ def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
 
 def test_a_decode_mask_that_covers_the_current_slot_changes_the_logits(apps):
     """The KIMI contrib's harness sent ones(pos + 1) as the decode mask, attending the stale cache slot at pos
-    (nxdicontracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
+    (nxdi_contracts.md §5.5.2); NxDI's TKG mask is [0, pos) and the current token is attended as the active part."""
     app = apps("fp8", "fp8-blockwise")
     rows = [r[:PREFILL] for r in ROWS]
     ids, mask, pos = backend.padded_prefill(rows, [PREFILL, PREFILL])
@@ -264,7 +264,7 @@ import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
 from kimi_k2_neuron.neuron.spec import RunSpec
-from kimi_k2_neuron.nxdicpu import backend
+from kimi_k2_neuron.nxdi_cpu import backend
 backend.preshard(backend.CpuOptions(model=sys.argv[1], spec=RunSpec(tp=int(sys.argv[2]), lnc=None, moe_prefill=None)),
                  sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
 """
