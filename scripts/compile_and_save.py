@@ -79,7 +79,9 @@ def main(argv=None) -> int:
     # Everything up to the fit check needs only the core.
     from kimi_k2_neuron.config import KimiK2Config
     from kimi_k2_neuron.formats.record import ConversionRecord
-    from kimi_k2_neuron.neuron.fit import fallback_advice, format_plan, plan, prefill_fallbacks
+    from kimi_k2_neuron.neuron.fit import plan
+    from kimi_k2_neuron.neuron.layout_search import fallback_advice, prefill_fallbacks
+    from kimi_k2_neuron.neuron.plan_report import format_plan
 
     try:
         check_layout_flags(args)
@@ -142,7 +144,7 @@ def choose_layout(args, cfg, spec):
     request carries none), the layout that fits with the lowest modelled TPOT, then TTFT (`plan --best`, at
     --moe-prefill); else the flags'."""
     from kimi_k2_neuron.launch import layout_flags_given
-    from kimi_k2_neuron.neuron.fit import best_layout
+    from kimi_k2_neuron.neuron.layout_search import best_layout
     from kimi_k2_neuron.neuron.spec import layout_flags
 
     given = layout_flags_given(args)

@@ -2,7 +2,7 @@
 attend_chunk at Kimi-K2's real per-rank shapes (TP=64: one head, kv_lora_rank 512, rope 64, 1,024-token chunk, KV
 group 64) on one process, through a ParallelContext that records each collective it is asked for (and answers as if
 every rank held this rank's data: shapes, not numbers). What it records is what the planner counts
-(mla.chunk_collectives via timing.chunk_merge), and the peak of the tensors it keeps alive is what fit.py's
+(mla.chunk_collectives via timing.chunk_merge), and the peak of the tensors it keeps alive is what hbm.py's
 "prefill chunk attention" row charges. The numbers themselves are tested against the replicated one-shot run on
 real ranks: test_tp.py (gloo) and test/nxdi_cpu/test_chunk_submodel.py (NxD's collectives)."""
 
@@ -134,7 +134,7 @@ def test_the_planner_counts_the_collectives_attend_chunk_asks_for():
 @pytest.mark.parametrize("kv_group,chunk_group", [(G, None), (G, G), (1, None)],
                          ids=["sharded", "sharded-flat-merge", "replicated"])
 def test_the_chunk_attention_row_is_what_attend_chunk_keeps_alive(kv_group, chunk_group):
-    """fit.py's "prefill chunk attention" row against the peak of the tensors attend_chunk builds (its inputs, weights
+    """hbm.py's "prefill chunk attention" row against the peak of the tensors attend_chunk builds (its inputs, weights
     and o_proj aside): at the chunk group the model chooses, at the flat merge over all 64 ranks, and over the
     replicated cache (one head over all of it). The row may miss small tensors (masks, maxima), not 3 %."""
     cfg, spec, _, _, peak = run_chunk(chunk_group, kv_group)

@@ -12,7 +12,10 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import expert_scheme
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_scheme
 from kimi_k2_neuron.parallel import Layout
-from kimi_k2_neuron.neuron.fit import GiB, MiB, format_plan, max_batch, max_seq_len, plan
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.hbm import GiB, MiB
+from kimi_k2_neuron.neuron.layout_search import max_batch, max_seq_len
+from kimi_k2_neuron.neuron.plan_report import format_plan
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import Port
 
@@ -194,7 +197,7 @@ def test_roofline(kimi):
     assert p1.bytes_per_token < p1.weight_bytes + p1.kv_cache.bytes
 
 
-# --- what the MoE allocates while it runs (NxD's code; fit.moe_temporaries) -----------------------------------------
+# --- what the MoE allocates while it runs (NxD's code; hbm.moe_temporaries) -----------------------------------------
 # Kimi at TP=64, EP=1: 384 local experts, each gate_up [7168, 64] + down [32, 7168] = 3 x 7168 x 32 = 688,128
 # elements; all 384: 264,241,152 elements, 528,482,304 bytes in bf16, 1,056,964,608 in fp32.
 
@@ -306,7 +309,7 @@ def test_the_fallback_advice_is_what_the_planner_says_fits(kimi):
     """If the shard-on-block kernel fails to compile, the advice is the other modes the planner fits: at the
     recommended configuration the torch loop at 1024 tokens, and all-experts only with a smaller prefill bucket
     (at 1024 its [384, 1024, 7264] outputs do not fit)."""
-    from kimi_k2_neuron.neuron.fit import fallback_advice, prefill_fallbacks
+    from kimi_k2_neuron.neuron.layout_search import fallback_advice, prefill_fallbacks
 
     plans = prefill_fallbacks(kimi, spec(tp=64, ep=1, lnc=2, seq_len=1024, batch=1, scheme=BLOCKWISE, moe_prefill="shard-on-block"))
     assert {p.moe_prefill for p in plans} == {"torch", "all-experts"}  # shard-on-intermediate is refused at EP=1
@@ -341,7 +344,7 @@ def test_max_seq_len_searches_each_prefill_path_apart(kimi):
     x 7264 x 2 = 351,461,376, where its blockwise loop at 64 holds one expert and one 512-token block, 8,814,592.
     So the bisection runs per path: batch 1 switches at 48 (48 x 8 = 384 experts) and, for torch, 64 (512, its
     block); shard-on-block (block 128) is blockwise from 48 tokens on, in steps of 128."""
-    from kimi_k2_neuron.neuron.fit import _constant_path_ranges
+    from kimi_k2_neuron.neuron.layout_search import _constant_path_ranges
 
     at63, at64 = (plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=s, batch=1, scheme=BLOCKWISE, moe_prefill="torch"))
                   for s in (63, 64))

@@ -11,7 +11,8 @@ import pytest
 
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.neuron.fit import plan, published_spec
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.layout_search import published_spec
 from kimi_k2_neuron.neuron.timing import PUBLISHED, PUBLISHED_BY_NAME, TRN2
 
 REPO = Path(__file__).resolve().parents[2]
