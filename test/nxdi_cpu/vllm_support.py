@@ -78,6 +78,23 @@ def register() -> None:
 
     for model, task in MODEL_TYPE_KEYS:
         MODEL_TYPES.setdefault(model, {})[task] = cpu_class()
+    _count_rules_checks()
+
+
+def _count_rules_checks() -> None:
+    """An event per rules.check in this process (a test's count of the rules' runs per build: one)."""
+    from kimi_k2_neuron.neuron import rules
+
+    if getattr(rules.check, "counted", False):
+        return
+    real = rules.check
+
+    def check(cfg, spec):
+        event("rules_check")
+        return real(cfg, spec)
+
+    check.counted = True
+    rules.check = check
 
 
 def event(name: str, **fields) -> None:
