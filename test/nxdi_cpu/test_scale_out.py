@@ -153,7 +153,7 @@ def test_a_session_stays_on_its_box_and_two_sessions_use_both(fleet):
     assert all(len(set(b)) == 1 for b in boxes.values()), boxes
     assert boxes["session-a"][0] != boxes["session-b"][0], boxes
     # Kimi's prompt_cache_key alone (vllm-router 0.1.17 reads a session from headers only): no session, one box
-    alone = {placed(fleet, {**ask(f"Hello from {key}"), "prompt_cache_key": key}, None)[1] for key in ("k-c", "k-d")}
+    alone = {placed(fleet, {**ask("Hello"), "prompt_cache_key": key}, None)[1] for key in ("k-c", "k-d", "k-e")}
     assert len(alone) == 1, alone
 
 
