@@ -165,7 +165,8 @@ def test_a_sessions_later_turns_hit_the_prefix_cache_of_its_box(fleet):
         pytest.skip(ISSUE_37)
     names = {e.name: e for e in fleet.engines}
     for s in ("session-g", "session-h"):
-        messages = [{"role": "system", "content": f"{s}: a system prompt of its own, long enough for some blocks."}]
+        # its own from the first character: no block of it matches another session's
+        messages = [{"role": "system", "content": f"{s[-1]} is for {s}: a system prompt long enough for some blocks."}]
         previous, box = 0, None
         for turn in range(3):
             messages.append({"role": "user", "content": f"Tool result {turn}: ok."})
