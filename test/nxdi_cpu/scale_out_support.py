@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROUTER_VERSION = "0.1.17"
 # the command's head in compile_and_save.py --for-vllm's output
@@ -58,8 +59,11 @@ def flag_value(args: list[str], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
 
-def _end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 60) -> None:
-    """End the process group `proc` leads (it was started with start_new_session) and reap it."""
+def _end_group(proc: subprocess.Popen, family: list[psutil.Process], sig: int = signal.SIGTERM,
+               wait: float = 60) -> None:
+    """End `proc`, which leads its own process group (start_new_session), and `family`, the processes it had
+    started (vLLM's engine core): the group is signalled only while its leader lives (its id is ours then), and
+    whatever of `family` outlived it is killed by identity (psutil checks the start time), so that nothing else is."""
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, sig)
@@ -67,13 +71,13 @@ def _end_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait: float = 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
-        except ProcessLookupError:
-            proc.wait(30)
-    # the engine core is in the group too; SIGKILL whatever of it outlived its parent
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for p in family:
+        try:
+            if p.is_running():
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
 
 
 class Engine:
@@ -83,10 +87,11 @@ class Engine:
         self.name, self.args, self.env, self.port, self.log = name, args, env, port, log
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
+        self.family: list[psutil.Process] = []  # what the server started (the engine core), once it is ready
         self.up = False  # answered since it was last started (the tests count requests on up replicas only)
 
     def start(self) -> None:
-        self.up = False
+        self.up, self.family = False, []
         cmd = [str(Path(sys.executable).parent / "vllm"), "serve", *self.args, "--host", "127.0.0.1", "--port",
                str(self.port)]
         with open(self.log, "a") as log:
@@ -108,16 +113,17 @@ class Engine:
             wait_for(f"{self.name}: vllm serve ready on {self.url}", self.ready, timeout, every=1)
         except AssertionError as e:
             raise AssertionError(f"{e}\n{self.tail()}") from None
+        self.family = psutil.Process(self.proc.pid).children(recursive=True)
         self.up = True
 
     def kill(self) -> None:
         """The box loses power: SIGKILL to the API server and the engine core at once."""
         self.up = False
-        _end_group(self.proc, signal.SIGKILL)
+        _end_group(self.proc, self.family, signal.SIGKILL)
 
     def stop(self) -> None:
         if self.proc is not None:
-            _end_group(self.proc)
+            _end_group(self.proc, self.family)
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:] if self.log.exists() else ""
@@ -127,7 +133,7 @@ class Engine:
         text = httpx.get(self.url + "/metrics", timeout=10).text
 
         def total(name):
-            return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
+            return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE))
         return {"finished": total("vllm:request_success_total"), "running": total("vllm:num_requests_running")}
 
 
@@ -177,7 +183,7 @@ class Router:
         wait_for(f"the router to see {want}", seen, timeout)
 
     def stop(self) -> None:
-        _end_group(self.proc)
+        _end_group(self.proc, [])
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:] if self.log.exists() else ""

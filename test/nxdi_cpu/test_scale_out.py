@@ -19,7 +19,6 @@ import sys
 import threading
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
@@ -70,12 +69,13 @@ def fleet(tiny, tmp_path_factory):
     env = vs.child_env(vs.write_dists(root / "dists"))
     tokenizer = vs.write_hf_tokenizer(model, root / "hf-tokenizer")
     usage = subprocess.run([sys.executable, str(vs.REPO / "scripts/compile_and_save.py"), "--help"], env=env,
-                           capture_output=True, text=True, timeout=300)
+                           capture_output=True, text=True, timeout=300, check=False)
     prefix_caching = PREFIX_CACHING_FLAG in usage.stdout
     argv = ["--model", str(model), "--out", str(root / "compiled"), "--tp", "1", "--seq-len", str(SEQ_LEN),
             "--batch", str(BATCH), "--moe-prefill", "torch", "--for-vllm", *([PREFIX_CACHING_FLAG] * prefix_caching)]
-    compiled = subprocess.run([sys.executable, str(vs.HERE / "vllm_support.py"), "compile", json.dumps({"argv": argv}),
-                               str(root / "compile.json")], env=env, capture_output=True, text=True, timeout=600)
+    child = [sys.executable, str(vs.HERE / "vllm_support.py"), "compile", json.dumps({"argv": argv}),
+             str(root / "compile.json")]
+    compiled = subprocess.run(child, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     served_env, args = so.printed_serve_command(compiled.stdout)
     # what only this CPU test adds: the tiny checkpoint's tokenizer as an HF one, one model name, NxD's CPU mode
@@ -224,7 +224,8 @@ def test_a_box_that_dies_mid_stream_is_routed_around_and_rejoins_when_it_restart
         t.join(180)
     assert not any(t.is_alive() for t in threads), "a request hung"
 
-    assert isinstance(cut.error, httpx.RemoteProtocolError) and not cut.done and cut.chunks < 64, (cut.error, cut.chunks)
+    assert isinstance(cut.error, httpx.RemoteProtocolError), cut.error
+    assert not cut.done and cut.chunks < 64, cut.chunks
     assert "error" not in retried, retried
     assert tokens(retried["reply"]) == want_mid
     assert kept.error is None and kept.done and kept.tokens == want_other
