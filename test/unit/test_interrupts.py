@@ -72,9 +72,9 @@ def no_partial_files(folder: Path) -> None:
 @pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2),
                                         (signal.SIGHUP, 1)],
                          ids=["SIGINT", "SIGTERM", "SIGINT-twice", "SIGHUP"])
-def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny_dirs, tmp_path, capsys,
+def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny, tmp_path, capsys,
                                                                  one_line_error):
-    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+    src, dst = tiny["fp8"], tmp_path / "dst"
     rc, out, err = interrupt(tmp_path, sig, "kimi_k2_neuron.convert.converter:_Job._convert_unit", 3,
                              "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise",
                              times=times)
@@ -91,11 +91,11 @@ def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, ti
     assert (dst / "config.json").is_file()
 
 
-def test_an_interrupted_verify_leaves_the_finished_conversion_as_it_was(tiny_dirs, tmp_path):
+def test_an_interrupted_verify_leaves_the_finished_conversion_as_it_was(tiny, tmp_path):
     """Ctrl-C while `convert --verify` re-hashes a finished conversion: one line saying the conversion is as it was,
     and it is (its config.json, files and a manifest still marked complete; before, the manifest said incomplete
     beside a config.json, and the line said nothing)."""
-    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+    src, dst = tiny["fp8"], tmp_path / "dst"
     convert(src, dst, "fp8-blockwise", progress=False)
     before = {p.name: p.read_bytes() for p in dst.iterdir()}
     rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.convert.converter:file_digest", 2,
@@ -176,11 +176,11 @@ def test_an_unreadable_manifest_still_says_unfinished(tmp_path, one_line_error):
     # the logits complete in the temp file, not yet renamed: the interrupt removes it
     (signal.SIGINT, "safetensors.torch:save_file", 1),
 ], ids=["mid-forward", "while writing"])
-def test_interrupted_logits_leave_no_file(sig, target, nth, tiny_dirs, tmp_path):
+def test_interrupted_logits_leave_no_file(sig, target, nth, tiny, tmp_path):
     out = tmp_path / "out" / "l.safetensors"
     out.parent.mkdir()
     rc, stdout, err = interrupt(tmp_path, sig, target, nth, "kimi_k2_neuron.cli", "logits", "--model",
-                                str(tiny_dirs["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
+                                str(tiny["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
     one_interrupt_line(sig, rc, err)
     assert stdout == "" and list(out.parent.iterdir()) == []
 
@@ -193,12 +193,13 @@ def _generated(model, *flags) -> dict:
     return json.loads(r.stdout)
 
 
-def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny_dirs, tmp_path):
+@pytest.mark.slow
+def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny, tmp_path):
     """One row streams: the first three tokens are on stdout while the run is still inside its fourth forward
     pass (the prefill, then two decode steps, each after a token); Ctrl-C then ends the line, keeping them, and the
     interrupt's one line follows on stderr."""
     marker = tmp_path / "marker"
-    argv = ["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "5,17,300", "--max-new-tokens", "8"]
+    argv = ["generate", "--model", str(tiny["fp8"]), "--input-ids", "5,17,300", "--max-new-tokens", "8"]
     proc = subprocess.Popen([sys.executable, str(PAUSE_CHILD), str(marker),
                              "kimi_k2_neuron.runtime.runner:CpuRunner.forward", "4", "kimi_k2_neuron.cli", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(SRC)})
@@ -212,24 +213,25 @@ def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny_dirs, t
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)
-    want = _generated(tiny_dirs["fp8"], *argv[3:5], "--max-new-tokens", "3")["tokens"][0]
+    want = _generated(tiny["fp8"], *argv[3:5], "--max-new-tokens", "3")["tokens"][0]
     assert (so_far + (rest or b"")).decode() == ",".join(map(str, want)) + "\n"
     one_interrupt_line(signal.SIGINT, proc.returncode, err.decode())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--prompt", "hi"], ["--prompt", "hi", "--prompt", "a longer one"],
                                    ["--prompt", "hi", "--json"]], ids=["one row", "two rows", "json"])
-def test_an_interrupted_generate_prints_what_it_had_made(flags, tiny_dirs, tmp_path):
+def test_an_interrupted_generate_prints_what_it_had_made(flags, tiny, tmp_path):
     """Interrupted inside the third forward pass (after the prefill and one decode step; two prefills and one step
     for two rows), each row has its tokens so far: printed as the finished rows would be."""
     from kimi_k2_neuron.runtime.chat import display_text
 
     nth = 4 if flags.count("--prompt") == 2 else 3
     rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.runtime.runner:CpuRunner.forward", nth,
-                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny_dirs["fp8"]), *flags,
+                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny["fp8"]), *flags,
                              "--max-new-tokens", "8")
     one_interrupt_line(signal.SIGINT, rc, err)
-    done = _generated(tiny_dirs["fp8"], *[f for f in flags if f != "--json"], "--max-new-tokens", "2")
+    done = _generated(tiny["fp8"], *[f for f in flags if f != "--json"], "--max-new-tokens", "2")
     assert all(len(t) == 2 for t in done["tokens"])
     if "--json" in flags:
         got = json.loads(out)
@@ -249,9 +251,9 @@ def test_demo_interrupted(tmp_path):
 # -- scripts -------------------------------------------------------------------------------------------------------
 
 
-def test_bench_mla_decode_interrupted(tiny_dirs, tmp_path):
+def test_bench_mla_decode_interrupted(tiny, tmp_path):
     rc, _, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.model.mla:MLAttention.forward", 2,
-                           str(SCRIPTS / "bench_mla_decode.py"), "--config", str(tiny_dirs["fp8"] / "config.json"),
+                           str(SCRIPTS / "bench_mla_decode.py"), "--config", str(tiny["fp8"] / "config.json"),
                            "--contexts", "64", "--repeats", "1")
     one_interrupt_line(signal.SIGINT, rc, err)
 
@@ -421,18 +423,18 @@ def test_a_full_stdout_is_one_line_and_exit_2(argv):
     assert r.returncode == 2 and r.stderr.decode() == "error: stdout: cannot write (disk full)\n", r.stderr[-2000:]
 
 
-def test_generate_json_on_a_full_stdout(tiny_dirs):
+def test_generate_json_on_a_full_stdout(tiny):
     with open("/dev/full", "w") as full:
-        r = _command("generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--max-new-tokens", "2",
+        r = _command("generate", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--max-new-tokens", "2",
                      "--json", stdout=full)
     assert r.returncode == 2 and r.stderr.decode().splitlines() == ["error: stdout: cannot write (disk full)"], \
         r.stderr[-2000:]
 
 
-def test_a_reply_the_terminal_cannot_encode_is_replaced(tiny_dirs):
+def test_a_reply_the_terminal_cannot_encode_is_replaced(tiny):
     """PYTHONIOENCODING=ascii and a reply that is not ASCII: the text with '?' where ASCII has no character, exit 0
     (before: a UnicodeEncodeError traceback)."""
-    model = str(tiny_dirs["fp8"])
+    model = str(tiny["fp8"])
     argv = ("generate", "--model", model, "--prompt", "héllo", "--max-new-tokens", "8")
     text = json.loads(_command(*argv, "--json", stdout=subprocess.PIPE).stdout)["text"][0]
     assert not text.isascii(), text  # (the tiny model's greedy bytes are not all ASCII)
