@@ -33,7 +33,8 @@ DEFAULT_CONFIG = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--config", type=lambda t: Path(path(t)), default=DEFAULT_CONFIG, metavar="FILE", help="Kimi-K2 config.json")
+    p.add_argument("--config", type=lambda t: Path(path(t)), default=DEFAULT_CONFIG, metavar="FILE",
+                   help="Kimi-K2 config.json")
     p.add_argument("--contexts", type=integers(1), default=[4096, 32768], metavar="T,T,...",
                    help="comma-separated cached lengths (default: 4096,32768)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights/cache/compute")

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compare the references with the model's math on CPU only; no device, no Neuron SDK")
     p.add_argument("--nki-library", metavar="DIR", default=None, type=path,
                    help="an aws-neuron/nki-library checkout at d2ad3a5 (default: <venv>/nxdi-cpu-src/nki-library)")
-    p.add_argument("--config", metavar="FILE", type=path, default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
+    p.add_argument("--config", metavar="FILE", type=path,
+                   default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
                    help="Kimi-K2's config.json (a checkpoint's), whose per-rank shapes the kernels run at")
     p.add_argument("--tp", type=integer(1), default=64, help="the ranks the experts and the vocabulary split over")
     p.add_argument("--tokens", type=integer(128), default=1024,

@@ -500,7 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     p.add_argument("--nxdi", required=True, metavar="PATH", type=path,
                    help="neuronx-distributed-inference checkout (git dir or work tree)")
-    p.add_argument("--nxd", required=True, metavar="PATH", type=path, help="neuronx-distributed checkout (git dir or work tree)")
+    p.add_argument("--nxd", required=True, metavar="PATH", type=path,
+                   help="neuronx-distributed checkout (git dir or work tree)")
     p.add_argument("--rev", default="HEAD", help="revision to read from git directories")
     p.add_argument("-v", "--verbose", action="store_true", help="list every passing check")
     return p

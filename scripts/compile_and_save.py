@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
                         "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
                         "size, before it starts)")
-    p.add_argument("--out", required=True, type=path, help="compiled folder to write: absent, empty, or an earlier compile, "
-                                                "replaced once the new one is complete")
+    p.add_argument("--out", required=True, type=path,
+                   help="compiled folder to write: absent, empty, or an earlier compile, replaced once the new one is "
+                        "complete")
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
                   batch=dict(help="batch compiled into both the prefill and decode graphs"))
     p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")

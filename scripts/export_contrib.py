@@ -140,7 +140,8 @@ def differences(dest: Path) -> list[str]:
 
 def build_parser():
     p = script_parser(__doc__)
-    p.add_argument("dest", metavar="DEST", type=path, help="folder to write (absent, empty, or an earlier export, which is replaced)")
+    p.add_argument("dest", metavar="DEST", type=path,
+                   help="folder to write (absent, empty, or an earlier export, which is replaced)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 and list the files where DEST differs from a fresh export")
     return p

@@ -363,7 +363,8 @@ def _convert_parser(sub) -> None:
                  cmd_convert)
     s.add_argument("src", type=checkpoint_folder, metavar="SRC",
                    help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
-    s.add_argument("dst", metavar="DST", type=path, help="output directory (new, empty, or an interrupted conversion to resume)")
+    s.add_argument("dst", metavar="DST", type=path,
+                   help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
                    help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
                         f"recommended: exact from FP8 and INT4 sources)")

@@ -1,9 +1,9 @@
-"""How a run ends when it is cut short, and what it leaves: Ctrl-C, SIGTERM and SIGHUP end a command with one line
-and exit code 130 / 143 / 129 (run_command; SIGHUP not under nohup); output files and folders appear under their name only when complete (atomic_output,
-write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
-hidden folder, renamed), and a write that fails (a full disk) is one line naming the file, stdout's too (a full
-disk, an encoding that lacks a character: replaced). (A conversion that did not finish is the converter's to
-recognise: convert/resume.py.)
+"""How a run ends when it is cut short, and what it leaves: Ctrl-C, SIGTERM and SIGHUP end a command with one line and
+exit code 130 / 143 / 129 (run_command; SIGHUP not under nohup); output files and folders appear under their name only
+when complete (atomic_output, write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write
+gets; atomic_folder: a hidden folder, renamed), and a write that fails (a full disk) is one line naming the file,
+stdout's too (a full disk, an encoding that lacks a character: replaced). (A conversion that did not finish is the
+converter's to recognise: convert/resume.py.)
 
 Stdlib only at import: every command and script installs its signal handling before importing torch.
 """
@@ -53,9 +53,9 @@ class Interrupted(KeyboardInterrupt):
 
 def run_command(main, argv=None) -> int:
     """main(argv) with SIGINT, SIGTERM and SIGHUP (STOPPING) raising Interrupted; an interrupt ends with one `error:
-    interrupted by SIG...` line on stderr and exit code 130 / 143 / 129, no traceback. A second signal while the first one's clean-up
-    runs ends the process at once (still one line). argv None means the process's own command line: the handlers
-    then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
+    interrupted by SIG...` line on stderr and exit code 130 / 143 / 129, no traceback. A second signal while the first
+    one's clean-up runs ends the process at once (still one line). argv None means the process's own command line: the
+    handlers then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
     output already flushed); otherwise (tests calling main in-process) the previous handlers come back. A reader of
     stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's.
     For the process's own command line, stdout is guarded (guard_stdout): text its encoding cannot write is

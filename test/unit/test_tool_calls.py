@@ -330,7 +330,8 @@ def test_held_text_waits_for_the_next_delta_or_the_end():
     """A tail that could begin a marker waits: for the next delta, which completes the marker or shows it was text,
     or for finish() (vllm_parsers calls it at the stop token and at max_tokens: issue 30's 'Compare 1 <' is whole)."""
     for thinking, prefix, field, tails in ((False, "", "content", ("<", "<|", "<|tool_calls_sec")),
-                                           (True, "<think>", "reasoning", ("<", "<|", "</", "<|tool_calls_sec", "</thi"))):
+                                           (True, "<think>", "reasoning",
+                                            ("<", "<|", "</", "<|tool_calls_sec", "</thi"))):
         for tail in tails:
             pieces = ([prefix] if prefix else []) + text_chunks("Compare 1 " + tail, 1)
             assert getattr(streamed(pieces, thinking, finish=False)[1], field) == "Compare 1 "

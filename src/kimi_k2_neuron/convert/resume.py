@@ -33,7 +33,8 @@ def resume_hint(folder: str | Path, verify: bool = False) -> str:
     `verify`: the run re-hashed a finished conversion (--verify), which a stop leaves finished."""
     state = _conversion_state(folder)
     if state is None and verify and (Path(folder) / "config.json").is_file():
-        return "the conversion there is finished as it was; the re-hash stopped: run convert --verify again to finish it"
+        return ("the conversion there is finished as it was; the re-hash stopped: run convert --verify again to "
+                "finish it")
     if state is None or state[1] is None:
         return ""
     done, command = state

@@ -1,8 +1,8 @@
 """run_ranks(target, nprocs, args): `target(rank, *args)` in `nprocs` spawned processes with the torch.distributed
 environment set, and no rank left behind. A failing rank stops the others and raises KimiInputError with its message
 (so the CLI prints one `error:` line) or RankFailed; a rank that dies while exiting, after its target returned, is a
-note on stderr, not a failure. SIGTERM/SIGINT/SIGHUP stop every rank and raise RanksInterrupted; if the parent dies anyhow,
-Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
+note on stderr, not a failure. SIGTERM/SIGINT/SIGHUP stop every rank and raise RanksInterrupted; if the parent dies
+anyhow, Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
 import: a rank pays only for what its target imports."""
 
 from __future__ import annotations
