@@ -6,6 +6,7 @@ itself (the real NeuronConfig, loading, the model) is test/nxdi_cpu's; what stan
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
 from kimi_k2_neuron.model.model import KimiK2ForCausalLM
 from kimi_k2_neuron.neuron import contract, loader, rules, sdk
 from kimi_k2_neuron.neuron import vllm_request as vllm_request_
-from kimi_k2_neuron.neuron.spec import RunSpec, Sampling
+from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec, Sampling
 from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.tiny.checkpoint import dense_weights, tiny_config_dict
 
@@ -299,6 +300,52 @@ def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
 def test_what_a_vllm_request_cannot_get_is_refused_in_one_line(over, record, needle, one_line_error):
     one_line_error(lambda: contract.neuron_config_kwargs(kimi_cfg(), vllm_request_.spec_of_request(
         kimi_cfg(), vllm_request(**over), per_channel_record() if record else None, "/c")), needle)
+
+
+def test_a_vllm_request_returns_the_logits_a_grammar_masks_beside_the_devices_tokens():
+    """With on-device sampling the served model returns the logits too (output_logits), for the steps a grammar
+    constrains (neuron/vllm_worker.py); sampling on the host they are the output already; not with speculation."""
+    on_device = vllm_request_.spec_of_request(kimi_cfg(), vllm_request(), per_channel_record(), "/c")
+    assert on_device.output_logits and contract.neuron_config_kwargs(kimi_cfg(), on_device)["output_logits"]
+    assert vllm_request_.unconstrained_why(SimpleNamespace(on_device_sampling_config=object(), output_logits=True)) \
+        is None
+    host = vllm_request_.spec_of_request(kimi_cfg(), vllm_request(on_device_sampling_config=None),
+                                         per_channel_record(), "/c")
+    assert not contract.neuron_config_kwargs(kimi_cfg(), host)["output_logits"]  # lm_head gathers them already
+    assert vllm_request_.unconstrained_why(SimpleNamespace(on_device_sampling_config=None)) is None
+    drafted = vllm_request_.for_vllm(per_channel(tp=64, draft=DraftSpec(path="/d")))
+    assert not drafted.output_logits
+    assert "speculative decoding" in vllm_request_.unconstrained_why({"enable_fused_speculation": True})
+    assert "returns no logits to mask" in vllm_request_.unconstrained_why({"on_device_sampling_config": {}})
+
+
+def serve_config(**over) -> SimpleNamespace:
+    """What grammar_refusal reads of a `vllm serve`'s VllmConfig."""
+    fields = dict(parallel_config=SimpleNamespace(worker_cls=vllm_request_.WORKER_CLS),
+                  structured_outputs_config=SimpleNamespace(backend="xgrammar"), speculative_config=None)
+    return SimpleNamespace(**{**fields, **over})
+
+
+def test_a_server_holds_replies_to_grammars_only_as_configured(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.29")
+    assert vllm_request_.grammar_refusal(serve_config(), environ={}) is None  # vllm-neuron compiles: for_vllm
+    why = vllm_request_.grammar_refusal(serve_config(parallel_config=SimpleNamespace(
+        worker_cls="vllm_neuron.worker.neuron_worker.NeuronWorker")), environ={})
+    assert why == f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {vllm_request_.WORKER_CLS}"
+    why = vllm_request_.grammar_refusal(serve_config(structured_outputs_config=SimpleNamespace(backend="auto")), {})
+    assert why.startswith("structured-output backend 'auto': serve with --structured-outputs-config")
+    assert vllm_request_.grammar_refusal(serve_config(speculative_config=object()), {}).startswith("speculative")
+    (tmp_path / "neuron_config.json").write_text(json.dumps({"neuron_config": {"on_device_sampling_config": {}}}))
+    env = {vllm_request_.COMPILED_ARTIFACTS_ENV: str(tmp_path)}
+    assert "returns no logits" in vllm_request_.grammar_refusal(serve_config(), env)
+    (tmp_path / "neuron_config.json").write_text(json.dumps({"neuron_config": {"on_device_sampling_config": {},
+                                                                               "output_logits": True}}))
+    assert vllm_request_.grammar_refusal(serve_config(), env) is None
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.27")  # vLLM 0.13's pin
+    assert "xgrammar 0.1.27 reads Kimi's tokenizer as raw text (xgrammar #483); pip install 'xgrammar>=0.1.29'" == \
+        vllm_request_.grammar_refusal(serve_config(), {})
 
 
 def test_prefill_rules_count_one_sequence_under_continuous_batching():

@@ -389,6 +389,8 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     """`NeuronKimiK2ForCausalLM(converted_dir, config)`, then compile(out) / load(out)."""
 
     _model_cls = NeuronKimiK2Model
+    # True for a call whose logits a grammar masks on the host (neuron/vllm_worker.py sets it around the call)
+    host_logits = False
 
     def __init__(self, model_path, config: KimiK2InferenceConfig | None = None, neuron_config=None):
         super().__init__(model_path, config=config, neuron_config=neuron_config)
@@ -457,6 +459,13 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         _add_compiler_args(self.token_generation_model)
         if contract.layout_of(self.config).prefill_chunk:
             chunked_prefill.enable_chunked_prefill(self, **model_init_kwargs)
+
+    def _construct_output_with_tokens_and_logits(self, next_tokens, logits, hidden_states=()):
+        """On-device sampling with output_logits: where vllm-neuron reads a step's result, the device's tokens, or
+        the last position's logits on a host_logits call (NXDI_CONTRACT.md: vllm-ods-output)."""
+        out = super()._construct_output_with_tokens_and_logits(next_tokens, logits, list(hidden_states))
+        out.hidden_states = (logits[:, -1, :] if logits.dim() == 3 else logits) if self.host_logits else next_tokens
+        return out
 
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):
         """A prefill wider than the chunk to the chunk driver (NXDI_CONTRACT.md: private-members)."""

@@ -1,6 +1,7 @@
 """vllm-neuron's request as a RunSpec: the run's shape from the generic NeuronConfig the plugin builds from vLLM's
 flags, and nothing else (NXDI_CONTRACT.md: vllm-generic-config); the checkpoint's experts from its conversion record;
-precompiled artifacts checked against it before vllm-neuron loads them. No SDK."""
+precompiled artifacts checked against it before vllm-neuron loads them; whether a server can hold replies to a
+grammar (vllm_worker.py). No SDK."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from .spec import DraftSpec, RunSpec
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
 COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
+# vLLM's --worker-cls that applies the grammar bitmask, and the structured-output backend it is tested with
+WORKER_CLS = "kimi_k2_neuron.neuron.vllm_worker.KimiNeuronWorker"
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+# xgrammar reads Kimi's tokenizer (tiktoken, byte-level token strings) as raw text before this version (xgrammar
+# #483, fixed by #484 in 0.1.29): a space token would be 'Ġ' to it. vLLM 0.13 pins 0.1.27.
+XGRAMMAR_MIN = (0, 1, 29)
 
 
 def describe(nc) -> str:
@@ -42,9 +49,9 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     if record is None:
         raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
                              f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
-    spec = dataclasses.replace(contract.spec_of(nc, Layout(), draft_of_request(nc)), scheme=record.scheme,
-                               checkpoint=str(checkpoint), moe_prefill=None,
-                               extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {})
+    spec = for_vllm(dataclasses.replace(contract.spec_of(nc, Layout(), draft_of_request(nc)), scheme=record.scheme,
+                                        checkpoint=str(checkpoint), moe_prefill=None,
+                                        extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {}))
     bad = contract.derived_problems(nc, spec)
     if bad:
         raise KimiInputError("; ".join(bad))
@@ -96,3 +103,62 @@ def compiled_mismatches(request: RunSpec, nc) -> list[str]:
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
     return bad
+
+
+# -- replies held to a grammar (neuron/vllm_worker.py) ---------------------------------------------------------------
+
+def for_vllm(spec: RunSpec) -> RunSpec:
+    """What vLLM serves: with on-device sampling the logits come back beside the tokens (output_logits), for the
+    steps a grammar constrains (vllm_worker.py); not with fused speculation, whose outputs are the accepted tokens."""
+    return dataclasses.replace(spec, output_logits=spec.sampling.on_device and spec.draft is None)
+
+
+SPECULATION_WHY = ("speculative decoding: NxDI's fused speculation accepts drafted tokens on the device, where no "
+                   "grammar reaches them; serve without --speculative-config")
+NO_LOGITS_WHY = ("the model samples on the device and returns no logits to mask: compile with scripts/"
+                 "compile_and_save.py --for-vllm (it compiles output_logits) or without on-device sampling")
+
+
+def unconstrained_why(nc) -> str | None:
+    """Why a model with this NeuronConfig (an object, or neuron_config.json's dict) cannot be held to a grammar;
+    None: it can."""
+    get = nc.get if isinstance(nc, dict) else lambda name, default=None: getattr(nc, name, default)
+    if get("enable_fused_speculation", False):
+        return SPECULATION_WHY
+    if get("on_device_sampling_config") is not None and not get("output_logits", False):
+        return NO_LOGITS_WHY
+    return None
+
+
+def grammar_refusal(vllm_config, environ=None) -> str | None:
+    """Why this `vllm serve` cannot hold replies to a grammar, read from its config before any request (the API
+    middleware's check, in vLLM's API process); None: it can."""
+    import importlib.metadata
+    import json
+    import os
+    from pathlib import Path
+
+    environ = os.environ if environ is None else environ
+    if getattr(vllm_config.parallel_config, "worker_cls", None) != WORKER_CLS:
+        return f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {WORKER_CLS}"
+    backend = getattr(vllm_config.structured_outputs_config, "backend", None)
+    if backend != STRUCTURED_OUTPUTS_CONFIG["backend"]:
+        return (f"structured-output backend {backend!r}: serve with --structured-outputs-config "
+                f"'{json.dumps(STRUCTURED_OUTPUTS_CONFIG)}' (guidance needs a fast tokenizer; Kimi's is not one)")
+    try:
+        version = importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return "xgrammar is not installed"
+    if tuple(int(p) for p in version.split(".")[:3] if p.isdigit()) < XGRAMMAR_MIN:
+        return (f"xgrammar {version} reads Kimi's tokenizer as raw text (xgrammar #483); pip install "
+                f"'xgrammar>={'.'.join(map(str, XGRAMMAR_MIN))}'")
+    if vllm_config.speculative_config is not None:
+        return SPECULATION_WHY
+    compiled = environ.get(COMPILED_ARTIFACTS_ENV)
+    if not compiled:  # vllm-neuron compiles the request: for_vllm returns the logits whatever the sampling
+        return None
+    path = Path(compiled) / "neuron_config.json"
+    try:
+        return unconstrained_why(json.loads(path.read_text())["neuron_config"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path}: unreadable; cannot tell whether the compiled model returns logits"
