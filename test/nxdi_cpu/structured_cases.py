@@ -17,7 +17,7 @@ import re
 import jsonschema
 
 BUDGET = 160  # max_tokens of a schema's reply: the longest reply a mask allows for these cases is well below
-TOOL_BUDGET = 240  # a forced call's: tool arguments take any whitespace (runtime/tool_grammar.py)
+TOOL_BUDGET = 280  # several forced calls': tool arguments take any whitespace (runtime/tool_grammar.py)
 
 WORD = {"type": "string", "pattern": "^[a-z]{1,6}$"}
 CODE = {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}
@@ -77,12 +77,10 @@ SCHEMAS = _schemas()
 assert len(SCHEMAS) == 50
 
 # tools whose parameters are bounded, for tool_choice required and named
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": obj({"city": WORD, "unit": {"enum": ["C", "F"]}},
-                                                              required=["city"])}}
-SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the web",
-                                           "parameters": obj({"query": WORD, "top_k": COUNT, "fresh": FLAG},
-                                                             required=["query"])}}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": obj(
+    {"city": WORD, "unit": {"enum": ["C", "F"]}}, required=["city"])}}
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": obj(
+    {"query": WORD, "top_k": COUNT}, required=["query"])}}
 TOOLS = [WEATHER, SEARCH]
 PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 

@@ -15,6 +15,7 @@ reply closes its reasoning after a few tokens (a random model never does); then 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -105,9 +106,9 @@ def test_compile_for_vllm_returns_the_logits_and_prints_the_worker(compiled):
     out, stdout, _ = compiled
     nc = json.loads((out / "neuron_config.json").read_text())["neuron_config"]
     assert nc["on_device_sampling_config"]["dynamic"] is True and nc["output_logits"] is True
-    flags = stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1].replace("\\\n", " ").split()
+    flags = shlex.split(stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1].replace("\\\n", " "))
     assert flags[flags.index("--worker-cls") + 1] == "kimi_k2_neuron.neuron.vllm_worker.KimiNeuronWorker"
-    assert json.loads(flags[flags.index("--structured-outputs-config") + 1].strip("'")) == {
+    assert json.loads(flags[flags.index("--structured-outputs-config") + 1]) == {
         "backend": "xgrammar", "disable_any_whitespace": True}
 
 

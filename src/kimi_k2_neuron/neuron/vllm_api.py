@@ -74,7 +74,7 @@ class KimiApi:
         path = scope.get("path", "")
         if scope["type"] != "http" or scope.get("method") != "POST" or not path.endswith("/completions"):
             return await self.app(scope, receive, send)
-        rewrite = kimi_request if path.endswith("/chat/completions") else other_request
+        chat = path.endswith("/chat/completions")
         chunks, more = [], True
         while more:
             message = await receive()
@@ -89,7 +89,10 @@ class KimiApi:
             request = None
         if isinstance(request, dict):
             try:
-                body = json.dumps(rewrite(request, self.facts(scope))).encode()
+                if chat:
+                    body = json.dumps(kimi_request(request, self.facts(scope))).encode()
+                else:  # checked, passed as it came
+                    other_request(request, self.facts(scope))
             except ApiError as e:
                 return await _bad_request(send, str(e))
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]

@@ -139,9 +139,9 @@ def grammar_refusal(vllm_config, environ=None) -> str | None:
     from pathlib import Path
 
     environ = os.environ if environ is None else environ
-    if getattr(vllm_config.parallel_config, "worker_cls", None) != WORKER_CLS:
+    if getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None) != WORKER_CLS:
         return f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {WORKER_CLS}"
-    backend = getattr(vllm_config.structured_outputs_config, "backend", None)
+    backend = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", None)
     if backend != STRUCTURED_OUTPUTS_CONFIG["backend"]:
         return (f"structured-output backend {backend!r}: serve with --structured-outputs-config "
                 f"'{json.dumps(STRUCTURED_OUTPUTS_CONFIG)}' (guidance needs a fast tokenizer; Kimi's is not one)")
@@ -152,7 +152,7 @@ def grammar_refusal(vllm_config, environ=None) -> str | None:
     if tuple(int(p) for p in version.split(".")[:3] if p.isdigit()) < XGRAMMAR_MIN:
         return (f"xgrammar {version} reads Kimi's tokenizer as raw text (xgrammar #483); pip install "
                 f"'xgrammar>={'.'.join(map(str, XGRAMMAR_MIN))}'")
-    if vllm_config.speculative_config is not None:
+    if getattr(vllm_config, "speculative_config", None) is not None:
         return SPECULATION_WHY
     compiled = environ.get(COMPILED_ARTIFACTS_ENV)
     if not compiled:  # vllm-neuron compiles the request: for_vllm returns the logits whatever the sampling

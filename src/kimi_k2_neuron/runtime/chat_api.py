@@ -13,8 +13,8 @@ field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does wi
   presence and frequency penalty 0, n 1; any other value is refused as the official API refuses it.
 - Replies held to a schema: response_format json_object and json_schema (name and schema required, strict a
   boolean) and vLLM's structured_outputs pass to vLLM where the server applies its grammar (`facts.grammars`: None,
-  neuron/vllm_worker.py), else are refused with the reason; json_object, and json_schema with strict false, are a
-  JSON object whose structure is not enforced, as Kimi's API words it; vLLM 0.13 ignores the old guided_* fields, so
+  neuron/vllm_worker.py), else are refused with the reason; json_schema with strict false is a JSON object whose
+  structure is not enforced, as Kimi's API words it (json_object); vLLM 0.13 ignores the old guided_* fields, so
   they are refused. Presence and frequency penalties are refused (vllm-neuron's sampler gets temperature, top_k and top_p).
 - tool_choice: `auto` or `none` without tools is a plain chat (vLLM refuses `auto` without tools); `required`
   needs tools. The prompt forces `required` and a named function: the request continues an assistant message that
@@ -42,7 +42,6 @@ THINKING_TEMPERATURE, INSTANT_TEMPERATURE, TOP_P = 1.0, 0.6, 0.95
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
           "guided_whitespace_pattern", "structural_tag")
 NO_GRAMMAR = "no vLLM configuration was read to tell whether the server applies vLLM's grammar"
-ANY_OBJECT = {"type": "object", "additionalProperties": True}
 
 
 class ApiError(ValueError):
@@ -99,12 +98,10 @@ def kimi_request(body: dict, facts: ChatFacts) -> dict:
     return body
 
 
-def other_request(body: dict, facts: ChatFacts) -> dict:
-    """A request to another endpoint that takes vLLM's structured outputs (/v1/completions): refused where the
-    server applies no grammar, as a chat's is."""
-    body = copy.deepcopy(body)
-    _structured(body, facts.grammars)
-    return body
+def other_request(body: dict, facts: ChatFacts) -> None:
+    """A request to another endpoint that takes vLLM's structured outputs (/v1/completions): ApiError where the
+    server applies no grammar, as for a chat."""
+    _structured(copy.deepcopy(body), facts.grammars)
 
 
 def _thinking(body: dict, facts: ChatFacts) -> bool:
@@ -149,12 +146,9 @@ def _structured(body: dict, refusal: str | None) -> None:
             body.pop("response_format")  # vLLM would make an empty grammar of it
         elif refusal:
             _fail(f"response_format {kind}", f"not served here: {refusal}; refused rather than ignored")
-        elif kind == "json_object" or not response_format["json_schema"].get("strict", True) and \
+        elif kind == "json_schema" and response_format["json_schema"].get("strict") is False and \
                 response_format["json_schema"]["schema"].get("type", "object") == "object":
-            # Kimi's API: a JSON object, its structure not enforced. vLLM hands xgrammar {"type": "object"},
-            # which its strict mode reads as the empty object only.
-            body.pop("response_format")
-            body["structured_outputs"] = {"json": ANY_OBJECT}
+            body["response_format"] = {"type": "json_object"}  # Kimi's API: a JSON object, its structure free
     for name in GUIDED:
         if body.get(name) is not None:
             _fail(name, "not read by vLLM 0.13, which would ignore it; use structured_outputs")

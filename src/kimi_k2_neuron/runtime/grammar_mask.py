@@ -17,6 +17,7 @@ A row the grammar leaves open (every bit set: still reasoning, or the grammar is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return out[:, :vocab]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SpecialTokens:
     """A vocabulary's special tokens (ids num_base and up) and, for each, the ordinary tokens whose bytes are a proper
     prefix of its text (what spells it)."""
@@ -44,6 +45,14 @@ class SpecialTokens:
     special: torch.Tensor  # [vocab] bool
     eos: int  # the grammar's end token (xgrammar's stop token: the tokenizer's eos)
     spellers: dict[int, torch.Tensor]  # special id -> [vocab] bool
+
+    @functools.cached_property
+    def any_speller(self) -> torch.Tensor:
+        """[vocab] bool: the ordinary tokens that spell the start of some special token."""
+        out = torch.zeros(self.vocab, dtype=torch.bool)
+        for spelling in self.spellers.values():
+            out |= spelling
+        return out
 
     @classmethod
     def of(cls, token_bytes: Callable[[int], bytes], num_base: int, num_tokens: int, vocab: int,
@@ -82,7 +91,8 @@ def allowed(row: torch.Tensor, tokens: SpecialTokens, stops: Iterable[int]) -> t
     ordinary = row & ~tokens.special
     marks = row & tokens.special & ~stop
     out = ordinary
-    if marks.any():
+    # (text that spells no special token's start is the common case, decided without the per-token loop)
+    if marks.any() and not (ordinary & ~tokens.any_speller).any():
         spelling = torch.zeros_like(row)
         for i in marks.nonzero().flatten().tolist():
             if i in tokens.spellers:
