@@ -3,10 +3,11 @@ server) share, and their checks. Test infrastructure.
 
 SCHEMAS: 50 JSON Schemas of the kinds Kimi-Vendor-Verifier's tool_call_json_schema cases hold (object, array, anyOf,
 enum, nested, required fields). A random model writes whatever its mask allows, so every leaf is bounded (a pattern,
-an enum, a range, a length), and every reply ends within BUDGET tokens whatever it samples: then a reply that parses
-and validates shows the mask, not the model. (xgrammar 0.1.29 lets a minLength/maxLength string hold raw control
-characters, which a strict JSON parser refuses: its length-bounded string rule is `[^"\\\\\\r\\n]`; patterns have no
-such hole, so the bounded strings here are patterns.)
+an enum, a range, a count of items), and a request's max_tokens is its schema's longest JSON text in bytes
+(`longest`, with vLLM's one-line separators), so every reply ends within it whatever the model samples: then a reply
+that parses and validates shows the mask, not the model. (xgrammar 0.1.29 lets a minLength/maxLength string hold
+raw control characters, which a strict JSON parser refuses: its length-bounded string rule excludes only the quote,
+the backslash, CR and LF; patterns have no such hole, so the bounded strings here are patterns.)
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import re
 
 import jsonschema
 
-BUDGET = 160  # max_tokens of a schema's reply: the longest reply a mask allows for these cases is well below
+BUDGET = 160  # max_tokens of a reply whose length no schema bounds (json_object greedy, a thinking reply)
 TOOL_BUDGET = 280  # several forced calls': tool arguments take any whitespace (runtime/tool_grammar.py)
 
 WORD = {"type": "string", "pattern": "^[a-z]{1,6}$"}
 CODE = {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"}
+PATTERN_LONGEST = {WORD["pattern"]: 6, CODE["pattern"]: 5}  # characters a match has at most
 COLOR = {"enum": ["red", "green", "blue"]}
 SIZE = {"type": "string", "enum": ["S", "M", "L", "XL"]}
 COUNT = {"type": "integer", "minimum": 0, "maximum": 99}
@@ -88,6 +90,29 @@ REGEX = r"[0-9]{3}-[a-z]{2,4}"
 CHOICES = ["yes", "no", "maybe"]
 
 
+def longest(schema: dict) -> int:
+    """Bytes of the longest JSON text the schema allows, written as xgrammar writes it without free whitespace
+    (", " and ": " separators); every token is at least one byte, so no reply has more tokens."""
+    def text(value) -> int:
+        return len(json.dumps(value, separators=(", ", ": ")).encode())
+    if "enum" in schema or "const" in schema:
+        return max(text(v) for v in schema.get("enum", [schema.get("const")]))
+    if "anyOf" in schema:
+        return max(longest(s) for s in schema["anyOf"])
+    kind = schema["type"]
+    if kind == "string":
+        return 2 + (10 if schema.get("format") == "date" else PATTERN_LONGEST[schema["pattern"]])
+    if kind == "integer":
+        return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    if kind in ("boolean", "null"):
+        return 5 if kind == "boolean" else 4
+    if kind == "array":
+        most = schema["maxItems"]
+        return 2 + most * longest(schema["items"]) + 2 * (most - 1)
+    props = schema["properties"]
+    return 2 + sum(text(k) + 2 + longest(v) for k, v in props.items()) + 2 * (len(props) - 1)
+
+
 def check(text: str, schema: dict):
     """The reply's text parsed (strictly: no raw control characters) and validated; its value."""
     value = json.loads(text)
@@ -102,4 +127,4 @@ def check_regex(text: str) -> None:
 def schema_request(schema: dict, **fields) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "reply", "strict": True,
                                                                        "schema": schema}},
-            "max_tokens": BUDGET, **fields}
+            "max_tokens": longest(schema) + 1, **fields}  # + the end

@@ -67,7 +67,8 @@ def test_unpacked_masks_are_xgrammars_own(compiler, tokenizers):
     """xgrammar's apply_token_bitmask_inplace and ours give -inf at the same places."""
     _, info = compiler
     words = -(-info.vocab_size // 32)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, words), dtype=torch.int32, generator=generator)
     logits = torch.randn(4, info.vocab_size)
     theirs = logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, bitmask)
@@ -134,16 +135,18 @@ def sample(compiled, kimi, special, vocab: int, generator, stops=(), budget: int
 
 
 def test_a_random_model_held_to_each_grammar_writes_what_it_asks(compiler, tokenizers):
-    """Random logits, masked: each of the 50 schemas' replies parses and validates within the budget, and every
-    forced call's arguments validate against its function's parameters, the calls read by the parser."""
+    """Random logits, masked: each of the 50 schemas' replies parses, validates and ends within the schema's longest
+    text, and every forced call's arguments validate against its function's parameters, the calls read by the
+    parser."""
     comp, info = compiler
     _, kimi = tokenizers
     special = grammar_mask.SpecialTokens.of_kimi(kimi, info.vocab_size)
     generator = torch.Generator().manual_seed(0)
     im_end = kimi.token_to_id("<|im_end|>")
-    for kind, schema in cases.SCHEMAS:
+    for kind, schema in cases.SCHEMAS:  # each within its longest text (the budget the server tests give it)
         compiled = comp.compile_json_schema(json.dumps(schema), any_whitespace=False)
-        text = sample(compiled, kimi, special, info.vocab_size, generator, stops=(im_end,))
+        text = sample(compiled, kimi, special, info.vocab_size, generator, stops=(im_end,),
+                      budget=cases.longest(schema) + 1)
         cases.check(text, schema)
     required = comp.compile_structural_tag(tool_grammar.required_calls(cases.TOOLS, 0)["structural_tag"])
     for _ in range(10):  # up to four calls, their arguments with any whitespace: a longer budget

@@ -132,8 +132,9 @@ def test_the_reasoning_is_free_and_the_answer_held(server, k26):
     close = kimi.token_to_id(grammar.THINK_CLOSE)
     base = ss.chat(THINK_ASK, temperature=0.0, max_tokens=cases.BUDGET, return_token_ids=True,
                    chat_template_kwargs={"thinking": True})
+    held_body = {**base, **cases.schema_request(THINK_SCHEMA), "max_tokens": cases.BUDGET}  # the reasoning too
     free = server.post("/v1/chat/completions", {**base, "max_tokens": 24})["choices"][0]
-    held = server.post("/v1/chat/completions", {**base, **cases.schema_request(THINK_SCHEMA)})["choices"][0]
+    held = server.post("/v1/chat/completions", held_body)["choices"][0]
     assert close in free["token_ids"], "the designed head did not close the reasoning"
     at = free["token_ids"].index(close)
     assert at >= 1, "the reasoning is empty: nothing to see unconstrained"
@@ -142,7 +143,7 @@ def test_the_reasoning_is_free_and_the_answer_held(server, k26):
     cases.check(held["message"]["content"], THINK_SCHEMA)
     with pytest.raises(ValueError):  # what the model writes unconstrained after </think> is no such JSON
         cases.check(kimi.decode(free["token_ids"][at + 1:], skip_special=True), THINK_SCHEMA)
-    streamed, finish = ss.reply(server, {**base, **cases.schema_request(THINK_SCHEMA)}, stream=True)
+    streamed, finish = ss.reply(server, held_body, stream=True)
     assert streamed["reasoning_content"] == held["message"]["reasoning_content"]
     cases.check(streamed["content"], THINK_SCHEMA)
     assert finish == "stop"

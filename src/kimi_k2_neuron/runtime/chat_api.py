@@ -15,7 +15,8 @@ field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does wi
   boolean) and vLLM's structured_outputs pass to vLLM where the server applies its grammar (`facts.grammars`: None,
   neuron/vllm_worker.py), else are refused with the reason; json_schema with strict false is a JSON object whose
   structure is not enforced, as Kimi's API words it (json_object); vLLM 0.13 ignores the old guided_* fields, so
-  they are refused. Presence and frequency penalties are refused (vllm-neuron's sampler gets temperature, top_k and top_p).
+  they are refused. Presence and frequency penalties are refused (vllm-neuron's sampler gets temperature, top_k
+  and top_p).
 - tool_choice: `auto` or `none` without tools is a plain chat (vLLM refuses `auto` without tools); `required`
   needs tools. The prompt forces `required` and a named function: the request continues an assistant message that
   opens the tool section (and, for a named function, the call), which the parsers (neuron/vllm_parsers.py) read as
