@@ -41,10 +41,12 @@ def main(root: Path, max_len: int, release: str, urlfile: Path, reply_tokens: in
     config = json.loads((model / "generation_config.json").read_text())
     (generation / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": reply_tokens}))
     parsers = str(vs.REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py")
+    # the reasoning parser where the template writes <think>, as compile_and_save's printed command has it
+    thinking = ("--reasoning-parser-plugin", parsers, "--reasoning-parser", "kimi_k2_neuron") if "<think>" in \
+        CHAT_TEMPLATES[release] else ()
     extra = ("--middleware", "kimi_k2_neuron.neuron.vllm_api.KimiApi", "--chat-template-content-format", "string",
-             "--reasoning-parser-plugin", parsers, "--reasoning-parser", "kimi_k2_neuron", "--trust-remote-code",
-             "--generation-config", str(generation), "--worker-cls", WORKER_CLS, "--structured-outputs-config",
-             json.dumps(STRUCTURED_OUTPUTS_CONFIG))
+             *thinking, "--trust-remote-code", "--generation-config", str(generation), "--worker-cls", WORKER_CLS,
+             "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG))
     server = vs.Server(model, tokenizer, vs.child_env(vs.write_dists(root / "dists")), root / f"serve-{release}.log",
                        max_len, 2, extra)
     signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))

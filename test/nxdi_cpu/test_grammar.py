@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch

@@ -119,13 +119,13 @@ NO_LOGITS_WHY = ("the model samples on the device and returns no logits to mask:
                  "compile_and_save.py --for-vllm (it compiles output_logits) or without on-device sampling")
 
 
-def unconstrained_why(nc) -> str | None:
+def unconstrained_why(config) -> str | None:
     """Why a model with this NeuronConfig (an object, or neuron_config.json's dict) cannot be held to a grammar;
     None: it can."""
-    get = nc.get if isinstance(nc, dict) else lambda name, default=None: getattr(nc, name, default)
-    if get("enable_fused_speculation", False):
+    fields = config if isinstance(config, dict) else vars(config)
+    if fields.get("enable_fused_speculation", False):
         return SPECULATION_WHY
-    if get("on_device_sampling_config") is not None and not get("output_logits", False):
+    if fields.get("on_device_sampling_config") is not None and not fields.get("output_logits", False):
         return NO_LOGITS_WHY
     return None
 

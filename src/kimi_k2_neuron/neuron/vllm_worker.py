@@ -19,7 +19,6 @@ one line (vllm_request.unconstrained_why): the API middleware refuses such reque
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -32,7 +31,6 @@ from kimi_k2_neuron.runtime.tokenizer import VOCAB_NAME, KimiTokenizer
 
 from .vllm_request import unconstrained_why
 
-logger = logging.getLogger(__name__)
 
 
 class KimiModelRunner(NeuronxDistributedModelRunner):
