@@ -127,4 +127,5 @@ def check_regex(text: str) -> None:
 def schema_request(schema: dict, **fields) -> dict:
     return {"response_format": {"type": "json_schema", "json_schema": {"name": "reply", "strict": True,
                                                                        "schema": schema}},
-            "max_tokens": longest(schema) + 1, **fields}  # + the end
+            "max_tokens": longest(schema) + 2, **fields}  # the end token too, and one more: a reply whose last
+    # token is the max_tokens-th is "length", stop token or not (vllm-neuron checks the length first)
