@@ -1,6 +1,6 @@
 """The `kimi-k2-neuron plan` command: will a run spec fit on a trn2.48xlarge, and how fast (estimates). Its modes: a
 plan, --max-seq-len, --max-batch, --best (the layouts by modelled time) and --port (a published port at its own
-configuration); the planner itself is neuron/fit.py."""
+configuration); the planner itself is neuron/fit.py (its searches layout_search.py, its report plan_report.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from .launch import draft_spec, layout_options, run_spec
 def cmd_plan(a) -> int:
     from .config import KimiK2Config
     from .formats.record import ConversionRecord
-    from .neuron.fit import format_plan, max_batch, max_seq_len, plan, plan_json
+    from .neuron.fit import plan
+    from .neuron.layout_search import max_batch, max_seq_len
+    from .neuron.plan_report import format_plan, plan_json
     from .neuron.timing import Port
 
     _check_plan_modes(a)
@@ -68,7 +70,9 @@ def _check_plan_modes(a) -> None:
 
 def _plan_published(a, cfg) -> int:
     """A published port at its own configuration: the modelled TPOT and TTFT beside what it published."""
-    from .neuron.fit import format_plan, plan, plan_json, published_spec
+    from .neuron.fit import plan
+    from .neuron.layout_search import published_spec
+    from .neuron.plan_report import format_plan, plan_json
     from .neuron.timing import PUBLISHED_BY_NAME
 
     spec, port = published_spec(cfg, a.port)
@@ -84,7 +88,8 @@ def _plan_published(a, cfg) -> int:
 
 def _plan_best(a, cfg, spec, port) -> int:
     """The layouts that fit at --seq-len and --batch, fastest modelled decode first; the plan of the best."""
-    from .neuron.fit import best_layout, format_plan, plan_json
+    from .neuron.layout_search import best_layout
+    from .neuron.plan_report import format_plan, plan_json
     from .neuron.spec import layout_flags
 
     best, fitting = best_layout(cfg, spec, port=port)
@@ -108,7 +113,7 @@ def _plan_best(a, cfg, spec, port) -> int:
 
 
 def _max_batch_line(p, found: int | None) -> str:
-    from .neuron.fit import GiB
+    from .neuron.hbm import GiB
 
     if found is None:
         return (f"max batch: none fits at seq_len {p.seq_len} (batch {p.batch} needs {p.total_bytes / GiB:.2f} GiB); "
@@ -117,14 +122,14 @@ def _max_batch_line(p, found: int | None) -> str:
 
 
 def _max_seq_len_line(cfg, p, found: int | None) -> str:
-    from .neuron.fit import GiB
+    from .neuron.hbm import GiB
 
     top = cfg.max_position_embeddings
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
-    from .parallel import Layout
-    from .neuron.fit import seq_len_step
+    from .placement import Layout
+    from .neuron.layout_search import seq_len_step
 
     step = seq_len_step(p)
     taken_by = "the shard-on-block kernel takes" if p.layout == Layout() else "these options take"

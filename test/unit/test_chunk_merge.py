@@ -2,7 +2,7 @@
 attend_chunk at Kimi-K2's real per-rank shapes (TP=64: one head, kv_lora_rank 512, rope 64, 1,024-token chunk, KV
 group 64) on one process, through a ParallelContext that records each collective it is asked for (and answers as if
 every rank held this rank's data: shapes, not numbers). What it records is what the planner counts
-(mla.chunk_collectives via timing.chunk_merge), and the peak of the tensors it keeps alive is what fit.py's
+(mla.chunk_collectives via timing.chunk_merge), and the peak of the tensors it keeps alive is what hbm.py's
 "prefill chunk attention" row charges. The numbers themselves are tested against the replicated one-shot run on
 real ranks: test_tp.py (gloo) and test/nxdi_cpu/test_chunk_submodel.py (NxD's collectives)."""
 
@@ -23,7 +23,8 @@ from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, MLAttention
 from kimi_k2_neuron.neuron.fit import plan
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import chunk_merge
-from kimi_k2_neuron.parallel import Layout, ParallelContext
+from kimi_k2_neuron.parallel import ParallelContext
+from kimi_k2_neuron.placement import Layout
 
 KIMI = Path(__file__).resolve().parents[1] / "data" / "configs" / "kimi-k2-instruct-0905.json"
 TP, G, N = 64, 64, 1024
@@ -134,7 +135,7 @@ def test_the_planner_counts_the_collectives_attend_chunk_asks_for():
 @pytest.mark.parametrize("kv_group,chunk_group", [(G, None), (G, G), (1, None)],
                          ids=["sharded", "sharded-flat-merge", "replicated"])
 def test_the_chunk_attention_row_is_what_attend_chunk_keeps_alive(kv_group, chunk_group):
-    """fit.py's "prefill chunk attention" row against the peak of the tensors attend_chunk builds (its inputs, weights
+    """hbm.py's "prefill chunk attention" row against the peak of the tensors attend_chunk builds (its inputs, weights
     and o_proj aside): at the chunk group the model chooses, at the flat merge over all 64 ranks, and over the
     replicated cache (one head over all of it). The row may miss small tensors (masks, maxima), not 3 %."""
     cfg, spec, _, _, peak = run_chunk(chunk_group, kv_group)
@@ -160,8 +161,8 @@ def test_a_1024_token_chunk_at_g64_moves_under_40_mb_a_layer(capsys):
 
 @pytest.mark.parametrize("layout, needle", [
     (dict(kv_group=64, prefill_chunk=1024, chunk_group=8),
-     "kimi_k2_layout.chunk_group 8 at --tp 64 --lnc 2: not a pair of meshes NxD lays out; use one of [64, 16]"),
-    (dict(kv_group=64, chunk_group=16), "kimi_k2_layout.chunk_group 16: only with --kv-shard sequence and --prefill"),
+     "kimi_k2_run_spec.layout.chunk_group 8 at --tp 64 --lnc 2: not a pair of meshes NxD lays out; use one of [64, 16]"),
+    (dict(kv_group=64, chunk_group=16), "kimi_k2_run_spec.layout.chunk_group 16: only with --kv-shard sequence and --prefill"),
 ], ids=["no trn2 mesh", "no chunk"])
 def test_chunk_groups_nxd_cannot_lay_out_are_refused(layout, needle, one_line_error):
     from kimi_k2_neuron.neuron import rules

@@ -11,7 +11,8 @@ import pytest
 
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.neuron.fit import plan, published_spec
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.layout_search import published_spec
 from kimi_k2_neuron.neuron.timing import PUBLISHED, PUBLISHED_BY_NAME, TRN2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,6 +107,7 @@ def _plan_json(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_the_docs_table_of_layouts_by_time_is_what_plan_best_chooses(capsys):
     rows = _table("**The layout by time**")
     assert len(rows) == 4

@@ -20,7 +20,7 @@ from .norm import RMSNorm
 from .rope import apply_interleaved_rope, softmax_scale
 
 # Queries per score block of a prefill chunk (attend_chunk): bounds its [heads x Gc, tile, keys] float32 scores, which
-# the fit planner counts (neuron/fit.py).
+# the fit planner counts (neuron/hbm.py).
 CHUNK_QUERY_TILE = 128
 # modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
 # Kimi-K2-Thinking and K2.5).
@@ -163,7 +163,7 @@ class MLAttention(nn.Module):
             acc[:, :, i:i + tile, : self.v_dim] = torch.einsum("bhsr,hvr->bhsv", context, w_uv.float())
             acc[:, :, i:i + tile, self.v_dim :] = total
             tops[:, :, i:i + tile] = top
-            del q_lat, top, total, context  # before the next tile's blocks (fit.py counts one tile's)
+            del q_lat, top, total, context  # before the next tile's blocks (hbm.py counts one tile's)
         acc.mul_(torch.exp(tops - self.ctx.max_over_chunk_group(tops, gc)))  # 0 where this rank saw no key
         merged = self.ctx.reduce_scatter_chunk_heads(acc, gc)  # [B, heads, S, v_dim + 1]
         out = (merged[..., : self.v_dim] / merged[..., self.v_dim :]).to(q_nope.dtype)
@@ -176,7 +176,7 @@ class MLAttention(nn.Module):
         """-> (the max [B, h, tile, 1], the softmax sum, the latent context [.., rank]) over this rank's segments,
         float32, under the group's max (group_max), else this rank's own."""
         low = torch.finfo(torch.float32).min
-        # in place past the first float32 copy: one float32 score block per segment (fit.py counts it so)
+        # in place past the first float32 copy: one float32 score block per segment (hbm.py counts it so)
         scores = [_shared_kv_matmul(q, seg.to(q.dtype).transpose(-1, -2)).to(torch.float32, copy=True)
                   .mul_(self.scale).masked_fill_(~m, low) for seg, m in zip(segments, masks)]
         top = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[..., None]

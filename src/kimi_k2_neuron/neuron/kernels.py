@@ -106,7 +106,7 @@ def prefill_work(cfg: KimiK2Config, mode: str, tokens: int, tp: int, ep: int = 1
 @dataclass(frozen=True)
 class DequantTraffic:
     """HBM bytes of NxD dequantizing every local FP8 expert to bf16 before a prefill kernel, per MoE layer and call
-    (NXDI_CONTRACT.md: kernel-dequantizes; its fp32 weight x scale products assumed fused, as neuron/fit.py assumes)."""
+    (NXDI_CONTRACT.md: kernel-dequantizes; its fp32 weight x scale products assumed fused, as neuron/hbm.py assumes)."""
 
     elements: int  # local expert weight elements: E_local x 3 x H x I_local
     fp8_read: int

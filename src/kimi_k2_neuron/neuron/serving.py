@@ -22,10 +22,10 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import write_atomically
 
 from . import rules
-from .contract import layout_of
+from .contract import run_spec
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 from .spec import GREEDY, RunSpec, Sampling, speculation_overrun
-from .vllm_request import COMPILED_ARTIFACTS_ENV, STRUCTURED_OUTPUTS_CONFIG, WORKER_CLS
+from .vllm_request import COMPILED_ARTIFACTS_ENV, HOST_SAMPLING_CONFIG, STRUCTURED_OUTPUTS_CONFIG, WORKER_CLS
 
 logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
@@ -84,6 +84,8 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
              f"{shlex.quote(json.dumps(STRUCTURED_OUTPUTS_CONFIG))}"]
     if "<think>" in (KimiTokenizer.from_dir(tokenizer_dir or checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
+    if not spec.sampling.on_device:  # compiled to return logits: vLLM's sampler on the host
+        flags.append(f"--additional-config {shlex.quote(json.dumps(HOST_SAMPLING_CONFIG))}")
     if spec.draft:  # "eagle": vLLM 0.13 refuses "eagle3" for kimi_k2 (NXDI_CONTRACT.md: vllm-spec-config)
         config = {"method": "eagle", "model": str(Path(spec.draft.path).resolve()),
                   "num_speculative_tokens": spec.draft.speculation_length}
@@ -148,7 +150,7 @@ def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Deco
     # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
     # cache and the next step raises.
     # chunked (chunked_prefill.py), a prompt may fill the cache
-    longest = nc.seq_len if layout_of(app.config).prefill_chunk else nc.max_context_length
+    longest = nc.seq_len if run_spec(app.config).layout.prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
     # the first new token comes from prefill alone

@@ -6,16 +6,16 @@ grammar (vllm_worker.py). No SDK."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME
-from kimi_k2_neuron.parallel import Layout
 
-from . import contract, moe_paths
-from .spec import DraftSpec, RunSpec
+from . import moe_paths
+from .spec import DraftSpec, RunSpec, Sampling
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
 COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
@@ -25,6 +25,8 @@ STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": Tr
 # xgrammar reads Kimi's tokenizer (tiktoken, byte-level token strings) as raw text before this version (xgrammar
 # #483, fixed by #484 in 0.1.29): a space token would be 'Ġ' to it. vLLM 0.13 pins 0.1.27.
 XGRAMMAR_MIN = (0, 1, 29)
+# vllm-neuron's option that serves a model compiled to return logits (vLLM's sampler on the host)
+HOST_SAMPLING_CONFIG = {"override_neuron_config": {"on_device_sampling_config": None}}
 
 
 def describe(nc) -> str:
@@ -33,14 +35,16 @@ def describe(nc) -> str:
             f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}")
 
 
-def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
+def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     """The request's shape and sampler, the checkpoint's experts (record: a ConversionRecord), the MoE prefill mode
-    these shapes allow; what the latent cache cannot serve is refused in one line."""
-    if getattr(nc, "is_chunked_prefill", False):
+    these shapes allow; what the latent cache cannot serve is refused in one line. The one reverse mapping of the
+    package: vllm-neuron's NeuronConfig is what vLLM's flags made, not one a RunSpec derived (NXDI_CONTRACT.md:
+    vllm-generic-config)."""
+    if nc.is_chunked_prefill:
         raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
                              "block KV layout, which Kimi-K2's latent cache does not have; unset "
                              "DISABLE_NEURON_CUSTOM_SCHEDULER")
-    if getattr(nc, "is_prefix_caching", False) or getattr(nc, "is_block_kv_layout", False):
+    if nc.is_prefix_caching or nc.is_block_kv_layout:
         raise KimiInputError("--enable-prefix-caching (on by default in vLLM) needs NxDI's block KV layout, which "
                              "Kimi-K2's latent cache does not have; pass --no-enable-prefix-caching")
     if nc.torch_dtype != torch.bfloat16:
@@ -49,12 +53,18 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     if record is None:
         raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
                              f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
-    spec = for_vllm(dataclasses.replace(contract.spec_of(nc, Layout(), draft_of_request(nc)), scheme=record.scheme,
-                                        checkpoint=str(checkpoint), moe_prefill=None,
-                                        extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {}))
-    bad = contract.derived_problems(nc, spec)
-    if bad:
-        raise KimiInputError("; ".join(bad))
+    if nc.is_continuous_batching and nc.ctx_batch_size != 1:
+        raise KimiInputError(f"continuous batching with a prefill batch of {nc.ctx_batch_size}: NxDI's cache writes "
+                             f"by seq_id take one sequence per prefill (ctx_batch_size 1)")
+    ods = nc.on_device_sampling_config
+    sampling = Sampling(on_device=False) if ods is None else Sampling(
+        do_sample=ods.do_sample, top_k=ods.top_k, top_p=ods.top_p, temperature=ods.temperature,
+        global_topk=ods.global_topk)
+    spec = for_vllm(RunSpec(tp=nc.tp_degree, ep=nc.moe_ep_degree or 1, lnc=nc.logical_nc_config, seq_len=nc.seq_len,
+                            max_context_length=nc.max_context_length, batch=nc.max_batch_size or nc.batch_size,
+                            scheme=record.scheme, checkpoint=str(checkpoint), moe_prefill=None, sampling=sampling,
+                            output_logits=bool(nc.output_logits), continuous_batching=bool(nc.is_continuous_batching),
+                            draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {}))
     tile = moe_paths.OUTPUT_TILE
     if spec.prefill_mode(cfg) == "shard-on-block" and spec.prefill_tokens % tile:
         # the kernel's rule, in vLLM's words: a prefill of whole output tiles, never a silent torch loop of hundreds of
@@ -66,51 +76,57 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     return spec
 
 
-def draft_of_request(nc) -> DraftSpec | None:
+def draft(nc) -> DraftSpec | None:
     """--speculative-config as vllm-neuron passes it: num_speculative_tokens is NxDI's speculation_length, and only
     method "eagle" sets NxDI's EAGLE flow (vLLM 0.13 refuses "eagle3" for a kimi_k2 target); the draft folder comes
     later, in the FusedSpecNeuronConfig vllm-neuron attaches (NXDI_CONTRACT.md: vllm-spec-config)."""
-    if not (getattr(nc, "enable_fused_speculation", False) or getattr(nc, "speculation_length", 0)):
+    if not (nc.enable_fused_speculation or nc.speculation_length):
         return None
-    if not getattr(nc, "enable_eagle_speculation", False):
+    if not nc.enable_eagle_speculation:
         raise KimiInputError("--speculative-config: Kimi-K2 speculates with an EAGLE3 draft only; give "
                              "'{\"method\": \"eagle\", \"model\": DRAFT, \"num_speculative_tokens\": K}'")
     return DraftSpec(path=None, speculation_length=nc.speculation_length)
 
 
-def compiled_mismatches(request: RunSpec, nc) -> list[str]:
-    """What the request needs that compiled artifacts (their NeuronConfig `nc`) lack: smaller than compiled is
+def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
+    """What the request needs that compiled artifacts (built from the spec `compiled`) lack: smaller than compiled is
     served, more is not (NXDI_CONTRACT.md: vllm-precompiled)."""
-    r, bad = request, []
-    if r.tp != nc.tp_degree:
-        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {nc.tp_degree}")
-    if r.batch > nc.max_batch_size:
-        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {nc.max_batch_size}")
-    if r.seq_len > nc.seq_len:
-        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {nc.seq_len}")
-    elif r.context_length > nc.max_context_length:
+    r, c, bad = request, compiled, []
+    if r.tp != c.tp:
+        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {c.tp}")
+    if r.batch > c.batch:
+        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {c.batch}")
+    if r.seq_len > c.seq_len:
+        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {c.seq_len}")
+    elif r.context_length > c.context_length:
         bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
-                   f"compiled for {nc.max_context_length}")
-    if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
-        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
-                   f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
-    compiled_k = getattr(nc, "speculation_length", 0) if getattr(nc, "enable_fused_speculation", False) else 0
-    asked_k = r.draft.speculation_length if r.draft else 0
+                   f"compiled for {c.context_length}")
+    if r.continuous_batching and not c.one_row_prefill:
+        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it (a prefill batch "
+                   f"of {c.prefill_batch})")
+    asked_k, compiled_k = (s.draft.speculation_length if s.draft else 0 for s in (r, c))
     if asked_k != compiled_k:
         bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
                    f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
-    ods = nc.on_device_sampling_config
-    if ods is not None and not ods.dynamic:
-        bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
+    if not c.sampling.on_device and r.sampling.on_device:
+        bad.append(f"compiled to return logits (--no-on-device-sampling); vllm-neuron samples on the device unless "
+                   f"served with --additional-config '{json.dumps(HOST_SAMPLING_CONFIG)}'")
+    elif c.sampling.on_device and not r.sampling.on_device:
+        bad.append("compiled with on-device sampling; the request samples on the host (on_device_sampling_config "
+                   "null)")
+    elif r.output_logits and not c.output_logits:
+        bad.append("compiled without the logits beside the device's tokens (output_logits), which a grammar masks "
+                   "(vllm_worker.py)")
     return bad
 
 
 # -- replies held to a grammar (neuron/vllm_worker.py) ---------------------------------------------------------------
 
 def for_vllm(spec: RunSpec) -> RunSpec:
-    """What vLLM serves: with on-device sampling the logits come back beside the tokens (output_logits), for the
-    steps a grammar constrains (vllm_worker.py); not with fused speculation, whose outputs are the accepted tokens."""
-    return dataclasses.replace(spec, output_logits=spec.sampling.on_device and spec.draft is None)
+    """What vLLM serves (compile_and_save.py --for-vllm; run_spec reads a request so): with on-device sampling the
+    logits come back beside the tokens, for the steps a grammar constrains; not with fused speculation."""
+    return dataclasses.replace(spec, output_logits=spec.output_logits or (spec.sampling.on_device
+                                                                           and spec.draft is None))
 
 
 SPECULATION_WHY = ("speculative decoding: NxDI's fused speculation accepts drafted tokens on the device, where no "
@@ -119,26 +135,22 @@ NO_LOGITS_WHY = ("the model samples on the device and returns no logits to mask:
                  "compile_and_save.py --for-vllm (it compiles output_logits) or without on-device sampling")
 
 
-def unconstrained_why(config) -> str | None:
-    """Why a model with this NeuronConfig (an object, or neuron_config.json's dict) cannot be held to a grammar;
-    None: it can."""
-    fields = config if isinstance(config, dict) else vars(config)
-    if fields.get("enable_fused_speculation", False):
+def unconstrained_why(spec: RunSpec) -> str | None:
+    """Why a model built from this spec cannot be held to a grammar; None: it can."""
+    if spec.draft is not None:
         return SPECULATION_WHY
-    if fields.get("on_device_sampling_config") is not None and not fields.get("output_logits", False):
+    if spec.sampling.on_device and not spec.output_logits:
         return NO_LOGITS_WHY
     return None
 
 
-def grammar_refusal(vllm_config, environ=None) -> str | None:
+def grammar_refusal(vllm_config) -> str | None:
     """Why this `vllm serve` cannot hold replies to a grammar, read from its config before any request (the API
-    middleware's check, in vLLM's API process); None: it can."""
+    middleware's check, in vLLM's API process); None: it can. The model itself is read as a request (run_spec:
+    output_logits under on-device sampling), and precompiled artifacts without them are refused at load
+    (compiled_mismatches)."""
     import importlib.metadata
-    import json
-    import os
-    from pathlib import Path
 
-    environ = os.environ if environ is None else environ
     if getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None) != WORKER_CLS:
         return f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {WORKER_CLS}"
     backend = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", None)
@@ -154,11 +166,4 @@ def grammar_refusal(vllm_config, environ=None) -> str | None:
                 f"'xgrammar>={'.'.join(map(str, XGRAMMAR_MIN))}'")
     if getattr(vllm_config, "speculative_config", None) is not None:
         return SPECULATION_WHY
-    compiled = environ.get(COMPILED_ARTIFACTS_ENV)
-    if not compiled:  # vllm-neuron compiles the request: for_vllm returns the logits whatever the sampling
-        return None
-    path = Path(compiled) / "neuron_config.json"
-    try:
-        return unconstrained_why(json.loads(path.read_text())["neuron_config"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"{path}: unreadable; cannot tell whether the compiled model returns logits"
+    return None

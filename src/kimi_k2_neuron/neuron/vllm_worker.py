@@ -29,8 +29,8 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.runtime import grammar_mask
 from kimi_k2_neuron.runtime.tokenizer import VOCAB_NAME, KimiTokenizer
 
+from .contract import run_spec
 from .vllm_request import unconstrained_why
-
 
 
 class KimiModelRunner(NeuronxDistributedModelRunner):
@@ -42,10 +42,12 @@ class KimiModelRunner(NeuronxDistributedModelRunner):
         self._held: tuple[torch.Tensor, object] | None = None
         self._special: grammar_mask.SpecialTokens | None = None
         self.cannot_constrain: str | None = None
+        self._on_device = False
 
     def load_model(self) -> None:
         super().load_model()
-        self.cannot_constrain = unconstrained_why(self.model.neuron_config)
+        spec = run_spec(self.model.model.config)  # the application's RunSpec, as it was built
+        self.cannot_constrain, self._on_device = unconstrained_why(spec), spec.sampling.on_device
 
     @property
     def awaiting_grammar(self) -> bool:
@@ -56,7 +58,7 @@ class KimiModelRunner(NeuronxDistributedModelRunner):
         if self._constrained and self.cannot_constrain:
             raise KimiInputError(f"a request with structured outputs cannot be served here: {self.cannot_constrain}")
         app = self.model.model
-        app.host_logits = self._constrained and self.model.neuron_config.on_device_sampling_config is not None
+        app.host_logits = self._constrained and self._on_device
         try:
             return super().execute_model(scheduler_output, intermediate_tensors)
         finally:

@@ -22,8 +22,9 @@ field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does wi
   opens the tool section (and, for a named function, the call), which the parsers (neuron/vllm_parsers.py) read as
   the state the output starts in; where grammars are applied, the rest is held to the tools' parameters inside
   Kimi's markers (runtime/tool_grammar.py), in place of any response_format.
-- A tool result must name its call (tool_call_id). History tool-call ids become `functions.NAME:IDX` (IDX counting the conversation's calls), in the assistant
-  messages and the tool results that answer them, as Moonshot's API renames them: Kimi copies the ids it reads.
+- A tool result must name its call (tool_call_id). History tool-call ids become `functions.NAME:IDX` (IDX counting
+  the conversation's calls), in the assistant messages and the tool results that answer them, as Moonshot's API
+  renames them: Kimi copies the ids it reads.
 - The detokenizer's spaces around special tokens are off (spaces_between_special_tokens false unless set), and a
   stream reports its usage (stream_options.include_usage), as Kimi's API always does.
 """

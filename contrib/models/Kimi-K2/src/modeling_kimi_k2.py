@@ -20,7 +20,8 @@ from kimi_k2_neuron.neuron import (
     NxDParallelContext,
 )
 from kimi_k2_neuron.neuron.contract import neuron_config_kwargs
-from kimi_k2_neuron.neuron.fit import format_plan, plan
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.plan_report import format_plan
 from kimi_k2_neuron.neuron.serving import Decoding, compile_model, generate, load_compiled
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer

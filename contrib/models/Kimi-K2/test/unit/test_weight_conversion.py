@@ -13,7 +13,8 @@ from kimi_k2_neuron.checkpoint.source import WeightSource
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.quant.nxd_fp8 import dequantize_nxd
-from kimi_k2_neuron.neuron.fit import format_plan, plan
+from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.neuron.plan_report import format_plan
 
 
 def _state(shell, dst, tp=2):
