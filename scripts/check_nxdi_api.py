@@ -45,11 +45,12 @@ LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Our mixins of NxDI classes (the CPU harness's, added to the application): checked as overrides of that class.
 _APP = ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")
 _MODEL = ("neuronx_distributed_inference.models.model_base", "NeuronBaseModel")
-MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "ChunkedPrefillModel": _MODEL,
-          "Eagle3Target": _MODEL}
+MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "HostLogits": _APP,
+          "ChunkedPrefillModel": _MODEL, "Eagle3Target": _MODEL}
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
-               "KimiK2Model": {"attention_kind"}, "ChunkedPrefillModel": {"attention_kind"}}
+               "KimiK2Model": {"attention_kind"}, "ChunkedPrefillModel": {"attention_kind"},
+               "CpuModelWrapper": {"_two_heads"}}
 
 
 class Source:

@@ -12,8 +12,9 @@ A raw HF checkpoint is first converted, once, into $KIMI_K2_NEURON_CACHE/convert
 measured; a progress bar shows the ETA and the time taken is printed at the end).
 
 --for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
-continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
-pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
+continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling
+with the logits returned too (output_logits, for the steps a grammar constrains), or with --no-on-device-sampling
+vLLM's sampler on the host, pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
 
 --draft DIR --speculation-length K compiles NxDI's fused EAGLE3 speculation (docs/speculative.md): the context encoding
 (the draft's prefill inside) and one fused graph of K - 1 draft steps and a K-token target verify, in place of the
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(p, "sampler", "moe", "layout", "draft")
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
-                        "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
+                        "--max-num-seqs, one sequence per prefill), dynamic on-device sampling returning the logits "
+                        "too (for grammars; --no-on-device-sampling: vLLM samples on the host), pre-sharded weights; "
                         "prints the matching `vllm serve` command")
     p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit, or "
                                                         "the host lacks the disk or RAM it estimates")
@@ -94,6 +96,10 @@ def main(argv=None) -> int:
         # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1
         spec = run_spec(args, cfg, record, checkpoint=str(Path(args.model).resolve()),
                         continuous_batching=args.for_vllm and args.batch > 1)
+        if args.for_vllm:
+            from kimi_k2_neuron.neuron.vllm_request import for_vllm
+
+            spec = for_vllm(spec)
         spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
@@ -163,16 +169,12 @@ def choose_layout(args, cfg, spec):
 
 
 def check_for_vllm(args) -> None:
-    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call, samples on the
-    device and reads tokens, not logits."""
+    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call."""
     if not args.for_vllm:
         return
-    for flag, given in (("--max-context-length", args.max_context_length not in (None, args.seq_len)),
-                        ("--no-on-device-sampling", args.no_on_device_sampling),
-                        ("--output-logits", args.output_logits)):
-        if given:
-            raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
-                                 f"one call and samples on the device)")
+    if args.max_context_length not in (None, args.seq_len):
+        raise KimiInputError("--max-context-length: not with --for-vllm (vllm-neuron prefills up to --max-model-len "
+                             "tokens in one call)")
     from kimi_k2_neuron.launch import layout_options
     from kimi_k2_neuron.neuron.spec import layout_flags
 

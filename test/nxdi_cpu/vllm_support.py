@@ -190,7 +190,7 @@ class Server:
     """`vllm serve` in its own process group on a free local port; stop() ends the group and waits."""
 
     def __init__(self, model: Path, tokenizer: Path, env: dict, log: Path, max_model_len: int, max_num_seqs: int,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), neuron_override: dict | None = None):
         from kimi_k2_neuron.runtime.ranks import free_port
 
         self.port = free_port()
@@ -200,7 +200,8 @@ class Server:
                "--served-model-name", "kimi", "--host", "127.0.0.1", "--port", str(self.port),
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--num-gpu-blocks-override",
                str(max_num_seqs), "--no-enable-prefix-caching", "--dtype", "bfloat16", "--enforce-eager",
-               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True}}),
+               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True,
+                                                                             **(neuron_override or {})}}),
                "--enable-auto-tool-choice", "--tool-parser-plugin", str(parsers), "--tool-call-parser",
                "kimi_k2_neuron", *extra]
         self.log = open(log, "w")

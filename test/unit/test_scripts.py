@@ -95,14 +95,12 @@ def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"],
-                                   ["--shard-attn-a"], ["--shard-router"], ["--kv-shard", "sequence"],
-                                   ["--prefill-chunk", "16"]],
-                         ids=["output-logits", "no-on-device-sampling", "max-context-length", "shard-attn-a",
-                              "shard-router", "kv-shard", "prefill-chunk"])
+@pytest.mark.parametrize("flags", [["--max-context-length", "16"], ["--shard-attn-a"], ["--shard-router"],
+                                   ["--kv-shard", "sequence"], ["--prefill-chunk", "16"]],
+                         ids=["max-context-length", "shard-attn-a", "shard-router", "kv-shard", "prefill-chunk"])
 def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny, tmp_path, one_line_error, flags):
-    """vllm-neuron prefills up to --max-model-len in one call and samples on the device, and builds the model from its
-    own request, which carries no weight layout: refused before anything."""
+    """vllm-neuron prefills up to --max-model-len in one call and builds the model from its own request, which carries
+    no weight layout: refused before anything. (Both sampling placements are served: test_vllm_structured*.py.)"""
     r = _compile("--model", str(tiny["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "32",
                  "--moe-prefill", "torch", "--for-vllm", *flags)
     one_line_error.exit(r.returncode, r.stderr, flags[0], "not with --for-vllm")

@@ -149,3 +149,16 @@ def test_a_port_is_planned_only_with_the_config_of_the_model_it_serves(name, oth
     rc = main(["plan", "--config", str(CONFIGS / other), "--port", name])
     one_line_error.exit(rc, capsys.readouterr().err, f"--port {name}: the config given", "is not the model that "
                         "port serves", pub.config)
+
+
+def test_returning_the_logits_beside_the_devices_tokens_costs_one_all_gather_a_step():
+    """output_logits with on-device sampling (what vLLM serves, for the steps a grammar masks on the host:
+    neuron/vllm_worker.py): the step's logits gathered across the TP group, B x vocab fp32 each step, one collective
+    at the model's latency and link rate; nothing else of the step changes."""
+    cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
+    spec, port = published_spec(cfg, "kimi-k2.5-community")
+    spec = replace(spec, sampling=replace(spec.sampling, on_device=True), batch=4, continuous_batching=True)
+    base, logits = (plan(cfg, replace(spec, output_logits=o)).decode for o in (False, True))
+    added = [c for c in logits.collectives if c not in base.collectives]
+    assert [(c.count, c.group, c.bytes) for c in added] == [(1, 64, 4 * cfg.vocab_size * 4)]
+    assert logits.total_s - base.total_s == pytest.approx(TRN2.alpha_s + 4 * cfg.vocab_size * 4 / TRN2.beta_bytes_per_s)

@@ -11,7 +11,7 @@ import torch
 
 from kimi_k2_neuron.neuron import contract, rules
 from kimi_k2_neuron.neuron import vllm_request as vllm_request_
-from kimi_k2_neuron.neuron.spec import Sampling
+from kimi_k2_neuron.neuron.spec import DraftSpec, Sampling
 
 from specs import PER_CHANNEL, kimi_cfg, per_channel
 
@@ -71,7 +71,7 @@ def test_what_a_vllm_request_cannot_get_is_refused_in_one_line(over, record, nee
 
 
 # what compile_and_save.py --for-vllm --batch 4 --seq-len 1024 saves
-COMPILED = per_channel(tp=64, batch=4, seq_len=1024, continuous_batching=True)
+COMPILED = vllm_request_.for_vllm(per_channel(tp=64, batch=4, seq_len=1024, continuous_batching=True))
 
 
 @pytest.mark.parametrize("request_over,compiled_over,needle", [
@@ -93,3 +93,65 @@ def test_precompiled_artifacts_serve_a_request_up_to_their_compiled_shape(reques
     r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**request_over), per_channel_record(), "/c")
     bad = vllm_request_.compiled_mismatches(r, dataclasses.replace(COMPILED, **compiled_over))
     assert bad == [] if needle is None else (len(bad) == 1 and needle in bad[0]), bad
+
+
+# -- replies held to a grammar (neuron/vllm_worker.py) -----------------------------------------------------------------
+
+def test_a_vllm_request_returns_the_logits_a_grammar_masks_beside_the_devices_tokens():
+    """With on-device sampling the served model returns the logits too (output_logits), for the steps a grammar
+    constrains (neuron/vllm_worker.py); sampling on the host they are the output already; not with speculation."""
+    on_device = vllm_request_.run_spec(kimi_cfg(), vllm_request(), per_channel_record(), "/c")
+    assert on_device.output_logits and contract.neuron_config_kwargs(kimi_cfg(), on_device)["output_logits"]
+    assert vllm_request_.unconstrained_why(on_device) is None
+    host = vllm_request_.run_spec(kimi_cfg(), vllm_request(on_device_sampling_config=None), per_channel_record(),
+                                  "/c")
+    assert not contract.neuron_config_kwargs(kimi_cfg(), host)["output_logits"]  # lm_head gathers them already
+    assert vllm_request_.unconstrained_why(host) is None
+    drafted = vllm_request_.for_vllm(per_channel(tp=64, draft=DraftSpec(path="/d")))
+    assert not drafted.output_logits
+    assert "speculative decoding" in vllm_request_.unconstrained_why(drafted)
+    assert "returns no logits to mask" in vllm_request_.unconstrained_why(per_channel(tp=64))
+
+
+@pytest.mark.parametrize("compiled_over,needle", [
+    (dict(output_logits=False), "compiled without the logits beside the device's tokens (output_logits)"),
+    (dict(sampling=Sampling(on_device=False)), "served with --additional-config '{\"override_neuron_config\": "
+                                               "{\"on_device_sampling_config\": null}}'"),
+])
+def test_precompiled_artifacts_serve_the_grammars_sampling_placement(compiled_over, needle):
+    """compile_and_save.py --for-vllm compiles output_logits (for_vllm); a folder without them cannot hand a grammar
+    its logits; one compiled for host sampling is served as such, and only so."""
+    compiled = COMPILED
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(seq_len=1024, max_context_length=1024), per_channel_record(),
+                               "/c")
+    assert vllm_request_.compiled_mismatches(r, compiled) == []
+    bad = vllm_request_.compiled_mismatches(r, dataclasses.replace(compiled, **compiled_over))
+    assert len(bad) == 1 and needle in bad[0], bad
+    host = vllm_request_.run_spec(kimi_cfg(), vllm_request(seq_len=1024, max_context_length=1024,
+                                                           on_device_sampling_config=None), per_channel_record(), "/c")
+    assert vllm_request_.compiled_mismatches(host, dataclasses.replace(compiled, sampling=Sampling(on_device=False),
+                                                                       output_logits=False)) == []
+    assert "the request samples on the host" in vllm_request_.compiled_mismatches(host, compiled)[0]
+
+
+def serve_config(**over) -> SimpleNamespace:
+    """What grammar_refusal reads of a `vllm serve`'s VllmConfig."""
+    fields = dict(parallel_config=SimpleNamespace(worker_cls=vllm_request_.WORKER_CLS),
+                  structured_outputs_config=SimpleNamespace(backend="xgrammar"), speculative_config=None)
+    return SimpleNamespace(**{**fields, **over})
+
+
+def test_a_server_holds_replies_to_grammars_only_as_configured(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.29")
+    assert vllm_request_.grammar_refusal(serve_config()) is None
+    why = vllm_request_.grammar_refusal(serve_config(parallel_config=SimpleNamespace(
+        worker_cls="vllm_neuron.worker.neuron_worker.NeuronWorker")))
+    assert why == f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {vllm_request_.WORKER_CLS}"
+    why = vllm_request_.grammar_refusal(serve_config(structured_outputs_config=SimpleNamespace(backend="auto")))
+    assert why.startswith("structured-output backend 'auto': serve with --structured-outputs-config")
+    assert vllm_request_.grammar_refusal(serve_config(speculative_config=object())).startswith("speculative")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.27")  # vLLM 0.13's pin
+    assert "xgrammar 0.1.27 reads Kimi's tokenizer as raw text (xgrammar #483); pip install 'xgrammar>=0.1.29'" == \
+        vllm_request_.grammar_refusal(serve_config())

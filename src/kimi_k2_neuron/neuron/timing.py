@@ -130,7 +130,10 @@ def _sampler_collectives(cfg: KimiK2Config, spec: RunSpec, port: Port) -> list[C
     # NxD's distributed top-k: three stages at TP=64 LNC=2, values and indices each (NXDI_CONTRACT.md:
     # sampler-collectives)
     k = spec.sampling.global_topk
-    return [Collective("top-k all-gathers (sampler stages)", 6, 4, b * 4 * k * FP32)]
+    out = [Collective("top-k all-gathers (sampler stages)", 6, 4, b * 4 * k * FP32)]
+    if spec.output_logits:  # the logits too, for the host (a grammar's steps: neuron/vllm_worker.py)
+        out.append(Collective("output_logits all-gather (TP), fp32", 1, tp, b * cfg.vocab_size * FP32))
+    return out
 
 
 def layout_collectives(cfg: KimiK2Config, spec: RunSpec, rows: int, queries: int, query_tile: int,

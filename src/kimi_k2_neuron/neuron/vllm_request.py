@@ -1,8 +1,12 @@
 """vllm-neuron's request as a RunSpec: the run's shape from the generic NeuronConfig the plugin builds from vLLM's
 flags, and nothing else (NXDI_CONTRACT.md: vllm-generic-config); the checkpoint's experts from its conversion record;
-precompiled artifacts checked against it before vllm-neuron loads them. No SDK."""
+precompiled artifacts checked against it before vllm-neuron loads them; whether a server can hold replies to a
+grammar (vllm_worker.py). No SDK."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
 
 import torch
 
@@ -15,6 +19,14 @@ from .spec import DraftSpec, RunSpec, Sampling
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
 COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
+# vLLM's --worker-cls that applies the grammar bitmask, and the structured-output backend it is tested with
+WORKER_CLS = "kimi_k2_neuron.neuron.vllm_worker.KimiNeuronWorker"
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+# xgrammar reads Kimi's tokenizer (tiktoken, byte-level token strings) as raw text before this version (xgrammar
+# #483, fixed by #484 in 0.1.29): a space token would be 'Ġ' to it. vLLM 0.13 pins 0.1.27.
+XGRAMMAR_MIN = (0, 1, 29)
+# vllm-neuron's option that serves a model compiled to return logits (vLLM's sampler on the host)
+HOST_SAMPLING_CONFIG = {"override_neuron_config": {"on_device_sampling_config": None}}
 
 
 def describe(nc) -> str:
@@ -45,14 +57,14 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
         raise KimiInputError(f"continuous batching with a prefill batch of {nc.ctx_batch_size}: NxDI's cache writes "
                              f"by seq_id take one sequence per prefill (ctx_batch_size 1)")
     ods = nc.on_device_sampling_config
-    spec = RunSpec(tp=nc.tp_degree, ep=nc.moe_ep_degree or 1, lnc=nc.logical_nc_config, seq_len=nc.seq_len,
-                   max_context_length=nc.max_context_length, batch=nc.max_batch_size or nc.batch_size,
-                   scheme=record.scheme, checkpoint=str(checkpoint), moe_prefill=None,
-                   sampling=Sampling(on_device=False) if ods is None else Sampling(
-                       do_sample=ods.do_sample, top_k=ods.top_k, top_p=ods.top_p, temperature=ods.temperature,
-                       global_topk=ods.global_topk),
-                   output_logits=bool(nc.output_logits), continuous_batching=bool(nc.is_continuous_batching),
-                   draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {})
+    sampling = Sampling(on_device=False) if ods is None else Sampling(
+        do_sample=ods.do_sample, top_k=ods.top_k, top_p=ods.top_p, temperature=ods.temperature,
+        global_topk=ods.global_topk)
+    spec = for_vllm(RunSpec(tp=nc.tp_degree, ep=nc.moe_ep_degree or 1, lnc=nc.logical_nc_config, seq_len=nc.seq_len,
+                            max_context_length=nc.max_context_length, batch=nc.max_batch_size or nc.batch_size,
+                            scheme=record.scheme, checkpoint=str(checkpoint), moe_prefill=None, sampling=sampling,
+                            output_logits=bool(nc.output_logits), continuous_batching=bool(nc.is_continuous_batching),
+                            draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {}))
     tile = moe_paths.OUTPUT_TILE
     if spec.prefill_mode(cfg) == "shard-on-block" and spec.prefill_tokens % tile:
         # the kernel's rule, in vLLM's words: a prefill of whole output tiles, never a silent torch loop of hundreds of
@@ -97,5 +109,61 @@ def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
         bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
                    f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
     if not c.sampling.on_device and r.sampling.on_device:
-        bad.append("compiled to return logits (--no-on-device-sampling); vllm-neuron samples on the device")
+        bad.append(f"compiled to return logits (--no-on-device-sampling); vllm-neuron samples on the device unless "
+                   f"served with --additional-config '{json.dumps(HOST_SAMPLING_CONFIG)}'")
+    elif c.sampling.on_device and not r.sampling.on_device:
+        bad.append("compiled with on-device sampling; the request samples on the host (on_device_sampling_config "
+                   "null)")
+    elif r.output_logits and not c.output_logits:
+        bad.append("compiled without the logits beside the device's tokens (output_logits), which a grammar masks "
+                   "(vllm_worker.py)")
     return bad
+
+
+# -- replies held to a grammar (neuron/vllm_worker.py) ---------------------------------------------------------------
+
+def for_vllm(spec: RunSpec) -> RunSpec:
+    """What vLLM serves (compile_and_save.py --for-vllm; run_spec reads a request so): with on-device sampling the
+    logits come back beside the tokens, for the steps a grammar constrains; not with fused speculation."""
+    return dataclasses.replace(spec, output_logits=spec.output_logits or (spec.sampling.on_device
+                                                                           and spec.draft is None))
+
+
+SPECULATION_WHY = ("speculative decoding: NxDI's fused speculation accepts drafted tokens on the device, where no "
+                   "grammar reaches them; serve without --speculative-config")
+NO_LOGITS_WHY = ("the model samples on the device and returns no logits to mask: compile with scripts/"
+                 "compile_and_save.py --for-vllm (it compiles output_logits) or without on-device sampling")
+
+
+def unconstrained_why(spec: RunSpec) -> str | None:
+    """Why a model built from this spec cannot be held to a grammar; None: it can."""
+    if spec.draft is not None:
+        return SPECULATION_WHY
+    if spec.sampling.on_device and not spec.output_logits:
+        return NO_LOGITS_WHY
+    return None
+
+
+def grammar_refusal(vllm_config) -> str | None:
+    """Why this `vllm serve` cannot hold replies to a grammar, read from its config before any request (the API
+    middleware's check, in vLLM's API process); None: it can. The model itself is read as a request (run_spec:
+    output_logits under on-device sampling), and precompiled artifacts without them are refused at load
+    (compiled_mismatches)."""
+    import importlib.metadata
+
+    if getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None) != WORKER_CLS:
+        return f"vllm-neuron's own worker applies no grammar; serve with --worker-cls {WORKER_CLS}"
+    backend = getattr(getattr(vllm_config, "structured_outputs_config", None), "backend", None)
+    if backend != STRUCTURED_OUTPUTS_CONFIG["backend"]:
+        return (f"structured-output backend {backend!r}: serve with --structured-outputs-config "
+                f"'{json.dumps(STRUCTURED_OUTPUTS_CONFIG)}' (guidance needs a fast tokenizer; Kimi's is not one)")
+    try:
+        version = importlib.metadata.version("xgrammar")
+    except importlib.metadata.PackageNotFoundError:
+        return "xgrammar is not installed"
+    if tuple(int(p) for p in version.split(".")[:3] if p.isdigit()) < XGRAMMAR_MIN:
+        return (f"xgrammar {version} reads Kimi's tokenizer as raw text (xgrammar #483); pip install "
+                f"'xgrammar>={'.'.join(map(str, XGRAMMAR_MIN))}'")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return SPECULATION_WHY
+    return None

@@ -9,6 +9,7 @@ import os
 import torch
 from neuronx_distributed.parallel_layers import parallel_state
 from neuronx_distributed.trace.trace import get_sharded_checkpoint
+from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 from torch import nn
 
 from kimi_k2_neuron.errors import KimiInputError, env_int, listing
@@ -59,6 +60,37 @@ class CpuMode:
             for dst, src in zip(chunk.model.kv_mgr.past_key_values,
                                 self.token_generation_model.model.kv_mgr.past_key_values):
                 dst.data = src.data
+
+    def get_model_wrapper_cls(self):
+        return CpuModelWrapper
+
+
+class CpuModelWrapper(ModelWrapper):
+    """NxDI's ModelWrapper, whose CPU branches of a batch other than the compiled one read a call's outputs as one
+    head and the caches, while on-device sampling with output_logits returns two heads, tokens and logits
+    (NXD_CPU_MODE.md: two-heads): in CPU mode the two travel through those branches as one tensor."""
+
+    def _two_heads(self) -> bool:
+        nc = self.neuron_config
+        return (not self.is_neuron() and nc.on_device_sampling_config is not None and nc.output_logits
+                and not nc.enable_fused_speculation)
+
+    def _forward(self, *args):
+        outputs = super()._forward(*args)
+        if not self._two_heads():
+            return outputs
+        tokens, logits, *rest = outputs
+        self._token_shape = tokens.shape[1:]
+        column = tokens.reshape(tokens.shape[0], 1, 1).to(logits.dtype).expand(-1, logits.shape[1], 1)
+        return [torch.cat([logits, column], dim=-1), *rest]  # ids below 2**24: exact in float32
+
+    def forward(self, *args, **kwargs):
+        outputs = super().forward(*args, **kwargs)
+        if not self._two_heads():
+            return outputs
+        both, *rest = outputs
+        tokens = both[:, 0, -1].round().to(torch.int32).reshape(both.shape[0], *self._token_shape)
+        return [tokens, both[..., :-1], *rest]
 
 
 class CpuKimiK2ForCausalLM(FusedSpecCpu, CpuMode, NeuronKimiK2ForCausalLM):
