@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from .sdk import require_neuron_sdk
@@ -23,11 +24,13 @@ from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInfe
                                                                        NeuronLlamaForCausalLM, NeuronLlamaModel)
 from neuronx_distributed_inference.modules.generation.sampling import prepare_sampling_params  # noqa: E402
 
-from kimi_k2_neuron.checkpoint.draft import Eagle3Draft, neuron_tensors, read_config, read_draft  # noqa: E402
+from kimi_k2_neuron.checkpoint.draft import (ARCHITECTURES, MLA, facts, mapped_vocabulary,  # noqa: E402
+                                             neuron_tensors, read_config, read_draft)
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 
 from . import moe_paths, vllm_request  # noqa: E402
+from .draft_vocab import MAPPED, DraftVocabMap, draft_lm_head, draft_rows  # noqa: E402
 from .spec import DraftSpec, Sampling  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -40,24 +43,29 @@ SHARED_FIELDS = ("tp_degree", "seq_len", "max_context_length", "batch_size", "ct
                  "speculation_length", "disable_argmax_kernel", "rpl_reduce_dtype")
 # Every module of NxDI's Llama draft: bf16, never quantized when the target's experts are (NXDI_CONTRACT.md:
 # fused-quantize)
-DRAFT_MODULES = ["embed_tokens", "lm_head", "layers.", "fc", "norm"]
-_FACTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-          "rms_norm_eps", "rope_theta", "max_position_embeddings")
+DRAFT_MODULES = ["embed_tokens", "lm_head", "layers.", "fc", "fc_norm", "norm"]
 FUSED_TAG = "fused_speculation_model"
 DRAFT_PREFIX, TARGET_PREFIX = "draft_model.", "target_model."
 
 
 # -- the draft ------------------------------------------------------------------------------------------------------
 
-class Eagle3DraftModel(NeuronLlamaModel):
+class Eagle3DraftModel(DraftVocabMap, NeuronLlamaModel):
     """NxDI's Llama EAGLE3 draft in the draft's dtype throughout. Its fc (WeightGatheredColumnParallel) declares no
     dtype, so under the target's cast_type "as-declared" (which keeps Kimi's router float32) it would stay float32
     beside bf16 activations; NxDI's own EAGLE flow casts the whole model (cast_type "config"), which this does for the
-    draft alone (NXDI_CONTRACT.md: llama-eagle3-draft)."""
+    draft alone (NXDI_CONTRACT.md: llama-eagle3-draft). A reduced vocabulary: its lm_head's rows, its map
+    (draft_vocab.py)."""
 
     def __init__(self, config, optimize_inference: bool = True):
         super().__init__(config, optimize_inference)
         self.to(config.neuron_config.torch_dtype)
+
+    def init_model(self, config):
+        super().init_model(config)
+        if draft_rows(config) != config.vocab_size:
+            self.lm_head = draft_lm_head(config, gather_output=not self.on_device_sampling)
+        self.init_vocab_map(config)
 
 
 class Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
@@ -82,25 +90,45 @@ def draft_neuron_config(target_nc) -> NeuronConfig:
     return nc
 
 
-def draft_config(target_nc, path: str) -> LlamaInferenceConfig:
-    """NxDI's Llama config of the draft folder `path`: config.json's fields as plain JSON (as the target's,
-    KimiK2InferenceConfig.from_core), pad_token_id defaulted as transformers' LlamaConfig does."""
+def draft_config(target_nc, path: str):
+    """NxDI's config of the draft folder `path` (Llama's, or the MLA draft's): config.json's fields as plain JSON (as
+    the target's, KimiK2InferenceConfig.from_core), pad_token_id defaulted as transformers' LlamaConfig does, and
+    whether its vocabulary is mapped (draft_vocab.MAPPED)."""
     raw = json_of(Path(path) / "config.json")
     attrs = {"pad_token_id": None, "output_attentions": False, "output_hidden_states": False, "return_dict": True,
-             **{k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "auto_map", "architectures")}}
+             **{k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "auto_map")},
+             MAPPED: mapped_vocabulary(path)}
 
     def load_config(self):
         self.__dict__.update(attrs)
 
-    return LlamaInferenceConfig(draft_neuron_config(target_nc), load_config=load_config)
+    return config_class(raw)(draft_neuron_config(target_nc), load_config=load_config)
+
+
+def is_mla(raw: dict) -> bool:
+    arch = raw.get("architectures")
+    return isinstance(arch, list) and len(arch) == 1 and ARCHITECTURES.get(arch[0]) == MLA
+
+
+def config_class(raw: dict):
+    from .eagle3_mla import Eagle3MlaInferenceConfig
+
+    return Eagle3MlaInferenceConfig if is_mla(raw) else LlamaInferenceConfig
+
+
+def draft_class(raw: dict):
+    from .eagle3_mla import Eagle3MlaDraftForCausalLM
+
+    return Eagle3MlaDraftForCausalLM if is_mla(raw) else Eagle3DraftForCausalLM
 
 
 def fused_spec_config(target_nc, path: str) -> FusedSpecNeuronConfig:
-    """worker_cls: Kimi's model; draft_model_cls: NxDI's Llama, whose _model_cls builds the draft."""
+    """worker_cls: Kimi's model; draft_model_cls: NxDI's Llama or the MLA draft, whose _model_cls builds the draft."""
     from .modeling import NeuronKimiK2Model
 
-    return FusedSpecNeuronConfig(NeuronKimiK2Model, draft_config=draft_config(target_nc, path), draft_model_path=path,
-                                 draft_model_cls=Eagle3DraftForCausalLM)
+    config = draft_config(target_nc, path)
+    return FusedSpecNeuronConfig(NeuronKimiK2Model, draft_config=config, draft_model_path=path,
+                                 draft_model_cls=draft_class(vars(config)))
 
 
 def of_spec(target_nc, draft: DraftSpec | None) -> FusedSpecNeuronConfig | None:
@@ -120,7 +148,7 @@ def complete(app) -> None:
     if fused is None or not fused.draft_model_path:
         raise KimiInputError("speculative decoding needs an EAGLE3 draft: --draft DIR (vLLM: --speculative-config "
                              "with \"model\")")
-    if fused.draft_model_cls is not Eagle3DraftForCausalLM:
+    if fused.draft_model_cls is not draft_class(json_of(Path(fused.draft_model_path) / "config.json")):
         read_config(fused.draft_model_path, config.core_config())
         config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, fused.draft_model_path)
     # a reload's NeuronConfig sets it again with enable_eagle_speculation; the target fuses, not the draft
@@ -136,19 +164,18 @@ def draft_of(config) -> DraftSpec | None:
     fused = getattr(config, "fused_spec_config", None)
     path = getattr(fused, "draft_model_path", None)
     dc = getattr(fused, "draft_config", None)
-    facts = None
-    if dc is not None and all(hasattr(dc, f) for f in _FACTS if f != "head_dim"):
-        values = {f: getattr(dc, f, None) for f in _FACTS}
-        values["head_dim"] = values["head_dim"] or dc.hidden_size // dc.num_attention_heads
-        facts = Eagle3Draft(path=str(path), **values)
-    return DraftSpec(path=path, speculation_length=nc.speculation_length, checkpoint=facts)
+    checkpoint = None
+    if dc is not None and getattr(dc, "architectures", None):
+        values = {k: v for k, v in vars(dc).items() if k not in ("neuron_config", "fused_spec_config", "metadata")}
+        checkpoint = replace(facts(str(path), values), mapped=bool(values.get(MAPPED)))
+    return DraftSpec(path=path, speculation_length=nc.speculation_length, checkpoint=checkpoint)
 
 
 def as_vllm_draft_config(config) -> None:
     """vllm-neuron builds the draft's config with the target's config class (NXDI_CONTRACT.md: vllm-spec-config):
     the draft folder (load_pretrained_config's _name_or_path) is checked against the target (the draft NeuronConfig
     is a copy of the target's, whose quantized_checkpoints_path is the target), and against precompiled artifacts;
-    `config` becomes a Llama config of it, which complete() replaces by ours."""
+    `config` becomes a draft config of its kind (Llama's, the MLA draft's), which complete() replaces by ours."""
     path, target = getattr(config, "_name_or_path", None), config.neuron_config.quantized_checkpoints_path
     where = f"--speculative-config model {path}"
     try:
@@ -162,8 +189,8 @@ def as_vllm_draft_config(config) -> None:
                                      f"scripts/compile_and_save.py --for-vllm --draft {path}")
     except KimiInputError as e:
         raise KimiInputError(f"{where}: {e}") from None
-    config.__class__ = LlamaInferenceConfig  # (its validate_config follows, on the draft's own fields)
-    LlamaInferenceConfig.add_derived_config(config)
+    config.__class__ = config_class(json_of(Path(path) / "config.json"))  # (its validate_config follows, on the
+    config.__class__.add_derived_config(config)  # draft's own fields)
 
 
 def json_of(file: Path) -> dict:
@@ -205,15 +232,21 @@ def verify_blockwise(nc):
 
 def state_dict(app, target: dict) -> dict:
     """checkpoint_loader_fn's state dict: the target's, or fused, its tensors under target_model., the draft's (checked
-    again as read: names, shapes, dtypes, finite) under draft_model. in NxDI Llama's names. NxDI's own loader would
-    prefix through class attributes it never resets (NXDI_CONTRACT.md: fused-checkpoint-prefix)."""
+    again as read: names, shapes, dtypes, finite; its vocabulary map) under draft_model. in its class's names (NxDI
+    Llama's, or the MLA draft's). NxDI's own loader would prefix through class attributes it never resets
+    (NXDI_CONTRACT.md: fused-checkpoint-prefix)."""
     if not app.neuron_config.enable_fused_speculation:
         return target
     fused = app.config.fused_spec_config
     draft = read_draft(fused.draft_model_path, app.config.core_config())
     checkpoint = app.neuron_config.quantized_checkpoints_path or app.model_path
-    tensors = NeuronLlamaForCausalLM.convert_hf_to_neuron_state_dict(neuron_tensors(draft, checkpoint),
-                                                                     fused.draft_config)
+    tensors = neuron_tensors(draft, checkpoint)
+    if draft.kind == MLA:
+        from .eagle3_mla import neuron_state_dict
+
+        tensors = neuron_state_dict(tensors, app.neuron_config.tp_degree)
+    else:
+        tensors = NeuronLlamaForCausalLM.convert_hf_to_neuron_state_dict(tensors, fused.draft_config)
     return {**{DRAFT_PREFIX + k: v for k, v in tensors.items()}, **{TARGET_PREFIX + k: v for k, v in target.items()}}
 
 

@@ -296,7 +296,8 @@ class KimiK2DecoderLayer(DecoderLayer):
         if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
         attn = self.self_attn
-        q_nope, q_pe, entries = attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
+        attn_in, hidden_states = self.attention_input(hidden_states)
+        q_nope, q_pe, entries = attn.project(attn_in, (cos_cache, sin_cache))
         if past_key_value is None:
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
             if self.flash_decoding:
