@@ -353,7 +353,7 @@ def _draft_ids(d: Eagle3Draft, maps: dict):
     sorted_ids, order = ids.sort()
     dup = (sorted_ids[1:] == sorted_ids[:-1]).nonzero()
     if len(dup):
-        a, b = sorted(int(order[int(dup[0])]), int(order[int(dup[0]) + 1]))
+        a, b = sorted((int(order[int(dup[0])]), int(order[int(dup[0]) + 1])))
         raise KimiInputError(f"{where}: tensor d2t maps draft ids {a} and {b} to one target id {int(ids[a])}")
     if t2d is not None:
         marked = t2d.to(torch.bool) if t2d.dtype == torch.bool or not t2d.dtype.is_floating_point else None
