@@ -1,5 +1,5 @@
 """Test infrastructure of the nxdi-cpu tier, not the product. The tier's torch stand-ins for torch_neuronx's Argmax and
-xla_hlo_call DynamicUpdateSlice live in scripts/nxdi_cpu_tier/device_ops.py, which the import shim that
+xla_hlo_call DynamicUpdateSlice and Rng live in scripts/nxdi_cpu_tier/device_ops.py, which the import shim that
 scripts/build_nxdi_cpu_tier.sh writes already serves. With this folder on PYTHONPATH, every Python process of a test
 (the CLI, its spawned ranks, vLLM's engine) gets them in a venv whose shim only raises there (one built by ../shared's
 setup.sh): installed when torch_neuronx.xla_impl.ops is first imported, so a process that never imports it pays
