@@ -45,7 +45,8 @@ LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Our mixins of NxDI classes (the CPU harness's, added to the application): checked as overrides of that class.
 MIXINS = {"CpuMode": ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")}
 # Methods our subclasses add on purpose (not overrides).
-NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"}}
+NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
+               "Eagle3MlaInferenceConfig": {"core_config"}}
 
 
 class Source:

@@ -288,8 +288,9 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
         "--global-topk": ("sampler", dict(type=integer(1), default=256,
                                           help="on-device sampling's top-k pre-selection")),
         "--draft": ("draft", dict(default=None, metavar="DIR",
-                                  help="speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: config.json "
-                                       "+ safetensors; docs/speculative.md): NxDI's fused speculation, the target "
+                                  help="speculate with this EAGLE3 draft as downloaded (the Llama or MLA EAGLE3(.1) "
+                                       "layout, config.json + safetensors; docs/speculative.md): NxDI's fused "
+                                       "speculation, the target "
                                        "verifying --speculation-length tokens a step (default: no speculation)")),
         "--speculation-length": ("draft", dict(type=integer(2), default=None, metavar="K",
                                                help="with --draft: tokens the target verifies per step, the most "

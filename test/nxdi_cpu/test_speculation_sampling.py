@@ -63,7 +63,9 @@ def _sample_job(rank: int, o, prompt: list[int], drafts: dict):
     p = torch.softmax(logits.topk(TOP_K).values / TEMPERATURE, -1)
     proposal = int(logits.topk(TOP_K).indices[1])  # the second most likely: accepted with p'(proposal) < 1
     out = {"logits": logits, "t0": t0}
-    sampling = Sampling(do_sample=True, top_k=TOP_K, temperature=TEMPERATURE)
+    # the compiled top-k pre-selection at most the eagle3-d2t draft's 128 ids (its prefill samples too; at Kimi's
+    # 32000 of 163840 at TP 64, 500 a rank, NxDI's 256 fits)
+    sampling = Sampling(do_sample=True, top_k=TOP_K, temperature=TEMPERATURE, global_topk=64)
     ids = torch.tensor([prompt] * ROWS)
     mask = torch.ones_like(ids)
     positions = torch.arange(len(prompt))[None].expand(ROWS, -1)

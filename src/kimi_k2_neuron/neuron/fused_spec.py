@@ -63,8 +63,9 @@ class Eagle3DraftModel(DraftVocabMap, NeuronLlamaModel):
 
     def init_model(self, config):
         super().init_model(config)
-        if draft_rows(config) != config.vocab_size:
-            self.lm_head = draft_lm_head(config, gather_output=not self.on_device_sampling)
+        on_cpu = config.neuron_config.on_cpu  # NxDI's CPU sampler reads whole logits, as the target's (cpu-sampler)
+        if draft_rows(config) != config.vocab_size or on_cpu:
+            self.lm_head = draft_lm_head(config, gather_output=not self.on_device_sampling or on_cpu)
         self.init_vocab_map(config)
 
 
@@ -167,7 +168,10 @@ def draft_of(config) -> DraftSpec | None:
     checkpoint = None
     if dc is not None and getattr(dc, "architectures", None):
         values = {k: v for k, v in vars(dc).items() if k not in ("neuron_config", "fused_spec_config", "metadata")}
-        checkpoint = replace(facts(str(path), values), mapped=bool(values.get(MAPPED)))
+        try:
+            checkpoint = replace(facts(str(path), values), mapped=bool(values.get(MAPPED)))
+        except KimiInputError:  # a config of other fields (vllm-neuron's, before complete() replaces it): no facts
+            checkpoint = None
     return DraftSpec(path=path, speculation_length=nc.speculation_length, checkpoint=checkpoint)
 
 

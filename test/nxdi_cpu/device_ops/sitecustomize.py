@@ -17,13 +17,18 @@ USERS = {"Argmax": ("neuronx_distributed.operators.argmax",),
          "xla_hlo_call": ("neuronx_distributed_inference.modules.kvcache.utils",)}
 
 
+# This repository's copy under a name of its own: a venv's shim imports the copy it was built with as
+# _nxdi_cpu_device_ops, which may predate an op the tests need (Rng)
+NAME = "_nxdi_cpu_device_ops_repo"
+
+
 def _ops():
-    if "_nxdi_cpu_device_ops" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_nxdi_cpu_device_ops", SOURCE)
+    if NAME not in sys.modules:
+        spec = importlib.util.spec_from_file_location(NAME, SOURCE)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules["_nxdi_cpu_device_ops"] = module
-    return sys.modules["_nxdi_cpu_device_ops"]
+        sys.modules[NAME] = module
+    return sys.modules[NAME]
 
 
 def _install(module) -> None:
