@@ -41,8 +41,8 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
 
 
 def aux_conventions(num_layers: int) -> dict[str, tuple[int, int, int]]:
-    """The aux layer ids a draft may declare for NxDI's capture (the outputs of layers 1, N//2 - 1, N - 4, NXDI_CONTRACT.md:
-    eagle3-capture), by convention: "output" names the layer (SGLang adds 1 and captures the next layer's input;
+    """The aux layer ids a draft may declare for NxDI's capture (the outputs of layers 1, N//2 - 1, N - 4,
+    NXDI_CONTRACT.md: eagle3-capture), by convention: "output" names the layer (SGLang adds 1 and captures the next layer's input;
     SpecForge hooks the layer's output), "input" the next layer whose input it is (vLLM captures before layer i)."""
     out = (1, num_layers // 2 - 1, num_layers - 4)
     return {"output": out, "input": tuple(i + 1 for i in out)}
@@ -89,8 +89,10 @@ class Eagle3Draft:
     # how its config declares the aux layer ids (aux_conventions), if it does
     aux_convention: str | None = field(default=None, compare=False)
     mapped: bool = False  # has a draft -> target id map that is not the identity (d2t)
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
-    stored: dict = field(default_factory=dict, compare=False, repr=False)  # NxDI name -> stored name
+    # read from the folder each time, never saved with a run spec (spec.RunSpec.to_json)
+    raw: dict = field(default_factory=dict, compare=False, repr=False, metadata={"saved": False})
+    stored: dict = field(default_factory=dict, compare=False, repr=False,
+                         metadata={"saved": False})  # NxDI name -> stored name
 
     @property
     def lm_head_rows(self) -> int:

@@ -2,13 +2,12 @@
 (NXDI_CONTRACT.md: eagle3-mla-draft): NxDI's NeuronBaseModel drives it as it drives its Llama EAGLE3 draft (the
 embedding and the fused hidden state concatenated by process_eagle_draft_hidden_states, the pre-norm feedback in
 full_hidden_states, lm_head over the normed output), with the core's EAGLE3 layer (model/eagle3.py: the core's MLA,
-absorbed in decode) as its one decoder layer in the target's NxDI form (modeling.KimiK2DecoderLayer: the latent entry
+absorbed in decode) as its one decoder layer in the target's NxDI form (base.KimiK2DecoderLayer: the latent entry
 in the K slot of its own cache, V one wide, NxDI's latent cache manager), EAGLE3.1's fc_norm before fc and its
-norm_output in the feedback, and a reduced vocabulary mapped in the graph (draft_vocab.py)."""
+norm_output in the feedback, and a reduced vocabulary mapped in the graph (draft_vocab.py). Its config is
+draft_config.Eagle3MlaInferenceConfig."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from .sdk import require_neuron_sdk
 
@@ -16,45 +15,23 @@ require_neuron_sdk()
 
 import torch  # noqa: E402
 from neuronx_distributed.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding  # noqa: E402
-from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig  # noqa: E402
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM, NeuronBaseModel  # noqa: E402
 from neuronx_distributed_inference.modules.generation.sampling import create_sampler  # noqa: E402
 from neuronx_distributed_inference.utils.distributed import get_tp_group  # noqa: E402
 from torch import nn  # noqa: E402
 
-from kimi_k2_neuron.checkpoint.draft import AUX_INPUTS, mla_core_config  # noqa: E402
+from kimi_k2_neuron.checkpoint.draft import AUX_INPUTS  # noqa: E402
 from kimi_k2_neuron.model.eagle3 import Eagle3Layer, draft_outputs, fc_norms, fuse_aux  # noqa: E402
 from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
-from kimi_k2_neuron.parallel import Layout  # noqa: E402
+from kimi_k2_neuron.placement import Layout  # noqa: E402
 
 from .draft_vocab import DraftVocabMap, draft_lm_head  # noqa: E402
+from .base import DECODE, PREFILL, KimiK2DecoderLayer, NxDParallelContext  # noqa: E402
+from .draft_config import Eagle3MlaInferenceConfig  # noqa: E402
 from .latent_cache import LatentKVCacheManager  # noqa: E402
-from .modeling import KimiK2DecoderLayer, NxDParallelContext  # noqa: E402
 
 ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
-
-
-class Eagle3MlaInferenceConfig(InferenceConfig):
-    """The draft's config.json fields as attributes (as fused_spec.draft_config loads them); its layer as a core
-    config (checkpoint/draft.py: mla_core_config)."""
-
-    def add_derived_config(self):
-        self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim  # the latent entry as one KV head
-        self.num_key_value_heads = 1
-        self.num_cores_per_group = 1  # the draft's cache is never sequence-sharded
-
-    def get_required_attributes(self) -> list[str]:
-        return ["hidden_size", "num_attention_heads", "vocab_size", "q_lora_rank", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size", "rms_norm_eps"]
-
-    @classmethod
-    def get_neuron_config_cls(cls):
-        return NeuronConfig
-
-    def core_config(self):
-        fields = {k: v for k, v in vars(self).items() if k not in ("neuron_config", "fused_spec_config", "metadata")}
-        return mla_core_config(fields, source=str(Path(getattr(self, "_name_or_path", "draft")) / "config.json"))
 
 
 class Eagle3MlaDecoderLayer(Eagle3Layer, KimiK2DecoderLayer):
@@ -81,7 +58,11 @@ class Eagle3MlaDraftModel(DraftVocabMap, NeuronBaseModel):
         group = get_tp_group(config)  # NxDI's draft group for the embedding and lm_head (NXDI_CONTRACT.md: draft-tp)
         self.embed_tokens = ParallelEmbedding(config.vocab_size, h, dtype=dtype, shard_across_embedding=True,
                                               tensor_model_parallel_group=group)
-        self.layers = nn.ModuleList([Eagle3MlaDecoderLayer(cfg, dtype, ctx, rotary=RotaryTable(cfg))])
+        # the draft's CTE submodel is a prefill (NxDI sets is_prefill_stage on its config there); its fused step
+        # decodes, on its own cache, never sequence-sharded
+        attention = PREFILL if nc.is_prefill_stage else DECODE
+        self.layers = nn.ModuleList([Eagle3MlaDecoderLayer(cfg, dtype, ctx, rotary=RotaryTable(cfg),
+                                                           attention=attention)])
         self.fc = ColumnParallelLinear(AUX_INPUTS * h, h, bias=False, gather_output=True, dtype=dtype)
         self.fc_norm = fc_norms(h, cfg.rms_norm_eps, dtype) if getattr(config, "fc_norm", False) else None
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)

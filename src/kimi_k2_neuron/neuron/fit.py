@@ -14,13 +14,12 @@ from dataclasses import asdict, dataclass, replace
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
-from . import rules, timing
+from . import moe_paths, rules, timing
 from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
                   TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
                   moe_runs, moe_temporaries, weight_rows)
-from .moe_paths import decodes_all_experts
 from .spec import FD_RESERVED_SLOTS, RunSpec
 from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
                      layout_collectives, moe_prefill_work, prefill_time)
@@ -340,8 +339,7 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     else:  # one latent entry a position on every rank, V's slot 1 wide (eagle3_mla.py)
         heads, kv_what = 1, "latent, every rank"
     draft_kv = b * spec.seq_len * heads * c.kv_width * BF16  # never sequence-sharded
-    path = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens) else \
-        "selective"
+    path = moe_paths.verify_path(cfg, tokens)
     # whole on every rank: the norms, and the MLA draft's q_a / kv_a projections (as the target's: NxDParallelContext)
     whole = sum(_numel(shape) for name, shape in c.shapes().items()
                 if len(shape) == 1 or name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))) * BF16
