@@ -331,8 +331,8 @@ def test_the_draft_is_pre_sharded_with_the_target(runs):
 def test_a_compiled_folders_config_reloads_the_draft(layout, models, tmp_path):
     """neuron_config.json as compile() saves it, loaded as a compiled folder is (and vllm-neuron's precompiled
     branch): NxDI rebuilds the draft's config with our draft class's config class (Llama's, or the MLA draft's),
-    the target's worker class by name, and the reload's spec holds the draft's facts (from its config, not its
-    folder), its vocabulary map among them."""
+    the target's worker class by name, and the reload's saved RunSpec holds the draft's facts (its layout and
+    vocabulary map among them)."""
     from kimi_k2_neuron.formats.record import expert_scheme
     from kimi_k2_neuron.neuron import contract
     from kimi_k2_neuron.neuron.draft_config import Eagle3DraftForCausalLM

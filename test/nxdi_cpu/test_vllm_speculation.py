@@ -71,7 +71,8 @@ def test_llm_api_with_a_speculative_config_gives_the_fused_graphs_greedy_tokens(
     vLLM (the module docstring)."""
     target, draft = models
     stand_in_device_ops()
-    spec = DraftSpec(path=str(draft), speculation_length=K, checkpoint=read_draft(draft, KimiK2Config.from_file(target)))
+    spec = DraftSpec(path=str(draft), speculation_length=K,
+                     checkpoint=read_draft(draft, KimiK2Config.from_file(target)))
     new = MAX_MODEL_LEN - max(map(len, PROMPTS)) - K  # our cache: max_model_len positions, as vLLM's
     o = cpu_options(model=str(target), dtype="bfloat16", draft=spec, continuous_batching=True)
     want, _ = backend.generate(o, backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=new))
