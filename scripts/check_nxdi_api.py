@@ -50,7 +50,8 @@ MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "Ho
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
                "KimiK2Model": {"attention_kind"}, "ChunkedPrefillModel": {"attention_kind"},
-               "CpuModelWrapper": {"_two_heads"}}
+               "CpuModelWrapper": {"_two_heads"},
+               "Eagle3MlaInferenceConfig": {"core_config"}}
 
 
 class Source:

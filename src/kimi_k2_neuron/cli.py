@@ -26,7 +26,7 @@ from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
 from .neuron.spec import CORE, CORE_RANKS, CPU, TRACE
 from .plan_command import add_plan_parser
-from .tiny import TINY_LAYOUTS
+from .tiny import DRAFT_LAYOUTS, TINY_LAYOUTS
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -49,6 +49,8 @@ def cmd_make_tiny(a) -> int:
     check_out_dir(a.out, "OUT")
     if a.draft_for is not None:  # '' too (an unset shell variable): refused as a draft's target, not a target made
         return _make_tiny_draft(a)
+    if a.draft_layout != "eagle3":
+        raise KimiInputError(f"--draft-layout {a.draft_layout}: only with --draft-for TARGET (it writes a draft)")
     layers = {"num_hidden_layers": a.layers} if a.layers else None
     out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, config_overrides=layers, layout=a.layout)
     print(f"wrote a tiny {a.layout} checkpoint ({a.quant or LAYOUTS[a.layout].quant}) to {out}")
@@ -61,9 +63,9 @@ def _make_tiny_draft(a) -> int:
     given = [f for f, on in (("--quant", a.quant), ("--layout", a.layout != "k2"), ("--shards", a.shards != 3),
                              ("--layers", a.layers)) if on]
     if given:
-        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is the Llama EAGLE3 layout's)")
-    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed)
-    print(f"wrote tiny EAGLE3 draft for {a.draft_for} to {out}")
+        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is its --draft-layout's)")
+    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed, layout=a.draft_layout)
+    print(f"wrote tiny EAGLE3 draft ({a.draft_layout}) for {a.draft_for} to {out}")
     return 0
 
 
@@ -330,8 +332,12 @@ def _make_tiny_parser(sub) -> None:
     s.add_argument("--layers", type=integer(1), default=None, metavar="N",
                    help="decoder layers (default: 3); an EAGLE3 target needs 7 (three distinct captured layers)")
     s.add_argument("--draft-for", metavar="TARGET", default=None, type=path,
-                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in the public Llama EAGLE3 "
-                        "layout that --draft takes (default: write a target)")
+                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in a public draft layout "
+                        "that --draft takes (default: write a target)")
+    s.add_argument("--draft-layout", choices=DRAFT_LAYOUTS, default="eagle3",
+                   help="with --draft-for: the public layout it copies: eagle3 (Llama, the target's vocabulary), "
+                        "eagle3-d2t (Llama, a reduced vocabulary with d2t/t2d), eagle3.1-mla (MLA, fc_norm, "
+                        "norm_output) (docs/speculative.md)")
 
 
 def _logits_parser(sub) -> None:

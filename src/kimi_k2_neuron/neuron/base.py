@@ -190,7 +190,8 @@ class KimiK2DecoderLayer(DecoderLayer):
         cos_cache, sin_cache = kwargs.get("cos_cache"), kwargs.get("sin_cache")
         if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
-        q_nope, q_pe, entries = self.self_attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
+        attn_in, hidden_states = self.attention_input(hidden_states)  # an EAGLE3 draft's layer reads two (eagle3.py)
+        q_nope, q_pe, entries = self.self_attn.project(attn_in, (cos_cache, sin_cache))
         out, entries = self.attend(q_nope, q_pe, entries, attention_mask, past_key_value, position_ids,
                                    kwargs.get("active_mask"))
         hidden_states = hidden_states + out

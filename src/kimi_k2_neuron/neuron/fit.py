@@ -100,8 +100,7 @@ class Plan:
         if self.speculation is not None:
             d["speculation"] = {**{k: v for k, v in d["speculation"].items() if k != "verify"},
                                 "verify": _timing_dict(self.speculation.verify),
-                                "effective_tpot_ms": {str(a): self.speculation.tpot_s(a) * 1e3
-                                                      for a in ACCEPT_LENGTHS}}
+                                "effective_tpot_ms": self.speculation.effective_tpot_ms()}
         d.update(tpot_ms=self.decode.total_s * 1e3, ttft_ms=self.ttft_s * 1e3, weight_bytes=self.weight_bytes,
                  headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
@@ -219,8 +218,8 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
             "tpot_ms": p.decode.total_s * 1e3, "prefill_call_ms": p.prefill.total_s * 1e3,
             "ttft_longest_prompt_ms": p.ttft_s * 1e3, "decode": _timing_dict(p.decode),
             "prefill": _timing_dict(p.prefill),
-            **({"speculation": {"fused_step_ms": p.speculation.step_s * 1e3, "effective_tpot_ms": {
-                str(a): p.speculation.tpot_s(a) * 1e3 for a in ACCEPT_LENGTHS}}} if p.speculation else {})}
+            **({"speculation": {"fused_step_ms": p.speculation.step_s * 1e3,
+                                "effective_tpot_ms": p.speculation.effective_tpot_ms()}} if p.speculation else {})}
 
 
 
@@ -270,9 +269,40 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
 # One fused step: the draft's speculation_length calls (K - 1 proposals of one token a row, then one call over the K
 # candidates that rewrites its cache with the target's hidden states) and one target call verifying K tokens a row
 # (NXDI_CONTRACT.md: fused-spec). A step emits 1..K tokens a row; the effective TPOT is the step over the accept
-# length. The accept lengths printed: 2.3, the low end of lightseekorg/kimi-k2.5-eagle3's model card (2.3-3.8, K2.5,
-# 3 draft steps), and 3.2, inside that range (README: speculative decoding).
-ACCEPT_LENGTHS = (2.3, 3.2)
+# length. The accept lengths the planner prints are a low and a high one of the public drafts of the draft's family,
+# each measured with 3 draft tokens a step (K = 4) on its model card (docs/speculative.md: expected accept lengths):
+PUBLISHED_K = 4
+ACCEPT_LENGTHS = {
+    # lightseekorg/kimi-k2.5-eagle3 (2.3-3.8); AQ-MedAI/Kimi-K26-eagle3 (GSM8K 3.172, HumanEval 3.217)
+    "eagle3": (2.3, 3.2),
+    # lightseekorg/kimi-k2.6-eagle3-mla, vLLM 0.20 (CEval 2.494 .. MATH500 3.245)
+    "eagle3-mla": (2.5, 3.2),
+    # lightseekorg/kimi-k2.6-eagle3.1-mla (MTBench 2.611, GSM8K 3.195)
+    "eagle3.1-mla": (2.6, 3.2),
+}
+
+
+def draft_family(draft) -> str:
+    """ACCEPT_LENGTHS' key of a draft's facts (checkpoint/draft.py's Eagle3Draft)."""
+    if draft.kind == "eagle3-mla":
+        return "eagle3.1-mla" if draft.eagle31 else "eagle3-mla"
+    return "eagle3"
+
+
+def accept_lengths(family: str, k: int) -> tuple[float, ...]:
+    """The family's published accept lengths at speculation length k: as measured at PUBLISHED_K, else each scaled
+    by the constant per-draft acceptance rate a that gives it there (1 + a + ... + a^(K0 - 1) = L) to 1 + a + ... +
+    a^(k - 1), which a step of k tokens can emit (an estimate: real acceptance falls along the draft)."""
+    if k == PUBLISHED_K:
+        return ACCEPT_LENGTHS[family]
+    out = []
+    for length in ACCEPT_LENGTHS[family]:
+        lo, hi = 0.0, 1.0
+        for _ in range(60):  # bisection: the sum grows with a
+            a = (lo + hi) / 2
+            lo, hi = (a, hi) if sum(a ** i for i in range(PUBLISHED_K)) < length else (lo, a)
+        out.append(round(sum(lo ** i for i in range(k)), 2))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -284,10 +314,15 @@ class Speculation:
     verify: Timing  # the target's verify call (timing.decode_time at batch x K tokens, the cache read per row)
     draft_s: float  # the draft's K calls
     step_s: float  # one fused step
+    family: str = "eagle3"  # ACCEPT_LENGTHS' key
+    accept_lengths: tuple[float, ...] = ()  # accept_lengths(family, speculation_length)
 
     def tpot_s(self, accept_length: float) -> float:
         """The modelled time per token when a step emits accept_length tokens a row on average."""
         return self.step_s / accept_length
+
+    def effective_tpot_ms(self) -> dict[str, float]:
+        return {str(a): self.tpot_s(a) * 1e3 for a in self.accept_lengths}
 
 
 def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Port) -> Speculation | None:
@@ -298,13 +333,20 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
         return None
     c, k, b, tp = d.checkpoint, d.speculation_length, spec.batch, spec.tp
     tokens = b * k
-    kv_heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
-    draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
+    if c.mla is None:
+        heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
+        kv_what = f"{heads} KV head/rank"
+    else:  # one latent entry a position on every rank, V's slot 1 wide (eagle3_mla.py)
+        heads, kv_what = 1, "latent, every rank"
+    draft_kv = b * spec.seq_len * heads * c.kv_width * BF16  # never sequence-sharded
     path = moe_paths.verify_path(cfg, tokens)
-    norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
-    rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
-                div(c.weight_bytes - norms, tp) + norms),
-            Row(f"EAGLE3 draft KV cache ({kv_heads} KV head/rank x {spec.seq_len})", "bf16", draft_kv),
+    # whole on every rank: the norms, and the MLA draft's q_a / kv_a projections (as the target's: NxDParallelContext)
+    whole = sum(_numel(shape) for name, shape in c.shapes().items()
+                if len(shape) == 1 or name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))) * BF16
+    per_core = div(c.weight_bytes - whole, tp) + whole
+    rows = [Row(f"EAGLE3 draft weights (TP; {c.kind}, {c.num_attention_heads} heads, lm_head {c.lm_head_rows} rows)",
+                "bf16", per_core),
+            Row(f"EAGLE3 draft KV cache ({kv_what} x {spec.seq_len})", "bf16", draft_kv),
             # rows + a spare x 2 x K positions x 3 captured hiddens (NxDI's HiddenStateRollingBuffer)
             Row(f"EAGLE hidden-state buffer ({b}+1 x 2 x {k} x 3 hidden)", "bf16",
                 (b + 1) * 2 * k * 3 * c.hidden_size * BF16)]
@@ -315,8 +357,16 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     _, verify_bytes = bytes_per_token(cfg, verify_spec, weights)
     verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
     verify = decode_time(cfg, verify_spec, verify_bytes, port)
-    call_bytes = div(c.weight_bytes - 2 * c.vocab_size * c.hidden_size, tp) + draft_kv  # the embedding: a gather
-    draft_s = k * timing.draft_call_time(call_bytes)
+    embedding = div(2 * c.vocab_size * c.hidden_size, tp)  # a gather: not read whole
+    draft_s = k * timing.draft_call_time(per_core - embedding + draft_kv)
+    family = draft_family(c)
     return Speculation(draft=str(d.path), speculation_length=k, rows=tuple(rows), verify_path=path, verify=verify,
-                       draft_s=draft_s, step_s=verify.total_s + draft_s)
+                       draft_s=draft_s, step_s=verify.total_s + draft_s, family=family,
+                       accept_lengths=accept_lengths(family, k))
 
+
+def _numel(shape) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n

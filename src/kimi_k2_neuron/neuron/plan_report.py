@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .fit import ACCEPT_LENGTHS, Plan
+from .fit import PUBLISHED_K, Plan
 from .hbm import GiB, Row
 
 
@@ -105,6 +105,9 @@ def _speculation_lines(p: Plan) -> list[str]:
              f"  fused step {s.step_s * 1e3:.2f} ms = target verify of {p.batch} x {s.speculation_length} tokens "
              f"(MoE {s.verify_path}) {s.verify.total_s * 1e3:.2f} + {s.speculation_length} draft calls "
              f"{s.draft_s * 1e3:.2f} ms"]
+    how = f"{s.family}'s published accept lengths" + ("" if s.speculation_length == PUBLISHED_K else
+                                                      f", scaled from --speculation-length {PUBLISHED_K}")
     lines += [f"  effective TPOT at accept length {a}: {s.tpot_s(a) * 1e3:.2f} ms (without the draft: "
-              f"{p.decode.total_s * 1e3:.2f} ms)" for a in ACCEPT_LENGTHS]
+              f"{p.decode.total_s * 1e3:.2f} ms)" for a in s.accept_lengths]
+    lines.append(f"  (accept lengths: {how}; docs/speculative.md)")
     return lines

@@ -308,9 +308,9 @@ FLAGS = (
          "logit-parity test)", kind="switch", taken=frozenset({COMPILE})),
     Flag("--global-topk", "sampling.global_topk", "sampler", "on-device sampling's top-k pre-selection",
          taken=frozenset({COMPILE})),
-    Flag("--draft", "draft.path", "draft", "speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: "
-         "config.json + safetensors; docs/speculative.md): NxDI's fused speculation, the target verifying "
-         "--speculation-length tokens a step (default: no speculation)", kind="path", metavar="DIR",
+    Flag("--draft", "draft.path", "draft", "speculate with this EAGLE3 draft as downloaded (the Llama or MLA "
+         "EAGLE3(.1) layout, config.json + safetensors; docs/speculative.md): NxDI's fused speculation, the target "
+         "verifying --speculation-length tokens a step (default: no speculation)", kind="path", metavar="DIR",
          taken=NEURON | {CPU}, why_not="speculative decoding is NxDI's fused speculation", unset=True),
     Flag("--speculation-length", "draft.speculation_length", "draft", "with --draft: tokens the target verifies per "
          "step, the most one step emits; the draft proposes K - 1 (vLLM's num_speculative_tokens)", least=2,

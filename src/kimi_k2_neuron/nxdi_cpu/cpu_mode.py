@@ -19,7 +19,7 @@ from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM, NxDParallelC
 from kimi_k2_neuron.runtime.ranks import free_port
 from kimi_k2_neuron.runtime.tp import chunk_process_groups
 
-from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group
+from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group, use_device_draft_sampler
 from .options import check_cpu_run
 
 
@@ -47,6 +47,7 @@ class CpuMode:
             if missing:
                 raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
                                      f"{wrapper.tag} got no tensor: {listing(missing)}")
+            use_device_draft_sampler(model)
             wrapper.model = model
         self.eval()
         return self

@@ -4,7 +4,10 @@ before CpuMode; nothing on trn2 runs it."""
 
 from __future__ import annotations
 
+import torch
+from neuronx_distributed.operators.argmax import argmax as nxd_argmax
 from neuronx_distributed.parallel_layers import parallel_state
+from torch import nn
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron.fused_spec import DRAFT_PREFIX
@@ -39,6 +42,29 @@ class FusedSpecCpu:
             head = HEAD_WITH_LOGITS if self.neuron_config.output_logits else HEAD
             return self._construct_output(list(outputs[:head]))
         return super()._get_constructed_outputs(outputs, is_run_on_neuron)
+
+
+class DeviceDraftSampler(nn.Module):
+    """The fused step's draft sampler (greedy: NxDI forces it) as its device branch runs: NxD's argmax over the draft
+    lm_head's vocab-sharded logits, with probability 1 for the pick. NxDI's CPU branch returns the argmax alone, of
+    this rank's shard only, which the sampled acceptance unpacks as (tokens, probabilities) (NXD_CPU_MODE.md:
+    fused-spec-cpu)."""
+
+    def __init__(self, lm_head):
+        super().__init__()
+        self.group = None if getattr(lm_head, "gather_output", True) else lm_head.tensor_parallel_group
+
+    def forward(self, logits, sampling_params=None, return_values=False, rank_id=None):
+        dim = logits.dim() - 1
+        tokens = torch.argmax(logits, dim=dim) if self.group is None else \
+            nxd_argmax(logits, dim=dim, gather_dim=dim, keepdim=False, process_group=self.group)
+        return (tokens, torch.ones(tokens.shape, dtype=logits.dtype)) if return_values else tokens
+
+
+def use_device_draft_sampler(model) -> None:
+    """On a built NeuronFusedSpecModel (both fused submodels build one)."""
+    if hasattr(model, "draft_sampler") and hasattr(model, "draft_model"):
+        model.draft_sampler = DeviceDraftSampler(model.draft_model.lm_head)
 
 
 def init_draft_group(nc) -> None:
