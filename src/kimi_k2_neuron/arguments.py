@@ -260,6 +260,14 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                            f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one)")),
         "--moe-prefill": ("moe", dict(choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
                                       help="how prefill runs the routed experts: " + moe_paths.modes_help())),
+        "--moe-decode": ("moe", dict(choices=list(moe_paths.DECODE_PATHS), default=None,
+                                     help="how token generation runs the routed experts, through NxD's public methods: "
+                                          "selective = each token's top-k experts, one token at a time "
+                                          "(forward_selective_loading; not with --ep); all-experts = every local "
+                                          "expert for the whole batch (forward_all_experts, its EP variant with --ep) "
+                                          "(default: the one kimi-k2-neuron plan's time model says is fastest at "
+                                          "this --batch and --ep, where NxD picks by a fixed threshold: docs/planner.md, "
+                                          "\"Serving many users\")")),
         "--kv-shard": ("layout", dict(choices=KV_SHARDS, default=None,
                                       help="none: every rank holds the whole latent KV cache; sequence: the ranks of "
                                            "a KV group split every sequence, position p on rank p %% G (NxDI's "

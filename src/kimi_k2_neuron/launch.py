@@ -93,7 +93,7 @@ def run_spec(args: argparse.Namespace, cfg=None, record=None, **fixed):
 
     given = vars(args)
     kw = {f: given[f] for f in ("tp", "ep", "lnc", "seq_len", "max_context_length", "batch", "moe_prefill",
-                                "output_logits") if given.get(f) is not None}
+                                "moe_decode", "output_logits") if given.get(f) is not None}
     if "global_topk" in given or "no_on_device_sampling" in given:
         kw["sampling"] = Sampling(on_device=not given.get("no_on_device_sampling", False),
                                   global_topk=given.get("global_topk", Sampling.global_topk))

@@ -17,7 +17,7 @@ from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
 from kimi_k2_neuron.parallel import Layout
 
 from . import moe_paths, rules
-from .spec import LAYOUT_KEY, DraftSpec, RunSpec, Sampling
+from .spec import LAYOUT_KEY, MOE_DECODE_KEY, DraftSpec, RunSpec, Sampling
 
 # Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
 # (NXDI_CONTRACT.md: moe-settings, normalize-reload).
@@ -53,6 +53,16 @@ def layout_of(config) -> Layout:
         return Layout(**value)
     except KimiInputError as e:  # Layout's own check (chunk_group), named by the field that holds it
         raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.{e}") from None
+
+
+def moe_decode_of(config) -> str | None:
+    """The token-generation MoE path an InferenceConfig (or a reload) carries; None (compiled before it was saved):
+    NxD's own threshold."""
+    value = getattr(config, MOE_DECODE_KEY, None)
+    if value is not None and value not in moe_paths.DECODE_PATHS:
+        raise KimiInputError(f"neuron_config.json field {MOE_DECODE_KEY}: expected one of "
+                             f"{', '.join(moe_paths.DECODE_PATHS)}, got {value!r}")
+    return value
 
 
 # -- the RunSpec -> the NeuronConfig, and back ---------------------------------------------------------------------
@@ -110,9 +120,9 @@ def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list
             *(["mlp.router"] if layout.shard_router else [])]
 
 
-def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
+def spec_of(nc, layout: Layout, draft: DraftSpec | None = None, moe_decode: str | None = None) -> RunSpec:
     """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads; the
-    draft is its config's (fused_spec.draft_of)."""
+    draft is its config's (fused_spec.draft_of), the decode path its attribute (moe_decode_of)."""
     ods = getattr(nc, "on_device_sampling_config", None)
     sampling = Sampling(on_device=False) if ods is None else Sampling(
         do_sample=bool(getattr(ods, "do_sample", False)), top_k=getattr(ods, "top_k", 1),
@@ -126,7 +136,7 @@ def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
                    sampling=sampling, output_logits=bool(getattr(nc, "output_logits", False)),
                    moe_prefill=None if bmm is None else moe_paths.mode_of(bmm),
                    continuous_batching=bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk,
-                   layout=layout, draft=draft)
+                   layout=layout, draft=draft, moe_decode=moe_decode)
 
 
 # -- what this port refuses of a NeuronConfig, on every construction (the reload too) ------------------------------
@@ -163,12 +173,13 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpec | None = None) -> None:
+def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpec | None = None,
+                          moe_decode: str | None = None) -> None:
     """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload): the fields
     no RunSpec sets, then the spec the NeuronConfig holds through the same rules the flags meet."""
     bad = _field_problems(nc, layout)
     try:
-        spec = spec_of(nc, layout, draft)
+        spec = spec_of(nc, layout, draft, moe_decode)
         bad += derived_problems(nc, spec) + _speculation_problems(nc, spec)
         rules.check(cfg, spec)
     except KimiInputError as e:

@@ -22,8 +22,8 @@ from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP,
                   moe_runs, moe_temporaries, weight_rows)
 from .moe_paths import decodes_all_experts
 from .spec import FD_RESERVED_SLOTS, RunSpec
-from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
-                     layout_collectives, moe_prefill_work, prefill_time)
+from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, decode_traffic,
+                     experts_read, layout_collectives, moe_prefill_work, prefill_time)
 
 
 
@@ -41,7 +41,7 @@ class Plan:
     moe_prefill: str  # moe_paths.MODES
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
-    decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
+    decode_path: str  # the token-generation MoE path run (RunSpec.decode_path: --moe-decode or the time model's)
     port: Port  # the build modelled: this port's, or a published one's (kv_slots, router dtype, ...)
     layout: Layout
     cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (RunSpec.cache_slots)
@@ -117,7 +117,15 @@ def _timing_dict(t: Timing) -> dict:
     return {"total_ms": t.total_s * 1e3, "bytes": t.bytes, "bytes_ms": t.bytes_s * 1e3, "flops_ms": t.flops_s * 1e3,
             "collectives_ms": t.collectives_s * 1e3, "fixed_ms": t.fixed_s * 1e3, "batch_ms": t.batch_s * 1e3,
             "collective_count": t.collective_count,
-            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives]}
+            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives],
+            **({"compute": _compute_dict(t.compute)} if t.compute is not None else {})}
+
+
+def _compute_dict(c) -> dict:
+    """A decode step's compute (engines.Compute) by matmul, in ms."""
+    return {"moe_path": c.moe_path, "tensor_engine_ms": c.tensor_s * 1e3, "vector_engine_ms": c.vector_s * 1e3,
+            "routed_experts_ms": c.routed_s() * 1e3, "flops": c.flops,
+            "matmuls": [{**asdict(m), "ms": m.seconds() * 1e3} for m in c.matmuls]}
 
 
 
@@ -140,16 +148,17 @@ def _check(cfg: KimiK2Config, spec: RunSpec, port: Port) -> None:
 
 
 def bytes_per_token(cfg: KimiK2Config, spec: RunSpec, weights: list[Row]) -> tuple[int, int]:
-    """(routed experts read per MoE layer, bytes one decode step reads per rank); the duplicate V slot is not
-    read."""
-    read = experts_read(cfg, spec)
+    """(routed experts read per MoE layer, bytes one decode step moves per rank: the weights and cache it reads, the
+    all-experts outputs it writes and reads back); the duplicate V slot is not read."""
+    path = spec.decode_path(cfg)
+    read = experts_read(cfg, spec, path)
     e_local = cfg.n_routed_experts // spec.ep
     routed = (Part.ROUTED_EXPERTS, Part.EXPERT_SCALES)
     experts = sum(r.bytes for r in weights if r.part in routed)  # weights and scales, every MoE layer
     non_expert = sum(r.bytes for r in weights if r.part not in (*routed, Part.EMBEDDING))
     embed_rows = spec.batch * div(cfg.hidden_size, spec.tp) * BF16
     kv_read = cfg.num_hidden_layers * spec.batch * spec.cache_slots * cfg.latent_dim * BF16
-    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read)
+    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read + decode_traffic(cfg, spec, path))
 
 
 def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, prior: int) -> PrefillWork:
@@ -177,7 +186,12 @@ def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row],
 
 def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
-    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port)."""
+    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port). Without --moe-decode, planned at the path the
+    time model says is fastest (moe_decode.fastest_plan)."""
+    if spec.moe_decode is None:
+        from .moe_decode import fastest_plan
+
+        return fastest_plan(cfg, spec, port)
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
@@ -200,7 +214,7 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
         experts=spec.scheme.name, context_len=spec.context_length, prefill_rows=spec.prefill_batch,
         moe_prefill=spec.prefill_mode(cfg), prefill_path=moe["prefill_path"], prefill_blocks=moe["prefill_blocks"],
-        decode_path=moe["decode_path"], port=port, layout=layout, cache_slots_per_rank=slots,
+        decode_path=spec.moe_decode, port=port, layout=layout, cache_slots_per_rank=slots,
         logical_cores=logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
         collectives=tuple(layout_collectives(cfg, spec, rows=batch, queries=1, query_tile=1)),
@@ -226,6 +240,7 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
 
 
 def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
+    c = timing.TRN2
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if port.kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
@@ -254,14 +269,16 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
         "bf16 first, for both FP8 schemes; the torch and all-experts paths hold the bf16 "
         "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
         "dequantization are assumed fused into their bf16 results and are not counted",
-        "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
-        "n_routed_experts or EP > 1 (NxD's all-experts decode), else batch x top_k experts per MoE layer, a repeat "
-        "read again (NxD's selective loading loops over the tokens); ignores compute, collectives and launch "
-        "overheads",
-        "modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
-        "collective at 24 us + bytes / 100 GB/s, 214 us per layer and 46 us per further token per MoE layer fitted on "
-        "the AWS DeepSeek-V3 contrib's published TPOT, prefill scaled by a factor fitted on its TTFT; checked against "
-        "the community Kimi ports in docs/planner.md",
+        "TPOT bound: bytes moved per decode step / per-core HBM bandwidth; every local expert on the all-experts "
+        "decode path (and its [experts, batch, hidden] output written and read back), else batch x top_k experts per "
+        "MoE layer, a repeat read again (NxD's selective loading loops over the tokens); ignores compute, collectives "
+        "and launch overheads",
+        f"modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
+        f"collective at {c.alpha_s * 1e6:.0f} us + bytes / {c.beta_bytes_per_s / 1e9:.0f} GB/s, each decode matmul as "
+        f"TensorEngine instructions of max(tokens, 64) cycles per 128 x 128 weight tile (engines.py), "
+        f"{c.layer_s * 1e6:.0f} us per layer and {c.token_moe_s * 1e6:.1f} us per further token per MoE layer on the "
+        f"selective path fitted on the AWS DeepSeek-V3 contrib's published TPOT and vLLM ITLs, prefill scaled by a "
+        f"factor fitted on its TTFT; checked against the community Kimi ports in docs/planner.md",
     )
 
 
@@ -313,7 +330,7 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     if path == "all-experts":
         rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
                         moe_temporaries(cfg, path, tokens, tp, spec.ep, spec.scheme)[0]))
-    verify_spec = replace(spec, batch=tokens)
+    verify_spec = replace(spec, batch=tokens, moe_decode=path)  # NxD's own forward: a verify is no token generation
     _, verify_bytes = bytes_per_token(cfg, verify_spec, weights)
     verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
     verify = decode_time(cfg, verify_spec, verify_bytes, port)

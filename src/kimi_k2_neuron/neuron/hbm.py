@@ -15,7 +15,6 @@ from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
 from kimi_k2_neuron.parallel import Layout
 
 from . import moe_paths
-from .moe_paths import decodes_all_experts
 from .spec import RunSpec
 
 GiB = 2**30
@@ -190,7 +189,7 @@ def moe_runs(cfg: KimiK2Config, spec: RunSpec) -> dict:
     """Selective-loading decode (~11 MB at TP=64) is in the calibrated runtime allowance; all-experts is counted."""
     tp, ep, batch, scheme, tokens = spec.tp, spec.ep, spec.batch, spec.scheme, spec.prefill_tokens
     path = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
-    decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
+    decode = spec.decode_path(cfg)
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
     decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, scheme) if decode == "all-experts"
                                  else (0, 0))

@@ -70,7 +70,8 @@ class KimiK2InferenceConfig(InferenceConfig):
     def for_serving(cls, cfg: KimiK2Config, spec: RunSpec) -> "KimiK2InferenceConfig":
         nc = MoENeuronConfig(**contract.neuron_config_kwargs(cfg, spec))
         return cls.from_core(cfg, nc, fused_spec_config=fused_spec.of_spec(nc, spec.draft),
-                             **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
+                             **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout),
+                                contract.MOE_DECODE_KEY: spec.decode_path(cfg)})
 
     @classmethod
     def for_request(cls, request: MoENeuronConfig, checkpoint) -> "KimiK2InferenceConfig":
@@ -106,7 +107,8 @@ class KimiK2InferenceConfig(InferenceConfig):
         self.num_cores_per_group = layout.kv_group
         for name, value in HF_DEFAULTS.items():
             setattr(self, name, getattr(self, name, value))
-        contract.enforce_neuron_config(self.neuron_config, self.core_config(), layout, fused_spec.draft_of(self))
+        contract.enforce_neuron_config(self.neuron_config, self.core_config(), layout, fused_spec.draft_of(self),
+                                       contract.moe_decode_of(self))
 
     def get_required_attributes(self) -> list[str]:
         return ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "q_lora_rank",

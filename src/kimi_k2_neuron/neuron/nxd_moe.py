@@ -1,8 +1,10 @@
 """The MoE layer the shell gives NxD: its router answering NxD's router contract with the core's noaux_tc selection,
-and NxD's MoE module around it (routed experts, shared expert inside, one all-reduce)."""
+its routed experts running the token-generation path the run spec names, and NxD's MoE module around them (shared
+expert inside, one all-reduce)."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .sdk import require_neuron_sdk
@@ -22,7 +24,7 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext  # noqa: E402
 
-from . import fused_spec  # noqa: E402
+from . import contract, fused_spec  # noqa: E402
 
 if TYPE_CHECKING:
     from .modeling import KimiK2InferenceConfig, NxDParallelContext
@@ -57,13 +59,36 @@ class NxDRouter(NoAuxTcRouter):
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 
 
+class KimiExpertMLPs(ExpertMLPsV2):
+    """NxD's routed experts, whose token generation (seq_len 1, inference) runs `decode_path` through NxD's public
+    methods: forward_selective_loading, or forward_all_experts (forward_all_experts_EP under EP), where NxD's own forward
+    picks by a fixed threshold (NXDI_CONTRACT.md: moe-paths, moe-decode). Prefill and speculation verify calls are
+    NxD's forward unchanged."""
+
+    def __init__(self, *args, decode_path: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_path = decode_path
+
+    def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
+                expert_affinities_masked_full=None):
+        if self.training or seq_len != 1:
+            return super().forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask,
+                                   expert_affinities_masked_full)
+        if self.decode_path == "selective":
+            return self.forward_selective_loading(hidden_states, expert_affinities, expert_index)
+        if self.moe_expert_model_parallel_group.size() > 1:
+            return self.forward_all_experts_EP(hidden_states, expert_affinities, expert_index)
+        return self.forward_all_experts(hidden_states, expert_affinities, expert_index)
+
+
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
               ctx: NxDParallelContext) -> NxDMoE:
     """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
     (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
     tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
-    experts = ExpertMLPsV2(
+    decode = contract.moe_decode_of(config)  # None: compiled before the path was saved, NxD's own threshold
+    experts = (ExpertMLPsV2 if decode is None else partial(KimiExpertMLPs, decode_path=decode))(
         routed_experts_mlp_config=RoutedExpertsMLPOpsConfig(
             num_experts=cfg.n_routed_experts,
             hidden_size=cfg.hidden_size,

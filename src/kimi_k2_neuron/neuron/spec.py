@@ -22,6 +22,8 @@ FD_RESERVED_SLOTS = 128
 # The InferenceConfig attribute a RunSpec's Layout is saved under: not NeuronConfig fields, which NxDI validates
 # (NXDI_CONTRACT.md: layout-attribute).
 LAYOUT_KEY = "kimi_k2_layout"
+# The InferenceConfig attribute the token-generation MoE path (RunSpec.decode_path) is saved under, beside the layout
+MOE_DECODE_KEY = "kimi_k2_moe_decode"
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,9 @@ class RunSpec:
     output_logits: bool = False  # also return logits under on-device sampling
     # moe_paths.MODES; None: the default where its kernel can run these shapes, else torch (moe_paths.default_mode)
     moe_prefill: str | None = moe_paths.DEFAULT_MODE
+    # the token-generation MoE path, moe_paths.DECODE_PATHS (one of NxD's public forward_* methods, nxd_moe.py); None:
+    # the fastest the time model gives at this batch and EP (moe_decode.py), NxD's own threshold on CPU (lnc None)
+    moe_decode: str | None = None
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
     # an InferenceConfig attribute, not NeuronConfig fields (LAYOUT_KEY); its prefill_chunk is the CTE
@@ -119,6 +124,19 @@ class RunSpec:
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+    def decode_path(self, cfg: KimiK2Config) -> str:
+        """--moe-decode; else all-experts under EP (selective loading has none), NxD's own threshold where no trn2
+        time model applies (lnc None: NxD's CPU mode), else the path the time model says is fastest."""
+        if self.moe_decode is not None:
+            return self.moe_decode
+        if self.ep > 1:
+            return "all-experts"
+        if self.lnc is None or self.scheme is None:
+            return moe_paths.nxd_decode_path(cfg, self.batch)
+        from .moe_decode import fastest  # the planner: it plans this spec at each path
+
+        return fastest(cfg, self)
 
 
 def layout_flags(layout: Layout) -> list[str]:
