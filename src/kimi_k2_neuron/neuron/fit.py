@@ -16,7 +16,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
 from kimi_k2_neuron.parallel import Layout
 
-from . import rules, timing
+from . import moe_paths, rules, timing
 from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
                   TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
                   moe_runs, moe_temporaries, weight_rows)
@@ -171,27 +171,38 @@ def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: st
                        moe_prefill_work(cfg, spec, path, spec.scheme.quantized))
 
 
-def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row],
-          path: str) -> tuple[Timing, float, Timing | None]:
+def prefill_call(cfg: KimiK2Config, spec: RunSpec, prior: int = 0, port: Port = THIS_PORT,
+                 c: timing.Constants = timing.TRN2) -> Timing:
+    """One prefill call of spec.prefill_tokens tokens after `prior` positions already in the cache (a chunk's, or a
+    turn's cached prefix), on the MoE path NxD takes for that many tokens (an estimate: timing.prefill_time)."""
+    weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, port.router_dtype, spec.layout)
+    path = moe_paths.prefill_path(cfg, spec.prefill_tokens, spec.prefill_mode(cfg))
+    return prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, prior), CHUNK_QUERY_TILE, c)
+
+
+def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, c: timing.Constants,
+          longest: bool = True) -> tuple[Timing, float, Timing | None]:
     """(the first prefill call, the prefill of the longest prompt, its last chunk): one bucket, or with chunks a
-    prompt of seq_len tokens, chunk k attending the k x N positions before it."""
-    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE)
+    prompt of seq_len tokens, chunk k attending the k x N positions before it (not longest: the first call's)."""
+    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE, c)
     n = spec.layout.prefill_chunk
-    if n is None or spec.seq_len <= n:
+    if n is None or spec.seq_len <= n or not longest:
         return first, first.total_s, None
-    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE)
+    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE, c)
              for k in range(1, spec.seq_len // n)]
     return first, first.total_s + sum(t.total_s for t in later), later[-1]
 
 
-def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
+def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Constants = timing.TRN2,
+         longest_prompt: bool = True) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
-    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port). Without --moe-decode, planned at the path the
-    time model says is fastest (moe_decode.fastest_plan)."""
+    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port), `c` other constants. Without --moe-decode,
+    planned at the path the time model says is fastest (moe_decode.fastest_plan). longest_prompt False: ttft_s is
+    the first prefill call's alone (for searches that time their own prompts: workload.py)."""
     if spec.moe_decode is None:
         from .moe_decode import fastest_plan
 
-        return fastest_plan(cfg, spec, port)
+        return fastest_plan(cfg, spec, port, c, longest_prompt)
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
@@ -208,7 +219,7 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
     speculation = _speculation(cfg, spec, weights, port)
     total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
     read, per_token = bytes_per_token(cfg, spec, weights)
-    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"])
+    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"], c, longest_prompt)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
@@ -220,7 +231,7 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
         collectives=tuple(layout_collectives(cfg, spec, rows=batch, queries=1, query_tile=1)),
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
-        decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
+        decode=decode_time(cfg, spec, per_token, port, c), prefill=first, ttft_s=ttft,
         assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
         chunk_merge_bytes=(sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1))
                            if last_chunk and layout.sequence_sharded else None))

@@ -23,18 +23,18 @@ def candidates(spec: RunSpec) -> tuple[str, ...]:
     return ("all-experts",) if spec.ep > 1 else DECODE_PATHS
 
 
-def fastest_plan(cfg: KimiK2Config, spec: RunSpec, port=None):
+def fastest_plan(cfg: KimiK2Config, spec: RunSpec, port=None, c=None, longest_prompt: bool = True):
     """fit.plan at the path of the lowest modelled decode step among those that fit (NxD's own on a tie: the one its
     threshold picks); where the spec decides it without the time model (RunSpec.decode_path: EP, a CPU run), at that
     path."""
     from .fit import plan
     from .moe_paths import nxd_decode_path
-    from .timing import THIS_PORT
+    from .timing import THIS_PORT, TRN2
 
-    port = port or THIS_PORT
+    port, c = port or THIS_PORT, c or TRN2
     if spec.ep > 1 or spec.lnc is None or spec.scheme is None:
-        return plan(cfg, replace(spec, moe_decode=spec.decode_path(cfg)), port)
-    plans = [plan(cfg, replace(spec, moe_decode=path), port) for path in candidates(spec)]
+        return plan(cfg, replace(spec, moe_decode=spec.decode_path(cfg)), port, c, longest_prompt)
+    plans = [plan(cfg, replace(spec, moe_decode=path), port, c, longest_prompt) for path in candidates(spec)]
     nxd = nxd_decode_path(cfg, spec.batch)
     return min(plans, key=lambda p: (not p.fits, round(p.decode.total_s, 9), p.decode_path != nxd))
 

@@ -51,7 +51,7 @@ class Constants:
     token_moe_s: float = 29.3e-6
     # fitted with token_moe_s: what a step costs through vLLM and vllm-neuron beyond NxDI's own (the scheduler, the
     # model runner's inputs, the detokenizer), per step whatever the batch
-    vllm_step_s: float = 4.56e-3
+    vllm_step_s: float = 4.55e-3
     # fitted: the same contrib's 1,667 ms TTFT (a 512-token bucket) over its counted on-core prefill time
     prefill_factor: float = 2.84
 
