@@ -296,11 +296,12 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
 def modelled_times(config) -> dict:
     """The planner's modelled TPOT and TTFT of this compiled configuration (its saved NeuronConfig and layout), beside
     what the benchmark measures: the first trn2 run tests the time model."""
-    from kimi_k2_neuron.neuron.contract import layout_of, spec_of
+    from kimi_k2_neuron.neuron.contract import layout_of, moe_decode_of, spec_of
     from kimi_k2_neuron.neuron.fit import modelled
     from kimi_k2_neuron.neuron.fused_spec import draft_of
 
-    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config), draft_of(config)))
+    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config), draft_of(config),
+                                                  moe_decode_of(config)))
 
 
 def _cpu(args) -> tuple[dict, dict]:

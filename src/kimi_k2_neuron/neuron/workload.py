@@ -13,6 +13,10 @@ prefilled in the step after another ends, so:
     TPOT (vLLM's: (e2e - TTFT) / (output - 1)) = decode step + (B - 1) x prefill step / (output - 1)
     TTFT                 = the request's own prefill step (no two wait together in that steady state)
 
+That is the clients out of step, as users are: each finish is followed by one prefill. Clients started together with
+equal lengths (a benchmark's) stay in step instead, whole cohorts prefilled back to back: the same rate, TTFT up to
+B prefills (at_concurrency's `together`); the search assumes users.
+
 each step costing vLLM's per-step overhead beside the model's (timing.Constants.vllm_step_s). Turns of different
 lengths (the agentic workload) enter by their mean prefill and output, and TTFT's 90th percentile over the turns.
 The prefill of a turn is `turn_prefill`: the seam prefix caching (issue 37) plugs into. Pure: no SDK.
@@ -284,3 +288,43 @@ def serve_flags(s: Serving) -> list[str]:
     p = s.plan
     return [f"--tp {p.tp}", f"--ep {p.ep}", f"--seq-len {p.seq_len}", f"--batch {p.batch}",
             f"--moe-prefill {p.moe_prefill}", f"--moe-decode {p.decode_path}", *layout_flags(p.layout)]
+
+
+def at_concurrency(s: Serving, clients: int, together: bool = False) -> dict:
+    """The steady state of `clients` closed-loop clients on s's configuration (compiled batch B; NxDI pads a smaller
+    batch, so each decode step costs B's): up to B, the module's formulas with `clients` in place of B; beyond, the
+    extra clients queue for a cache line, the box runs at B's rate and TTFT grows by the wait (Little's law: a request
+    spends clients x output / rate in the system, of which (output - 1) x TPOT decoding); the TTFT there is a mean.
+    together: clients started at once with equal lengths (a benchmark's, e.g. `vllm bench serve --max-concurrency`)
+    stay in step, each cohort prefilled back to back: the same rate, but the k-th of a cohort waits k prefills for
+    its first token and (clients - k) more stall its decode (up to B only)."""
+    b, out, p = s.concurrency, s.mean_output, s.prefill_s
+    n = min(clients, b)
+    cycle = n * p + (out - 1) * s.decode_step_s
+    rate, tpot = n * out / cycle, s.decode_step_s + (n - 1) * p / max(out - 1, 1)
+    if together and clients <= b:
+        return {"clients": clients, "output_tok_s": rate, "started": "together",
+                "tpot_ms": (s.decode_step_s + (n - 1) / 2 * p / max(out - 1, 1)) * 1e3,
+                "ttft_mean_s": (n + 1) / 2 * p, "ttft_p90_s": math.ceil(0.9 * n) * p, "queued": 0}
+    ttft = s.ttft_p90_s if clients <= b else clients * out / rate - (out - 1) * tpot
+    return {"clients": clients, "output_tok_s": rate, "tpot_ms": tpot * 1e3, "started": "staggered",
+            ("ttft_p90_s" if clients <= b else "ttft_mean_s"): ttft, "queued": max(0, clients - b)}
+
+
+def best_at_batch(cfg: KimiK2Config, base: RunSpec, w: Workload, batch: int, port=THIS_PORT,
+                  c: Constants = TRN2) -> Serving | None:
+    """The configuration of the most output tokens per second at this compiled batch, whatever its TPOT and TTFT
+    (docs/planner.md's table by batch): every candidate that fits at `batch`."""
+    best, prefills = None, {}
+    for spec in candidates(cfg, base, w):
+        key = (spec.layout, spec.ep, spec.moe_prefill, spec.seq_len)
+        try:
+            if key not in prefills:
+                prefills[key] = workload_prefills(cfg, spec, w, c)
+            p = plan(cfg, replace(spec, batch=batch), port, c, longest_prompt=False)
+        except KimiInputError:
+            continue
+        s = steady_state(p, prefills[key], w, c)
+        if s.fits and (best is None or s.output_tok_s > best.output_tok_s):
+            best = s
+    return best
