@@ -12,7 +12,8 @@ every Kimi tokenizer), so no tokenizer is needed here.
 
 With the configuration the server runs (--config, the model's config.json, and the flags compile_and_save.py was given:
 --tp, --seq-len, --batch, --experts, the layout and MoE flags), the report carries the planner's modelled figures
-beside each concurrency (`kimi-k2-neuron plan --serve`'s model: neuron/workload.py), so a trn2 run tests the model.
+beside each concurrency (`kimi-k2-neuron plan --serve`'s model: neuron/workload.py, for clients started together, as
+here: each cohort prefilled back to back), so a trn2 run tests the model.
 --device cpu marks a run against vLLM on CPU (NxD's CPU mode, the nxdi-cpu tier): its numbers say nothing of trn2.
 
 Example (a trn2.48xlarge serving a folder compiled with --for-vllm --batch 8 --seq-len 9216):
@@ -134,7 +135,7 @@ def _modeller(a):
                              f"prompt and output)")
     p = plan(cfg, spec)
     s = workload.steady_state(p, workload.workload_prefills(cfg, spec, w), w)
-    return lambda clients: workload.at_concurrency(s, clients)
+    return lambda clients: workload.at_concurrency(s, clients, together=True)  # this script starts them together
 
 
 # -- the server ----------------------------------------------------------------------------------------------------

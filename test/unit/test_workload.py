@@ -204,3 +204,16 @@ def test_plan_serve_prints_every_term(capsys):
                    "through vLLM today"):
         assert needle in out, needle
     assert TRN2.vllm_step_s * 1e3 == pytest.approx(float(re.search(r"vLLM's ([\d.]+) ms a step", out).group(1)))
+
+
+def test_the_docs_levers_are_the_search_rerun_with_one_term_changed(kimi):
+    changed = {"(as modelled)": (TRN2, workload.chat()),
+               "no per-token loop in the decode MoE": (replace(TRN2, token_moe_s=0.0), workload.chat()),
+               "prefill at its counted work (factor 1)": (replace(TRN2, prefill_factor=1.0), workload.chat()),
+               "both": (replace(TRN2, token_moe_s=0.0, prefill_factor=1.0), workload.chat()),
+               "no vLLM cost a step": (replace(TRN2, vllm_step_s=0.0), workload.chat()),
+               "TPOT bound 100 ms": (TRN2, workload.chat(tpot_s=0.1))}
+    rows = {r[0]: r[1:] for r in _table("| lever | output tok/s at 50 ms / 5 s |")}
+    for lever, (c, w) in changed.items():
+        best, _ = workload.best_serving(kimi, _base(), w, c=c)
+        assert _number(rows[lever][0]) == round(best.output_tok_s) and _number(rows[lever][1]) == best.concurrency

@@ -1,12 +1,11 @@
 """Attention data parallelism, modelled and not built: NxDI's attention_dp_degree with its DataParallelKVCacheManager,
-as it would run Kimi's MLA (estimates).
+as it would run Kimi's MLA (estimates; NXDI_CONTRACT.md: attention-dp).
 
-In token generation NxDI splits the batch over dp groups of tp / dp ranks (modules/attention/attention_base.py:
-1703-1727): each group attends its batch / dp sequences with its heads split tp / dp ways, its cache lines holding only
-those sequences (kvcache/data_parallel_kv_cache_manager.py: kv_cache_batch_size = tkg batch / dp, models/config.py:
-513-514), then gathers the attention output over the dp groups (l.1862-1865) before the MoE, which runs the whole batch
-over all ranks as before. Prefill is unchanged (context encoding keeps TP attention, l.188). NxDI requires continuous
-batching and a batch that dp divides (config.py:700-716). Against the replicated cache at the same batch, per rank:
+In token generation NxDI splits the batch over dp groups of tp / dp ranks: each group attends its batch / dp
+sequences with its heads split tp / dp ways, its cache lines holding only those sequences, then gathers the attention
+output over the dp groups before the MoE, which runs the whole batch over all ranks as before. Prefill is unchanged
+(context encoding keeps TP attention). NxDI requires continuous batching and a batch that dp divides. Against the
+replicated cache at the same batch, per rank:
 
     cache             / dp (each rank holds its group's sequences only)
     q_b, kv_b, o      x dp (dp heads a rank instead of one at TP=64)
@@ -39,8 +38,8 @@ def degrees(p: Plan) -> list[int]:
 
     if p.layout.sequence_sharded or p.lnc is None:
         return []
-    sizes = GROUP_LAYOUTS.get((p.tp, p.lnc), ())
-    return [p.tp // g for g in sizes if 1 < p.tp // g and p.batch % (p.tp // g) == 0]
+    dps = [p.tp // size for size in GROUP_LAYOUTS.get((p.tp, p.lnc), ())]
+    return [dp for dp in dps if dp > 1 and p.batch % dp == 0]
 
 
 def modelled(cfg: KimiK2Config, spec, p: Plan, dp: int, c: Constants = TRN2) -> tuple[int, float, dict]:

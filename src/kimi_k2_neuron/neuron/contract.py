@@ -30,8 +30,6 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
 # -- the layout: an InferenceConfig attribute, which survives NxDI's save and load where an unknown NeuronConfig field
 # would not (NXDI_CONTRACT.md: layout-attribute) ------------------------------------------------------------------
 
-
-
 def layout_attribute(layout: Layout) -> dict[str, Any]:
     return dataclasses.asdict(layout)
 
@@ -56,12 +54,10 @@ def layout_of(config) -> Layout:
 
 
 def moe_decode_of(config) -> str | None:
-    """The token-generation MoE path an InferenceConfig (or a reload) carries; None (compiled before it was saved):
-    NxD's own threshold."""
+    """The decode MoE path a config (or a reload) carries; None (compiled before it was saved): NxD's threshold."""
     value = getattr(config, MOE_DECODE_KEY, None)
-    if value is not None and value not in moe_paths.DECODE_PATHS:
-        raise KimiInputError(f"neuron_config.json field {MOE_DECODE_KEY}: expected one of "
-                             f"{', '.join(moe_paths.DECODE_PATHS)}, got {value!r}")
+    if value not in (None, *moe_paths.DECODE_PATHS):
+        raise KimiInputError(f"neuron_config.json field {MOE_DECODE_KEY}: expected one of {moe_paths.DECODE_PATHS}")
     return value
 
 
