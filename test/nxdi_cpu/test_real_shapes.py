@@ -372,7 +372,7 @@ CASES = [("fp8", 1, PREFILL_TOKENS), ("fp8", 4, PREFILL_TOKENS // 4), ("int4", 1
 
 
 def test_tp2_all_experts_decode_at_real_shapes_equals_the_core_runner(rank_slices):
-    """--moe-decode all-experts (what the planner's model picks at batch 33-46 where NxD's threshold takes selective
+    """--moe-decode all-experts (what the planner's model picks at batch 35-42 where NxD's threshold takes selective
     loading: docs/planner.md): the shell's KimiExpertMLPs calls NxD's forward_all_experts at token generation, every
     one of a rank's 384 experts of 32 columns for the 4 tokens of a step, whose [384, 4, 7168] output is summed at
     the zero affinities too; the logits equal the core runner's as the selective path's do."""

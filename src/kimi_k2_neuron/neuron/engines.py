@@ -134,7 +134,7 @@ def decode_matmuls(cfg: KimiK2Config, spec: RunSpec, path: str, router_fp32: boo
     nope, rope, v, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     out = [Matmul("q_a + kv_a", h, (cfg.q_lora_rank + cfg.latent_dim) // attn_a, b, layers),
            Matmul("q_b", cfg.q_lora_rank, heads * cfg.qk_head_dim, b, layers),
-           Matmul("q_nope x W_UK", nope, r, b, layers * hq),
+           Matmul("q_nope x W_UK", nope, r, b, layers * heads),  # its own heads, then gathered when sharded
            Matmul("scores over the cache", r + rope, slots, hq, layers * b),
            Matmul("context over the cache", slots, r, hq, layers * b),
            Matmul("context x W_UV", r, v, b, layers * heads),
