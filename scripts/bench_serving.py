@@ -49,7 +49,8 @@ def build_parser():
     p.add_argument("--served-model", required=True, help="the model name the server answers to (its /v1/models)")
     p.add_argument("--concurrency", type=integers(1), default=[1, 4, 8], metavar="C,C,...",
                    help="closed-loop clients, one run each")
-    p.add_argument("--workload", choices=["chat", "agentic"], default="chat")
+    p.add_argument("--workload", choices=["chat", "agentic"], default="chat",
+                   help="chat: a fresh prompt a request; agentic: sessions whose turns resend the conversation so far")
     p.add_argument("--input-tokens", type=integer(1), default=8192, help="chat: prompt tokens; agentic: the "
                                                                           "first turn's")
     p.add_argument("--output-tokens", type=integer(2), default=1024, help="tokens each request generates")
