@@ -221,7 +221,8 @@ def add_plan_parser(sub, command) -> None:
                         "and p90 TTFT bounds met, prefill and decode counted as vllm-neuron interleaves them "
                         "(docs/planner.md, \"Serving many users\"); chat: --input-tokens / --output-tokens a "
                         "request; agentic: 12 turns from a 16,384-token history, each adding 3,072 tokens and "
-                        "generating 512 (exit 0 if a configuration meets every bound, 1 if none does)")
+                        "generating 512; exit 0 if a configuration meets every bound, 1 if none does (default: off; --serve alone: "
+                        "chat)")
     s.add_argument("--input-tokens", type=integer(1), default=None, help="--serve chat: prompt tokens a request "
                                                                           "(default: 8192)")
     s.add_argument("--output-tokens", type=integer(2), default=None, help="--serve chat: tokens a request generates "
