@@ -210,8 +210,8 @@ def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:
     try:
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron import moe_paths
-        from kimi_k2_neuron.neuron.contract import LAYOUT_KEY, MOE_DECODE_KEY
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
+        from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY
     except ImportError as e:
         return sdk_missing(e)
     checkpoint = args.model if record else converted_dir_for(args.model, spec.scheme.name)
@@ -226,13 +226,12 @@ def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
     decode = spec.decode_path(cfg)  # through nxd_moe.KimiExpertMLPs, where NxD's forward picks by a threshold
     step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
-    if spec.draft:  # the fused graph's verify of batch x K tokens, all-experts past selective (fused_spec.py)
-        decode = moe_paths.call_path(step, cfg.num_experts_per_tok, cfg.n_routed_experts,
-                                     moe_paths.ALL_EXPERTS_BLOCK_SIZE, decode=False)
+    if spec.draft:  # the fused graph's verify of batch x K tokens
+        decode = moe_paths.verify_path(cfg, step)
     saved = json.loads(config.to_json_string())
     report = {
-        "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY], "layout_choice": why,
-        MOE_DECODE_KEY: saved[MOE_DECODE_KEY], "moe_decode_choice": decode_why,
+        "neuron_config": saved["neuron_config"], RUN_SPEC_KEY: saved[RUN_SPEC_KEY], "layout_choice": why,
+        "moe_decode_choice": decode_why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       ("fused_speculation" if spec.draft else "token_generation"): {"tokens": step, "path": decode}},

@@ -17,6 +17,8 @@ import sys
 import pytest
 from nxdi_support import REPO, cpu_options, rel_err
 
+from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY
 from kimi_k2_neuron.nxdi_cpu import backend
 
 pytestmark = pytest.mark.fp8_selective_cpu
@@ -73,7 +75,8 @@ def test_nxds_own_threshold_runs_where_no_path_is_given(converted):
     """On CPU (no trn2 time model) the shell leaves NxD its own choice: selective loading at batch 2 (2 x 3 < 8)."""
     o = backend.prepare(cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=1), 8, 2)
     app = backend.build(o, 8, 2)
-    assert app.config.kimi_k2_moe_decode == "selective"
+    spec = contract.run_spec(app.config)
+    assert spec.moe_decode is None and spec.decode_path(app.config.core_config()) == "selective"
     experts = [m for w in app.models for m in w.model.modules() if type(m).__name__ == "KimiExpertMLPs"]
     assert experts and {m.decode_path for m in experts} == {"selective"}
 
@@ -95,7 +98,7 @@ def test_compile_dry_run_saves_the_planners_path_where_nxds_threshold_differs(ti
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
-    assert got["kimi_k2_moe_decode"] == "all-experts" == got["moe_paths"]["token_generation"]["path"]
+    assert got[RUN_SPEC_KEY]["moe_decode"] == "all-experts" == got["moe_paths"]["token_generation"]["path"]
     assert got["plan"]["decode_path"] == "all-experts" and got["plan"]["decode"]["flops_ms"] > 0
     why = got["moe_decode_choice"]
     assert why.startswith("all-experts, the planner's choice") and "NxD's own threshold would take selective" in why
@@ -103,15 +106,15 @@ def test_compile_dry_run_saves_the_planners_path_where_nxds_threshold_differs(ti
                         str(tmp_path / "out"), "--tp", "64", "--batch", "40", "--for-vllm", "--moe-decode",
                         "selective", "--dry-run"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout)["kimi_k2_moe_decode"] == "selective"
+    assert json.loads(r.stdout)[RUN_SPEC_KEY]["moe_decode"] == "selective"
 
 
 def test_a_reload_runs_the_saved_path(converted, tmp_path):
-    """NxDI's save and load keep the attribute (as the layout's): the reloaded config builds the same path."""
+    """NxDI's save and load keep the run spec, its moe_decode with it: the reloaded config builds the same path."""
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
     o = backend.prepare(cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), moe_decode="all-experts"), 8, 2)
     app = backend.application(o, 8, 2)
     app.config.save(str(tmp_path))
     again = KimiK2InferenceConfig.load(str(tmp_path))
-    assert again.kimi_k2_moe_decode == "all-experts"
+    assert contract.run_spec(again).moe_decode == "all-experts"

@@ -19,7 +19,7 @@ from kimi_k2_neuron.neuron.fit import plan
 from kimi_k2_neuron.neuron.serve_report import h200_tie
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import TRN2
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 REPO = Path(__file__).resolve().parents[2]
 KIMI = REPO / "test/data/configs/kimi-k2-instruct-0905.json"

@@ -14,13 +14,12 @@ from dataclasses import asdict, dataclass, replace
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules, timing
 from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
                   TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
                   moe_runs, moe_temporaries, weight_rows)
-from .moe_paths import decodes_all_experts
 from .spec import FD_RESERVED_SLOTS, RunSpec
 from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, decode_traffic,
                      experts_read, layout_collectives, moe_prefill_work, prefill_time)
@@ -329,8 +328,7 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     tokens = b * k
     kv_heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
     draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
-    path = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens) else \
-        "selective"
+    path = moe_paths.verify_path(cfg, tokens)
     norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
     rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
                 div(c.weight_bytes - norms, tp) + norms),

@@ -5,7 +5,6 @@ expert inside, one all-reduce)."""
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING
 
 from .sdk import require_neuron_sdk
 
@@ -14,7 +13,8 @@ require_neuron_sdk()
 import torch  # noqa: E402
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
 from neuronx_distributed.modules.moe.model import MoE as NxDMoE  # noqa: E402
-from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfig  # noqa: E402
+from neuronx_distributed.modules.moe.moe_configs import (BlockwiseMatmulConfig,  # noqa: E402
+                                                          RoutedExpertsMLPOpsConfig)
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts  # noqa: E402
 from neuronx_distributed.parallel_layers import parallel_state  # noqa: E402
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_group  # noqa: E402
@@ -24,10 +24,8 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext  # noqa: E402
 
-from . import contract, fused_spec  # noqa: E402
-
-if TYPE_CHECKING:
-    from .modeling import KimiK2InferenceConfig, NxDParallelContext
+from . import contract, moe_paths  # noqa: E402
+from .inference_config import KimiK2InferenceConfig  # noqa: E402
 
 
 class NxDRouter(NoAuxTcRouter):
@@ -60,35 +58,30 @@ class NxDRouter(NoAuxTcRouter):
 
 
 class KimiExpertMLPs(ExpertMLPsV2):
-    """NxD's routed experts, whose token generation (seq_len 1, inference) runs `decode_path` through NxD's public
-    methods: forward_selective_loading, or forward_all_experts (forward_all_experts_EP under EP), where NxD's own forward
-    picks by a fixed threshold (NXDI_CONTRACT.md: moe-paths, moe-decode). Prefill and speculation verify calls are
-    NxD's forward unchanged."""
+    """NxD's routed experts in a token-generation graph (one token a sequence), running the path the run spec names
+    through NxD's public methods, where NxD's own forward picks by a fixed threshold (NXDI_CONTRACT.md: moe-paths,
+    moe-decode): forward_selective_loading, or forward_all_experts (forward_all_experts_EP under EP). The method is
+    chosen when built; the graph is traced for one path."""
 
     def __init__(self, *args, decode_path: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_path = decode_path
+        ep = self.moe_expert_model_parallel_group.size() > 1
+        self.decode_method = ("forward_selective_loading" if decode_path == "selective" else
+                              "forward_all_experts_EP" if ep else "forward_all_experts")
 
     def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
                 expert_affinities_masked_full=None):
-        if self.training or seq_len != 1:
-            return super().forward(hidden_states, expert_affinities, expert_index, seq_len, padding_mask,
-                                   expert_affinities_masked_full)
-        if self.decode_path == "selective":
-            return self.forward_selective_loading(hidden_states, expert_affinities, expert_index)
-        if self.moe_expert_model_parallel_group.size() > 1:
-            return self.forward_all_experts_EP(hidden_states, expert_affinities, expert_index)
-        return self.forward_all_experts(hidden_states, expert_affinities, expert_index)
+        return getattr(self, self.decode_method)(hidden_states, expert_affinities, expert_index)
 
 
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
-              ctx: NxDParallelContext) -> NxDMoE:
+              ctx: ParallelContext) -> NxDMoE:
     """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
     (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
     tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
-    decode = contract.moe_decode_of(config)  # None: compiled before the path was saved, NxD's own threshold
-    experts = (ExpertMLPsV2 if decode is None else partial(KimiExpertMLPs, decode_path=decode))(
+    experts = _experts_class(cfg, config)(
         routed_experts_mlp_config=RoutedExpertsMLPOpsConfig(
             num_experts=cfg.n_routed_experts,
             hidden_size=cfg.hidden_size,
@@ -102,7 +95,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
             capacity_factor=nc.capacity_factor,
             enable_spmd_rank=nc.blockwise_matmul_config.parallelize_token_to_block_mapping,
         ),
-        blockwise_matmul_config=fused_spec.verify_blockwise(nc),  # NXDI_CONTRACT.md: verify-moe-path
+        blockwise_matmul_config=_blockwise_config(nc),
         sequence_parallel_enabled=False,
         dtype=dtype,
         is_prefill=nc.is_prefill_stage,
@@ -123,3 +116,23 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
                  sequence_parallel_enabled=False, sequence_dimension=1)
     moe.eval()  # ExpertMLPsV2 takes its training path otherwise (NXDI_CONTRACT.md: moe-eval)
     return moe
+
+
+def _blockwise_config(nc):
+    """The MoE config of the graph: a fused graph's verify call runs batch x speculation_length tokens, which NxD would
+    send to the blockwise prefill kernel from 48 tokens at Kimi's shapes; it runs moe_paths.VERIFY_MODE instead
+    (NXDI_CONTRACT.md: verify-moe-path)."""
+    bmm = nc.blockwise_matmul_config
+    if nc.is_prefill_stage or not nc.speculation_length:
+        return bmm
+    return BlockwiseMatmulConfig.from_kwargs(logical_nc_config=bmm.logical_nc_config,
+                                             **moe_paths.MODES[moe_paths.VERIFY_MODE].blockwise)
+
+
+def _experts_class(cfg: KimiK2Config, config: KimiK2InferenceConfig):
+    """The token-generation graph's experts run the spec's decode path (KimiExpertMLPs); a prefill's, a chunk's and a
+    fused graph's verify of several tokens a sequence are NxD's own forward."""
+    nc = config.neuron_config
+    if nc.is_prefill_stage or nc.speculation_length:
+        return ExpertMLPsV2
+    return partial(KimiExpertMLPs, decode_path=contract.run_spec(config).decode_path(cfg))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules
 from .fit import Plan, plan, prefill_call

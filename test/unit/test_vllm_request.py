@@ -1,0 +1,111 @@
+"""neuron/vllm_request.py: vllm-neuron's request as a RunSpec (the package's one reverse mapping), what the latent
+cache cannot serve refused in one line, and precompiled artifacts compared with the request as two RunSpecs."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kimi_k2_neuron.neuron import contract, rules
+from kimi_k2_neuron.neuron import vllm_request as vllm_request_
+from kimi_k2_neuron.neuron.spec import Sampling
+
+from specs import PER_CHANNEL, kimi_cfg, per_channel
+
+
+def vllm_request(**over) -> SimpleNamespace:
+    """The NeuronConfig fields vllm-neuron 0.2.0 sets from vLLM's flags (emulated; the real one, built by the plugin
+    itself, is test/nxdi_cpu/test_vllm_serving.py's), for --tensor-parallel-size 64 --max-num-seqs 4
+    --max-model-len 2048."""
+    fields = dict(tp_degree=64, batch_size=4, ctx_batch_size=1, seq_len=2048, max_context_length=2048,
+                  torch_dtype=torch.bfloat16, logical_nc_config=2, moe_ep_degree=1, is_continuous_batching=True,
+                  max_batch_size=4, on_device_sampling_config=SimpleNamespace(
+                      dynamic=True, do_sample=False, top_k=1, top_p=1.0, temperature=1.0, global_topk=256),
+                  is_prefix_caching=False, is_block_kv_layout=False, is_chunked_prefill=False, on_cpu=False,
+                  quantized=False, output_logits=False, enable_fused_speculation=False, speculation_length=0,
+                  enable_eagle_speculation=False)
+    return SimpleNamespace(**{**fields, **over})
+
+
+def per_channel_record(scheme=PER_CHANNEL):
+    from kimi_k2_neuron.formats.record import LAYOUT_VERSION, ConversionRecord
+
+    nxd = scheme.nxd(kimi_cfg().moe_intermediate_size)
+    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": scheme.name, "nxd": nxd},
+                                      "config.json")
+
+
+def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(), per_channel_record(), "/c")
+    kw = contract.neuron_config_kwargs(kimi_cfg(), r)
+    # the request's shape, NxDI's continuous batching as vllm-neuron runs it
+    assert (kw["tp_degree"], kw["batch_size"], kw["seq_len"], kw["max_context_length"]) == (64, 4, 2048, 2048)
+    assert kw["is_continuous_batching"] is True and kw["ctx_batch_size"] == 1
+    assert kw["tkg_batch_size"] == kw["kv_cache_batch_size"] == 4 and kw["logical_nc_config"] == 2
+    # the checkpoint's experts and the contract's model, none of which the request knows
+    assert kw["quantized"] is True and kw["quantization_type"] == "expert_wise_per_channel_symmetric"
+    assert kw["quantized_checkpoints_path"] == "/c" and kw["cast_type"] == "as-declared"
+    assert kw["router_config"] == {"act_fn": "sigmoid", "dtype": "float32"} and kw["capacity_factor"] is None
+    assert kw["on_device_sampling_config"]["dynamic"] is True and kw["save_sharded_checkpoint"] is True
+    assert kw["blockwise_matmul_config"]["use_shard_on_block_dynamic_while"] is True  # the trn2 default mode
+
+
+def test_a_vllm_request_records_the_decode_path_the_time_model_chooses():
+    """vLLM has no flag for the token-generation MoE path: the request's spec carries the one the planner's model says
+    is fastest, where NxD's threshold differs too (-0905's blockwise experts, batch 40 at 1,024 tokens: all-experts
+    against NxD's selective loading, 40 x 8 < 384; compile_and_save.py --for-vllm chooses the same:
+    test/nxdi_cpu/test_moe_decode.py), and all-experts under EP at a batch where NxD's own forward would raise."""
+    from kimi_k2_neuron.formats.scheme import converted_scheme
+    from kimi_k2_neuron.neuron.moe_paths import nxd_decode_path
+
+    blockwise = per_channel_record(converted_scheme(kimi_cfg(), "fp8-blockwise"))
+    at = dict(batch_size=40, max_batch_size=40, seq_len=1024, max_context_length=1024)
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**at), blockwise, "/c")
+    assert r.moe_decode == "all-experts" != nxd_decode_path(kimi_cfg(), 40)
+    ep = vllm_request_.run_spec(kimi_cfg(), vllm_request(moe_ep_degree=4), per_channel_record(), "/c")
+    assert ep.moe_decode == "all-experts" != nxd_decode_path(kimi_cfg(), 4)
+
+
+@pytest.mark.parametrize("over,record,needle", [
+    (dict(is_prefix_caching=True, is_block_kv_layout=True), True, "pass --no-enable-prefix-caching"),
+    (dict(is_chunked_prefill=True, is_block_kv_layout=True, batch_size=1), True,
+     "unset DISABLE_NEURON_CUSTOM_SCHEDULER"),
+    (dict(torch_dtype=torch.float16), True, "--dtype float16: Kimi-K2 runs in bfloat16"),
+    (dict(), False, "/c: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron convert /c DST"),
+    (dict(ctx_batch_size=4), True, "continuous batching with a prefill batch of 4"),
+    (dict(tp_degree=3), True, "num_attention_heads=64 is not divisible by 3"),
+    # the prefill kernel's 128-token tiles at Kimi's shapes: refused in vLLM's words, not a silent torch loop
+    (dict(seq_len=1000, max_context_length=1000), True, "--max-model-len 1000: NxD's prefill kernel at these shapes "
+     "computes whole 128-token tiles; use a multiple of 128 (1024 or 896)"),
+])
+def test_what_a_vllm_request_cannot_get_is_refused_in_one_line(over, record, needle, one_line_error):
+    one_line_error(lambda: rules.check(kimi_cfg(), vllm_request_.run_spec(
+        kimi_cfg(), vllm_request(**over), per_channel_record() if record else None, "/c")), needle)
+
+
+# what compile_and_save.py --for-vllm --batch 4 --seq-len 1024 saves
+COMPILED = per_channel(tp=64, batch=4, seq_len=1024, continuous_batching=True)
+
+
+@pytest.mark.parametrize("request_over,compiled_over,needle", [
+    (dict(batch_size=2, max_batch_size=2, seq_len=512, max_context_length=512), {}, None),  # less: NxDI pads
+    (dict(batch_size=4, seq_len=1024, max_context_length=1024), {}, None),
+    (dict(batch_size=8, max_batch_size=8, seq_len=1024, max_context_length=1024), {},
+     "--max-num-seqs 8 > the compiled batch 4"),
+    (dict(seq_len=2048, max_context_length=2048), {}, "--max-model-len 2048 > the compiled seq_len 1024"),
+    (dict(seq_len=1024, max_context_length=1024), dict(max_context_length=256),
+     "prompts that long need a prefill of 1024 tokens, compiled for 256"),
+    (dict(tp_degree=32, seq_len=1024, max_context_length=1024), {}, "--tensor-parallel-size 32, compiled for TP 64"),
+    (dict(seq_len=1024, max_context_length=1024), dict(continuous_batching=False),
+     "runs NxDI's continuous batching, compiled without it (a prefill batch of 4)"),
+    (dict(seq_len=1024, max_context_length=1024), dict(sampling=Sampling(on_device=False)),
+     "compiled to return logits"),
+])
+def test_precompiled_artifacts_serve_a_request_up_to_their_compiled_shape(request_over, compiled_over, needle):
+    """Two RunSpecs: the request's and the one the artifacts were compiled from (as saved with them)."""
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**request_over), per_channel_record(), "/c")
+    bad = vllm_request_.compiled_mismatches(r, dataclasses.replace(COMPILED, **compiled_over))
+    assert bad == [] if needle is None else (len(bad) == 1 and needle in bad[0]), bad
