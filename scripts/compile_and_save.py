@@ -11,6 +11,9 @@ A raw HF checkpoint is first converted, once, into $KIMI_K2_NEURON_CACHE/convert
 (kimi_k2_neuron.convert, where every tool finds it; an estimated 10-35 min for the 1T model on a trn2.48xlarge, not
 measured; a progress bar shows the ETA and the time taken is printed at the end).
 
+Token generation runs the MoE path the planner's time model says is fastest at --batch and --ep (selective loading or
+every local expert, through NxD's public methods; --moe-decode to choose), printed and saved with the config.
+
 --for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
 continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling
 with the logits returned too (output_logits, for the steps a grammar constrains), or with --no-on-device-sampling
@@ -103,9 +106,11 @@ def main(argv=None) -> int:
         spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
+        spec, decode_why = choose_decode(cfg, spec, p)
         if args.dry_run:
-            return _dry_run(args, cfg, record, spec, p, why)
+            return _dry_run(args, cfg, record, spec, p, why, decode_why)
         print(f"layout: {why}")
+        print(f"MoE decode: {decode_why}")
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
@@ -168,6 +173,23 @@ def choose_layout(args, cfg, spec):
             f"every mode); give a layout flag to choose another")
 
 
+def choose_decode(cfg, spec, p):
+    """(spec with its token-generation MoE path fixed, why that one): --moe-decode as given, else the path the
+    planner's time model says is fastest at this batch and EP (p's: neuron/moe_decode.py)."""
+    from kimi_k2_neuron.neuron import moe_decode
+    from kimi_k2_neuron.neuron.moe_paths import nxd_decode_path
+
+    if spec.moe_decode is not None:
+        return spec, f"{spec.moe_decode}, as given (--moe-decode)"
+    times = moe_decode.modelled(cfg, dataclasses.replace(spec, moe_decode=None))
+    shown = ", ".join(f"{path} {t * 1e3:.1f} ms" for path, t in times.items())
+    nxd = nxd_decode_path(cfg, spec.batch)
+    differs = "" if nxd == p.decode_path else f"; NxD's own threshold would take {nxd}"
+    return (dataclasses.replace(spec, moe_decode=p.decode_path),
+            f"{p.decode_path}, the planner's choice: the lowest modelled decode step that fits ({shown}, estimates)"
+            f"{differs}; give --moe-decode to choose another")
+
+
 def check_for_vllm(args) -> None:
     """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call."""
     if not args.for_vllm:
@@ -184,7 +206,7 @@ def check_for_vllm(args) -> None:
                              f"request, which carries no layout, and drives the prefills itself)")
 
 
-def _dry_run(args, cfg, record, spec, p, why: str) -> int:
+def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:
     """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, with the weight layout saved
     beside it there, the MoE path of each submodel and the plan, as JSON on stdout. A raw checkpoint is planned as
     `convert` would write it."""
@@ -205,14 +227,14 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     tokens = spec.prefill_tokens
     prefill = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
-    decode = moe_paths.call_path(spec.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
-                                 moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
+    decode = spec.decode_path(cfg)  # through nxd_moe.KimiExpertMLPs, where NxD's forward picks by a threshold
     step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
     if spec.draft:  # the fused graph's verify of batch x K tokens
         decode = moe_paths.verify_path(cfg, step)
     saved = json.loads(config.to_json_string())
     report = {
         "neuron_config": saved["neuron_config"], RUN_SPEC_KEY: saved[RUN_SPEC_KEY], "layout_choice": why,
+        "moe_decode_choice": decode_why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       ("fused_speculation" if spec.draft else "token_generation"): {"tokens": step, "path": decode}},

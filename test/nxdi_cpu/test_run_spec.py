@@ -57,10 +57,10 @@ def _specs(models):
     base = dict(tp=2, lnc=1, seq_len=64, max_context_length=32, batch=2, scheme=record.scheme, checkpoint=str(target),
                 moe_prefill="torch", dtype="float32", extra={"on_cpu": True})
     with_draft = RunSpec(**base, sampling=Sampling(global_topk=64), output_logits=True, continuous_batching=True,
-                         layout=Layout(kv_group=2, shard_attn_a=True, shard_router=True),
+                         layout=Layout(kv_group=2, shard_attn_a=True, shard_router=True), moe_decode="selective",
                          draft=DraftSpec(path=str(draft), speculation_length=3, checkpoint=read_draft(draft, cfg)))
     chunked = RunSpec(**{**base, "max_context_length": None}, sampling=Sampling(on_device=False, global_topk=8),
-                      layout=Layout(kv_group=2, prefill_chunk=16, chunk_group=1))
+                      layout=Layout(kv_group=2, prefill_chunk=16, chunk_group=1), moe_decode="all-experts")
     return cfg, {"draft": with_draft, "chunk": chunked}
 
 

@@ -18,7 +18,8 @@ from specs import chunk, group, kimi_cfg, per_channel, tiny_cfg
 
 @pytest.mark.parametrize("opts,needle", [
     (dict(tp=3), "num_attention_heads=64 is not divisible by 3"),
-    (dict(tp=64, ep=4, batch=1), "needs batch >= 48"),
+    (dict(tp=64, ep=4, batch=1, moe_decode="selective"), "--moe-decode selective with --ep 4: NxD's selective loading"),
+    (dict(tp=64, moe_decode="sparse"), "--moe-decode 'sparse': expected one of selective, all-experts"),
     (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
     (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
     (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant; use --moe-prefill shard-on-block with "
@@ -26,8 +27,8 @@ from specs import chunk, group, kimi_cfg, per_channel, tiny_cfg
     # 48 x 8 = 384 token-expert pairs: below the torch path's block of 512, so NxD's all-experts path
     (dict(tp=64, ep=16, batch=48, seq_len=1, max_context_length=1, moe_prefill="torch"),
      "takes NxD's all-experts path, which has no EP variant"),
-    # 47 x 8 < 384 experts: selective loading
-    (dict(tp=64, ep=16, batch=47, seq_len=1, max_context_length=1), "--ep 16 with --batch 47"),
+    # 47 x 8 < 384 experts: a prefill on selective loading
+    (dict(tp=64, ep=16, batch=47, seq_len=1, max_context_length=1), "a prefill of 47 tokens takes NxD's selective"),
     # shard-on-block at Kimi's shapes: the kernel's output tiles are 128 rows
     (dict(tp=64, seq_len=1000), "a prefill of 1000 tokens (batch x --max-context-length) must be a multiple of 128"),
     (dict(tp=64, lnc=1), "--moe-prefill shard-on-block with --lnc 1: nkilib has its MoE prefill kernels for LNC=2"),

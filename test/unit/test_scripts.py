@@ -266,8 +266,9 @@ def _flags(parser):
 
 
 def test_every_script_is_walked():
-    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_kernels",
-                                "check_nxdi_api", "compile_and_save", "export_contrib", "run_inference"}
+    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_serving", "bench_tpot",
+                                "check_kernels", "check_nxdi_api", "compile_and_save", "export_contrib",
+                                "run_inference"}
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
@@ -375,6 +376,14 @@ SCRIPT_BAD_ARGS = [
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--prefill-chunk", "8"],
      "--prefill-chunk 8: only with --cpu (a compiled folder has its own)"),
     ("bench_tpot", ["--compiled", "{tmp}", "--shard-router"], "--shard-router: only with --cpu"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json"],
+     "--url http://127.0.0.1:9: no vLLM server answers there"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "/proc/r.json"],
+     "--report /proc/r.json"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json", "--config",
+                       "/nonexistent.json"], "/nonexistent.json"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json",
+                       "--workload", "agentic", "--num-prompts", "5"], "--num-prompts 5: an agentic run is whole"),
     ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--tp", "4", "--kv-shard", "sequence",
                        "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
     ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--shard-attn-a"],

@@ -29,7 +29,7 @@ EVERY_FIELD = RunSpec(
     tp=64, ep=4, lnc=1, seq_len=4096, max_context_length=2048, batch=48,
     scheme=ExpertScheme("fp8-blockwise", (32, 32)), checkpoint="/c",
     sampling=Sampling(on_device=False, do_sample=True, top_k=5, top_p=0.5, temperature=0.7, global_topk=64),
-    output_logits=True, moe_prefill="torch", continuous_batching=True,
+    output_logits=True, moe_prefill="torch", moe_decode="all-experts", continuous_batching=True,
     layout=Layout(kv_group=16, prefill_chunk=1024, shard_attn_a=True, shard_router=True, chunk_group=4),
     draft=DraftSpec(path="/d", speculation_length=6, checkpoint=FACTS), dtype="float32",
     extra={"on_cpu": True})

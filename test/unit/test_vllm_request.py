@@ -30,11 +30,11 @@ def vllm_request(**over) -> SimpleNamespace:
     return SimpleNamespace(**{**fields, **over})
 
 
-def per_channel_record():
+def per_channel_record(scheme=PER_CHANNEL):
     from kimi_k2_neuron.formats.record import LAYOUT_VERSION, ConversionRecord
 
-    nxd = PER_CHANNEL.nxd(kimi_cfg().moe_intermediate_size)
-    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": nxd},
+    nxd = scheme.nxd(kimi_cfg().moe_intermediate_size)
+    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": scheme.name, "nxd": nxd},
                                       "config.json")
 
 
@@ -51,6 +51,22 @@ def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
     assert kw["router_config"] == {"act_fn": "sigmoid", "dtype": "float32"} and kw["capacity_factor"] is None
     assert kw["on_device_sampling_config"]["dynamic"] is True and kw["save_sharded_checkpoint"] is True
     assert kw["blockwise_matmul_config"]["use_shard_on_block_dynamic_while"] is True  # the trn2 default mode
+
+
+def test_a_vllm_request_records_the_decode_path_the_time_model_chooses():
+    """vLLM has no flag for the token-generation MoE path: the request's spec carries the one the planner's model says
+    is fastest, where NxD's threshold differs too (-0905's blockwise experts, batch 40 at 1,024 tokens: all-experts
+    against NxD's selective loading, 40 x 8 < 384; compile_and_save.py --for-vllm chooses the same:
+    test/nxdi_cpu/test_moe_decode.py), and all-experts under EP at a batch where NxD's own forward would raise."""
+    from kimi_k2_neuron.formats.scheme import converted_scheme
+    from kimi_k2_neuron.neuron.moe_paths import nxd_decode_path
+
+    blockwise = per_channel_record(converted_scheme(kimi_cfg(), "fp8-blockwise"))
+    at = dict(batch_size=40, max_batch_size=40, seq_len=1024, max_context_length=1024)
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**at), blockwise, "/c")
+    assert r.moe_decode == "all-experts" != nxd_decode_path(kimi_cfg(), 40)
+    ep = vllm_request_.run_spec(kimi_cfg(), vllm_request(moe_ep_degree=4), per_channel_record(), "/c")
+    assert ep.moe_decode == "all-experts" != nxd_decode_path(kimi_cfg(), 4)
 
 
 @pytest.mark.parametrize("over,record,needle", [

@@ -21,8 +21,8 @@ from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP,
                   TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
                   moe_runs, moe_temporaries, weight_rows)
 from .spec import FD_RESERVED_SLOTS, RunSpec
-from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
-                     layout_collectives, moe_prefill_work, prefill_time)
+from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, decode_traffic,
+                     experts_read, layout_collectives, moe_prefill_work, prefill_time)
 
 
 
@@ -40,7 +40,7 @@ class Plan:
     moe_prefill: str  # moe_paths.MODES
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
-    decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
+    decode_path: str  # the token-generation MoE path run (RunSpec.decode_path: --moe-decode or the time model's)
     port: Port  # the build modelled: this port's, or a published one's (kv_slots, router dtype, ...)
     layout: Layout
     cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (RunSpec.cache_slots)
@@ -115,7 +115,15 @@ def _timing_dict(t: Timing) -> dict:
     return {"total_ms": t.total_s * 1e3, "bytes": t.bytes, "bytes_ms": t.bytes_s * 1e3, "flops_ms": t.flops_s * 1e3,
             "collectives_ms": t.collectives_s * 1e3, "fixed_ms": t.fixed_s * 1e3, "batch_ms": t.batch_s * 1e3,
             "collective_count": t.collective_count,
-            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives]}
+            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives],
+            **({"compute": _compute_dict(t.compute)} if t.compute is not None else {})}
+
+
+def _compute_dict(c) -> dict:
+    """A decode step's compute (engines.Compute) by matmul, in ms."""
+    return {"moe_path": c.moe_path, "tensor_engine_ms": c.tensor_s * 1e3, "vector_engine_ms": c.vector_s * 1e3,
+            "routed_experts_ms": c.routed_s() * 1e3, "flops": c.flops,
+            "matmuls": [{**asdict(m), "ms": m.seconds() * 1e3} for m in c.matmuls]}
 
 
 
@@ -138,16 +146,17 @@ def _check(cfg: KimiK2Config, spec: RunSpec, port: Port) -> None:
 
 
 def bytes_per_token(cfg: KimiK2Config, spec: RunSpec, weights: list[Row]) -> tuple[int, int]:
-    """(routed experts read per MoE layer, bytes one decode step reads per rank); the duplicate V slot is not
-    read."""
-    read = experts_read(cfg, spec)
+    """(routed experts read per MoE layer, bytes one decode step moves per rank: the weights and cache it reads, the
+    all-experts outputs it writes and reads back); the duplicate V slot is not read."""
+    path = spec.decode_path(cfg)
+    read = experts_read(cfg, spec, path)
     e_local = cfg.n_routed_experts // spec.ep
     routed = (Part.ROUTED_EXPERTS, Part.EXPERT_SCALES)
     experts = sum(r.bytes for r in weights if r.part in routed)  # weights and scales, every MoE layer
     non_expert = sum(r.bytes for r in weights if r.part not in (*routed, Part.EMBEDDING))
     embed_rows = spec.batch * div(cfg.hidden_size, spec.tp) * BF16
     kv_read = cfg.num_hidden_layers * spec.batch * spec.cache_slots * cfg.latent_dim * BF16
-    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read)
+    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read + decode_traffic(cfg, spec, path))
 
 
 def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, prior: int) -> PrefillWork:
@@ -160,22 +169,38 @@ def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: st
                        moe_prefill_work(cfg, spec, path, spec.scheme.quantized))
 
 
-def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row],
-          path: str) -> tuple[Timing, float, Timing | None]:
+def prefill_call(cfg: KimiK2Config, spec: RunSpec, prior: int = 0, port: Port = THIS_PORT,
+                 c: timing.Constants = timing.TRN2) -> Timing:
+    """One prefill call of spec.prefill_tokens tokens after `prior` positions already in the cache (a chunk's, or a
+    turn's cached prefix), on the MoE path NxD takes for that many tokens (an estimate: timing.prefill_time)."""
+    weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, port.router_dtype, spec.layout)
+    path = moe_paths.prefill_path(cfg, spec.prefill_tokens, spec.prefill_mode(cfg))
+    return prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, prior), CHUNK_QUERY_TILE, c)
+
+
+def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, c: timing.Constants,
+          longest: bool = True) -> tuple[Timing, float, Timing | None]:
     """(the first prefill call, the prefill of the longest prompt, its last chunk): one bucket, or with chunks a
-    prompt of seq_len tokens, chunk k attending the k x N positions before it."""
-    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE)
+    prompt of seq_len tokens, chunk k attending the k x N positions before it (not longest: the first call's)."""
+    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE, c)
     n = spec.layout.prefill_chunk
-    if n is None or spec.seq_len <= n:
+    if n is None or spec.seq_len <= n or not longest:
         return first, first.total_s, None
-    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE)
+    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE, c)
              for k in range(1, spec.seq_len // n)]
     return first, first.total_s + sum(t.total_s for t in later), later[-1]
 
 
-def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
+def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Constants = timing.TRN2,
+         longest_prompt: bool = True) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
-    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port)."""
+    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port), `c` other constants. Without --moe-decode,
+    planned at the path the time model says is fastest (moe_decode.fastest_plan). longest_prompt False: ttft_s is
+    the first prefill call's alone (for searches that time their own prompts: workload.py)."""
+    if spec.moe_decode is None:
+        from .moe_decode import fastest_plan
+
+        return fastest_plan(cfg, spec, port, c, longest_prompt)
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
@@ -192,19 +217,19 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
     speculation = _speculation(cfg, spec, weights, port)
     total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
     read, per_token = bytes_per_token(cfg, spec, weights)
-    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"])
+    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"], c, longest_prompt)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
         experts=spec.scheme.name, context_len=spec.context_length, prefill_rows=spec.prefill_batch,
         moe_prefill=spec.prefill_mode(cfg), prefill_path=moe["prefill_path"], prefill_blocks=moe["prefill_blocks"],
-        decode_path=moe["decode_path"], port=port, layout=layout, cache_slots_per_rank=slots,
+        decode_path=spec.moe_decode, port=port, layout=layout, cache_slots_per_rank=slots,
         logical_cores=logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
         collectives=tuple(layout_collectives(cfg, spec, rows=batch, queries=1, query_tile=1)),
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
-        decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
+        decode=decode_time(cfg, spec, per_token, port, c), prefill=first, ttft_s=ttft,
         assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
         chunk_merge_bytes=(sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1))
                            if last_chunk and layout.sequence_sharded else None))
@@ -224,6 +249,7 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
 
 
 def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
+    c = timing.TRN2
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if port.kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
@@ -252,14 +278,16 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
         "bf16 first, for both FP8 schemes; the torch and all-experts paths hold the bf16 "
         "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
         "dequantization are assumed fused into their bf16 results and are not counted",
-        "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
-        "n_routed_experts or EP > 1 (NxD's all-experts decode), else batch x top_k experts per MoE layer, a repeat "
-        "read again (NxD's selective loading loops over the tokens); ignores compute, collectives and launch "
-        "overheads",
-        "modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
-        "collective at 24 us + bytes / 100 GB/s, 214 us per layer and 46 us per further token per MoE layer fitted on "
-        "the AWS DeepSeek-V3 contrib's published TPOT, prefill scaled by a factor fitted on its TTFT; checked against "
-        "the community Kimi ports in docs/planner.md",
+        "TPOT bound: bytes moved per decode step / per-core HBM bandwidth; every local expert on the all-experts "
+        "decode path (and its [experts, batch, hidden] output written and read back), else batch x top_k experts per "
+        "MoE layer, a repeat read again (NxD's selective loading loops over the tokens); ignores compute, collectives "
+        "and launch overheads",
+        f"modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
+        f"collective at {c.alpha_s * 1e6:.0f} us + bytes / {c.beta_bytes_per_s / 1e9:.0f} GB/s, each decode matmul as "
+        f"TensorEngine instructions of max(tokens, 64) cycles per 128 x 128 weight tile (engines.py), "
+        f"{c.layer_s * 1e6:.0f} us per layer and {c.token_moe_s * 1e6:.1f} us per further token per MoE layer on the "
+        f"selective path fitted on the AWS DeepSeek-V3 contrib's published TPOT and vLLM ITLs, prefill scaled by a "
+        f"factor fitted on its TTFT; checked against the community Kimi ports in docs/planner.md",
     )
 
 
@@ -353,7 +381,7 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     if path == "all-experts":
         rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
                         moe_temporaries(cfg, path, tokens, tp, spec.ep, spec.scheme)[0]))
-    verify_spec = replace(spec, batch=tokens)
+    verify_spec = replace(spec, batch=tokens, moe_decode=path)  # NxD's own forward: a verify is no token generation
     _, verify_bytes = bytes_per_token(cfg, verify_spec, weights)
     verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
     verify = decode_time(cfg, verify_spec, verify_bytes, port)

@@ -5,6 +5,7 @@ calibrated on the AWS DeepSeek-V3 contrib). The fit planner (fit.py) adds them u
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,6 @@ from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
 from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths
-from .moe_paths import decodes_all_experts
 from .spec import RunSpec
 
 GiB = 2**30
@@ -143,9 +143,15 @@ def _part_of(key: str) -> Part:
 
 
 def weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32",
-             layout: Layout = Layout()) -> list[Row]:
+                layout: Layout = Layout()) -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
+    return list(_weight_rows(cfg, tp, ep, scheme, router_dtype, layout))
+
+
+@functools.lru_cache(maxsize=512)  # every argument is frozen; the planner's searches ask for the same rows often
+def _weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str,
+                 layout: Layout) -> tuple[Row, ...]:
     dtypes = {part: "bf16" for part in Part} | {Part.ROUTER: router_dtype, Part.EXPERT_SCALES: "fp32",
                                                 Part.ROUTED_EXPERTS: "fp8" if scheme.quantized else "bf16"}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
@@ -155,8 +161,8 @@ def weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, route
         total[part] += math.prod(shape) // (tp if _split(part, key, layout) else 1) * size[dtypes[part]]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     total[Part.EXPERT_SCALES] = n_moe * expert_scale_bytes(cfg, tp, ep, scheme)
-    return [Row(_row_name(part, layout, scheme), dtypes[part], total[part], part) for part in Part
-            if part is not Part.EXPERT_SCALES or total[part]]
+    return tuple(Row(_row_name(part, layout, scheme), dtypes[part], total[part], part) for part in Part
+                 if part is not Part.EXPERT_SCALES or total[part])
 
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
@@ -190,7 +196,7 @@ def moe_runs(cfg: KimiK2Config, spec: RunSpec) -> dict:
     """Selective-loading decode (~11 MB at TP=64) is in the calibrated runtime allowance; all-experts is counted."""
     tp, ep, batch, scheme, tokens = spec.tp, spec.ep, spec.batch, spec.scheme, spec.prefill_tokens
     path = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
-    decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
+    decode = spec.decode_path(cfg)
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
     decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, scheme) if decode == "all-experts"
                                  else (0, 0))

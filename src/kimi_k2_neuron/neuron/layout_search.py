@@ -12,7 +12,7 @@ from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules, timing
 from .fit import Plan, plan
-from .hbm import GiB, div
+from .hbm import GiB
 from .rules import check_counts
 from .spec import RunSpec
 from .timing import THIS_PORT, Port
@@ -68,7 +68,9 @@ def published_spec(cfg: KimiK2Config, name: str) -> tuple[RunSpec, Port]:
     fields = dict(p.spec)
     scheme = scheme_for(fields.pop("experts"), "fp8")
     sampling = Sampling(on_device=fields.pop("on_device_sampling", True))
-    return RunSpec(**fields, scheme=scheme, sampling=sampling, checkpoint="(published port)"), p.port
+    # they ran stock NxD, whose token generation takes its threshold's path
+    decode = moe_paths.nxd_decode_path(cfg, fields["batch"])
+    return RunSpec(**fields, scheme=scheme, sampling=sampling, checkpoint="(published port)", moe_decode=decode), p.port
 
 
 def max_seq_len(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
@@ -131,15 +133,14 @@ def seq_len_step(p: Plan) -> int:
 
 def max_batch(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
     """The plan at the largest batch that fits (spec's own ignored), else at the smallest (`fits` False); the total
-    is non-decreasing in batch (all-experts decode only adds temporaries). `kw` as plan()."""
+    is non-decreasing in batch (all-experts decode only adds temporaries, and without --moe-decode a batch fits if
+    its selective-loading plan does). `kw` as plan()."""
     def at(batch: int) -> Plan:
         return plan(cfg, replace(spec, batch=batch), **kw)
 
     one_shot_tiles = (spec.moe_prefill or moe_paths.DEFAULT_MODE) == "shard-on-block" and not spec.layout.prefill_chunk
     step = 128 // math.gcd(spec.context_length, 128) if one_shot_tiles else 1
-    # with EP, NxD decodes only on all experts, which needs batch x top_k >= n_routed_experts (rules.check_ep)
-    least = div(cfg.n_routed_experts, cfg.num_experts_per_tok) if spec.ep > 1 else 1
-    lo = div(least, step) * step
+    lo = step
     first = at(lo)  # refuses bad arguments before the search
     # every row adds at least its KV cache, so past this many rows nothing fits
     hi = max(lo, first.usable_bytes // max(1, first.kv_cache.bytes // lo) // step * step)

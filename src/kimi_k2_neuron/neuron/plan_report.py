@@ -52,8 +52,10 @@ def _timing_lines(p: Plan) -> list[str]:
     """The modelled decode step by component and collective, and the prefill it implies."""
     d, w = p.decode, 52
     lines = ["", f"modelled TPOT, an estimate (timing.py): {d.total_s * 1e3:.2f} ms = bytes {d.bytes_s * 1e3:.2f} + "
-                 f"{d.collective_count} collectives {d.collectives_s * 1e3:.2f} + per-layer {d.fixed_s * 1e3:.2f}"
-                 + (f" + batch loop {d.batch_s * 1e3:.2f}" if d.batch_s else "") + " ms",
+                 f"{d.collective_count} collectives {d.collectives_s * 1e3:.2f} + compute {d.flops_s * 1e3:.2f} + "
+                 f"per-layer {d.fixed_s * 1e3:.2f}"
+                 + (f" + selective-loading loop {d.batch_s * 1e3:.2f}" if d.batch_s else "") + " ms",
+             *_compute_lines(p),
              f"  {'collectives per decode step':<{w - 2}}{'count':>6}{'group':>6}{'bytes':>10}{'ms':>8}"]
     lines += [f"  {c.what:<{w - 2}}{c.count:>6}{c.group:>6}{c.bytes:>10}{c.seconds() * 1e3:>8.2f}"
               for c in d.collectives]
@@ -70,6 +72,17 @@ def _timing_lines(p: Plan) -> list[str]:
                      f"{c.collectives_s * 1e3:.0f} ms" + (f"; its attention moves {p.chunk_merge_bytes / 1e6:.1f} MB "
                                                            "per layer and rank" if p.chunk_merge_bytes else ""))
     return lines
+
+
+def _compute_lines(p: Plan) -> list[str]:
+    """The decode step's compute (engines.py): the routed experts on the decode path, the rest, the combine."""
+    c = p.decode.compute
+    if c is None:
+        return []
+    routed = c.routed_s()
+    return [f"  compute (TensorEngine instructions, engines.py): routed experts on the {c.moe_path} path "
+            f"{routed * 1e3:.2f} ms, the other matmuls {(c.tensor_s - routed) * 1e3:.2f} ms, the experts' combine "
+            f"on the VectorEngine {c.vector_s * 1e3:.2f} ms ({c.flops / 1e12:.3f} TFLOP a step)"]
 
 
 def _layout_line(p: Plan) -> str:

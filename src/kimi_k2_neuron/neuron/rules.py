@@ -12,7 +12,6 @@ from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
 from kimi_k2_neuron.placement import check_kv_group
 
 from . import moe_paths
-from .moe_paths import decodes_all_experts
 from .spec import RUN_SPEC_KEY, RunSpec, Sampling
 
 # Group sizes by (tp, lnc) that NxD's trn2 replica-group logic supports for groups of adjacent ranks: 8 x 8 is
@@ -56,6 +55,7 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
         raise KimiInputError(f"{flag} {context!r}: expected 1..--seq-len {s.seq_len}")
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
+    check_moe_decode(s)
     check_ep(cfg, s)
     check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
@@ -110,7 +110,7 @@ def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:
 
 def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
     """lnc None skips the layout rule."""
-    tp, ep, lnc, batch = spec.tp, spec.ep, spec.lnc, spec.batch
+    tp, ep, lnc = spec.tp, spec.ep, spec.lnc
     if tp % ep or cfg.n_routed_experts % ep:
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
     if ep == 1:
@@ -118,10 +118,14 @@ def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
     if lnc is not None and (ep not in GROUP_LAYOUTS.get((tp, lnc), ())):
         raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
                              f"support; use --ep in {list(GROUP_LAYOUTS.get((tp, lnc), (1,)))}")
-    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
-        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
-        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
-                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+    if spec.moe_decode == "selective":  # ExpertMLPsV2.forward raises NotImplementedError there
+        raise KimiInputError(f"--moe-decode selective with --ep {ep}: NxD's selective loading has no expert-parallel "
+                             f"variant; leave --moe-decode out (EP decodes on all experts) or use --ep 1")
+
+
+def check_moe_decode(spec: RunSpec) -> None:
+    if spec.moe_decode is not None and spec.moe_decode not in moe_paths.DECODE_PATHS:
+        raise KimiInputError(f"--moe-decode {spec.moe_decode!r}: expected one of {', '.join(moe_paths.DECODE_PATHS)}")
 
 
 def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:

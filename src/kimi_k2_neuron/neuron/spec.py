@@ -93,6 +93,9 @@ class RunSpec:
     output_logits: bool = False  # also return logits under on-device sampling
     # moe_paths.MODES; None: the default where its kernel can run these shapes, else torch (moe_paths.default_mode)
     moe_prefill: str | None = moe_paths.DEFAULT_MODE
+    # the token-generation MoE path, moe_paths.DECODE_PATHS (one of NxD's public forward_* methods, nxd_moe.py); None:
+    # the fastest the time model gives at this batch and EP (moe_decode.py), NxD's own threshold on CPU (lnc None)
+    moe_decode: str | None = None
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
     # how the cache and the small layers lie over the ranks; its prefill_chunk is the CTE bucket, then the chunk
@@ -135,6 +138,19 @@ class RunSpec:
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+    def decode_path(self, cfg: KimiK2Config) -> str:
+        """--moe-decode; else all-experts under EP (selective loading has none), NxD's own threshold where no trn2
+        time model applies (lnc None: NxD's CPU mode), else the path the time model says is fastest."""
+        if self.moe_decode is not None:
+            return self.moe_decode
+        if self.ep > 1:
+            return "all-experts"
+        if self.lnc is None or self.scheme is None:
+            return moe_paths.nxd_decode_path(cfg, self.batch)
+        from .moe_decode import fastest  # the planner: it plans this spec at each path
+
+        return fastest(cfg, self)
 
     def to_json(self) -> dict:
         """Every field as JSON values (what RUN_SPEC_KEY holds); from_json reads it back equal."""
@@ -272,7 +288,7 @@ FLAGS = (
     Flag("--tp", "tp", "parallel", "tensor-parallel degree (logical cores per model replica; on CPU: ranks, one "
          "process each)", metavar="N", taken=EVERYWHERE - {CORE}, why_not=_RANKS),
     Flag("--ep", "ep", "parallel", "expert parallelism inside the --tp ranks (NxDI moe_ep_degree): experts split ep "
-         "ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2, with batch >= n_routed_experts / top_k",
+         "ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2 (token generation then runs every local expert)",
          metavar="E", taken=NEURON | {CPU}, why_not="the core runner has no expert parallelism"),
     Flag("--lnc", "lnc", "parallel", "physical NeuronCores per logical core: 1 or 2 (trn2's default: 2)"),
     Flag("--seq-len", "seq_len", "shape", "KV cache length (prompt + generated tokens)", taken=NEURON | {TRACE}),
@@ -285,6 +301,13 @@ FLAGS = (
          why_not="the core runner reads any checkpoint as it is"),
     Flag("--moe-prefill", "moe_prefill", "moe", "how prefill runs the routed experts: " + moe_paths.modes_help(),
          kind="choice", choices=tuple(moe_paths.MODES)),
+    Flag("--moe-decode", "moe_decode", "moe", "how token generation runs the routed experts, through NxD's public "
+         "methods: selective = each token's top-k experts, one token at a time (forward_selective_loading; not with "
+         "--ep); all-experts = every local expert for the whole batch (forward_all_experts, its EP variant with --ep) "
+         "(default: the one kimi-k2-neuron plan's time model says is fastest at this --batch and --ep, where NxD picks "
+         "by a fixed threshold; on CPU, NxD's threshold: docs/planner.md, \"Serving many users\")", kind="choice",
+         choices=moe_paths.DECODE_PATHS, taken=NEURON | {CPU},
+         why_not="the core runner computes each token's chosen experts, with no NxD path to choose"),
     Flag("--kv-shard", None, "layout", "none: every rank holds the whole latent KV cache; sequence: the ranks of a KV "
          "group split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and decode merges "
          "their partial attention (default: none; compile_and_save.py: any layout flag given, even --kv-shard none, "

@@ -73,7 +73,9 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
         raise KimiInputError(f"--max-model-len {spec.seq_len}: NxD's prefill kernel at these shapes computes whole "
                              f"{tile}-token tiles; use a multiple of {tile} ({lower + tile}"
                              + (f" or {lower})" if lower else ")"))
-    return spec
+    # vLLM has no flag for it: the token-generation MoE path the time model says is fastest at this batch (NxD's own
+    # threshold in NxD's CPU mode), recorded in the spec saved with the artifacts (RunSpec.decode_path)
+    return dataclasses.replace(spec, moe_decode=spec.decode_path(cfg))
 
 
 def draft(nc) -> DraftSpec | None:

@@ -156,12 +156,15 @@ class MoEPaths:
 
 
 def moe_path(module: ExpertMLPsV2, tokens: int, seq_len: int | None) -> str:
-    """moe_paths.call_path, "-ep" added to all-experts decode under EP."""
+    """moe_paths.call_path, or at token generation the shell's --moe-decode path (nxd_moe.KimiExpertMLPs); "-ep" added
+    to all-experts decode under EP."""
     cfg = module.routed_experts_mlp_config
     if cfg.capacity_factor is not None:
         return "capacity-factor"
     path = moe_paths.call_path(tokens, cfg.top_k, cfg.num_experts, module.blockwise_matmul_config.block_size,
                                decode=seq_len == 1)
+    if seq_len == 1 and getattr(module, "decode_path", None):
+        path = module.decode_path
     ep = module.moe_expert_model_parallel_group.size() > 1
     return path + "-ep" if path == "all-experts" and seq_len == 1 and ep else path
 
