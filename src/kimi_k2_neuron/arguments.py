@@ -282,6 +282,18 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
                                           help="split the float32 router across the ranks by experts and all-gather "
                                                "its logits (one collective per MoE layer); every rank still selects "
                                                "from the same float32 logits")),
+        "--prefix-caching": ("cache", dict(action="store_true",
+                                           help="vLLM's prefix caching (--enable-prefix-caching): the latent cache in "
+                                                "NxDI's block layout, a pool of blocks shared by every sequence, so a "
+                                                "request whose first blocks another one prefilled reads them instead "
+                                                "of computing them (docs/vllm.md)")),
+        "--block-size": ("cache", dict(type=integer(1), default=None, metavar="N",
+                                       help="with --prefix-caching: positions per block (vLLM's --block-size), "
+                                            "dividing --seq-len (default: 32)")),
+        "--num-blocks": ("cache", dict(type=integer(1), default=None, metavar="N",
+                                       help="with --prefix-caching: blocks in the pool (vLLM's "
+                                            "--num-gpu-blocks-override), at least --batch x --seq-len / --block-size "
+                                            "(default: that; more keeps more history for later turns to reuse)")),
         "--no-on-device-sampling": ("sampler", dict(action="store_true", help="return logits to the host instead")),
         "--output-logits": ("sampler", dict(action="store_true", help="also return logits with on-device sampling "
                                                                       "(needed by the logit-parity test)")),
@@ -299,7 +311,7 @@ def _spec_flags() -> dict[str, tuple[str, dict]]:
 
 
 def add_spec_args(p, *names: str, **overrides: dict) -> None:
-    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, sampler, draft) on p
+    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, cache, sampler, draft) on p
     (a parser or an argument group), in the table's order; overrides: {dest: add_argument keywords to change}."""
     for flag, (group, kw) in _spec_flags().items():
         if flag in names or group in names:

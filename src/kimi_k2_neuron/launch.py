@@ -103,7 +103,22 @@ def run_spec(args: argparse.Namespace, cfg=None, record=None, **fixed):
         kw["scheme"] = expert_scheme(cfg, record, args.experts)
     if "draft" not in fixed:
         kw["draft"] = draft_spec(args, cfg)
+    kw.update(cache_spec(args))
     return RunSpec(**{**kw, "layout": layout_options(args), **fixed})
+
+
+def cache_spec(args: argparse.Namespace) -> dict:
+    """--prefix-caching, --block-size and --num-blocks as RunSpec fields (none where the command lacks them); the
+    last two only with the first."""
+    if "prefix_caching" not in vars(args):
+        return {}
+    given = {k: v for k, v in (("block_size", args.block_size), ("num_blocks", args.num_blocks)) if v is not None}
+    if not args.prefix_caching:
+        if given:
+            flag = "--" + next(iter(given)).replace("_", "-")
+            raise KimiInputError(f"{flag}: only with --prefix-caching (the contiguous cache has no blocks)")
+        return {}
+    return dict(prefix_caching=True, **given)
 
 
 def draft_spec(args: argparse.Namespace, cfg, finite: bool = True):

@@ -34,8 +34,8 @@ from kimi_k2_neuron.model.norm import RMSNorm  # noqa: E402
 from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.parallel import ParallelContext, chunk_meshes, stripe  # noqa: E402
 
-from . import chunked_prefill, contract, fused_spec, vllm_request  # noqa: E402
-from .latent_cache import LatentKVCacheManager  # noqa: E402
+from . import chunked_prefill, contract, fused_spec, prefix_caching, vllm_request  # noqa: E402
+from .latent_cache import LatentBlockKVCacheManager, LatentKVCacheManager  # noqa: E402
 from .loader import load_neuron_state_dict, model_state_dict, rank_passes  # noqa: E402
 from .nxd_moe import NxDRouter, build_moe  # noqa: E402,F401 (NxDRouter: the router NxD's MoE gets, named here too)
 from .spec import RunSpec, layout_flags  # noqa: E402
@@ -286,7 +286,9 @@ class KimiK2DecoderLayer(DecoderLayer):
     def __init__(self, cfg: KimiK2Config, layer_idx: int, dtype, ctx: NxDParallelContext, rotary: RotaryTable):
         super().__init__(cfg, layer_idx, dtype, ctx)
         self.rotary = rotary
-        self.flash_decoding = bool(ctx.config.neuron_config.flash_decoding_enabled)
+        nc = ctx.config.neuron_config
+        self.flash_decoding = bool(nc.flash_decoding_enabled)
+        self.key_tile = prefix_caching.key_tile(nc) if nc.is_prefix_caching else None
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
         """NxDI passes the rest by keyword (NXDI_CONTRACT.md: decoder-layer-call): active_mask, cos_cache, sin_cache,
@@ -297,7 +299,12 @@ class KimiK2DecoderLayer(DecoderLayer):
             cos_cache, sin_cache = self.rotary(position_ids)
         attn = self.self_attn
         q_nope, q_pe, entries = attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
-        if past_key_value is None:
+        if self.key_tile and kwargs.get("is_for_context_encoding"):
+            # a prefill in blocks, after cached ones or not (prefix_caching.py)
+            prefix = None if past_key_value is None else past_key_value[0][:, 0]
+            hidden_states = hidden_states + prefix_caching.prefill_attention(attn, q_nope, q_pe, entries, prefix,
+                                                                             position_ids, self.key_tile)
+        elif past_key_value is None:
             hidden_states = hidden_states + attn.attend(q_nope, q_pe, entries, attention_mask)
             if self.flash_decoding:
                 entries = self._owned(entries)
@@ -380,7 +387,10 @@ class NeuronKimiK2Model(NeuronBaseModel):
         # As the base but with the latent cache manager (NXDI_CONTRACT.md: model-init).
         if self.on_device_sampling:
             self.sampler = create_sampler(config.neuron_config, self.lm_head.tensor_parallel_group.size())
-        self.kv_mgr = LatentKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
+        if config.neuron_config.is_block_kv_layout:  # vLLM's prefix caching (prefix_caching.py)
+            self.kv_mgr = LatentBlockKVCacheManager(config, num_kv_head=self.num_key_value_heads)
+        else:
+            self.kv_mgr = LatentKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
 
 
 # == the application ==============================================================================================

@@ -52,6 +52,7 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
         raise KimiInputError(f"{flag} {context!r}: expected 1..--seq-len {s.seq_len}")
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
+    check_prefix_caching(s)
     check_ep(cfg, s)
     check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
@@ -97,6 +98,34 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
             raise KimiInputError(f"{LAYOUT_KEY}.chunk_group {c} at --tp {spec.tp} --lnc {spec.lnc}: not a pair of "
                                  f"meshes NxD lays out; use one of {list(meshes)}")
     check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
+
+
+def check_prefix_caching(spec: RunSpec) -> None:
+    """NxDI's block KV layout under vLLM's prefix caching (neuron/prefix_caching.py)."""
+    s = spec
+    if not s.prefix_caching:
+        return
+    check_counts(("--block-size", s.block_size), *((("--num-blocks", s.num_blocks),) if s.num_blocks is not None
+                                                   else ()))
+    if s.seq_len % s.block_size:
+        raise KimiInputError(f"--seq-len {s.seq_len}: with --prefix-caching must be a multiple of --block-size "
+                             f"{s.block_size} (vllm-neuron gives a sequence seq_len / block_size blocks)")
+    if s.pool_blocks < s.min_blocks:
+        raise KimiInputError(f"--num-blocks {s.num_blocks}: at least --batch {s.batch} x --seq-len {s.seq_len} / "
+                             f"--block-size {s.block_size} = {s.min_blocks} (vllm-neuron's minimum: every row's "
+                             f"full sequence)")
+    for flag, given, why in (
+            (f"--kv-shard sequence --kv-group {s.layout.kv_group}", s.layout.sequence_sharded,
+             "NxDI's BlockKVCacheManager keeps whole blocks on every rank; the block layout has no flash-decoding "
+             "slot map"),
+            (f"--prefill-chunk {s.layout.prefill_chunk}", s.layout.prefill_chunk,
+             "a block-layout prefill runs in NxDI's context-encoding buckets over the cached prefix, not the chunk "
+             "submodel"),
+            (f"--max-context-length {s.max_context_length}", s.context_length != s.seq_len,
+             "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens"),
+            ("--draft", s.draft, "NxDI's EAGLE speculation asserts it is not run with prefix caching")):
+        if given:
+            raise KimiInputError(f"{flag}: not with --prefix-caching ({why})")
 
 
 def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:
@@ -201,6 +230,7 @@ def check_prompt_lengths(lengths: list[int]) -> None:
 FIELD_OF_FLAG = {"--tp": "tp_degree", "--ep": "moe_ep_degree", "--lnc": "logical_nc_config", "--seq-len": "seq_len",
                  "--batch": "max_batch_size", "--max-context-length": "max_context_length",
                  "--kv-group": f"{LAYOUT_KEY}.kv_group", "--prefill-chunk": f"{LAYOUT_KEY}.prefill_chunk",
+                 "--block-size": "pa_block_size",
                  "--top-k": "on_device_sampling_config.top_k"}
 _FLAG_VALUE = re.compile(r"(--[a-z-]+) (\d+)\b")
 

@@ -91,6 +91,11 @@ class RunSpec:
     # bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
     layout: Layout = Layout()
     draft: DraftSpec | None = None  # speculative decoding with this EAGLE3 draft (NXDI_CONTRACT.md: fused-spec)
+    # vLLM's prefix caching: the latent cache in NxDI's block layout, a pool of num_blocks blocks of block_size
+    # positions shared by every sequence, found through the block tables vLLM's scheduler keeps (neuron/prefix_caching.py)
+    prefix_caching: bool = False
+    block_size: int = 32  # vLLM's --block-size, NxDI's pa_block_size
+    num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override; None: min_blocks, a full sequence per row
     extra: Mapping[str, Any] = field(default_factory=dict)  # further NeuronConfig kwargs (checked by NxDI)
 
     @property
@@ -103,7 +108,7 @@ class RunSpec:
         """Rows of one prefill call. One per chunk: a batch-B chunk graph would hold B x chunk tokens of activations;
         one under continuous batching: each sequence into its own cache line (NXDI_CONTRACT.md:
         continuous-batching)."""
-        return 1 if self.layout.prefill_chunk or self.continuous_batching else self.batch
+        return 1 if self.layout.prefill_chunk or self.continuous_batching or self.prefix_caching else self.batch
 
     @property
     def prefill_tokens(self) -> int:
@@ -116,9 +121,43 @@ class RunSpec:
         g = self.layout.kv_group
         return self.seq_len if g == 1 else slots_for(self.seq_len, g) + FD_RESERVED_SLOTS  # seq_len % G == 0 (rules)
 
+    @property
+    def min_blocks(self) -> int:
+        """Blocks for every row's full sequence at once: the fewest vllm-neuron accepts (its _validate_neuron_config)."""
+        return self.batch * -(-self.seq_len // self.block_size)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the prefix-caching pool vLLM hands out (NxDI's pa_num_blocks is one more: vLLM's null block 0)."""
+        return self.num_blocks or self.min_blocks
+
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+
+# The smallest prefill (active) and prefix bucket of a prefix-caching build, as NxDI's own default 2D buckets start
+# (modules/autobucketing.py generate_buckets_for_cte), unless a context of fewer than 8 of them asks for smaller ones
+PREFIX_BUCKET_MIN = 512
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= 2
+    return out + [hi]
+
+
+def prefix_caching_buckets(spec: RunSpec) -> tuple[list[int], list[int]]:
+    """(prefill buckets, prefix buckets) of the context-encoding graphs: one graph per pair, and one per prefill
+    bucket with no prefix (NXDI_CONTRACT.md: prefix-buckets). A turn's new tokens pick the smallest prefill bucket
+    that holds them and NxDI fills the rest of it with cached positions recomputed, so the prefix bucket covers what
+    is left of the cached prefix."""
+    bs = spec.block_size
+    lo = -(-min(PREFIX_BUCKET_MIN, max(bs, spec.context_length // 8)) // bs) * bs  # whole blocks: NxDI reads a prefix
+    return powers_of_two(lo, spec.context_length), powers_of_two(lo, spec.seq_len)
 
 
 def layout_flags(layout: Layout) -> list[str]:

@@ -22,20 +22,29 @@ COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
 
 def describe(nc) -> str:
     """The vLLM flags a request came from."""
+    cache = (f" --enable-prefix-caching --block-size {nc.pa_block_size} --num-gpu-blocks-override "
+             f"{nc.pa_num_blocks - 1}" if getattr(nc, "is_prefix_caching", False) else "")
     return (f"--tensor-parallel-size {nc.tp_degree} --max-num-seqs {nc.batch_size} --max-model-len {nc.seq_len} "
-            f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}")
+            f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}{cache}")
 
 
 def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     """The request's shape and sampler, the checkpoint's experts (record: a ConversionRecord), the MoE prefill mode
     these shapes allow; what the latent cache cannot serve is refused in one line."""
     if getattr(nc, "is_chunked_prefill", False):
-        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
-                             "block KV layout, which Kimi-K2's latent cache does not have; unset "
-                             "DISABLE_NEURON_CUSTOM_SCHEDULER")
-    if getattr(nc, "is_prefix_caching", False) or getattr(nc, "is_block_kv_layout", False):
-        raise KimiInputError("--enable-prefix-caching (on by default in vLLM) needs NxDI's block KV layout, which "
-                             "Kimi-K2's latent cache does not have; pass --no-enable-prefix-caching")
+        # NXDI_CONTRACT.md: nxdi-chunked-prefill
+        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1): NxDI's "
+                             "application raises NotImplementedError for it; unset DISABLE_NEURON_CUSTOM_SCHEDULER "
+                             "(prefix caching, --enable-prefix-caching, reuses what earlier requests prefilled "
+                             "without it)")
+    if getattr(nc, "is_prefix_caching", False):
+        need = nc.batch_size * -(-nc.seq_len // nc.pa_block_size)
+        if nc.pa_num_blocks - 1 < need:  # vllm-neuron counts the null block in pa_num_blocks when told the pool
+            raise KimiInputError(f"--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs "
+                                 f"x --max-model-len / --block-size = {need} (the pool the model is built with)")
+    elif getattr(nc, "is_block_kv_layout", False):
+        raise KimiInputError("a block KV layout without prefix caching: Kimi-K2's latent cache has blocks for "
+                             "--enable-prefix-caching only")
     if nc.torch_dtype != torch.bfloat16:
         raise KimiInputError(f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}: Kimi-K2 runs in bfloat16 on "
                              f"Neuron; pass --dtype bfloat16")
@@ -92,7 +101,28 @@ def compiled_mismatches(request: RunSpec, nc) -> list[str]:
     if asked_k != compiled_k:
         bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
                    f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
+    bad += _cache_mismatches(r, nc)
     ods = nc.on_device_sampling_config
     if ods is not None and not ods.dynamic:
         bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
+    return bad
+
+
+def _cache_mismatches(r: RunSpec, nc) -> list[str]:
+    """Prefix caching needs the block layout compiled, at vLLM's block size and with a pool at least vLLM's (its block
+    ids index the pool); the block layout compiled needs vLLM's block tables (NXDI_CONTRACT.md: vllm-block-pool)."""
+    compiled = bool(getattr(nc, "is_prefix_caching", False))
+    if r.prefix_caching and not compiled:
+        return ["--enable-prefix-caching, compiled without the block KV layout (compile_and_save.py --for-vllm "
+                "--prefix-caching), or pass --no-enable-prefix-caching"]
+    if compiled and not r.prefix_caching:
+        return [f"compiled with --prefix-caching (the block KV layout, --block-size {nc.pa_block_size}), served "
+                f"without --enable-prefix-caching"]
+    if not compiled:
+        return []
+    bad = []
+    if r.block_size != nc.pa_block_size:
+        bad.append(f"--block-size {r.block_size}, compiled for {nc.pa_block_size}")
+    if r.pool_blocks > nc.pa_num_blocks - 1:
+        bad.append(f"--num-gpu-blocks-override {r.pool_blocks} > the compiled pool of {nc.pa_num_blocks - 1} blocks")
     return bad
