@@ -170,7 +170,11 @@ class Server:
     """`vllm serve` in its own process group on a free local port; stop() ends the group and waits."""
 
     def __init__(self, model: Path, tokenizer: Path, env: dict, log: Path, max_model_len: int, max_num_seqs: int,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), cache=None):
+        """cache: the RunSpec whose cache flags to serve with (vllm_request.cache_flags: its prefix caching, block
+        size and pool); default the contiguous cache at max_num_seqs."""
+        from kimi_k2_neuron.neuron.spec import RunSpec
+        from kimi_k2_neuron.neuron.vllm_request import cache_flags
         from kimi_k2_neuron.runtime.ranks import free_port
 
         self.port = free_port()
@@ -178,8 +182,8 @@ class Server:
         parsers = REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py"
         cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--tokenizer", str(tokenizer),
                "--served-model-name", "kimi", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--num-gpu-blocks-override",
-               str(max_num_seqs), "--no-enable-prefix-caching", "--dtype", "bfloat16", "--enforce-eager",
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               *cache_flags(cache or RunSpec(batch=max_num_seqs)), "--dtype", "bfloat16", "--enforce-eager",
                "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True}}),
                "--enable-auto-tool-choice", "--tool-parser-plugin", str(parsers), "--tool-call-parser",
                "kimi_k2_neuron", *extra]

@@ -174,7 +174,8 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
 def takes(app, input_ids, position_ids) -> bool:
     """A prefill wider than the chunk; anything else is NxDI's own dispatch (NXDI_CONTRACT.md: private-members)."""
     chunk = layout_of(app.config).prefill_chunk
-    return bool(chunk) and input_ids.shape[-1] > chunk and app._is_prefill(position_ids)
+    return (bool(chunk) and not app.neuron_config.is_prefix_caching and input_ids.shape[-1] > chunk
+            and app._is_prefill(position_ids))
 
 
 def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_params):

@@ -139,7 +139,10 @@ def _check_compiled(folder: str, request: RunSpec, config: KimiK2InferenceConfig
         raise KimiInputError(f"{where}: not artifacts of this model ({type(e).__name__}: {e})") from None
     bad = vllm_request.compiled_mismatches(request, compiled.neuron_config)
     # compile_and_save.py refuses these flags with --for-vllm
-    flags = layout_flags(contract.layout_of(compiled))
+    layout = contract.layout_of(compiled)
+    if compiled.neuron_config.is_prefix_caching:  # chunks behind vLLM's whole-prompt prefill (prefix_caching.py)
+        layout = dataclasses.replace(layout, prefill_chunk=None)
+    flags = layout_flags(layout)
     if flags:  # vllm-neuron drives the prefills itself and builds the model from its request
         bad.append(f"compiled with {' '.join(flags)}, a layout vllm-neuron's request cannot carry")
     if getattr(compiled, CONVERSION_KEY, None) != getattr(config, CONVERSION_KEY, None):
@@ -465,13 +468,16 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
         _add_compiler_args(self.token_generation_model)
-        if contract.layout_of(self.config).prefill_chunk:
+        if contract.layout_of(self.config).prefill_chunk and not self.neuron_config.is_prefix_caching:
             chunked_prefill.enable_chunked_prefill(self, **model_init_kwargs)
 
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):
         """A prefill wider than the chunk to the chunk driver (NXDI_CONTRACT.md: private-members)."""
         if chunked_prefill.takes(self, input_ids, position_ids):
             return chunked_prefill.prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
+        if prefix_caching.takes(self, input_ids, position_ids, args[4:8]):
+            return prefix_caching.prefill(self, super()._get_model_outputs, input_ids, attention_mask, position_ids,
+                                          seq_ids, sampling_params, args[:4], args[4:8])
         return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
                                           **kwargs)
 

@@ -12,20 +12,25 @@ those cached positions and the call's own entries out by position and attends th
 computes each new token as the same prompt cold does. Decode reads the blocks through NxDI's get_cache into the
 decode branch the contiguous cache uses (its mask: the positions before the token).
 
-Pure helpers: torch and the core; the cache manager itself is latent_cache.py's.
+With --prefill-chunk N the largest prefill bucket is N, and a prompt with more than N uncached tokens is prefilled N
+at a time, each call a prefill over the blocks the calls before it wrote: the graphs stay the size of N, and a long
+cold prompt costs chunks as a long warm one does (the driver below, in front of NxDI's own dispatch).
+
+Torch and the core; the cache manager is latent_cache.py's, the driver calls NxDI's methods it is handed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kimi_k2_neuron.model.mla import BLOCK_KEY_TILE, positional_keys
-from kimi_k2_neuron.runtime.block_cache import key_width
+from kimi_k2_neuron.model.mla import positional_keys
+from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
+
+from .contract import layout_of
 
 
 def key_tile(neuron_config) -> int:
-    """The model's key tile: BLOCK_KEY_TILE, or a context bucket below it (tiny models)."""
-    return min(BLOCK_KEY_TILE, neuron_config.max_context_length)
+    return key_tile_for(neuron_config.max_context_length)
 
 
 def prefill_attention(attn, q_nope, q_pe, entries, prefix, positions, tile: int) -> torch.Tensor:
@@ -37,3 +42,43 @@ def prefill_attention(attn, q_nope, q_pe, entries, prefix, positions, tile: int)
     keys = positional_keys(entries[:, :0] if prefix is None else prefix, entries, positions[:, :1],
                            key_width(cached + entries.shape[1], tile))
     return attn.attend_positions(q_nope, q_pe, keys, positions, tile)
+
+
+# -- the chunk driver (--prefill-chunk with --prefix-caching) -----------------------------------------------------
+
+def takes(app, input_ids, position_ids, block_args) -> bool:
+    """A prefill with more uncached tokens than the chunk; block_args: (slot_mapping, block_table, full_context_lens,
+    computed_context_lens) as vllm-neuron passes them."""
+    chunk = layout_of(app.config).prefill_chunk
+    if not (chunk and app.neuron_config.is_prefix_caching and input_ids.shape[-1] > 1 and app._is_prefill(position_ids)):
+        return False
+    _, _, full, computed = block_args
+    return bool(((full - computed) > chunk).any())
+
+
+def prefill(app, base, input_ids, attention_mask, position_ids, seq_ids, sampling_params, rest, block_args):
+    """Row by row, N tokens a call from each row's first uncached position: NxDI's prefix-caching dispatch (`base`,
+    its _get_model_outputs) on the prompt up to the chunk's end, told the positions before it are computed, with the
+    chunk's slots; in CPU mode the cache shared after every call, as NxDI does after one. rest: NxDI's (prev_hidden,
+    adapter_ids, medusa_args, llava_args). -> (each row's last output, then the cache on CPU; is_run_on_neuron)."""
+    chunk = layout_of(app.config).prefill_chunk
+    slot_mapping, block_table, full, computed = block_args
+    nc = app.neuron_config
+    # the sampled tokens, then the logits with output_logits under on-device sampling; in CPU mode the cache follows
+    front = 2 if nc.on_device_sampling_config is not None and nc.output_logits else 1
+    results, out, on_neuron = [], None, False
+    for b in range(input_ids.shape[0]):
+        row, first, length = slice(b, b + 1), int(computed[b]), int(full[b])
+        for start in range(first, length, chunk):
+            end = min(start + chunk, length)
+            slots = slot_mapping[row, start - first:end - first]
+            out, on_neuron = base(input_ids[row, :end], attention_mask[row, :end], position_ids[row, :end],
+                                  seq_ids[row], sampling_params[row], *rest, slots, block_table[row],
+                                  torch.tensor([[end]]), torch.tensor([[start]]))
+            if not on_neuron:
+                app._copy_past_key_values(out)
+        results.append([out] if torch.is_tensor(out) else list(out[:front]))
+    heads = [torch.cat(parts, dim=0) for parts in zip(*results)]
+    if on_neuron:
+        return (heads[0] if front == 1 else heads), True
+    return [*heads, *out[front:]], False

@@ -110,6 +110,9 @@ def check_prefix_caching(spec: RunSpec) -> None:
     if s.seq_len % s.block_size:
         raise KimiInputError(f"--seq-len {s.seq_len}: with --prefix-caching must be a multiple of --block-size "
                              f"{s.block_size} (vllm-neuron gives a sequence seq_len / block_size blocks)")
+    if s.layout.prefill_chunk and s.layout.prefill_chunk % s.block_size:
+        raise KimiInputError(f"--prefill-chunk {s.layout.prefill_chunk}: with --prefix-caching must be a multiple of "
+                             f"--block-size {s.block_size} (each chunk starts on a block)")
     if s.pool_blocks < s.min_blocks:
         raise KimiInputError(f"--num-blocks {s.num_blocks}: at least --batch {s.batch} x --seq-len {s.seq_len} / "
                              f"--block-size {s.block_size} = {s.min_blocks} (vllm-neuron's minimum: every row's "
@@ -118,11 +121,9 @@ def check_prefix_caching(spec: RunSpec) -> None:
             (f"--kv-shard sequence --kv-group {s.layout.kv_group}", s.layout.sequence_sharded,
              "NxDI's BlockKVCacheManager keeps whole blocks on every rank; the block layout has no flash-decoding "
              "slot map"),
-            (f"--prefill-chunk {s.layout.prefill_chunk}", s.layout.prefill_chunk,
-             "a block-layout prefill runs in NxDI's context-encoding buckets over the cached prefix, not the chunk "
-             "submodel"),
-            (f"--max-context-length {s.max_context_length}", s.context_length != s.seq_len,
-             "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens"),
+            (f"--max-context-length {s.max_context_length}", not s.layout.prefill_chunk and s.context_length != s.seq_len,
+             "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens; --prefill-chunk N "
+             "prefills it N tokens a call"),
             ("--draft", s.draft, "NxDI's EAGLE speculation asserts it is not run with prefix caching")):
         if given:
             raise KimiInputError(f"{flag}: not with --prefix-caching ({why})")

@@ -160,6 +160,27 @@ def prefix_caching_buckets(spec: RunSpec) -> tuple[list[int], list[int]]:
     return powers_of_two(lo, spec.context_length), powers_of_two(lo, spec.seq_len)
 
 
+def prefix_caching_calls(spec: RunSpec, cached: int, new: int) -> list[tuple[int, int]]:
+    """(prefill bucket, prefix bucket) of each context-encoding call that prefills `new` tokens after `cached` ones in
+    blocks: chunks of --prefill-chunk (neuron/prefix_caching.py), each at the bucket NxDI's wrapper picks: the smallest
+    prefill bucket holding the call's tokens, the rest of it refilled with cached positions recomputed, the smallest
+    prefix bucket holding the cached positions left, or a 512-token bucket without a prefix for 257-512 positions in
+    all (NXDI_CONTRACT.md: prefix-buckets)."""
+    prefill, prefix = prefix_caching_buckets(spec)
+    calls, start, end = [], cached, cached + new
+    while start < end:
+        stop = min(start + (spec.layout.prefill_chunk or end), end)
+        n = stop - start
+        if 256 < stop <= 512 and 512 in prefill:
+            calls.append((512, 0))
+        else:
+            a = min(b for b in prefill if b >= n)
+            left = max(0, start - (a - n))
+            calls.append((a, min(b for b in prefix if b >= left) if left else 0))
+        start = stop
+    return calls
+
+
 def layout_flags(layout: Layout) -> list[str]:
     """The command-line flags that ask for this layout (none for the default)."""
     given = ((f"--kv-shard sequence --kv-group {layout.kv_group}", layout.sequence_sharded),

@@ -28,6 +28,16 @@ def describe(nc) -> str:
             f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}{cache}")
 
 
+def cache_flags(spec: RunSpec) -> list[str]:
+    """vLLM's cache flags for the compiled spec: its block pool with prefix caching (and the cached-token count in
+    every reply's usage), else one vLLM block per sequence, the plugin's block being --max-model-len long
+    (docs/vllm.md)."""
+    if not spec.prefix_caching:
+        return ["--no-enable-prefix-caching", "--num-gpu-blocks-override", str(spec.batch)]
+    return ["--enable-prefix-caching", "--block-size", str(spec.block_size), "--num-gpu-blocks-override",
+            str(spec.pool_blocks), "--enable-prompt-tokens-details"]
+
+
 def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     """The request's shape and sampler, the checkpoint's experts (record: a ConversionRecord), the MoE prefill mode
     these shapes allow; what the latent cache cannot serve is refused in one line."""
@@ -90,7 +100,7 @@ def compiled_mismatches(request: RunSpec, nc) -> list[str]:
         bad.append(f"--max-num-seqs {r.batch} > the compiled batch {nc.max_batch_size}")
     if r.seq_len > nc.seq_len:
         bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {nc.seq_len}")
-    elif r.context_length > nc.max_context_length:
+    elif r.context_length > nc.max_context_length and not getattr(nc, "is_prefix_caching", False):
         bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
                    f"compiled for {nc.max_context_length}")
     if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):

@@ -39,6 +39,11 @@ def gather(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, table.reshape(-1)).view(b, n * pool.shape[1], pool.shape[-1])
 
 
+def key_tile_for(context_length: int) -> int:
+    """A model's key tile: BLOCK_KEY_TILE, or its prefill bucket where that is smaller (tiny models)."""
+    return min(BLOCK_KEY_TILE, context_length)
+
+
 def key_width(positions: int, key_tile: int) -> int:
     """Keys of a call over `positions` positions: whole key tiles (attend_positions)."""
     return -(-positions // key_tile) * key_tile
