@@ -13,17 +13,25 @@ step: one token, its slot, the table).
   them, which every call here has (prefill buckets of 16+ rows; MKL's float32 GEMM breaks that below 12 rows).
 - The same logits as NxDI's contiguous cache (the model the rest of the tier checks against the core and
   transformers), within 1e-4 of the largest |logit|: the block path attends in key tiles.
+- Chunks (--prefill-chunk 32 with --prefix-caching: a prompt prefilled 32 positions a call, each over the blocks the
+  calls before it wrote): the logits of the one-call build, bit for bit, cold and warm.
+- The planner's model of NxDI's bucket choice (spec.prefix_caching_calls) is the wrapper's own, for every cached
+  length in blocks and a range of new lengths.
 - Sharing: a warm prefill reads the shared blocks and writes none of them (bitwise unchanged), its recomputed and
   padded positions going to the reserved block; two sequences whose tables share those blocks, decoded in one batch,
   each give their own logits.
 Not here: vLLM's scheduler and block manager (test_vllm_prefix_caching.py), the trn2 graphs.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from nxdi_support import cpu_options, rel_err
 
+from kimi_k2_neuron.neuron.spec import prefix_caching_calls
 from kimi_k2_neuron.nxdi_cpu import backend
+from kimi_k2_neuron.parallel import Layout
 
 SEQ, BS, BATCH = 128, 16, 2
 A = [(37 * i + 11) % 500 + 5 for i in range(70)]  # the prompt that fills the blocks first
@@ -156,3 +164,41 @@ def test_shared_blocks_are_read_not_written_and_each_sequence_decodes_as_alone(c
         assert torch.equal(k1[1:4], k0[1:4]), f"layer {layer}: a shared block was written"
         assert k1[6].abs().sum() > 0 and torch.equal(k1[4:6], k0[4:6])  # B's own blocks; A's tail untouched
     assert torch.equal(both, alone)
+
+
+def chunk_job(rank, o):
+    """A prompt of 90 positions cold, then one sharing A's first 48 warm: their prefill logits and a decode step's."""
+    app = backend.build(o, seq_len=SEQ, batch=BATCH)
+    calls = []
+    app.context_encoding_model.model.register_forward_pre_hook(lambda _m, args: calls.append(args[0].shape[-1]))
+    prompt = A[:70] + TAIL
+    with torch.no_grad():
+        cold = _run_one(app, prompt, [1, 2, 3, 4, 5, 6, 7], 0)
+        app.forward(**prefill_inputs(A, [8, 9, 10, 11, 12], 0))
+        warm = _run_one(app, A[:48] + TAIL + TAIL, [8, 9, 10, 13, 14, 15, 16], 48)
+    return cold, warm, calls
+
+
+def test_chunks_through_the_block_table_give_the_one_call_logits_bit_for_bit(ckpt):
+    got = backend.run(_options(ckpt, layout=Layout(prefill_chunk=32)), chunk_job)
+    want = backend.run(_options(ckpt), chunk_job)
+    assert got[2][:3] == [32, 32, 32] and want[2][0] == 128  # 90 positions: 3 calls of the 32-bucket; one of 128
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_planners_bucket_choice_is_nxdis(ckpt):
+    """NxDI's ModelWrapper.get_target_2d_bucket_for_prefix_caching on the context-encoding wrapper (nothing loaded)."""
+    o = _options(ckpt)
+    app = backend.application(o, SEQ, BATCH)
+    spec = dataclasses.replace(backend.request_spec(o, SEQ, BATCH), scheme=o.record.scheme)
+    wrapper, seen = app.context_encoding_model, 0
+    for computed in range(0, SEQ, BS):
+        for new in (1, 5, 16, 17, 40, 64, 100):
+            if computed + new > SEQ:
+                continue
+            args = [None] * 15
+            args[13], args[14] = torch.tensor([[new]]), torch.tensor([[computed]])  # num_queries, computed lengths
+            got = tuple(wrapper.get_target_2d_bucket_for_prefix_caching(*args).tolist())
+            assert [got] == prefix_caching_calls(spec, computed, new), (computed, new)
+            seen += 1
+    assert seen > 40

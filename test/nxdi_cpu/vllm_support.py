@@ -242,6 +242,18 @@ class Server:
         return self.proc.returncode
 
 
+def compile_for_vllm(model: Path, out: Path, env: dict, seq_len: int, batch: int, *flags: str) -> str:
+    """scripts/compile_and_save.py --for-vllm into `out` (compile_child: NEFFs aside), e.g. with flags
+    ("--prefix-caching", "--block-size", "16"); -> its stdout, which ends with the `vllm serve` line."""
+    argv = ["--model", str(model), "--out", str(out), "--tp", "1", "--seq-len", str(seq_len), "--batch", str(batch),
+            "--moe-prefill", "torch", "--for-vllm", *flags]
+    result = out.parent / f"{out.name}-compile.json"
+    r = subprocess.run([sys.executable, str(HERE / "vllm_support.py"), "compile", json.dumps({"argv": argv}),
+                        str(result)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
 # -- the child: vLLM itself ---------------------------------------------------------------------------------------
 
 def llm_child(args: dict, out: str) -> None:

@@ -285,7 +285,8 @@ def test_a_vllm_request_compiles_the_contracts_model_at_the_requests_shape():
 
 
 @pytest.mark.parametrize("over,record,needle", [
-    (dict(is_prefix_caching=True, is_block_kv_layout=True), True, "pass --no-enable-prefix-caching"),
+    (dict(is_prefix_caching=True, is_block_kv_layout=True, pa_block_size=32, pa_num_blocks=65), True,
+     "give --num-gpu-blocks-override, at least --max-num-seqs x --max-model-len / --block-size = 256"),
     (dict(is_chunked_prefill=True, is_block_kv_layout=True, batch_size=1), True,
      "unset DISABLE_NEURON_CUSTOM_SCHEDULER"),
     (dict(torch_dtype=torch.float16), True, "--dtype float16: Kimi-K2 runs in bfloat16"),

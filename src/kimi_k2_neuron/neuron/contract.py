@@ -31,7 +31,6 @@ QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantiz
 # would not (NXDI_CONTRACT.md: layout-attribute) ------------------------------------------------------------------
 
 
-
 def layout_attribute(layout: Layout) -> dict[str, Any]:
     return dataclasses.asdict(layout)
 
@@ -78,11 +77,13 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
         # as NxDI's Qwen3-MoE: we all-gather in the embedding (NXDI_CONTRACT.md: numeric-cc-token)
         disable_numeric_cc_token=True,
     )
-    if s.continuous_batching or s.layout.prefill_chunk or s.prefix_caching:
-        # one row a prefill call: a chunk into its line; a prompt into its blocks (NXDI_CONTRACT.md: prefix-buckets)
+    if s.continuous_batching or s.layout.prefill_chunk or s.prefix_caching:  # one row a prefill call
         kw["is_continuous_batching"] = True
-    if s.prefix_caching:
-        kw.update(prefix_caching_kwargs(s))
+    if s.prefix_caching:  # pa_num_blocks counts vLLM's null block (NXDI_CONTRACT.md: prefix-buckets, vllm-block-pool)
+        prefill, prefix = prefix_caching_buckets(s)
+        kw.update(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=s.block_size,
+                  pa_num_blocks=s.pool_blocks + 1, enable_bucketing=True, context_encoding_buckets=prefill,
+                  prefix_buckets=prefix, token_generation_buckets=[s.seq_len])
     # NxDI's cache sizing, masks and KV group; G: the layout attribute's (NXDI_CONTRACT.md: fd-config)
     if s.layout.sequence_sharded:
         kw["flash_decoding_enabled"] = True
@@ -103,16 +104,6 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
         kw.update(quantized_checkpoints_path=s.checkpoint, modules_to_not_convert=modules_to_not_convert(cfg, s.layout))
     kw.update(s.extra)
     return kw
-
-
-def prefix_caching_kwargs(s: RunSpec) -> dict[str, Any]:
-    """NxDI's block KV layout for vLLM's prefix caching: pa_num_blocks counts vLLM's null block 0 (vllm-neuron adds
-    it to --num-gpu-blocks-override); the context-encoding graphs' 2D buckets, a prefill bucket by a prefix bucket, and
-    one token-generation bucket of seq_len, as without blocks (NXDI_CONTRACT.md: prefix-buckets, vllm-block-pool)."""
-    prefill, prefix = prefix_caching_buckets(s)
-    return dict(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=s.block_size,
-                pa_num_blocks=s.pool_blocks + 1, enable_bucketing=True, context_encoding_buckets=prefill,
-                prefix_buckets=prefix, token_generation_buckets=[s.seq_len])
 
 
 def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list[str]:
@@ -138,16 +129,11 @@ def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
                    scheme=ExpertScheme.from_nxd(vars(nc)), checkpoint=getattr(nc, "quantized_checkpoints_path", None),
                    sampling=sampling, output_logits=bool(getattr(nc, "output_logits", False)),
                    moe_prefill=None if bmm is None else moe_paths.mode_of(bmm),
-                   continuous_batching=(bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk
-                                        and not getattr(nc, "is_prefix_caching", False)),
-                   layout=layout, draft=draft, **_cache_of(nc))
-
-
-def _cache_of(nc) -> dict[str, Any]:
-    """The prefix-caching fields of a RunSpec a NeuronConfig holds (NxDI's own fields: no attribute of ours)."""
-    if not getattr(nc, "is_prefix_caching", False):
-        return {}
-    return dict(prefix_caching=True, block_size=nc.pa_block_size, num_blocks=nc.pa_num_blocks - 1)
+                   continuous_batching=bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk
+                   and not getattr(nc, "is_prefix_caching", False),
+                   layout=layout, draft=draft, **(dict(prefix_caching=True, block_size=nc.pa_block_size,
+                                                       num_blocks=nc.pa_num_blocks - 1)
+                                                  if getattr(nc, "is_prefix_caching", False) else {}))
 
 
 # -- what this port refuses of a NeuronConfig, on every construction (the reload too) ------------------------------
@@ -157,8 +143,7 @@ UNSUPPORTED = (
     ("sequence_parallel_enabled", (False,), "MLA attention here has no sequence-parallel path"),
     ("attention_dp_degree", (1,), "attention data parallel needs DataParallelKVCacheManager"),
     ("cp_degree", (1,), "context parallel attention is not implemented for MLA"),
-    # NXDI_CONTRACT.md: nxdi-chunked-prefill
-    ("is_chunked_prefill", (False,), "NxDI's application raises NotImplementedError for its chunked prefill"),
+    ("is_chunked_prefill", (False,), "NxDI's application raises NotImplementedError for it"),  # nxdi-chunked-prefill
     ("enable_token_tree", (False,), "EAGLE token trees are not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
     # NXDI_CONTRACT.md: layer-boundary-markers
@@ -227,10 +212,9 @@ def _field_problems(nc, layout: Layout) -> list[str]:
         ep = getattr(nc, "moe_ep_degree", 1) or 1
         if ep > 1 and not getattr(bmm, "parallelize_token_to_block_mapping", True):  # NXDI_CONTRACT.md: spmd-rank
             bad.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts)")
-    if getattr(nc, "is_block_kv_layout", False) != getattr(nc, "is_prefix_caching", False):
-        bad.append(f"is_block_kv_layout={getattr(nc, 'is_block_kv_layout', False)} with is_prefix_caching="
-                   f"{getattr(nc, 'is_prefix_caching', False)} (the latent cache has the block layout for prefix "
-                   f"caching only)")
+    blocks, prefix = getattr(nc, "is_block_kv_layout", False), getattr(nc, "is_prefix_caching", False)
+    if blocks != prefix:
+        bad.append(f"is_block_kv_layout={blocks} with is_prefix_caching={prefix} (blocks for prefix caching only)")
     if layout.prefill_chunk and getattr(nc, "async_mode", False):
         # its path bypasses the chunk driver (NXDI_CONTRACT.md: async-bypasses-driver)
         bad.append("async_mode=True (NxDI's async path does not call _get_model_outputs, the chunk driver)")

@@ -269,7 +269,7 @@ def turn_calls(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], cached: int
     NxDI's bucket choice, the chunks), timed as prefill_time counts a call: its prefill bucket's tokens through the
     dense layers and the MoE path NxD takes for them, every key tile of its positions (prefix bucket + prefill
     bucket) scored after kv_b expands each key (MLAttention.attend_positions)."""
-    tile, mode = key_tile_for(spec.context_length), spec.prefill_mode(cfg)
+    tile, mode = key_tile_for(spec.seq_len), spec.prefill_mode(cfg)
     out = []
     for a, pfx in prefix_caching_calls(spec, cached, new):
         call = replace(spec, max_context_length=a, layout=replace(spec.layout, prefill_chunk=None))

@@ -264,7 +264,7 @@ def block_attention_row(cfg: KimiK2Config, spec: RunSpec) -> Row:
     keys laid out by position (the prefix bucket padded, the call's entries gathered, their merge), every key's kv_b
     expansion, and one query tile's float32 scores over all of them."""
     dims, ctx = HeadDims.of(cfg, spec.tp), spec.context_length
-    w = key_width(spec.seq_len + ctx, key_tile_for(ctx))
+    w = key_width(spec.seq_len + ctx, key_tile_for(spec.seq_len))
     q = min(CHUNK_QUERY_TILE, ctx)
     total = 3 * w * cfg.latent_dim * BF16 + dims.heads * w * (dims.nope + dims.v_dim) * BF16 + dims.heads * q * w * FP32
     return Row(f"prefill attention over blocks ({w} keys, {q}-query tiles)", "mixed", total)

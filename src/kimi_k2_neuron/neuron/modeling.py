@@ -476,8 +476,8 @@ class NeuronKimiK2ForCausalLM(NeuronBaseForCausalLM):
         if chunked_prefill.takes(self, input_ids, position_ids):
             return chunked_prefill.prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
         if prefix_caching.takes(self, input_ids, position_ids, args[4:8]):
-            return prefix_caching.prefill(self, super()._get_model_outputs, input_ids, attention_mask, position_ids,
-                                          seq_ids, sampling_params, args[:4], args[4:8])
+            return prefix_caching.prefill(self, super()._get_model_outputs, (input_ids, attention_mask, position_ids,
+                                          seq_ids, sampling_params), args[:4], args[4:8])
         return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
                                           **kwargs)
 

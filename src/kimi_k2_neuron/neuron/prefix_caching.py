@@ -30,7 +30,7 @@ from .contract import layout_of
 
 
 def key_tile(neuron_config) -> int:
-    return key_tile_for(neuron_config.max_context_length)
+    return key_tile_for(neuron_config.seq_len)
 
 
 def prefill_attention(attn, q_nope, q_pe, entries, prefix, positions, tile: int) -> torch.Tensor:
@@ -56,11 +56,13 @@ def takes(app, input_ids, position_ids, block_args) -> bool:
     return bool(((full - computed) > chunk).any())
 
 
-def prefill(app, base, input_ids, attention_mask, position_ids, seq_ids, sampling_params, rest, block_args):
+def prefill(app, base, inputs, rest, block_args):
     """Row by row, N tokens a call from each row's first uncached position: NxDI's prefix-caching dispatch (`base`,
     its _get_model_outputs) on the prompt up to the chunk's end, told the positions before it are computed, with the
-    chunk's slots; in CPU mode the cache shared after every call, as NxDI does after one. rest: NxDI's (prev_hidden,
-    adapter_ids, medusa_args, llava_args). -> (each row's last output, then the cache on CPU; is_run_on_neuron)."""
+    chunk's slots; in CPU mode the cache shared after every call, as NxDI does after one. inputs: (input_ids,
+    attention_mask, position_ids, seq_ids, sampling_params); rest: NxDI's (prev_hidden, adapter_ids, medusa_args,
+    llava_args). -> (each row's last output, then the cache on CPU; is_run_on_neuron)."""
+    input_ids, attention_mask, position_ids, seq_ids, sampling_params = inputs
     chunk = layout_of(app.config).prefill_chunk
     slot_mapping, block_table, full, computed = block_args
     nc = app.neuron_config

@@ -39,9 +39,10 @@ def gather(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, table.reshape(-1)).view(b, n * pool.shape[1], pool.shape[-1])
 
 
-def key_tile_for(context_length: int) -> int:
-    """A model's key tile: BLOCK_KEY_TILE, or its prefill bucket where that is smaller (tiny models)."""
-    return min(BLOCK_KEY_TILE, context_length)
+def key_tile_for(seq_len: int) -> int:
+    """A model's key tile: BLOCK_KEY_TILE, or its cache length where that is smaller (tiny models); not the prefill
+    bucket, so a build prefilling in chunks tiles as one prefilling in one call does."""
+    return min(BLOCK_KEY_TILE, seq_len)
 
 
 def key_width(positions: int, key_tile: int) -> int:
