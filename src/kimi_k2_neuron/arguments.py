@@ -227,112 +227,66 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
     return a.temperature, a.default_top_k if a.top_k is None else a.top_k, 1.0 if a.top_p is None else a.top_p
 
 
-# -- the run spec's flags (neuron/spec.py's RunSpec), each defined once -----------------------------------------------
-#
-# A command takes a setting of the run from this table, by name or by group, with its own help or default where it
-# means something else there; launch.run_spec builds the RunSpec from whichever of them the command has. A new setting
-# is a RunSpec field, one entry here, and its use.
-
-KV_SHARDS = ("none", "sequence")
+# -- the run spec's flags: built from neuron/spec.py's FLAGS, each defined once, with the spec's own defaults --------
 
 
-def _spec_flags() -> dict[str, tuple[str, dict]]:
-    """flag -> (group, add_argument keywords)."""
-    from .formats import DEFAULT_SCHEME, SCHEMES
-    from .neuron import moe_paths  # pure: no torch
+def add_spec_args(p, *names: str, where: dict[str, str] | None = None, **overrides: dict) -> None:
+    """The run spec's flags on p (a parser or an argument group), in FLAGS' order: those `names` asks for (a flag, or
+    a group: parallel, shape, experts, moe, layout, cache, sampler, draft; none: all). `where`: for a command with
+    several backends, {backend (spec.CPU, ...): the flag that selects it}: only the flags one of them takes, each one's help
+    naming the backends that take it where not all do (check_spec_flags refuses the rest). overrides: {dest:
+    add_argument keywords to change}, where a flag means something else in a command."""
+    from .neuron.spec import FLAGS
 
-    return {
-        "--tp": ("parallel", dict(type=integer(1), required=True,
-                                  help="tensor-parallel degree (logical cores per model replica)")),
-        "--ep": ("parallel", dict(type=integer(1), default=1,
-                                  help="expert parallelism inside the --tp ranks (NxDI moe_ep_degree): experts split "
-                                       "ep ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2, with batch >= "
-                                       "n_routed_experts / top_k")),
-        "--lnc": ("parallel", dict(type=integer(1), default=2,
-                                   help="physical NeuronCores per logical core: 1 or 2 (trn2's default: 2)")),
-        "--seq-len": ("shape", dict(type=integer(1), default=1024, help="KV cache length (prompt + generated tokens)")),
-        "--max-context-length": ("shape", dict(type=integer(1), default=None,
-                                               help="prefill bucket: tokens per sequence in one prefill call "
-                                                    "(default: the chunk with --prefill-chunk, else --seq-len)")),
-        "--batch": ("shape", dict(type=integer(1), default=1, help="sequences decoded together (the KV cache's rows)")),
-        "--experts": ("experts", dict(choices=SCHEMES, default=None,
-                                      help=f"routed-expert format on device (default: what a converted checkpoint "
-                                           f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one)")),
-        "--moe-prefill": ("moe", dict(choices=list(moe_paths.MODES), default=moe_paths.DEFAULT_MODE,
-                                      help="how prefill runs the routed experts: " + moe_paths.modes_help())),
-        "--kv-shard": ("layout", dict(choices=KV_SHARDS, default=None,
-                                      help="none: every rank holds the whole latent KV cache; sequence: the ranks of "
-                                           "a KV group split every sequence, position p on rank p %% G (NxDI's "
-                                           "flash-decoding layout), and decode merges their partial attention "
-                                           "(default: none; compile_and_save.py: any layout flag given, even "
-                                           "--kv-shard none, builds the layout as given, not the planner's choice)")),
-        "--kv-group": ("layout", dict(type=integer(1), default=None, metavar="G",
-                                      help="with --kv-shard sequence: ranks per KV group, dividing --tp (default: "
-                                           "--tp, one group)")),
-        "--prefill-chunk": ("layout", dict(type=integer(1), default=None, metavar="N",
-                                           help="tokens per prefill call: a longer prompt runs as successive chunks, "
-                                                "each attending to the cache written so far (default: the prompt in "
-                                                "one call)")),
-        "--shard-attn-a": ("layout", dict(action="store_true",
-                                          help="split attention's two input projections (q_a_proj, "
-                                               "kv_a_proj_with_mqa) across the ranks by output rows and all-gather "
-                                               "their output (one collective per layer) instead of holding them whole "
-                                               "on every rank")),
-        "--shard-router": ("layout", dict(action="store_true",
-                                          help="split the float32 router across the ranks by experts and all-gather "
-                                               "its logits (one collective per MoE layer); every rank still selects "
-                                               "from the same float32 logits")),
-        "--prefix-caching": ("cache", dict(action="store_true",
-                                           help="vLLM's prefix caching (--enable-prefix-caching): the latent cache in "
-                                                "NxDI's block layout, a pool of blocks shared by every sequence, so a "
-                                                "request whose first blocks another one prefilled reads them instead "
-                                                "of computing them (docs/vllm.md)")),
-        "--block-size": ("cache", dict(type=integer(1), default=None, metavar="N",
-                                       help="with --prefix-caching: positions per block (vLLM's --block-size), "
-                                            "dividing --seq-len (default: 32)")),
-        "--num-blocks": ("cache", dict(type=integer(1), default=None, metavar="N",
-                                       help="with --prefix-caching: blocks in the pool (vLLM's "
-                                            "--num-gpu-blocks-override), at least --batch x --seq-len / --block-size "
-                                            "(default: that; more keeps more history for later turns to reuse)")),
-        "--no-on-device-sampling": ("sampler", dict(action="store_true", help="return logits to the host instead")),
-        "--output-logits": ("sampler", dict(action="store_true", help="also return logits with on-device sampling "
-                                                                      "(needed by the logit-parity test)")),
-        "--global-topk": ("sampler", dict(type=integer(1), default=256,
-                                          help="on-device sampling's top-k pre-selection")),
-        "--draft": ("draft", dict(default=None, metavar="DIR",
-                                  help="speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: config.json "
-                                       "+ safetensors; docs/speculative.md): NxDI's fused speculation, the target "
-                                       "verifying --speculation-length tokens a step (default: no speculation)")),
-        "--speculation-length": ("draft", dict(type=integer(2), default=None, metavar="K",
-                                               help="with --draft: tokens the target verifies per step, the most "
-                                                    "one step emits; the draft proposes K - 1 (vLLM's "
-                                                    "num_speculative_tokens) (default: 4)")),
-    }
+    for flag in FLAGS:
+        if names and flag.name not in names and flag.group not in names:
+            continue
+        takers = [how for backend, how in (where or {}).items() if backend in flag.taken]
+        if where and not takers:
+            continue
+        kw = _argparse_keywords(flag)
+        if where and len(takers) < len(where):
+            kw["help"] += f" ({' or '.join(takers)} only)"
+        p.add_argument(flag.name, **{**kw, **overrides.get(flag.dest, {})})
 
 
-def add_spec_args(p, *names: str, **overrides: dict) -> None:
-    """The run spec's flags `names` (a flag, or a group: parallel, shape, experts, moe, layout, cache, sampler, draft) on p
-    (a parser or an argument group), in the table's order; overrides: {dest: add_argument keywords to change}."""
-    for flag, (group, kw) in _spec_flags().items():
-        if flag in names or group in names:
-            dest = flag[2:].replace("-", "_")
-            p.add_argument(flag, **{**kw, **overrides.get(dest, {})})
+def _argparse_keywords(flag) -> dict:
+    help_ = flag.help
+    if flag.default is None and flag.spec_default is not None and "default" not in help_:
+        help_ += f" (default: {flag.spec_default})"  # not the parser's: not given differs from given as that
+    if flag.kind == "switch":
+        return dict(action="store_true", help=help_)
+    kw = dict(default=flag.default, help=help_, metavar=flag.metavar)
+    if flag.kind == "count":
+        kw["type"] = integer(flag.least)
+    elif flag.kind == "choice":
+        kw["choices"] = list(flag.choices)
+    return kw
 
 
-def add_kv_layout_args(p: argparse.ArgumentParser) -> None:
-    """--kv-shard, --kv-group and --prefill-chunk: how the latent cache and the prefill are laid over the ranks
-    (parallel.Layout)."""
-    add_spec_args(p, "--kv-shard", "--kv-group", "--prefill-chunk")
+def check_spec_flags(a: argparse.Namespace, backend: str, where: dict[str, str], why: str = "",
+                     strict: bool = False) -> None:
+    """Refuses, in one line, a run-spec flag given that `backend` does not take (spec.Flag.taken), naming the backends
+    that do (`where`, as add_spec_args) and why not this one (`why`, else the flag's why_not). strict: any value but
+    the parser's default counts as given (a compiled folder's own settings are unknown here); else a value that asks
+    for nothing the backend lacks (the spec's default, --kv-shard none) passes."""
+    from .neuron.spec import FLAGS
 
-
-def add_weight_sharding_args(p: argparse.ArgumentParser) -> None:
-    """--shard-attn-a and --shard-router: split across the ranks what the NxDI design replicates on every one."""
-    add_spec_args(p, "--shard-attn-a", "--shard-router")
+    for flag in FLAGS:
+        takers = " or ".join(how for b, how in where.items() if b in flag.taken)
+        if not takers:  # not a flag add_spec_args gave this command (it may have one of that name of its own)
+            continue
+        value = getattr(a, flag.dest, flag.default)
+        neutral = (flag.default,) if strict else (flag.default, flag.spec_default, *flag.neutral)
+        if backend in flag.taken or value in neutral:
+            continue
+        shown = flag.name if flag.kind == "switch" else f"{flag.name} {value}"
+        raise KimiInputError(f"{shown}: only with {takers} ({why or flag.why_not})")
 
 
 def kv_group_of(a: argparse.Namespace, one_rank: bool = False) -> int:
     """The KV group size the long-context flags ask for: 1 with --kv-shard none (every rank holds the whole cache),
-    else --kv-group, or every rank (--tp). Whether it divides --tp is parallel.check_kv_group's rule. one_rank: a
+    else --kv-group, or every rank (--tp). Whether it divides --tp is placement.check_kv_group's rule. one_rank: a
     group of 1 is what is asked for (trace-cpu traces one rank of the sharded graph), not a mistake."""
     if getattr(a, "kv_shard", "none") != "sequence":
         if getattr(a, "kv_group", None) is not None:

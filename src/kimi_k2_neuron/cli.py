@@ -15,15 +15,16 @@ from pathlib import Path
 
 # Stdlib-only imports here: main() installs the Ctrl-C/SIGTERM handling before anything imports torch.
 from . import __version__
-from .arguments import (SEED_MAX, Parser, add_generation_args, add_kv_layout_args, add_spec_args,
-                        add_weight_sharding_args, apply_sampling_defaults, cache_dir, check_generation_args,
-                        check_out_dir, check_out_file, checkpoint_folder, fail, integer, sampling_values)
+from .arguments import (SEED_MAX, Parser, add_generation_args, add_spec_args, apply_sampling_defaults, cache_dir,
+                        check_generation_args, check_out_dir, check_out_file, check_spec_flags, checkpoint_folder,
+                        fail, integer, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
 from .formats import DEFAULT_SCHEME, SCHEMES
 from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
+from .neuron.spec import CORE, CORE_RANKS, CPU, TRACE
 from .plan_command import add_plan_parser
 from .tiny import TINY_LAYOUTS
 
@@ -101,7 +102,7 @@ def cmd_logits(a) -> int:
     return 0
 
 
-NXDI_CPU = "nxdi-cpu"
+NXDI_CPU = CPU  # --backend nxdi-cpu: the NxDI model in NxD's CPU mode
 
 
 def _bound_prefill(a, cfg, rows: list[list[int]], prefill_len: int | None = None, together: bool = True) -> None:
@@ -119,17 +120,10 @@ def _bound_prefill(a, cfg, rows: list[list[int]], prefill_len: int | None = None
 
 
 def _check_backend(a) -> None:
-    """Flags that belong to one backend only, and the KV group's rules, refused before any work."""
-    if a.fn is cmd_generate and a.backend != NXDI_CPU:  # first: the layout rules' advice (--tp 2) would not help
-        if a.draft is not None or a.speculation_length is not None:
-            raise KimiInputError(f"{'--draft' if a.draft else '--speculation-length'}: speculative decoding is NxDI's "
-                                 f"fused speculation; give --backend {NXDI_CPU}")
-        for flag, given in (("--tp", a.tp > 1), ("--kv-shard sequence", a.kv_shard == "sequence"),
-                            ("--shard-attn-a", a.shard_attn_a), ("--shard-router", a.shard_router)):
-            if given:
-                shown = f"--tp {a.tp}" if flag == "--tp" else flag
-                raise KimiInputError(f"{shown}: the core runner generates in one process; give --backend "
-                                     f"{NXDI_CPU} --tp N for ranks (`logits --tp N` runs them on the core runner)")
+    """Flags that belong to one backend only (neuron/spec.py FLAGS: where each is taken), and the KV group's rules,
+    refused before any work."""
+    core = CORE_RANKS if a.fn is cmd_logits else CORE
+    check_spec_flags(a, NXDI_CPU if a.backend == NXDI_CPU else core, _backends(a.fn))
     check_layout_flags(a)
     if a.backend == NXDI_CPU:
         if a.layer_streamed:
@@ -137,11 +131,12 @@ def _check_backend(a) -> None:
         if getattr(a, "prefill_len", None) == 0:
             raise KimiInputError("--prefill-len 0: --backend nxdi-cpu prefills at least one token per row "
                                  "(NxDI's context-encoding submodel)")
-        return
-    for flag, given in (("--ep", a.ep != 1), ("--experts", a.experts is not None)):
-        if given:
-            raise KimiInputError(f"{flag}: only with --backend {NXDI_CPU} (the core runner reads any checkpoint "
-                                 f"as it is, and has no expert parallelism)")
+
+
+def _backends(fn) -> dict[str, str]:
+    """{backend: the flag that selects it} of logits or generate: the core runner (over TP ranks for logits) or the
+    NxDI model in NxD's CPU mode."""
+    return {CORE_RANKS if fn is cmd_logits else CORE: "--backend core", NXDI_CPU: f"--backend {NXDI_CPU}"}
 
 
 def _nxdi_cpu():
@@ -349,7 +344,7 @@ def _logits_parser(sub) -> None:
                         "decode path (default: all of them from one prefill)")
     s.add_argument("--out", required=True, metavar="FILE",
                    help="output .safetensors with `logits` float32 [B, S, V]")
-    _model_opts(s)
+    _model_opts(s, cmd_logits)
 
 
 def _generate_parser(sub) -> None:
@@ -360,9 +355,7 @@ def _generate_parser(sub) -> None:
                      help='token ids instead of --prompt, e.g. "1,2,3;4,5" (rows separated by ;)')
     add_generation_args(s, max_new_tokens=32, top_k=0, prompts=src)
     s.add_argument("--json", action="store_true", help="print one JSON object: tokens, text and timings")
-    _model_opts(s, core_tp=False)
-    add_spec_args(s.add_argument_group("speculative decoding (--backend nxdi-cpu: NxDI's fused EAGLE3 speculation)"),
-                  "draft")
+    _model_opts(s, cmd_generate)
 
 
 def _convert_parser(sub) -> None:
@@ -388,42 +381,28 @@ def _trace_cpu_parser(sub) -> None:
                                    "for neuronx-cc (exit 0: one clean graph, 1: not)", cmd_trace_cpu)
     s.add_argument("--model", required=True, type=checkpoint_folder, metavar="DIR",
                    help="checkpoint folder (a raw one is converted once into $KIMI_K2_NEURON_CACHE/converted)")
-    s.add_argument("--experts", choices=SCHEMES, default=None,
-                   help=f"the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
-    s.add_argument("--tp", type=integer(1), default=1, metavar="N", help="ranks (only 1 traces here)")
     s.add_argument("--submodel", required=True, choices=["context", "token", "chunk"],
                    help="which graph to trace (chunk: the chunked-prefill submodel, with --prefill-chunk)")
-    s.add_argument("--seq-len", type=integer(2), default=16, metavar="S", help="KV cache length")
-    s.add_argument("--batch", type=integer(1), default=1, metavar="B", help="rows per call")
+    # --kv-shard sequence at the one rank traced here: NxDI's flash-decoding graph at G = 1
+    add_spec_args(s, where={TRACE: ""}, tp=dict(help="ranks (only 1 traces here)"),
+                  seq_len=dict(type=integer(2), default=16, help="KV cache length"),
+                  batch=dict(metavar="B", help="rows per call"))
     s.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16", help="compute dtype (bfloat16: the device's)")
-    add_kv_layout_args(s)  # --kv-shard sequence at the one rank traced here: NxDI's flash-decoding graph at G = 1
     s.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _model_opts(s, core_tp: bool = True):
-    """The model flags of logits and generate; core_tp False: the core backend refuses --tp (generate)."""
+def _model_opts(s, fn):
+    """The model flags of logits and generate (`fn`): the backend, the dtype, and the run-spec flags either backend
+    takes, each one's help naming the backend where only one does."""
     s.add_argument("--backend", choices=["core", NXDI_CPU], default="core",
                    help="core: this package's CPU model; nxdi-cpu: the NxDI model (NeuronKimiK2ForCausalLM) run by the "
                         "real NxD/NxDI in NxD's CPU mode, needs them importable (docs/nxdi_on_cpu.md)")
-    s.add_argument("--experts", choices=SCHEMES, default=None,
-                   help="nxdi-cpu: the expert scheme a raw --model is converted to first, into $KIMI_K2_NEURON_CACHE/"
-                        f"converted (default: {DEFAULT_SCHEME}; a converted --model keeps its own)")
-    s.add_argument("--ep", type=integer(1), default=1, metavar="E",
-                   help="nxdi-cpu: expert parallelism inside the --tp ranks, the experts split E ways (NxD's MoE EP); "
-                        "refused in NxD's CPU mode, which has no XLA process groups")
-    ranks = "tensor-parallel CPU ranks, one process each (gloo over loopback)"
-    s.add_argument("--tp", type=integer(1), default=1, metavar="N",
-                   help=f"{ranks}; nxdi-cpu: bfloat16 only at 1 rank" if core_tp else
-                   f"--backend nxdi-cpu only (the core runner generates in one process): {ranks}, bfloat16 only "
-                   f"at 1 rank")
-    s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype")
+    s.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="compute dtype (nxdi-cpu: bfloat16 only "
+                                                                           "at --tp 1)")
     s.add_argument("--layer-streamed", action="store_true",
                    help="load one decoder layer at a time (a checkpoint larger than RAM); shows a progress bar")
-    g = s if core_tp else s.add_argument_group(
-        "layout over ranks", "generate splits the cache or layers (--kv-shard sequence, --kv-group, --shard-*) only "
-        "with --backend nxdi-cpu --tp N; --prefill-chunk works on both backends")
-    add_kv_layout_args(g)
-    add_weight_sharding_args(g)
+    names = () if fn is cmd_generate else ("parallel", "experts", "layout")  # no draft: logits are teacher-forced
+    add_spec_args(s.add_argument_group("the run's settings"), *names, where=_backends(fn))
 
 
 def main(argv=None) -> int:

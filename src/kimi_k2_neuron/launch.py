@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from .cache import converted_root
-from .arguments import (Parser, add_kv_layout_args, add_spec_args, add_weight_sharding_args, checkpoint_folder, fail,
-                        integer, kv_group_of, sampling_values)
-from .formats import DEFAULT_SCHEME, SCHEMES
+from .arguments import (Parser, add_spec_args, check_spec_flags, checkpoint_folder, fail, kv_group_of,
+                        sampling_values)
 from .errors import KimiInputError
+from .placement import Layout, check_kv_group
 
 def script_parser(doc: str) -> argparse.ArgumentParser:
     """A parser whose description is the script docstring's first line and whose epilog is the rest; its argument
@@ -24,9 +24,15 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
     return Parser(description=lines[0], epilog="\n".join(lines[2:]))
 
 
+# A script on a compiled folder takes no run-spec flag (the folder has its own); with --cpu, the NxDI model's.
+SCRIPT_BACKENDS = {"nxdi-cpu": "--cpu"}  # neuron.spec.CPU
+COMPILED = "compiled"
+
+
 def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
-    the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend)."""
+    the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend), with the run-spec flags
+    that take."""
     p.add_argument("--compiled", metavar="DIR",
                    help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
     p.add_argument("--model", default=None, type=checkpoint_folder, metavar="DIR",
@@ -35,19 +41,13 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="run the NxDI model in NxD's CPU mode instead of a compiled one (needs NxD/NxDI importable; "
                         "docs/nxdi_on_cpu.md); no trn2 number comes out of it")
-    p.add_argument("--tp", type=integer(1), default=1, metavar="N", help="with --cpu: tensor-parallel CPU ranks")
-    p.add_argument("--experts", choices=SCHEMES, default=None,
-                   help=f"with --cpu: the scheme a raw --model is converted to (default: {DEFAULT_SCHEME})")
-    layout = p.add_argument_group("with --cpu, the long-context layout (a compiled folder has its own)")
-    add_kv_layout_args(layout)
-    add_weight_sharding_args(layout)
-    add_spec_args(p.add_argument_group("with --cpu, speculative decoding (a compiled folder has its own draft)"),
-                  "draft")
+    add_spec_args(p.add_argument_group("with --cpu, the run's settings (a compiled folder has its own)"),
+                  where=SCRIPT_BACKENDS)
 
 
 def check_compiled_args(args: argparse.Namespace) -> None:
     """--compiled for a compiled model, or --cpu with --model (whose config.json must split --tp ways: checked here,
-    before the SDK is imported); the --cpu flags only with --cpu."""
+    before the SDK is imported); the run-spec flags only with --cpu."""
     if args.cpu:
         if args.compiled or not args.model:
             raise KimiInputError("--cpu: needs --model DIR and no --compiled (it builds the model from the checkpoint)")
@@ -65,60 +65,63 @@ def check_compiled_args(args: argparse.Namespace) -> None:
         from .config import KimiK2Config
 
         KimiK2Config.from_file(args.model)
-    given = layout_flags_given(args)
-    if given:
-        raise KimiInputError(f"{' '.join(given)}: only with --cpu (a compiled folder has its own layout)")
-    for flag, given in (("--tp", args.tp != 1), ("--experts", args.experts is not None),
-                        ("--draft", args.draft is not None), ("--speculation-length", args.speculation_length)):
-        if given:
-            raise KimiInputError(f"{flag}: only with --cpu (a compiled folder has its own)")
+    check_spec_flags(args, COMPILED, SCRIPT_BACKENDS, "a compiled folder has its own", strict=True)
 
 
 def check_layout_flags(args: argparse.Namespace) -> None:
     """The layout flags' rules that --tp decides, before any work: the KV group divides it, and a weight split needs
     two ranks or more."""
-    from .parallel import check_kv_group
-
     check_kv_group(args.tp, kv_group_of(args))
     for flag in ("--shard-attn-a", "--shard-router"):
         if getattr(args, flag[2:].replace("-", "_"), False) and args.tp == 1:
             raise KimiInputError(f"{flag}: splits a layer across ranks; give --tp 2 or more")
 
 
-def run_spec(args: argparse.Namespace, cfg=None, record=None, **fixed):
+def run_spec(args: argparse.Namespace, cfg=None, record=None, one_rank_group: bool = False, **fixed):
     """The RunSpec the run-spec flags a command has ask for (arguments.add_spec_args; absent ones are the spec's
-    defaults). With `cfg`, the routed experts' format: a converted checkpoint's (`record`), else --experts or what
-    convert writes. `fixed`: fields the command decides itself."""
+    defaults), each flag setting the field neuron/spec.py's FLAGS names. With `cfg`, the routed experts' format: a
+    converted checkpoint's (`record`), else --experts or what convert writes. one_rank_group: --kv-shard sequence at
+    one rank is NxDI's flash-decoding graph at a group of 1 (trace-cpu). `fixed`: fields the command decides itself."""
     from .neuron.spec import RunSpec, Sampling
 
     given = vars(args)
-    kw = {f: given[f] for f in ("tp", "ep", "lnc", "seq_len", "max_context_length", "batch", "moe_prefill",
-                                "output_logits") if given.get(f) is not None}
-    if "global_topk" in given or "no_on_device_sampling" in given:
-        kw["sampling"] = Sampling(on_device=not given.get("no_on_device_sampling", False),
-                                  global_topk=given.get("global_topk", Sampling.global_topk))
+    top, sampling = _fields(args, ""), _fields(args, "sampling.")
+    if given.get("no_on_device_sampling"):
+        sampling["on_device"] = False
+    kw = {**top, "layout": layout_options(args, one_rank_group), "sampling": Sampling(**sampling)}
     if cfg is not None and "experts" in given:
         from .formats.record import expert_scheme
 
         kw["scheme"] = expert_scheme(cfg, record, args.experts)
     if "draft" not in fixed:
         kw["draft"] = draft_spec(args, cfg)
-    kw.update(cache_spec(args))
-    return RunSpec(**{**kw, "layout": layout_options(args), **fixed})
+    return RunSpec(**{**kw, **fixed})
 
 
-def cache_spec(args: argparse.Namespace) -> dict:
-    """--prefix-caching, --block-size and --num-blocks as RunSpec fields (none where the command lacks them); the
-    last two only with the first."""
-    if "prefix_caching" not in vars(args):
-        return {}
-    given = {k: v for k, v in (("block_size", args.block_size), ("num_blocks", args.num_blocks)) if v is not None}
-    if not args.prefix_caching:
-        if given:
-            flag = "--" + next(iter(given)).replace("_", "-")
-            raise KimiInputError(f"{flag}: only with --prefix-caching (the contiguous cache has no blocks)")
-        return {}
-    return dict(prefix_caching=True, **given)
+def layout_options(args: argparse.Namespace, one_rank_group: bool = False) -> Layout:
+    """The layout flags as placement.Layout (absent ones are its defaults). Refuses --kv-group without --kv-shard
+    sequence, and a KV group of 1 unless one_rank_group (arguments.kv_group_of)."""
+    return Layout(**_fields(args, "layout."), kv_group=kv_group_of(args, one_rank_group))
+
+
+# Fields whose flags run_spec reads in its own way: the checkpoint's record, kv_group_of, the draft folder
+SPECIAL_FIELDS = ("scheme", "layout.kv_group", "draft.path", "draft.speculation_length")
+
+
+def _fields(args: argparse.Namespace, prefix: str) -> dict:
+    """{field: value} of the flags given (not None) that set fields `prefix` holds directly ("" the RunSpec's own,
+    "layout." a Layout's), by FLAGS' field names."""
+    from .neuron.spec import FLAGS
+
+    out = {}
+    for flag in FLAGS:
+        value = getattr(args, flag.dest, None)
+        if flag.field is None or value is None or flag.field in SPECIAL_FIELDS or not flag.field.startswith(prefix):
+            continue
+        name = flag.field[len(prefix):]
+        if "." not in name:
+            out[name] = value
+    return out
 
 
 def draft_spec(args: argparse.Namespace, cfg, finite: bool = True):
@@ -135,44 +138,28 @@ def draft_spec(args: argparse.Namespace, cfg, finite: bool = True):
     from .neuron.spec import DraftSpec
 
     cfg = cfg or KimiK2Config.from_file(args.model)
-    return DraftSpec(path=str(Path(path).resolve()), speculation_length=4 if k is None else k,
-                     checkpoint=read_draft(path, cfg, finite=finite))
+    length = {} if k is None else {"speculation_length": k}  # else DraftSpec's default
+    return DraftSpec(path=str(Path(path).resolve()), checkpoint=read_draft(path, cfg, finite=finite), **length)
 
 
 def cpu_options(args: argparse.Namespace, one_rank_group: bool = False, cfg=None):
     """The NxD CPU-mode flags (--model, --experts, --tp, and --ep/--dtype where a command has them) as
     kimi_k2_neuron.nxdi_cpu.options.CpuOptions (a raw checkpoint is converted into the cache when it runs). No SDK.
-    one_rank_group: --kv-shard sequence at one rank is NxDI's flash-decoding graph at a group of 1 (trace-cpu).
-    `cfg`: --model's config.json as the caller read it (else read when checked)."""
-    from .neuron.spec import RunSpec
+    one_rank_group: as run_spec's. `cfg`: --model's config.json as the caller read it (else read when checked)."""
     from .nxdi_cpu.options import CpuOptions
 
     one_rank = one_rank_group and getattr(args, "kv_shard", "none") == "sequence" and kv_group_of(args, True) == 1
-    spec = RunSpec(tp=args.tp, ep=getattr(args, "ep", 1), lnc=None, moe_prefill=None,
-                   layout=layout_options(args, one_rank_group), draft=draft_spec(args, cfg))
+    spec = run_spec(args, cfg, one_rank_group=one_rank_group, lnc=None, moe_prefill=None)
     return CpuOptions(model=args.model, spec=spec, experts=args.experts, dtype=getattr(args, "dtype", "float32"),
                       cache_dir=str(converted_root()), flash_decoding_one_rank=one_rank, config=cfg)
 
 
-def layout_options(args: argparse.Namespace, one_rank_group: bool = False):
-    """The long-context flags (arguments.add_kv_layout_args, add_weight_sharding_args; absent ones are their
-    defaults) as parallel.Layout. Refuses --kv-group without --kv-shard sequence, and a KV group of 1 unless
-    one_rank_group (arguments.kv_group_of)."""
-    from .parallel import Layout
-
-    return Layout(kv_group=kv_group_of(args, one_rank_group), prefill_chunk=getattr(args, "prefill_chunk", None),
-                  shard_attn_a=getattr(args, "shard_attn_a", False), shard_router=getattr(args, "shard_router", False))
-
-
 def layout_flags_given(args: argparse.Namespace) -> list[str]:
     """The layout flags given, whatever their values (--kv-shard none too)."""
-    group, chunk = getattr(args, "kv_group", None), getattr(args, "prefill_chunk", None)
-    shard = getattr(args, "kv_shard", None)  # None: not given (--kv-shard none is a choice of the layout)
-    given = ((f"--kv-shard {shard}", shard is not None),
-             (f"--kv-group {group}", group is not None), (f"--prefill-chunk {chunk}", chunk is not None),
-             ("--shard-attn-a", getattr(args, "shard_attn_a", False)),
-             ("--shard-router", getattr(args, "shard_router", False)))
-    return [flag for flag, on in given if on]
+    from .neuron.spec import FLAGS
+
+    return [flag.name if flag.kind == "switch" else f"{flag.name} {getattr(args, flag.dest)}" for flag in FLAGS
+            if flag.group == "layout" and getattr(args, flag.dest, flag.default) != flag.default]
 
 
 def cpu_backend(flag: str = "--cpu"):

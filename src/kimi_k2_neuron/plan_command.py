@@ -137,7 +137,7 @@ def _max_seq_len_line(cfg, p, found: int | None) -> str:
     if found is None:
         return (f"max seq_len: none fits (searched up to max_position_embeddings {top}; the smallest tried, "
                 f"{p.seq_len}, needs {p.total_bytes / GiB:.2f} GiB); the plan at it:")
-    from .parallel import Layout
+    from .placement import Layout
     from .neuron.layout_search import seq_len_step
 
     step = seq_len_step(p)

@@ -11,7 +11,7 @@ core's CPU runner on the same converted checkpoint, and against transformers whe
 - Generation: NxDI's HuggingFaceGenerationAdapter and on-device sampler (its CPU branches) at TP=2 pick the argmax of
   the full logits the model computes. On device the sampler takes vocab-sharded logits and gathers its top-k/argmax
   across ranks with torch-neuronx ops; its CPU branches have no distributed path, so in CPU mode the model's lm_head
-  gathers the vocabulary first (modeling.py, init_model). Without that gather the TP=2 tokens come from one rank's
+  gathers the vocabulary first (base.py, init_model). Without that gather the TP=2 tokens come from one rank's
   half of the vocabulary (seen: row 1's first token differed). The sharded path itself awaits trn2.
 - Ranks: tensor parallelism through NxD's real parallel layers over gloo (separate processes,
   kimi_k2_neuron.runtime.ranks; rank 0's logits come back), and NxD's real pre-sharding. The collectives are gloo's,

@@ -37,7 +37,8 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import contract
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
-from kimi_k2_neuron.parallel import Layout, stripe
+from kimi_k2_neuron.parallel import stripe
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 N = 8
@@ -161,7 +162,7 @@ def test_a_reloaded_config_keeps_the_chunk(ckpt, tmp_path):
     app.config.save(str(tmp_path))
     from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig
 
-    assert contract.layout_of(KimiK2InferenceConfig.load(str(tmp_path))).prefill_chunk == N
+    assert contract.run_spec(KimiK2InferenceConfig.load(str(tmp_path))).layout.prefill_chunk == N
 
 
 # -- the sequence-sharded cache ----------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def run_sharded(ckpt, tp, g, out_dir, mutate=False, chunk_group=None):
                          ids=["tp2", "tp4", "tp4-two-groups", "tp4-chunk-group-2", "tp4-chunk-group-4"])
 def test_chunks_over_the_sharded_cache_give_the_one_shot_logits_and_cache(per_channel, one_shot, tmp_path, tp, g, c):
     """Layout.chunk_group None: the cheaper of its candidates at these shapes (MLAttention.chunk_group); 2: NxD's
-    collectives over groups the shell makes (modeling.mesh_group), two adjacent ranks merging after each pooled 2
+    collectives over groups the shell makes (base.mesh_group), two adjacent ranks merging after each pooled 2
     caches; 4: the merge over the whole KV group."""
     assert all(p > 2.5 * N and len(r) - p >= 3 * tp for r, p in zip(LONG, LONG_PREFILL))
     want, full = one_shot

@@ -241,7 +241,7 @@ def test_compile_dry_run_with_the_sequence_sharded_cache(tmp_path, env):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
     assert got["neuron_config"]["flash_decoding_enabled"] is True and got["neuron_config"]["seq_len"] == 8192
-    assert got["kimi_k2_layout"]["kv_group"] == 64 and got["plan"]["layout"]["kv_group"] == 64
+    assert got["kimi_k2_run_spec"]["layout"]["kv_group"] == 64 and got["plan"]["layout"]["kv_group"] == 64
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,7 @@
 """The sequence-sharded latent cache (`--kv-shard sequence`, NxDI's flash-decoding layout) through the real NxD/NxDI in
 NxD's CPU mode: NxDI's flash_decoding_enabled / num_cores_per_group, its get_cache_size cache, its mask_util masks
 and its context-encoding write; NxD's initialize_kv_group and CPU-mode collectives over gloo; our context-encoding
-filter, decode through MLAttention.attend_sharded and the K-only decode write (modeling.py).
+filter, decode through MLAttention.attend_sharded and the K-only decode write (base.py).
 
 - Logits: two rows prefilling different lengths in one context-encoding call (one per row under continuous
   batching), then one token per token-generation call for more than 3 x TP steps (every rank owns several decoded
@@ -28,7 +28,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.neuron.spec import FD_RESERVED_SLOTS, RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend, xla_trace
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.runner import CpuRunner
 
 # rows of 20 and 17 tokens prefilling 7 and 4, then 13 teacher-forced decode steps each (>= 3 x TP at TP=4)
@@ -167,7 +167,7 @@ def _serving(ckpt, kv_group=4, seq_len=64):
     cfg = KimiK2Config.from_file(ckpt)
     opts = dict(tp=4, lnc=None, seq_len=seq_len, scheme=ConversionRecord.of(cfg).scheme, checkpoint=ckpt,
                 moe_prefill="torch", layout=Layout(kv_group=kv_group),
-                extra={"on_cpu": True, "torch_dtype": torch.float32})
+                dtype="float32", extra={"on_cpu": True})
     return KimiK2InferenceConfig.for_serving(cfg, RunSpec(**opts))
 
 
@@ -180,7 +180,7 @@ def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
     config.save(str(tmp_path))
     again = KimiK2InferenceConfig.load(str(tmp_path))
     for c in (config, again):
-        got = (c.num_cores_per_group, contract.layout_of(c).kv_group, c.neuron_config.flash_decoding_enabled)
+        got = (c.num_cores_per_group, contract.run_spec(c).layout.kv_group, c.neuron_config.flash_decoding_enabled)
         assert got == (4, 4, True)
     assert isinstance(again.neuron_config, MoENeuronConfig)
     plain = _serving(per_channel, kv_group=1)
@@ -188,38 +188,43 @@ def test_the_kv_group_survives_nxdis_save_and_load(per_channel, tmp_path):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (dict(kimi_k2_layout={"kv_group": 3}),
-     "kimi_k2_layout.kv_group=3: must divide tp_degree=4 (a KV group is G adjacent ranks)"),
-    ({"neuron_config": {"seq_len": 66, "max_length": 66}},
-     "max_length=66 (not a multiple of kimi_k2_layout.kv_group=4)"),
-    ({"neuron_config": {"speculation_length": 2}}, "speculation_length=2"),
+    ({"kimi_k2_run_spec": {"layout": {"kv_group": 3}}}, "neuron_config.json field kimi_k2_run_spec (as the flags "
+     "would ask): --kv-group 3: must divide --tp 4 (a KV group is G adjacent ranks)"),
+    ({"neuron_config": {"max_length": 66}}, "unsupported NeuronConfig settings for Kimi-K2: max_length=66 (not a "
+     "multiple of kimi_k2_run_spec.layout.kv_group=4)"),
+    ({"neuron_config": {"speculation_length": 2}}, "speculation_length=2 (the run spec kimi_k2_run_spec implies 0)"),
+    ({"neuron_config": {"flash_decoding_enabled": False}},
+     "flash_decoding_enabled=False (the run spec kimi_k2_run_spec implies True)"),
     # NxDI itself refuses k_cache_transposed and attn_block_tkg_nki_kernel_enabled with flash decoding, by an
     # assertion when the NeuronConfig is built, before our check (models/config.py:525-540)
 ])
 def test_a_reloaded_sharded_config_is_checked_again(per_channel, tmp_path, edit, needle):
+    """A neuron_config.json edited by hand: its spec through the rules, each NeuronConfig field it derives compared."""
     import json
 
     _serving(per_channel).save(str(tmp_path))
     path = tmp_path / "neuron_config.json"
     saved = json.loads(path.read_text())
-    saved["neuron_config"].update(edit.pop("neuron_config", {}))
-    path.write_text(json.dumps({**saved, **edit}))
-    with pytest.raises(ValueError, match="unsupported NeuronConfig") as e:
+    saved["neuron_config"].update(edit.get("neuron_config", {}))
+    saved["kimi_k2_run_spec"]["layout"].update(edit.get("kimi_k2_run_spec", {}).get("layout", {}))
+    path.write_text(json.dumps(saved))
+    with pytest.raises(KimiInputError) as e:
         KimiK2InferenceConfig.load(str(tmp_path))
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_reloaded_kv_group_that_is_no_group_size_is_refused(per_channel, tmp_path):
-    """kv_group is an int, 1 the replicated cache: an earlier null (or anything else) is named, not guessed."""
+    """kv_group is an int, 1 the replicated cache: a null (or anything else) is named, not guessed."""
     import json
 
     _serving(per_channel).save(str(tmp_path))
     path = tmp_path / "neuron_config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "kimi_k2_layout": {"kv_group": None}}))
+    saved = json.loads(path.read_text())
+    saved["kimi_k2_run_spec"]["layout"]["kv_group"] = None
+    path.write_text(json.dumps(saved))
     with pytest.raises(KimiInputError) as e:
         KimiK2InferenceConfig.load(str(tmp_path))
-    assert str(e.value) == ("neuron_config.json field kimi_k2_layout.kv_group: expected an integer >= 1 (1: the "
-                            "replicated cache), got None")
+    assert str(e.value) == ("neuron_config.json field kimi_k2_run_spec.layout.kv_group: expected an integer, got None")
 
 
 @pytest.mark.parametrize("over,needle", [

@@ -22,9 +22,10 @@ from kimi_k2_neuron.formats.scheme import BF16_EXPERTS
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract, modeling, moe_paths
 from kimi_k2_neuron.neuron.loader import expected_keys, unloaded_parameters
 from kimi_k2_neuron.neuron.spec import RunSpec
-from kimi_k2_neuron.neuron.modeling import NxDRouter, decode_masks
+from kimi_k2_neuron.neuron.base import decode_masks
+from kimi_k2_neuron.neuron.modeling import NxDRouter
 from kimi_k2_neuron.nxdi_cpu import backend, cpu_mode
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
 
@@ -39,8 +40,7 @@ def _config(tmp_path, name, **opts):
     src.mkdir(exist_ok=True)
     shutil.copy(REPO / "test/data/configs" / name, src / "config.json")
     cfg = KimiK2Config.from_file(src)
-    kw = contract.neuron_config_kwargs(cfg, RunSpec(scheme=BF16_EXPERTS, **opts))
-    return cfg, KimiK2InferenceConfig.from_core(cfg, MoENeuronConfig(**kw))
+    return cfg, KimiK2InferenceConfig.for_serving(cfg, RunSpec(scheme=BF16_EXPERTS, **opts))
 
 
 def test_bench_tpot_reports_the_planners_model_of_the_config_it_loads(tmp_path):
@@ -53,8 +53,6 @@ def test_bench_tpot_reports_the_planners_model_of_the_config_it_loads(tmp_path):
     spec = RunSpec(tp=64, seq_len=2048, batch=4, scheme=BF16_EXPERTS, layout=Layout(shard_attn_a=True))
     cfg, config = _config(tmp_path, "kimi-k2-instruct-0905.json", seq_len=2048, batch=4,
                           layout=Layout(shard_attn_a=True))
-    config = KimiK2InferenceConfig.from_core(cfg, config.neuron_config,
-                                             **{contract.LAYOUT_KEY: contract.layout_attribute(spec.layout)})
     config.save(str(tmp_path / "compiled"))
     loaded = KimiK2InferenceConfig.load(str(tmp_path / "compiled"))
     bench_spec = importlib.util.spec_from_file_location("bench_tpot", REPO / "scripts" / "bench_tpot.py")
@@ -133,15 +131,16 @@ def test_settings_not_implemented_are_refused_on_a_real_neuron_config(tmp_path, 
 
 EP = dict(tp=64, ep=16, batch=48, seq_len=128)
 EP_REFUSED = [
-    ({"moe_tp_degree": 8}, "moe_tp_degree=8 x moe_ep_degree=16 != tp_degree=64"),
-    ({"moe_ep_degree": 8, "moe_tp_degree": 8}, "moe_ep_degree=8 at tp_degree=64"),
+    ({"moe_tp_degree": 8}, "moe_tp_degree=8 (the run spec kimi_k2_run_spec implies 4)"),
+    ({"moe_ep_degree": 8, "moe_tp_degree": 8}, "moe_ep_degree=8 (the run spec kimi_k2_run_spec implies 16)"),
     ({"blockwise_matmul_config": {"logical_nc_config": 2, "parallelize_token_to_block_mapping": False}},
      "no spmd_rank"),
     ({"blockwise_matmul_config": {"logical_nc_config": 2, "block_size": 2**30}},
-     "moe_ep_degree=16: a prefill of 6144 tokens takes NxD's all-experts path, which has no EP variant"),
+     "blockwise_matmul_config={'logical_nc_config': 2, 'block_size': 1073741824} (the run spec kimi_k2_run_spec "
+     "implies {'logical_nc_config': 2, 'use_shard_on_block_dynamic_while': True"),
     ({"tkg_batch_size": 8}, "tkg_batch_size=8 < kv_cache_batch_size=48"),
     ({k: 8 for k in ("batch_size", "ctx_batch_size", "tkg_batch_size", "max_batch_size", "kv_cache_batch_size")},
-     "moe_ep_degree=16 with max_batch_size=8: NxD decodes with EP > 1 only on the all-experts path"),
+     "max_batch_size=8 (the run spec kimi_k2_run_spec implies 48)"),
 ]
 
 

@@ -31,7 +31,7 @@ from nxdi_support import cpu_options, rel_err
 
 from kimi_k2_neuron.neuron.spec import prefix_caching_calls
 from kimi_k2_neuron.nxdi_cpu import backend
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 SEQ, BS, BATCH = 128, 16, 2
 A = [(37 * i + 11) % 500 + 5 for i in range(70)]  # the prompt that fills the blocks first
@@ -49,9 +49,9 @@ def prefill_inputs(ids: list[int], blocks: list[int], computed: int, seq_id: int
     table[0, :len(blocks)] = torch.tensor(blocks)
     slots = torch.full((1, SEQ), -1)
     slots[0, :len(ids) - computed] = torch.tensor([blocks[i // BS] * BS + i % BS for i in range(computed, len(ids))])
-    return dict(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], seq_ids=torch.tensor([seq_id]),
-                slot_mapping=slots, block_table=table, full_context_lens=torch.tensor([[len(ids)]]),
-                computed_context_lens=torch.tensor([[computed]]))
+    return dict(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None],
+                seq_ids=torch.tensor([seq_id]), slot_mapping=slots, block_table=table,
+                full_context_lens=torch.tensor([[len(ids)]]), computed_context_lens=torch.tensor([[computed]]))
 
 
 def decode_inputs(tokens: list[int], positions: list[int], tables: list[list[int]]) -> dict:
@@ -90,7 +90,8 @@ def warm_cold_job(rank, o, ps):
             a_blocks = [8, 9, 10, 11, 12]
             app.forward(**prefill_inputs(A, a_blocks, 0))
             shared = a_blocks[:p // BS]
-            warm = _run_one(app, prompt, blocks_for(len(prompt), shared, [13, 14, 15, 16, 17, 18, 19]), len(shared) * BS)
+            fresh = [13, 14, 15, 16, 17, 18, 19]
+            warm = _run_one(app, prompt, blocks_for(len(prompt), shared, fresh), len(shared) * BS)
             out[p] = cold, warm
     return out
 

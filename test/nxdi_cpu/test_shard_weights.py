@@ -35,9 +35,9 @@ from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import KimiK2InferenceConfig, contract
 from kimi_k2_neuron.neuron.loader import mmap_checkpoint
-from kimi_k2_neuron.neuron.spec import RunSpec
+from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY, RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.ranks import run_ranks
 from kimi_k2_neuron.tiny.checkpoint import tiny_config_dict
 
@@ -174,13 +174,13 @@ def test_the_options_survive_nxdis_save_and_load(converted, tmp_path):
     config = KimiK2InferenceConfig.for_serving(cfg, opts)
     config.save(str(tmp_path))
     saved = json.loads((tmp_path / "neuron_config.json").read_text())
-    assert saved[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
-                                          "shard_router": True, "chunk_group": None}
+    assert saved[RUN_SPEC_KEY]["layout"] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
+                                             "shard_router": True, "chunk_group": None}
     again = KimiK2InferenceConfig.load(str(tmp_path))
-    assert contract.layout_of(again) == opts.layout
+    assert contract.run_spec(again) == opts
     assert "mlp.router" in again.neuron_config.modules_to_not_convert  # its linear stays float32, unquantized
     default = KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2))
-    assert contract.layout_of(default) == Layout()
+    assert contract.run_spec(default).layout == Layout()
     assert "mlp.router" not in default.neuron_config.modules_to_not_convert
 
 
@@ -207,10 +207,15 @@ def test_uneven_splits_are_refused_in_one_line(converted, tmp_path):
     config = KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2))
     config.save(str(tmp_path))
     saved = json.loads((tmp_path / "neuron_config.json").read_text())
-    (tmp_path / "neuron_config.json").write_text(json.dumps({**saved, contract.LAYOUT_KEY: {"shard_heads": True}}))
+    saved[RUN_SPEC_KEY]["layout"] = {"shard_heads": True}
+    (tmp_path / "neuron_config.json").write_text(json.dumps(saved))
     _one_line(lambda: KimiK2InferenceConfig.load(str(tmp_path)),
-              f"neuron_config.json field {contract.LAYOUT_KEY}: expected an object with fields among ['chunk_group', "
+              f"neuron_config.json field {RUN_SPEC_KEY}.layout: expected an object with fields among ['chunk_group', "
               f"'kv_group', 'prefill_chunk', 'shard_attn_a', 'shard_router'], got {{'shard_heads': True}}")
+    saved[RUN_SPEC_KEY]["layout"] = {"shard_router": True}  # keeps its router linear out of quantization
+    (tmp_path / "neuron_config.json").write_text(json.dumps(saved))
+    with pytest.raises(KimiInputError, match=r"modules_to_not_convert=.*\(the run spec kimi_k2_run_spec implies"):
+        KimiK2InferenceConfig.load(str(tmp_path))  # its NeuronConfig was derived from another spec
 
 
 @pytest.mark.parametrize("layout,flags", [(dict(shard_router=True), "--shard-router"),
@@ -219,7 +224,7 @@ def test_vllm_neuron_is_not_served_artifacts_compiled_with_the_options(converted
     """vllm-neuron builds the model from its own request, which carries no layout, and drives the prefills itself:
     artifacts compiled with one would load into a replicated model; refused before it loads them
     (compile_and_save.py --for-vllm refuses the flags)."""
-    from kimi_k2_neuron.neuron.modeling import _check_compiled
+    from kimi_k2_neuron.neuron.inference_config import _check_compiled
 
     cfg = KimiK2Config.from_file(converted[("fp8", SCHEME)])
     KimiK2InferenceConfig.for_serving(cfg, _tiny_options(cfg, 2, **layout)).save(str(tmp_path))
@@ -241,14 +246,14 @@ def test_compile_dry_run_prints_the_neuron_config_with_the_options(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout)
-    assert got[contract.LAYOUT_KEY] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
-                                        "shard_router": True, "chunk_group": None}
+    assert got[RUN_SPEC_KEY]["layout"] == {"kv_group": 1, "prefill_chunk": None, "shard_attn_a": True,
+                                           "shard_router": True, "chunk_group": None}
     assert got["neuron_config"]["tp_degree"] == 64 and "mlp.router" in got["neuron_config"]["modules_to_not_convert"]
     plain = subprocess.run(script + ["--tp", "64", "--kv-shard", "none"], capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stderr[-3000:]
     base = json.loads(plain.stdout)
-    assert base[contract.LAYOUT_KEY]["shard_attn_a"] is False and base[contract.LAYOUT_KEY]["shard_router"] is False
-    assert got["plan"]["layout"] == got[contract.LAYOUT_KEY] and got["plan"]["fits"]
+    assert not base[RUN_SPEC_KEY]["layout"]["shard_attn_a"] and not base[RUN_SPEC_KEY]["layout"]["shard_router"]
+    assert got["plan"]["layout"] == got[RUN_SPEC_KEY]["layout"] and got["plan"]["fits"]
     kinds = {w["kind"] for w in got["plan"]["weights"]}
     assert "attention q_a+kv_a (TP, gathered)" in kinds and "attention q_a+kv_a (TP, gathered)" not in {
         w["kind"] for w in base["plan"]["weights"]}
@@ -270,8 +275,8 @@ PRESHARD = """
 import sys, torch_neuronx
 if not hasattr(torch_neuronx, "__version__"):
     torch_neuronx.__version__ = "2 (nxdi-cpu import shim)"
-from kimi_k2_neuron.neuron.spec import RunSpec
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY, RunSpec
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.nxdi_cpu import backend
 layout = Layout(shard_attn_a=True, shard_router=True)
 backend.preshard(backend.CpuOptions(model=sys.argv[1], spec=RunSpec(tp=int(sys.argv[2]), lnc=None, moe_prefill=None,

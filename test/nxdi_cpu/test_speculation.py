@@ -30,7 +30,7 @@ from kimi_k2_neuron.checkpoint.draft import read_draft
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.neuron.spec import GREEDY, DraftSpec, RunSpec
 from kimi_k2_neuron.nxdi_cpu import backend
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.chat import prompt_ids
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 from kimi_k2_neuron.tiny.checkpoint import make_tiny
@@ -241,19 +241,22 @@ def test_a_compiled_folders_config_reloads_the_draft(models, tmp_path):
     branch): NxDI rebuilds the draft's config with our draft class's config class, the target's worker class by name,
     and the reload's spec holds the draft's facts (from its config, not its folder)."""
     from kimi_k2_neuron.formats.record import expert_scheme
-    from kimi_k2_neuron.neuron import fused_spec
-    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2Model
+    from kimi_k2_neuron.neuron import contract
+    from kimi_k2_neuron.neuron.draft_config import Eagle3DraftForCausalLM
+    from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM, NeuronKimiK2Model
 
     target, draft = models
     cfg = KimiK2Config.from_file(target)
     d = DraftSpec(path=str(draft), speculation_length=K, checkpoint=read_draft(draft, cfg))
     spec = RunSpec(tp=2, lnc=2, seq_len=64, batch=2, scheme=expert_scheme(cfg, None, None), checkpoint="/converted",
                    moe_prefill="torch", draft=d)
-    KimiK2InferenceConfig.for_serving(cfg, spec).save(tmp_path)
+    built = NeuronKimiK2ForCausalLM(str(target), KimiK2InferenceConfig.for_serving(cfg, spec))  # nothing traced
+    built.config.save(tmp_path)  # as compile() does: the draft completed on the config first
     config = KimiK2InferenceConfig.load(tmp_path)
     fused = config.fused_spec_config
-    assert (fused.draft_model_cls, fused.worker_cls) == (fused_spec.Eagle3DraftForCausalLM, NeuronKimiK2Model)
+    assert (fused.draft_model_cls, fused.worker_cls) == (Eagle3DraftForCausalLM, NeuronKimiK2Model)
     dnc = fused.draft_config.neuron_config
     assert (dnc.is_eagle_draft, dnc.is_eagle3, dnc.enable_eagle_draft_input_norm, dnc.kv_cache_tiling) == (
         True, True, True, False)
-    assert fused_spec.draft_of(config) == d and fused_spec.draft_of(config).checkpoint == d.checkpoint
+    saved = contract.run_spec(config)
+    assert saved == spec and saved.draft == d and saved.draft.checkpoint == d.checkpoint

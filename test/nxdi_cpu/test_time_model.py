@@ -13,7 +13,7 @@ from nxdi_support import cpu_options
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.nxdi_cpu import backend
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 pytestmark = pytest.mark.fp8_selective_cpu
 

@@ -141,6 +141,8 @@ def test_the_precompiled_branch_gives_the_same_tokens(precompiled, converted, re
     assert tokens == reference("fp8-blockwise")
     seen = vs.events(events)
     assert [e["event"] for e in seen] == ["init", "load"]
+    # two configs are built, each through the rules once: the request's, and NxDI's reload of the folder's
+    assert [e["event"] for e in vs.events(events, rules=True)].count("rules_check") == 2
     assert seen[0]["precompiled"] and seen[1]["presharded"] and seen[1]["path"] == str(out)
 
 

@@ -78,6 +78,23 @@ def register() -> None:
 
     for model, task in MODEL_TYPE_KEYS:
         MODEL_TYPES.setdefault(model, {})[task] = cpu_class()
+    _count_rules_checks()
+
+
+def _count_rules_checks() -> None:
+    """An event per rules.check in this process (a test's count of the rules' runs per build: one)."""
+    from kimi_k2_neuron.neuron import rules
+
+    if getattr(rules.check, "counted", False):
+        return
+    real = rules.check
+
+    def check(cfg, spec):
+        event("rules_check")
+        return real(cfg, spec)
+
+    check.counted = True
+    rules.check = check
 
 
 def event(name: str, **fields) -> None:
@@ -87,8 +104,11 @@ def event(name: str, **fields) -> None:
             f.write(json.dumps({"event": name, "pid": os.getpid(), **fields}) + "\n")
 
 
-def events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def events(path: Path, rules: bool = False) -> list[dict]:
+    """The events written to path; rules=True keeps the rules_check ones (counted by test_run_spec, left out of the
+    sequence of application steps the other tests read)."""
+    seen = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in seen if rules or e["event"] != "rules_check"]
 
 
 _CPU_CLASS = None
@@ -300,6 +320,7 @@ def refusals_child(args: dict, out: str) -> None:
         except Exception as e:  # noqa: BLE001 -- the test reads what was raised
             result.update(error=type(e).__name__, message=str(e))
         result["events"] = [e["event"] for e in events(Path(os.environ[EVENTS_ENV]))]
+        result["rules_checks"] = len(events(Path(os.environ[EVENTS_ENV]), rules=True)) - len(result["events"])
         results.append(result)
     Path(out).write_text(json.dumps(results))
 

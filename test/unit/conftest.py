@@ -13,18 +13,40 @@ from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
+def tiny(tmp_path_factory):
     """One tiny checkpoint per storage format, made once per test session."""
     root = tmp_path_factory.mktemp("tiny")
     return {q: make_tiny(root / q, quant=q, shards=3, seed=0) for q in ("fp8", "int4", "bf16")}
 
 
+class Converted(dict):
+    """(source format, expert scheme) -> (the converted folder, the converter's Result), each converted the first
+    time a test asks for it, once a session."""
+
+    def __init__(self, tiny: dict, root: Path):
+        super().__init__()
+        self.tiny, self.root = tiny, root
+
+    def __missing__(self, key):
+        from kimi_k2_neuron.convert import convert
+
+        source, scheme = key
+        dst = self.root / f"{source}-{scheme}"
+        self[key] = (dst, convert(self.tiny[source], dst, scheme, progress=False))
+        return self[key]
+
+
+@pytest.fixture(scope="session")
+def converted(tiny, tmp_path_factory) -> Converted:
+    return Converted(tiny, tmp_path_factory.mktemp("converted"))
+
+
 @pytest.fixture
-def ckpt(tiny_dirs, tmp_path):
+def ckpt(tiny, tmp_path):
     """ckpt("fp8") -> a fresh, writable copy of the tiny checkpoint of that format, to break one thing in."""
 
     def copy(quant: str = "fp8") -> Path:
-        return Path(shutil.copytree(tiny_dirs[quant], tmp_path / quant))
+        return Path(shutil.copytree(tiny[quant], tmp_path / quant))
 
     return copy
 

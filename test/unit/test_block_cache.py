@@ -38,8 +38,8 @@ def test_written_through_a_shuffled_table_and_gathered_back_is_the_contiguous_ca
     assert pool[12, 0].eq(1).all() and pool[3, 1].eq(1).all()
 
 
-def test_a_table_naming_a_block_outside_the_pool_is_refused(tiny_dirs):
-    cfg = CpuRunner(tiny_dirs["bf16"]).cfg
+def test_a_table_naming_a_block_outside_the_pool_is_refused(tiny):
+    cfg = CpuRunner(tiny["bf16"]).cfg
     cache = BlockLatentCache(cfg, blocks=4, block_size=BS, dtype=torch.float32)
     with pytest.raises(ValueError, match="the pool has 0..3"):
         cache.layers(torch.tensor([[0, 4]]))
@@ -54,8 +54,8 @@ def test_positional_keys_place_the_cached_prefix_then_the_calls_entries():
     assert cold[0, :, 0].tolist() == [100, 101, 102, 0]
 
 
-def test_a_prefill_through_blocks_equals_the_contiguous_models_logits(tiny_dirs):
-    runner = CpuRunner(tiny_dirs["fp8"])
+def test_a_prefill_through_blocks_equals_the_contiguous_models_logits(tiny):
+    runner = CpuRunner(tiny["fp8"])
     row = [(37 * i + 11) % 500 + 5 for i in range(30)]
     want = runner.logits([row])[0]
     cache = BlockLatentCache(runner.cfg, blocks=6, block_size=BS, dtype=torch.float32, key_tile=16)
@@ -64,8 +64,8 @@ def test_a_prefill_through_blocks_equals_the_contiguous_models_logits(tiny_dirs)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
-def _layer_and_inputs(tiny_dirs, n: int):
-    runner = CpuRunner(tiny_dirs["fp8"])
+def _layer_and_inputs(tiny, n: int):
+    runner = CpuRunner(tiny["fp8"])
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, n, runner.cfg.hidden_size, generator=g)
     return runner, runner.model.model.layers[1].self_attn, x
@@ -78,11 +78,11 @@ def _attend(runner, attn, x, start, stop, view):
 
 @pytest.mark.parametrize("p", [BS * 2 - 1, BS * 2, BS * 2 + 1, 13])
 @pytest.mark.parametrize("key_tile", [16, 64])
-def test_a_prefill_after_cached_blocks_gives_the_cold_prefill_bit_for_bit(tiny_dirs, p, key_tile):
+def test_a_prefill_after_cached_blocks_gives_the_cold_prefill_bit_for_bit(tiny, p, key_tile):
     """Another prompt sharing the first p positions prefilled them (its tail differs); this prompt reads the blocks
     holding them (the last one partly: its own positions written over the other's) and prefills from p."""
     n = 44
-    runner, attn, x = _layer_and_inputs(tiny_dirs, n)
+    runner, attn, x = _layer_and_inputs(tiny, n)
     cold = BlockLatentCache(runner.cfg, blocks=8, block_size=BS, dtype=torch.float32, key_tile=key_tile)
     want = _attend(runner, attn, x, 0, n, cold.layers(torch.tensor([[0, 1, 2, 3, 4, 5]]))[1])
     warm = BlockLatentCache(runner.cfg, blocks=12, block_size=BS, dtype=torch.float32, key_tile=key_tile)
@@ -94,10 +94,10 @@ def test_a_prefill_after_cached_blocks_gives_the_cold_prefill_bit_for_bit(tiny_d
     assert torch.equal(got, want[:, p:])
 
 
-def test_keys_past_a_querys_position_change_nothing(tiny_dirs):
+def test_keys_past_a_querys_position_change_nothing(tiny):
     """The same call over a table of 6 blocks and of 12 (three more key tiles, all after every query)."""
     n = 24
-    runner, attn, x = _layer_and_inputs(tiny_dirs, n)
+    runner, attn, x = _layer_and_inputs(tiny, n)
     outs = []
     for blocks in (6, 12):
         cache = BlockLatentCache(runner.cfg, blocks=12, block_size=BS, dtype=torch.float32, key_tile=16)
@@ -105,8 +105,8 @@ def test_keys_past_a_querys_position_change_nothing(tiny_dirs):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_two_sequences_sharing_blocks_read_the_same_entries(tiny_dirs):
-    runner, attn, x = _layer_and_inputs(tiny_dirs, 32)
+def test_two_sequences_sharing_blocks_read_the_same_entries(tiny):
+    runner, attn, x = _layer_and_inputs(tiny, 32)
     cache = BlockLatentCache(runner.cfg, blocks=8, block_size=BS, dtype=torch.float32, key_tile=16)
     _attend(runner, attn, x, 0, 32, cache.layers(torch.tensor([[0, 1, 2, 3]]))[1])
     views = BlockView(cache.pools[1], torch.tensor([[0, 1, 4, 5], [0, 1, 6, 7]]), 16).keys()

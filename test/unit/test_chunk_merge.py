@@ -23,7 +23,8 @@ from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, MLAttention
 from kimi_k2_neuron.neuron.fit import plan
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import chunk_merge
-from kimi_k2_neuron.parallel import Layout, ParallelContext
+from kimi_k2_neuron.parallel import ParallelContext
+from kimi_k2_neuron.placement import Layout
 
 KIMI = Path(__file__).resolve().parents[1] / "data" / "configs" / "kimi-k2-instruct-0905.json"
 TP, G, N = 64, 64, 1024
@@ -160,8 +161,8 @@ def test_a_1024_token_chunk_at_g64_moves_under_40_mb_a_layer(capsys):
 
 @pytest.mark.parametrize("layout, needle", [
     (dict(kv_group=64, prefill_chunk=1024, chunk_group=8),
-     "kimi_k2_layout.chunk_group 8 at --tp 64 --lnc 2: not a pair of meshes NxD lays out; use one of [64, 16]"),
-    (dict(kv_group=64, chunk_group=16), "kimi_k2_layout.chunk_group 16: only with --kv-shard sequence and --prefill"),
+     "kimi_k2_run_spec.layout.chunk_group 8 at --tp 64 --lnc 2: not a pair of meshes NxD lays out; use one of [64, 16]"),
+    (dict(kv_group=64, chunk_group=16), "kimi_k2_run_spec.layout.chunk_group 16: only with --kv-shard sequence and --prefill"),
 ], ids=["no trn2 mesh", "no chunk"])
 def test_chunk_groups_nxd_cannot_lay_out_are_refused(layout, needle, one_line_error):
     from kimi_k2_neuron.neuron import rules

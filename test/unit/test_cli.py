@@ -63,11 +63,11 @@ BAD_ARGS = [
      "--kv-group 2: only with --kv-shard sequence"),
     # the core generates in one process: the advice names the backend that runs ranks (it said --tp 2, refused next)
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--kv-shard", "sequence"],
-     "--kv-shard sequence: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
+     "--kv-shard sequence: only with --backend nxdi-cpu (the core runner generates in one process; give --backend nxdi-cpu --tp N"),
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--shard-router"],
-     "--shard-router: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
+     "--shard-router: only with --backend nxdi-cpu (the core runner generates in one process; give --backend nxdi-cpu --tp N"),
     (["generate", "--model", "{model}", "--input-ids", "1,2", "--tp", "2", "--shard-attn-a"],
-     "--tp 2: the core runner generates in one process; give --backend nxdi-cpu --tp N"),
+     "--tp 2: only with --backend nxdi-cpu (the core runner generates in one process; give --backend nxdi-cpu --tp N"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--kv-shard", "rows"],
      "--kv-shard: invalid choice: 'rows'"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--prefill-chunk", "0"],
@@ -183,11 +183,11 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("argv, words", BAD_ARGS, ids=[" ".join(a)[:60] for a, _ in BAD_ARGS])
-def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny_dirs, tmp_path, capsys, no_model_load,
+def test_bad_arguments_get_one_line_before_any_load(argv, words, tiny, tmp_path, capsys, no_model_load,
                                                     one_line_error):
-    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    argv = [a.format(model=tiny["fp8"], tmp=tmp_path) for a in argv]
     rc, out, err = run_cli(argv, capsys)
-    one_line_error.exit(rc, err, words.replace("{model}", str(tiny_dirs["fp8"])))
+    one_line_error.exit(rc, err, words.replace("{model}", str(tiny["fp8"])))
     assert out == ""
 
 
@@ -209,8 +209,8 @@ def test_demo_with_an_impossible_cache_folder(monkeypatch, capsys, one_line_erro
     ["convert", "{model}", "/proc/nope", "--experts", "fp8-blockwise"],
     ["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "nan"],
 ], ids=["convert to /proc", "generate nan temperature"])
-def test_the_real_process_prints_no_traceback(argv, tiny_dirs, one_line_error):
-    argv = [a.format(model=tiny_dirs["fp8"]) for a in argv]
+def test_the_real_process_prints_no_traceback(argv, tiny, one_line_error):
+    argv = [a.format(model=tiny["fp8"]) for a in argv]
     r = subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *argv], capture_output=True, text=True)
     one_line_error.exit(r.returncode, r.stderr, "error: ")
 
@@ -265,33 +265,33 @@ def test_make_tiny_cli_and_refuses_existing(tmp_path, capsys):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is not None, reason="torch_xla is importable here")
-def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny_dirs, capsys):
-    assert cli.main(["trace-cpu", "--model", str(tiny_dirs["fp8"]), "--submodel", "token"]) == 2
+def test_trace_cpu_without_torch_xla_is_a_one_line_error(tiny, capsys):
+    assert cli.main(["trace-cpu", "--model", str(tiny["fp8"]), "--submodel", "token"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trace-cpu needs NxD, NxDI and torch_xla") and "torch_xla" in err.split(":", 2)[2]
     assert "bash scripts/build_nxdi_cpu_tier.sh VENV" in err and err.count("\n") == 1
 
 
-def test_logits_cli_contract(tiny_dirs, tmp_path):
+def test_logits_cli_contract(tiny, tmp_path):
     out = tmp_path / "l.safetensors"
-    assert cli.main(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2,3,4;5,6,7,8", "--prefill-len", "2",
+    assert cli.main(["logits", "--model", str(tiny["fp8"]), "--input-ids", "1,2,3,4;5,6,7,8", "--prefill-len", "2",
                  "--out", str(out)]) == 0
     logits = load_file(out)["logits"]
     assert logits.dtype == torch.float32 and logits.shape == (2, 4, 512)
-    assert torch.equal(logits, CpuRunner(tiny_dirs["fp8"]).logits([[1, 2, 3, 4], [5, 6, 7, 8]], 2))
+    assert torch.equal(logits, CpuRunner(tiny["fp8"]).logits([[1, 2, 3, 4], [5, 6, 7, 8]], 2))
 
 
-def test_cli_convert(tiny_dirs, tmp_path, capsys):
-    assert cli.main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o"), "--experts", "fp8-per-channel"]) == 0
+def test_cli_convert(tiny, tmp_path, capsys):
+    assert cli.main(["convert", str(tiny["bf16"]), str(tmp_path / "o"), "--experts", "fp8-per-channel"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "bf16 -> fp8-per-channel" in out and "GB/s" in out
-    assert cli.main(["convert", str(tiny_dirs["bf16"]), str(tmp_path / "o2"), "--experts", "fp8-blockwise",
+    assert cli.main(["convert", str(tiny["bf16"]), str(tmp_path / "o2"), "--experts", "fp8-blockwise",
                      "--workers", "0"]) == 2
 
 
-def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny, tmp_path, monkeypatch, capsys, one_line_error):
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
-    cached = Path(shutil.copytree(tiny_dirs["fp8"], tmp_path / "tiny-fp8"))
+    cached = Path(shutil.copytree(tiny["fp8"], tmp_path / "tiny-fp8"))
     shard = sorted(cached.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:100])  # a download or disk fault cut it short
     rc, _, err = run_cli(["demo"], capsys)
@@ -299,6 +299,7 @@ def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny_dirs, tmp_path, 
                         "delete that folder and the demo makes it again")
 
 
+@pytest.mark.slow
 def test_demo_runs_and_matches_transformers(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
     assert cli.main(["demo", "--max-new-tokens", "4"]) == 0
@@ -310,24 +311,25 @@ def test_demo_runs_and_matches_transformers(tmp_path, monkeypatch, capsys):
 
 # -- generate ----------------------------------------------------------------------------------------------------------
 
-def test_generate_cli_json(tiny_dirs, capsys):
-    assert cli.main(["generate", "--model", str(tiny_dirs["fp8"]), "--prompt", "hello", "--chat", "--max-new-tokens",
+def test_generate_cli_json(tiny, capsys):
+    assert cli.main(["generate", "--model", str(tiny["fp8"]), "--prompt", "hello", "--chat", "--max-new-tokens",
                      "4", "--temperature", "0.7", "--top-k", "50", "--top-p", "0.9", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 1 <= len(out["tokens"][0]) <= 4 and isinstance(out["text"][0], str)
 
 
-def test_generate_with_the_long_context_flags_gives_the_same_tokens(tiny_dirs, capsys):
+@pytest.mark.slow
+def test_generate_with_the_long_context_flags_gives_the_same_tokens(tiny, capsys):
     """`generate --prefill-chunk 2` prefills the 5-token prompt in 3 calls: the tokens of the one-shot prefill."""
-    want = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256")["tokens"]
-    got = generate_json(capsys, tiny_dirs["fp8"], "--input-ids", "5,17,300,42,256", "--prefill-chunk", "2")["tokens"]
+    want = generate_json(capsys, tiny["fp8"], "--input-ids", "5,17,300,42,256")["tokens"]
+    got = generate_json(capsys, tiny["fp8"], "--input-ids", "5,17,300,42,256", "--prefill-chunk", "2")["tokens"]
     assert got == want and len(got[0]) == 6
 
 
 @pytest.fixture(scope="module")
-def fp8(tiny_dirs):
+def fp8(tiny):
     """The tiny FP8 checkpoint, its runner and tokenizer (loaded once for this module)."""
-    d = tiny_dirs["fp8"]
+    d = tiny["fp8"]
     return d, CpuRunner(d), KimiTokenizer.from_dir(d)
 
 
@@ -389,10 +391,10 @@ def test_stop_string_ends_the_row_and_cuts_the_text(fp8, capsys):
     [sys.executable, str(REPO / "scripts/run_inference.py"), "--cpu", "--prompt", "hi"],
     [sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu"],
 ], ids=["logits", "generate", "run_inference", "bench_tpot"])
-def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(tiny_dirs, tmp_path, cmd):
+def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(tiny, tmp_path, cmd):
     if not sdk.missing_neuron_packages():
         pytest.skip("NxD/NxDI are importable here")
-    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny["fp8"])]
     r = subprocess.run(cmd, capture_output=True, text=True)
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
@@ -413,10 +415,10 @@ def test_nxdi_cpu_without_nxd_is_one_line_naming_what_is_missing_and_the_setup(t
     ([sys.executable, str(REPO / "scripts/bench_tpot.py"), "--cpu", "--seq-len", "200000"],
      "--seq-len 200000: exceeds config.json field max_position_embeddings"),
 ], ids=["logits", "generate", "generate bf16", "trace-cpu", "run_inference", "bench_tpot", "bench_tpot seq-len"])
-def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny_dirs, tmp_path, cmd, words, one_line_error):
+def test_what_config_json_refuses_comes_before_nxd_is_imported(tiny, tmp_path, cmd, words, one_line_error):
     """The tiny config's 4 heads do not split 3 ways: one line, and (with NxD importable or not) none of NxD's import
     output, nor its absence, before it."""
-    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny_dirs["fp8"])]
+    cmd = [c.replace("{tmp}", str(tmp_path)) for c in cmd] + ["--model", str(tiny["fp8"])]
     r = subprocess.run(cmd, capture_output=True, text=True)
     one_line_error.exit(r.returncode, r.stderr, words)
 
@@ -443,7 +445,7 @@ def _full_disk(*args, **kwargs):
 
 
 @pytest.mark.parametrize("command", ["make-tiny", "logits", "demo"])
-def test_a_full_disk_is_one_line(command, tiny_dirs, tmp_path, monkeypatch, capsys, one_line_error):
+def test_a_full_disk_is_one_line(command, tiny, tmp_path, monkeypatch, capsys, one_line_error):
     """safetensors reports ENOSPC as its own SafetensorError (seen on a 100 KiB tmpfs: a 3-line traceback ending in
     "No space left on device (os error 28)"); every command that writes one says so in one line, and leaves no file."""
     import safetensors.torch
@@ -451,7 +453,7 @@ def test_a_full_disk_is_one_line(command, tiny_dirs, tmp_path, monkeypatch, caps
     monkeypatch.setattr(safetensors.torch, "save_file", _full_disk)
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path / "cache"))
     argv, where = {"make-tiny": (["make-tiny", str(tmp_path / "t")], tmp_path / "t"),
-                   "logits": (["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+                   "logits": (["logits", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--out",
                                str(tmp_path / "l.safetensors")], tmp_path / "l.safetensors"),
                    "demo": (["demo"], tmp_path / "cache" / "tiny-fp8")}[command]
     rc, out, err = run_cli(argv, capsys)
@@ -475,13 +477,13 @@ def test_make_tiny_with_a_full_disk_in_a_plain_write(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("umask", [0o002, 0o022, 0o077])
-def test_outputs_get_the_modes_a_plain_write_gets(umask, tiny_dirs, tmp_path, capsys):
+def test_outputs_get_the_modes_a_plain_write_gets(umask, tiny, tmp_path, capsys):
     """safetensors creates its files 0600, and a temporary folder is 0700: the outputs of make-tiny and logits had
     those modes whatever the umask; now as `touch` and `mkdir` would make them."""
     old = os.umask(umask)
     try:
         assert run_cli(["make-tiny", str(tmp_path / "t")], capsys)[0] == 0
-        assert run_cli(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--out",
+        assert run_cli(["logits", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--out",
                         str(tmp_path / "l.safetensors")], capsys)[0] == 0
     finally:
         os.umask(old)
@@ -503,16 +505,16 @@ def test_a_chat_template_that_does_not_parse_is_one_line(ckpt, capsys, one_line_
 
 @pytest.mark.parametrize("argv", [["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1"],
                                   ["make-tiny", "{tmp}/t"]], ids=["generate", "make-tiny"])
-def test_a_seed_past_64_bits_is_refused(argv, tiny_dirs, tmp_path, capsys, one_line_error):
+def test_a_seed_past_64_bits_is_refused(argv, tiny, tmp_path, capsys, one_line_error):
     """torch.Generator.manual_seed takes an unsigned 64-bit seed (it raised 'Overflow when unpacking long long')."""
-    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    argv = [a.format(model=tiny["fp8"], tmp=tmp_path) for a in argv]
     rc, _, err = run_cli([*argv, "--seed", str(2**64)], capsys)
     one_line_error.exit(rc, err, "--seed: expected an integer >= 0 and <= 18446744073709551615, got "
                                  "'18446744073709551616'")
 
 
-def test_the_largest_seed_samples(tiny_dirs, capsys):
-    rc, out, _ = run_cli(["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--temperature", "1",
+def test_the_largest_seed_samples(tiny, capsys):
+    rc, out, _ = run_cli(["generate", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--temperature", "1",
                           "--max-new-tokens", "2", "--seed", str(2**64 - 1)], capsys)
     assert rc == 0 and len(out.strip().split(",")) == 2
 
@@ -528,11 +530,11 @@ def test_the_largest_seed_samples(tiny_dirs, capsys):
      "{tmp}/loop is a symbolic link loop"),
 ], ids=["convert DST dangling", "make-tiny OUT under a dangling link", "convert SRC loop", "logits --model loop",
         "plan --model loop", "logits --out in a loop"])
-def test_links_that_lead_nowhere_are_one_line(argv, words, tiny_dirs, tmp_path, capsys, one_line_error):
+def test_links_that_lead_nowhere_are_one_line(argv, words, tiny, tmp_path, capsys, one_line_error):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     (tmp_path / "loop").symlink_to(tmp_path / "loop2")
     (tmp_path / "loop2").symlink_to(tmp_path / "loop")
-    argv = [a.format(model=tiny_dirs["fp8"], tmp=tmp_path) for a in argv]
+    argv = [a.format(model=tiny["fp8"], tmp=tmp_path) for a in argv]
     rc, out, err = run_cli(argv, capsys)
     one_line_error.exit(rc, err, words.format(tmp=tmp_path))
     assert not (tmp_path / "nowhere").exists() and not (tmp_path / "dst").exists()

@@ -43,14 +43,6 @@ ROWS = [[5, 17, 300, 42, 9, 77, 123, 200, 11, 3, 260, 99]]
 MOE_LAYERS = (1, 2)  # tiny: 3 layers, first_k_dense_replace 1
 
 
-@pytest.fixture(scope="module")
-def converted(tiny_dirs, tmp_path_factory):
-    """(source, scheme) -> (DST, Result), converted once for the module."""
-    root = tmp_path_factory.mktemp("converted")
-    return {(s, t): (root / f"{s}-{t}", convert(tiny_dirs[s], root / f"{s}-{t}", t, progress=False))
-            for s, t in COMBOS}
-
-
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
@@ -66,9 +58,9 @@ def _not_finished(d: Path):
 
 
 @pytest.mark.parametrize("source,scheme", COMBOS)
-def test_layout_matches_nxd(converted, tiny_dirs, source, scheme):
+def test_layout_matches_nxd(converted, tiny, source, scheme):
     dst, res = converted[(source, scheme)]
-    cfg = WeightSource(tiny_dirs[source]).cfg
+    cfg = WeightSource(tiny[source]).cfg
     e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
     rec = json.loads((dst / "config.json").read_text())[CONVERSION_KEY]
     assert "quantization_config" not in json.loads((dst / "config.json").read_text())
@@ -102,11 +94,11 @@ def test_layout_matches_nxd(converted, tiny_dirs, source, scheme):
     assert res.files == 5 and res.skipped == 0
 
 
-def test_fp8_blockwise_keeps_expert_values(converted, tiny_dirs):
+def test_fp8_blockwise_keeps_expert_values(converted, tiny):
     """fp8 -> fp8-blockwise: every expert weight dequantizes to the source's value, except the counted
     subnormal-tail codes of halved blocks."""
     dst, res = converted[("fp8", "fp8-blockwise")]
-    a, b = WeightSource(tiny_dirs["fp8"]), WeightSource(dst)
+    a, b = WeightSource(tiny["fp8"]), WeightSource(dst)
     names = [n for n in a.names() if ".mlp.experts." in n]
     changed = sum(int((a.get(n, torch.float32) != b.get(n, torch.float32)).sum()) for n in names)
     assert res.stats.rescaled > 0 and changed <= res.stats.inexact
@@ -115,9 +107,9 @@ def test_fp8_blockwise_keeps_expert_values(converted, tiny_dirs):
                                 f"subnormal tail, rounded to nearest even); 3 source tensors ignored by name")
 
 
-def test_int4_blockwise_is_lossless(converted, tiny_dirs):
+def test_int4_blockwise_is_lossless(converted, tiny):
     dst, res = converted[("int4", "fp8-blockwise")]
-    a, b = WeightSource(tiny_dirs["int4"]), WeightSource(dst)
+    a, b = WeightSource(tiny["int4"]), WeightSource(dst)
     for n in [n for n in a.names() if ".mlp.experts." in n]:
         assert torch.equal(a.get(n, torch.float32), b.get(n, torch.float32)), n
     assert res.stats.rescaled == 0 and res.stats.sq_err == 0
@@ -131,14 +123,15 @@ def _drift(src_dir, dst_dir, dtype):
     return float(per_pos.max()), float(per_pos.median())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source,scheme", COMBOS)
-def test_logit_drift(converted, tiny_dirs, source, scheme):
+def test_logit_drift(converted, tiny, source, scheme):
     """CpuRunner(DST) vs CpuRunner(SRC). Exact expert paths must agree within 1e-3 of max |logit| in bf16 (the
     dtype NxDI runs, in which the BF16-stored non-expert weights are what the source dequantizes to as well);
     re-rounding paths report their drift (printed; -s to see it)."""
     dst, res = converted[(source, scheme)]
-    bf16_max, bf16_med = _drift(tiny_dirs[source], dst, torch.bfloat16)
-    f32_max, f32_med = _drift(tiny_dirs[source], dst, torch.float32)
+    bf16_max, bf16_med = _drift(tiny[source], dst, torch.bfloat16)
+    f32_max, f32_med = _drift(tiny[source], dst, torch.float32)
     print(f"\nDRIFT {source:>4} -> {scheme:<15} bf16 max {bf16_max:.2e} median {bf16_med:.2e} | "
           f"fp32 max {f32_max:.2e} median {f32_med:.2e} | weights rel-rms "
           f"{(res.stats.sq_err / res.stats.sq_ref) ** 0.5 if res.stats.sq_ref else 0:.3g}")
@@ -150,11 +143,11 @@ def test_logit_drift(converted, tiny_dirs, source, scheme):
 
 
 @pytest.mark.parametrize("source", ["fp8", "int4"])
-def test_exact_paths_fp32_drift_beyond_bf16_storage(converted, tiny_dirs, source):
+def test_exact_paths_fp32_drift_beyond_bf16_storage(converted, tiny, source):
     """The fp32 drift of test_logit_drift comes only from storing non-expert weights in BF16 (which the issue
     asks for): give the source runner that same rounding and the exact expert paths agree within 1e-3 of max
     |logit| in fp32 too (measured ~4e-7 for fp8, 0 for int4)."""
-    ref_runner = CpuRunner(tiny_dirs[source], dtype=torch.float32)
+    ref_runner = CpuRunner(tiny[source], dtype=torch.float32)
     with torch.no_grad():
         for name, p in ref_runner.model.named_parameters():
             if ".mlp.experts." not in name and ".mlp.gate." not in name:  # the router stays fp32 in DST
@@ -189,12 +182,12 @@ def _as_k25(src: Path, dst: Path) -> None:
             shutil.copy(f, dst / f.name)
 
 
-def test_k25_layout_serves_its_language_model(converted, tiny_dirs, tmp_path):
+def test_k25_layout_serves_its_language_model(converted, tiny, tmp_path):
     """Kimi-K2.5's language model reads and converts like K2-Thinking; its vision tower and projector are set
     aside by name and counted."""
     k25 = tmp_path / "k25"
-    _as_k25(tiny_dirs["int4"], k25)
-    want = CpuRunner(tiny_dirs["int4"]).logits(ROWS, prefill_len=8)
+    _as_k25(tiny["int4"], k25)
+    want = CpuRunner(tiny["int4"]).logits(ROWS, prefill_len=8)
     assert torch.equal(CpuRunner(k25).logits(ROWS, prefill_len=8), want)
     src = WeightSource(k25)
     assert sorted(k for k in src.ignored if not k.endswith("inv_freq")) == ["mm_projector.proj.0.weight",
@@ -209,7 +202,7 @@ def test_k25_layout_serves_its_language_model(converted, tiny_dirs, tmp_path):
 
 
 @pytest.mark.parametrize("release", ["k2.6", "k2.7"])
-def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny_dirs, tmp_path, capsys, release):
+def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny, tmp_path, capsys, release):
     """Kimi-K2.6 and K2.7-Code in their layout (make-tiny --layout): the same language model as the tiny INT4
     checkpoint of the same seed, so its logits, raw and converted, are that checkpoint's (checked against
     transformers in test_model_vs_transformers); plan reads the converted one; generate stops on both of Kimi's end
@@ -217,7 +210,7 @@ def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny_dirs,
     from kimi_k2_neuron.tiny.checkpoint import make_tiny
 
     raw = make_tiny(tmp_path / release, layout=release, seed=0)
-    want = CpuRunner(tiny_dirs["int4"]).logits(ROWS, prefill_len=8)
+    want = CpuRunner(tiny["int4"]).logits(ROWS, prefill_len=8)
     assert torch.equal(CpuRunner(raw).logits(ROWS, prefill_len=8), want)
     res = convert(raw, tmp_path / "neuron", "fp8-blockwise", progress=False)
     assert "source tensors ignored by name" in res.summary
@@ -241,11 +234,11 @@ def test_k26_and_k27_checkpoints_convert_plan_and_generate(converted, tiny_dirs,
         assert json.loads(out.out)["tokens"] != greedy
 
 
-def test_experts_split_across_shards_and_accounting(converted, tiny_dirs):
-    index = json.loads((tiny_dirs["fp8"] / INDEX).read_text())["weight_map"]
+def test_experts_split_across_shards_and_accounting(converted, tiny):
+    index = json.loads((tiny["fp8"] / INDEX).read_text())["weight_map"]
     shards = {f for k, f in index.items() if k.startswith("model.layers.1.mlp.experts.")}
     assert len(shards) == 2  # the tiny maker cuts layer 1's experts across two files
-    src = WeightSource(tiny_dirs["fp8"])
+    src = WeightSource(tiny["fp8"])
     assert src.ignored and all(k.endswith("rotary_emb.inv_freq") for k in src.ignored)
     dst_keys = set(json.loads((converted[("fp8", "fp8-blockwise")][0] / INDEX).read_text())["weight_map"])
     assert not [k for k in dst_keys if "inv_freq" in k]
@@ -280,7 +273,7 @@ def _deq(w, s):  # NxD's blockwise dequantize: blocks inferred from the shapes (
 
 
 @pytest.mark.parametrize("source", ["fp8", "int4"])
-def test_blockwise_scales_shard_for_every_valid_tp(converted, tiny_dirs, source):
+def test_blockwise_scales_shard_for_every_valid_tp(converted, tiny, source):
     dst, _ = converted[(source, "fp8-blockwise")]
     rec = json.loads((dst / "config.json").read_text())[CONVERSION_KEY]["nxd"]
     block, tps = tuple(rec["quantization_block_size"]), rec["valid_moe_tp_degrees"]
@@ -308,43 +301,43 @@ def _run_cli(src, dst, env=None):
                            "fp8-blockwise"], env={**os.environ, **(env or {})}, capture_output=True, text=True)
 
 
-def test_killed_midway_then_resumed_is_byte_identical(converted, tiny_dirs, tmp_path):
+def test_killed_midway_then_resumed_is_byte_identical(converted, tiny, tmp_path):
     ref = _files(converted[("fp8", "fp8-blockwise")][0])
     # 1) die inside the 3rd file (the hook is os._exit: no cleanup, like SIGKILL), 2) a real SIGKILL at a moment
     # chosen by the scheduler.
     dst = tmp_path / "killed"
-    p = _run_cli(tiny_dirs["fp8"], dst, {writer.DIE_ENV: "1000000"})
+    p = _run_cli(tiny["fp8"], dst, {writer.DIE_ENV: "1000000"})
     assert p.returncode == 75, p.stderr
     assert list(dst.glob(f"*{PARTIAL_SUFFIX}")) and not (dst / "config.json").exists()
     done = json.loads((dst / MANIFEST).read_text())["files"]
     assert 0 < len(done) < 5
-    res = convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    res = convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
     assert res.skipped == len(done)
     assert _files(dst) == ref
 
     dst2 = tmp_path / "sigkill"
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_k2_neuron.cli", "convert", str(tiny_dirs["fp8"]),
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_k2_neuron.cli", "convert", str(tiny["fp8"]),
                              str(dst2), "--experts", "fp8-blockwise"], stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while not (dst2 / MANIFEST).exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    convert(tiny_dirs["fp8"], dst2, "fp8-blockwise", progress=False)
+    convert(tiny["fp8"], dst2, "fp8-blockwise", progress=False)
     assert _files(dst2) == ref
 
 
-def test_rerun_skips_and_verify_rehashes(converted, tiny_dirs, tmp_path):
+def test_rerun_skips_and_verify_rehashes(converted, tiny, tmp_path):
     dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
     ref = _files(dst)
-    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
+    res = convert(tiny["int4"], dst, "fp8-blockwise", progress=False)
     assert res.skipped == res.files == 5 and _files(dst) == ref
     victim = dst / "model-00002-of-00005.safetensors"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF  # same size: only a re-hash notices
     victim.write_bytes(bytes(data))
-    assert convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False).redone == []
-    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
+    assert convert(tiny["int4"], dst, "fp8-blockwise", progress=False).redone == []
+    res = convert(tiny["int4"], dst, "fp8-blockwise", verify=True, progress=False)
     assert res.redone == [victim.name] and _files(dst) == ref
     assert "1 rewritten after failing --verify" in res.summary
 
@@ -369,32 +362,32 @@ def _as_v1_manifest(dst: Path) -> None:
     (dst / MANIFEST).write_text(json.dumps(manifest))
 
 
-def test_version1_sha256_manifest_resumes_and_verifies(converted, tiny_dirs, tmp_path):
+def test_version1_sha256_manifest_resumes_and_verifies(converted, tiny, tmp_path):
     """A DST left by a version-1 (sha256) conversion resumes: its records are kept and --verify checks them
     with sha256; a file redone gets a BLAKE3 record."""
     dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
     ref = _files(dst)
     _as_v1_manifest(dst)
     (dst / "config.json").unlink()  # as if the old run had been killed before its end
-    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
+    res = convert(tiny["int4"], dst, "fp8-blockwise", verify=True, progress=False)
     assert res.skipped == res.files == 5 and res.redone == []
     victim = dst / "model-00003-of-00005.safetensors"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    res = convert(tiny_dirs["int4"], dst, "fp8-blockwise", verify=True, progress=False)
+    res = convert(tiny["int4"], dst, "fp8-blockwise", verify=True, progress=False)
     assert res.redone == [victim.name]
     files = json.loads((dst / MANIFEST).read_text())["files"]
     assert "blake3" in files[victim.name] and "sha256" in files["model-00002-of-00005.safetensors"]
     assert {k: v for k, v in _files(dst).items() if k != MANIFEST} == {k: v for k, v in ref.items() if k != MANIFEST}
 
 
-def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny_dirs, one_line_error):
+def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny, one_line_error):
     dst = Path(shutil.copytree(converted[("int4", "fp8-blockwise")][0], tmp_path / "d"))
     manifest = json.loads((dst / MANIFEST).read_text())
     manifest["manifest_version"] = 99
     (dst / MANIFEST).write_text(json.dumps(manifest))
-    one_line_error(lambda: convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False), str(dst / MANIFEST),
+    one_line_error(lambda: convert(tiny["int4"], dst, "fp8-blockwise", progress=False), str(dst / MANIFEST),
                    "manifest_version 99", "delete DST")
 
 
@@ -402,9 +395,9 @@ def test_unknown_manifest_version_is_refused(converted, tmp_path, tiny_dirs, one
 
 
 @pytest.fixture
-def src_copy(tiny_dirs, tmp_path):
+def src_copy(tiny, tmp_path):
     def copy(q="fp8"):
-        return Path(shutil.copytree(tiny_dirs[q], tmp_path / f"src-{q}"))
+        return Path(shutil.copytree(tiny[q], tmp_path / f"src-{q}"))
     return copy
 
 
@@ -517,7 +510,7 @@ def test_leftover_and_missing_tensors(src_copy, tmp_path, one_line_error):
     _convert_fails(one_line_error, d, tmp_path / "b", "missing", EXPERT + ".weight")
 
 
-def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converted, tiny_dirs, tmp_path,
+def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converted, tiny, tmp_path,
                                                                          monkeypatch, one_line_error):
     ref = _files(converted[("fp8", "fp8-blockwise")][0])
     dst = Path(shutil.copytree(converted[("fp8", "fp8-blockwise")][0], tmp_path / "d"))
@@ -531,13 +524,13 @@ def test_redoing_part_of_a_finished_conversion_unfinishes_it_until_done(converte
         real(f, buf, *offset)
 
     monkeypatch.setattr(writer, "_write_bytes", full_for_shards)
-    _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full")  # and DST no longer looks like a checkpoint
+    _convert_fails(one_line_error, tiny["fp8"], dst, "disk full")  # and DST no longer looks like a checkpoint
     monkeypatch.undo()
-    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
     assert {k: v for k, v in _files(dst).items() if k != MANIFEST} == {k: v for k, v in ref.items() if k != MANIFEST}
 
 
-def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_line_error):
+def test_disk_full_then_resume(converted, tiny, tmp_path, monkeypatch, one_line_error):
     calls = {"n": 0}
     real = writer._write_bytes
 
@@ -549,11 +542,11 @@ def test_disk_full_then_resume(converted, tiny_dirs, tmp_path, monkeypatch, one_
 
     monkeypatch.setattr(writer, "_write_bytes", full_after_some)
     dst = tmp_path / "full"
-    _convert_fails(one_line_error, tiny_dirs["fp8"], dst, "disk full", str(dst))
+    _convert_fails(one_line_error, tiny["fp8"], dst, "disk full", str(dst))
     if (dst / MANIFEST).exists():
         assert not json.loads((dst / MANIFEST).read_text())["complete"]
     monkeypatch.setattr(writer, "_write_bytes", real)
-    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
     assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])
 
 
@@ -571,7 +564,7 @@ def _writes_of_a_conversion(src, tmp_path, monkeypatch) -> int:
     return calls["n"]
 
 
-def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny_dirs, tmp_path, monkeypatch,
+def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny, tmp_path, monkeypatch,
                                                               one_line_error):
     """Every write of a conversion in turn fails with a full disk: each run ends in the one `disk full` line (a
     failure while a file was being finished -- its last slab's write in flight, the last partial page, the fsync --
@@ -581,7 +574,7 @@ def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny_d
 
     want = _files(converted[("fp8", "fp8-blockwise")][0])
     real = writer._write_bytes
-    total = _writes_of_a_conversion(tiny_dirs["fp8"], tmp_path, monkeypatch)
+    total = _writes_of_a_conversion(tiny["fp8"], tmp_path, monkeypatch)
     assert total > 20
     for k in range(1, total + 1):
         calls = {"n": 0}
@@ -596,7 +589,7 @@ def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny_d
 
         def run():
             try:
-                convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+                convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
             except BaseException as e:  # noqa: BLE001 -- inspected below
                 outcome["error"] = e
 
@@ -610,7 +603,7 @@ def test_a_write_failing_anywhere_ends_in_one_line_and_resumes(converted, tiny_d
         one_line_error.message(str(outcome["error"]), "disk full", "free space and rerun to resume")
         _not_finished(dst)
         if k in (1, total // 2, total - 1, total):
-            convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+            convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
             assert {n: b for n, b in _files(dst).items() if n != MANIFEST} == \
                 {n: b for n, b in want.items() if n != MANIFEST}, k
         shutil.rmtree(dst, ignore_errors=True)
@@ -627,15 +620,15 @@ def test_an_interrupt_while_a_file_opens_leaves_no_partial_file(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bad_destinations(converted, tiny_dirs, tmp_path, one_line_error):
+def test_bad_destinations(converted, tiny, tmp_path, one_line_error):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    _convert_fails(one_line_error, tiny_dirs["fp8"], foreign, str(foreign), "not empty")
+    _convert_fails(one_line_error, tiny["fp8"], foreign, str(foreign), "not empty")
     other = Path(shutil.copytree(converted[("fp8", "fp8-per-channel")][0], tmp_path / "other"))
     (other / "config.json").unlink()
     (other / INDEX).unlink()
-    _convert_fails(one_line_error, tiny_dirs["fp8"], other, MANIFEST, "experts")
+    _convert_fails(one_line_error, tiny["fp8"], other, MANIFEST, "experts")
     one_line_error(lambda: convert(converted[("fp8", "fp8-blockwise")][0], tmp_path / "again", "fp8-blockwise",
                                    progress=False), "already a converted checkpoint")
 
@@ -648,23 +641,23 @@ def test_nan_code_in_a_converted_checkpoint_is_refused_at_load(converted, tmp_pa
     one_line_error(lambda: CpuRunner(dst).logits(ROWS), f"{shard.name}: tensor {key} (expert 3)", "NaN FP8 codes")
 
 
-def test_same_bytes_without_o_direct(converted, tiny_dirs, tmp_path, monkeypatch):
+def test_same_bytes_without_o_direct(converted, tiny, tmp_path, monkeypatch):
     """Where the filesystem refuses O_DIRECT (tmpfs), reads and writes go through the page cache: same files."""
     from kimi_k2_neuron.checkpoint import shards
     monkeypatch.setattr(writer, "open_direct_file", lambda *a: None)
     monkeypatch.setattr(shards, "open_direct", lambda *a: None)
     dst = tmp_path / "buffered"
-    convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False)
+    convert(tiny["fp8"], dst, "fp8-blockwise", progress=False)
     assert _files(dst) == _files(converted[("fp8", "fp8-blockwise")][0])
 
 
 @pytest.mark.parametrize("built", [True, False])
-def test_a_conversion_without_the_c_kernel_says_so_first(tiny_dirs, tmp_path, monkeypatch, capsys, built):
+def test_a_conversion_without_the_c_kernel_says_so_first(tiny, tmp_path, monkeypatch, capsys, built):
     """On a host where setup.py found no C compiler the torch steps take ~1.6x the CPU: the user hears it before the
     run, not from a benchmark; the files are the same either way (test_nxd_fp8 holds both paths to one reference)."""
     from kimi_k2_neuron.quant import nxd_fp8
 
     monkeypatch.setattr(nxd_fp8, "KERNEL_BUILT", built)
-    convert(tiny_dirs["fp8"], tmp_path / "d", "fp8-blockwise", progress=True)
+    convert(tiny["fp8"], tmp_path / "d", "fp8-blockwise", progress=True)
     err = capsys.readouterr().err
     assert ("note: FP8 expert codes go through the torch steps" in err) != built, err

@@ -18,7 +18,6 @@ from kimi_k2_neuron.checkpoint.draft import aux_layer_ids, neuron_tensors, read_
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.neuron import contract, rules, vllm_request
 from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec, Sampling
-from kimi_k2_neuron.parallel import Layout
 from kimi_k2_neuron.tiny.checkpoint import make_tiny
 from kimi_k2_neuron.tiny.draft_checkpoint import make_tiny_draft
 
@@ -74,10 +73,10 @@ def test_make_tiny_draft_for_writes_the_public_llama_eagle3_layout(pair, tmp_pat
     assert {k: config[k] for k in want} == want
 
 
-def test_make_tiny_layers_and_a_draft_for_a_three_layer_target(tiny_dirs, tmp_path, capsys, one_line_error):
+def test_make_tiny_layers_and_a_draft_for_a_three_layer_target(tiny, tmp_path, capsys, one_line_error):
     rc, _, _ = run_cli(["make-tiny", tmp_path / "t", "--layers", "7"], capsys)
     assert rc == 0 and KimiK2Config.from_file(tmp_path / "t").num_hidden_layers == 7
-    rc, _, err = run_cli(["make-tiny", tmp_path / "d", "--draft-for", tiny_dirs["fp8"]], capsys)
+    rc, _, err = run_cli(["make-tiny", tmp_path / "d", "--draft-for", tiny["fp8"]], capsys)
     one_line_error.exit(rc, err, "num_hidden_layers=3", "make-tiny --layers 7")
     rc, _, err = run_cli(["make-tiny", tmp_path / "d", "--draft-for", tmp_path / "t", "--quant", "int4"], capsys)
     one_line_error.exit(rc, err, "--quant: not with --draft-for")
@@ -173,7 +172,8 @@ def test_the_commands_refuse_a_bad_draft_before_any_work(cmd, pair, draft_copy, 
     (["--draft", "{draft}", "--speculation-length", "9"], "--speculation-length 9: expected 2..8"),
     (["--draft", "{draft}", "--speculation-length", "1"], "--speculation-length: expected an integer >= 2"),
     (["--draft", "{draft}", "--prefill-chunk", "16"], "--prefill-chunk 16: not with --draft"),
-    (["--draft", "{draft}", "--backend", "core", "--tp", "1"], "--draft: speculative decoding is NxDI's fused"),
+    (["--draft", "{draft}", "--backend", "core", "--tp", "1"], "only with --backend nxdi-cpu (speculative decoding is "
+     "NxDI's fused"),
     (["--draft", "{draft}", "--temperature", "0.7"], "--temperature with --draft"),
 ], ids=["no draft", "k 9", "k 1", "chunk", "core backend", "sampling on cpu"])
 def test_generate_refuses_what_speculation_cannot_run(argv, words, pair, tmp_path, capsys, one_line_error,
@@ -213,8 +213,8 @@ def test_rules_refuse_what_nxdis_fused_speculation_cannot_run(fields, words, pai
     one_line_error(lambda: rules.check_shapes(cfg, spec), words)
 
 
-def test_a_draft_on_a_three_layer_target_is_refused(tiny_dirs, pair, one_line_error):
-    cfg = KimiK2Config.from_file(tiny_dirs["fp8"])
+def test_a_draft_on_a_three_layer_target_is_refused(tiny, pair, one_line_error):
+    cfg = KimiK2Config.from_file(tiny["fp8"])
     spec = RunSpec(tp=2, lnc=None, seq_len=64, draft=DraftSpec(path=str(pair[1])))
     one_line_error(lambda: rules.check_shapes(cfg, spec), "the target has 3 layers", ">= 7")
 
@@ -244,12 +244,11 @@ class _Request:
 
 
 def test_vllms_speculative_config_as_the_request_spec(pair, one_line_error):
-    assert vllm_request.draft_of_request(_Request(k=3)) == DraftSpec(path=None, speculation_length=3)
-    one_line_error(lambda: vllm_request.draft_of_request(_Request(method="draft_model")),
+    assert vllm_request.draft(_Request(k=3)) == DraftSpec(path=None, speculation_length=3)
+    one_line_error(lambda: vllm_request.draft(_Request(method="draft_model")),
                    "--speculative-config: Kimi-K2 speculates with an EAGLE3 draft only", '"method": "eagle"')
     cfg, spec = _spec(pair, tp=1, batch=2)
-    compiled = _Request(k=4, is_continuous_batching=True)
-    compiled.on_device_sampling_config = type("ods", (), {"dynamic": True})()
+    compiled = RunSpec(**{**spec.__dict__, "continuous_batching": True})  # as compile_and_save --for-vllm saves it
     assert vllm_request.compiled_mismatches(spec, compiled) == []
     asked_5 = RunSpec(**{**spec.__dict__, "draft": DraftSpec(path=None, speculation_length=5)})
     assert vllm_request.compiled_mismatches(asked_5, compiled) == [

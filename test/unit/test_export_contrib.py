@@ -55,6 +55,7 @@ def test_the_docs_counts_are_the_exports(export_run):
     assert abs(int(said_lines.replace(",", "")) - lines) <= 0.1 * lines, (said_lines, lines)
 
 
+@pytest.mark.slow
 def test_the_exported_folder_runs_its_own_unit_tests_on_its_own(exported):
     env = {**os.environ, "PYTHONPATH": str(exported / "src")}
     where = subprocess.run([sys.executable, "-c", "import kimi_k2_neuron; print(kimi_k2_neuron.__file__)"],

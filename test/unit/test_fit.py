@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,10 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import expert_scheme
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, converted_scheme
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.neuron.fit import plan
 from kimi_k2_neuron.neuron.hbm import GiB, MiB
-from kimi_k2_neuron.neuron.layout_search import max_batch, max_seq_len
+from kimi_k2_neuron.neuron.layout_search import best_layout, max_batch, max_seq_len
 from kimi_k2_neuron.neuron.plan_report import format_plan
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import Port
@@ -406,20 +407,20 @@ def test_cli_json(capsys):
     assert d["tpot_lower_bound_ms"] > 0 and d["assumptions"]
 
 
-def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny_dirs, tmp_path):
+def test_a_converted_checkpoint_is_planned_with_the_block_it_records(tiny, tmp_path):
     """A converted config.json drops the source's quantization_config, so the INT4 source's [32, 1] scales are
     known only from the conversion record; the CLI and compile_and_save both plan with it (formats.record)."""
     from kimi_k2_neuron.convert import convert
     from kimi_k2_neuron.formats.record import ConversionRecord
 
     dst = tmp_path / "int4-blockwise"
-    convert(tiny_dirs["int4"], dst, "fp8-blockwise", progress=False)
+    convert(tiny["int4"], dst, "fp8-blockwise", progress=False)
     rec = ConversionRecord.read(dst)
     assert rec.scheme.block == (32, 1)
     converted_cfg = KimiK2Config.from_file(dst)
     assert converted_cfg.quant is None  # the config alone would say a BF16 source, converted to [32, 32]
     # torch: the tiny model's hidden size is below the prefill kernels'
-    raw = KimiK2Config.from_file(tiny_dirs["int4"])
+    raw = KimiK2Config.from_file(tiny["int4"])
     with_record = plan(converted_cfg, spec(tp=2, ep=1, lnc=2, seq_len=8, batch=1, moe_prefill="torch", scheme=expert_scheme(converted_cfg, ConversionRecord.of(converted_cfg), None)))
     source = plan(raw, spec(tp=2, ep=1, lnc=2, seq_len=8, batch=1, scheme=expert_scheme(raw, None, "fp8-blockwise"), moe_prefill="torch"))
     assert _row(with_record, "routed expert scales") == _row(source, "routed expert scales")
@@ -706,3 +707,42 @@ def test_max_batch_with_ep_starts_where_ep_decodes(capsys):
     found = max_batch(cfg, spec(tp=64, ep=4, lnc=2, seq_len=4096, scheme=BLOCKWISE, layout=layout))
     assert found.fits and found.batch >= 48
     assert not plan(cfg, spec(tp=64, ep=4, lnc=2, seq_len=4096, batch=found.batch + 1, scheme=BLOCKWISE, layout=layout)).fits
+
+
+def test_the_readme_quotes_the_planners_figures(kimi):
+    """Every planner figure the README's trn2 story quotes is what the planner computes now (each as printed there):
+    the converted model (`plan --tp 1`), a rank's file at TP 64 (replicated and --shard-attn-a), the recommended
+    configuration's HBM and TPOT, the long-context layout `plan --best` chooses, and the disk totals they add up to
+    with the download sizes (958.5 and 554 GiB, from the releases' file lists, not the planner)."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    flat = re.sub(r"\s*\n#?\s*", " ", readme)
+    thinking = KimiK2Config.from_file(CONFIGS / "kimi-k2-thinking.json")
+    tb = lambda gib: gib * GiB / 1e12  # noqa: E731
+
+    def at(cfg, **fields):
+        return plan(cfg, spec(**{"tp": 64, "seq_len": 1024, "scheme": _scheme(cfg, "fp8-blockwise"),
+                                 "checkpoint": "/c", **fields}))
+
+    whole = {c: at(c, tp=1, seq_len=16, moe_prefill="torch").weight_bytes / GiB for c in (kimi, thinking)}
+    rank = {(c, a): at(c, layout=Layout(shard_attn_a=a)) for c in (kimi, thinking) for a in (False, True)}
+    best = rank[(kimi, True)]
+    chosen, _ = best_layout(kimi, spec(tp=64, seq_len=131072, batch=16, scheme=_scheme(kimi, "fp8-blockwise"),
+                                       checkpoint="/c"))
+    assert chosen.layout == Layout(kv_group=64, prefill_chunk=4096, shard_attn_a=True)
+    short_chunks = at(kimi, seq_len=131072, batch=16, layout=Layout(kv_group=64, prefill_chunk=1024, shard_attn_a=True))
+    download = {kimi: 958.5, thinking: 554}
+    disk = {c: (round(tb(download[c]), 2), round(tb(whole[c]), 2), round(tb(64 * rank[(c, True)].weight_bytes / GiB), 2))
+            for c in (kimi, thinking)}
+    quoted = [
+        f"{whole[kimi]:.1f} GiB", f"{whole[thinking]:.1f} GiB", f"{disk[kimi][1]:.2f} TB", f"{disk[thinking][1]:.2f} TB",
+        f"{rank[(kimi, True)].weight_bytes / GiB:.2f} GiB", f"{rank[(kimi, False)].weight_bytes / GiB:.2f} GiB",
+        f"{rank[(thinking, True)].weight_bytes / GiB:.2f} GiB", f"{disk[kimi][2]:.2f} TB", f"{disk[thinking][2]:.2f} TB",
+        f"{sum(disk[kimi]):.2f} TB for -Instruct", f"{sum(disk[thinking]):.2f} TB for -Thinking",
+        f"leaves {disk[kimi][1] + disk[kimi][2]:.2f} or {disk[thinking][1] + disk[thinking][2]:.2f} TB",
+        f"{best.total_bytes / GiB:.2f} of {best.usable_bytes / GiB:.2f} usable GiB",
+        f"{best.decode.total_s * 1e3:.1f} ms modelled TPOT against {rank[(kimi, False)].decode.total_s * 1e3:.1f}",
+        f"a modelled TPOT of {best.decode.total_s * 1e3:.1f} ms",
+        f"{chosen.decode.total_s * 1e3:.0f} ms modelled TPOT, {chosen.ttft_s:.0f} s for a whole 131,072-token prompt, "
+        f"{chosen.headroom_bytes / GiB:.2f} GiB headroom (--prefill-chunk 1024: "
+        f"{short_chunks.headroom_bytes / GiB:.2f} GiB, {short_chunks.ttft_s:.0f} s)"]
+    assert [q for q in quoted if q not in flat] == []

@@ -11,7 +11,6 @@ import torch
 
 from kimi_k2_neuron.checkpoint.shards import ShardedCheckpoint
 from kimi_k2_neuron.config import KimiK2Config
-from kimi_k2_neuron.convert import convert
 from kimi_k2_neuron.formats import SCHEMES, layout
 from kimi_k2_neuron.formats.record import CONVERSION_KEY, LAYOUT_VERSION, ConversionRecord
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme, scheme_for
@@ -39,20 +38,10 @@ def test_a_config_without_a_query_lora_is_refused_in_one_line(one_line_error):
     one_line_error(lambda: layout.logical_shapes(tiny_cfg(q_lora_rank=None)), "q_lora_rank is null")
 
 
-@pytest.fixture(scope="module")
-def converted(tiny_dirs, tmp_path_factory):
-    root, out = tmp_path_factory.mktemp("formats"), {}
-    for source in ("fp8", "int4"):
-        for scheme in SCHEMES:
-            out[(source, scheme)] = root / f"{source}-{scheme}"
-            convert(tiny_dirs[source], out[(source, scheme)], scheme, progress=False)
-    return out
-
-
 @pytest.mark.parametrize("source", ["fp8", "int4"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_converted_tensors_are_what_the_converter_writes(converted, source, scheme):
-    dst = converted[(source, scheme)]
+    dst = converted[(source, scheme)][0]
     record = ConversionRecord.read(dst)
     assert (record.experts, record.source_format) == (scheme, source)
     blockwise = (32, 1) if source == "int4" else (32, 32)  # one scale per INT4 group; 32x32 from FP8
@@ -75,10 +64,10 @@ def test_a_hand_made_block_size_is_refused_in_one_line(block, one_line_error):
     one_line_error(lambda: ExpertScheme.from_nxd(nxd), f"quantization_block_size {block!r}", "two integers >= 1")
 
 
-def test_the_record_is_read_typed_or_refused_in_one_line(converted, tiny_dirs, tmp_path, one_line_error):
-    assert ConversionRecord.read(tiny_dirs["fp8"]) is None  # a raw checkpoint
+def test_the_record_is_read_typed_or_refused_in_one_line(converted, tiny, tmp_path, one_line_error):
+    assert ConversionRecord.read(tiny["fp8"]) is None  # a raw checkpoint
     assert ConversionRecord.read(tmp_path) is None  # no config.json at all
-    raw = json.loads((converted[("int4", "fp8-blockwise")] / "config.json").read_text())
+    raw = json.loads((converted[("int4", "fp8-blockwise")][0] / "config.json").read_text())
     for bad in ({**raw[CONVERSION_KEY], "layout_version": LAYOUT_VERSION + 1},
                 {**raw[CONVERSION_KEY], "experts": "fp8-per-channel"}):
         (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: bad}))

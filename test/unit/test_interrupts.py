@@ -69,9 +69,9 @@ def no_partial_files(folder: Path) -> None:
 # times 2: one stop delivered twice at once, as `timeout -s INT` does (to the child, then to its process group)
 @pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)],
                          ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
-def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny_dirs, tmp_path, capsys,
+def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny, tmp_path, capsys,
                                                                  one_line_error):
-    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+    src, dst = tiny["fp8"], tmp_path / "dst"
     rc, out, err = interrupt(tmp_path, sig, "kimi_k2_neuron.convert.converter:_Job._convert_unit", 3,
                              "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise",
                              times=times)
@@ -156,11 +156,11 @@ def test_an_unreadable_manifest_still_says_unfinished(tmp_path, one_line_error):
     # the logits complete in the temp file, not yet renamed: the interrupt removes it
     (signal.SIGINT, "safetensors.torch:save_file", 1),
 ], ids=["mid-forward", "while writing"])
-def test_interrupted_logits_leave_no_file(sig, target, nth, tiny_dirs, tmp_path):
+def test_interrupted_logits_leave_no_file(sig, target, nth, tiny, tmp_path):
     out = tmp_path / "out" / "l.safetensors"
     out.parent.mkdir()
     rc, stdout, err = interrupt(tmp_path, sig, target, nth, "kimi_k2_neuron.cli", "logits", "--model",
-                                str(tiny_dirs["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
+                                str(tiny["fp8"]), "--input-ids", "1,2,3", "--out", str(out))
     one_interrupt_line(sig, rc, err)
     assert stdout == "" and list(out.parent.iterdir()) == []
 
@@ -173,12 +173,13 @@ def _generated(model, *flags) -> dict:
     return json.loads(r.stdout)
 
 
-def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny_dirs, tmp_path):
+@pytest.mark.slow
+def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny, tmp_path):
     """One row streams: the first three tokens are on stdout while the run is still inside its fourth forward
     pass (the prefill, then two decode steps, each after a token); Ctrl-C then ends the line, keeping them, and the
     interrupt's one line follows on stderr."""
     marker = tmp_path / "marker"
-    argv = ["generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", "5,17,300", "--max-new-tokens", "8"]
+    argv = ["generate", "--model", str(tiny["fp8"]), "--input-ids", "5,17,300", "--max-new-tokens", "8"]
     proc = subprocess.Popen([sys.executable, str(PAUSE_CHILD), str(marker),
                              "kimi_k2_neuron.runtime.runner:CpuRunner.forward", "4", "kimi_k2_neuron.cli", *argv],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(SRC)})
@@ -192,24 +193,25 @@ def test_generate_streams_and_an_interrupt_keeps_what_was_generated(tiny_dirs, t
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)
-    want = _generated(tiny_dirs["fp8"], *argv[3:5], "--max-new-tokens", "3")["tokens"][0]
+    want = _generated(tiny["fp8"], *argv[3:5], "--max-new-tokens", "3")["tokens"][0]
     assert (so_far + (rest or b"")).decode() == ",".join(map(str, want)) + "\n"
     one_interrupt_line(signal.SIGINT, proc.returncode, err.decode())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--prompt", "hi"], ["--prompt", "hi", "--prompt", "a longer one"],
                                    ["--prompt", "hi", "--json"]], ids=["one row", "two rows", "json"])
-def test_an_interrupted_generate_prints_what_it_had_made(flags, tiny_dirs, tmp_path):
+def test_an_interrupted_generate_prints_what_it_had_made(flags, tiny, tmp_path):
     """Interrupted inside the third forward pass (after the prefill and one decode step; two prefills and one step
     for two rows), each row has its tokens so far: printed as the finished rows would be."""
     from kimi_k2_neuron.runtime.chat import display_text
 
     nth = 4 if flags.count("--prompt") == 2 else 3
     rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.runtime.runner:CpuRunner.forward", nth,
-                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny_dirs["fp8"]), *flags,
+                             "kimi_k2_neuron.cli", "generate", "--model", str(tiny["fp8"]), *flags,
                              "--max-new-tokens", "8")
     one_interrupt_line(signal.SIGINT, rc, err)
-    done = _generated(tiny_dirs["fp8"], *[f for f in flags if f != "--json"], "--max-new-tokens", "2")
+    done = _generated(tiny["fp8"], *[f for f in flags if f != "--json"], "--max-new-tokens", "2")
     assert all(len(t) == 2 for t in done["tokens"])
     if "--json" in flags:
         got = json.loads(out)
@@ -229,9 +231,9 @@ def test_demo_interrupted(tmp_path):
 # -- scripts -------------------------------------------------------------------------------------------------------
 
 
-def test_bench_mla_decode_interrupted(tiny_dirs, tmp_path):
+def test_bench_mla_decode_interrupted(tiny, tmp_path):
     rc, _, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.model.mla:MLAttention.forward", 2,
-                           str(SCRIPTS / "bench_mla_decode.py"), "--config", str(tiny_dirs["fp8"] / "config.json"),
+                           str(SCRIPTS / "bench_mla_decode.py"), "--config", str(tiny["fp8"] / "config.json"),
                            "--contexts", "64", "--repeats", "1")
     one_interrupt_line(signal.SIGINT, rc, err)
 

@@ -34,7 +34,8 @@ def test_a_rank_outside_its_group_is_refused():
 def test_the_position_map_is_one_map(group):
     """parallel.py's owner/slot of a position, the position a rank's slot holds and the entries a rank keeps of a
     stripe-aligned run agree: every position is held once, by its owner, at its slot."""
-    from kimi_k2_neuron.parallel import owner_of, slot_of, slot_positions, slots_for, stripe
+    from kimi_k2_neuron.parallel import owner_of, slot_of, slot_positions, stripe
+    from kimi_k2_neuron.placement import slots_for
 
     positions = torch.arange(40)
     owners, slots = owner_of(positions, group), slot_of(positions, group)

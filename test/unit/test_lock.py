@@ -27,8 +27,8 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != "conversion_manifest.json"}
 
 
-def test_a_second_conversion_into_the_same_dst_is_refused_naming_the_first(tiny_dirs, tmp_path, one_line_error):
-    src, dst = tiny_dirs["fp8"], tmp_path / "dst"
+def test_a_second_conversion_into_the_same_dst_is_refused_naming_the_first(tiny, tmp_path, one_line_error):
+    src, dst = tiny["fp8"], tmp_path / "dst"
     marker = tmp_path / "marker"
     # the first run, paused inside its second output file (the first one written, the manifest saying incomplete)
     first = subprocess.Popen([sys.executable, str(PAUSE_CHILD), str(marker),
@@ -62,19 +62,19 @@ def test_a_second_conversion_into_the_same_dst_is_refused_naming_the_first(tiny_
     assert _files(dst) == _files(tmp_path / "reference")
 
 
-def test_a_lock_left_by_a_killed_run_does_not_block(tiny_dirs, tmp_path):
+def test_a_lock_left_by_a_killed_run_does_not_block(tiny, tmp_path):
     """SIGKILL leaves the lock file, but the kernel released its lock with the process."""
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / LOCK_NAME).write_text('{"pid": 1, "host": "elsewhere", "since": "then"}')
-    assert convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False).files == 5
+    assert convert(tiny["fp8"], dst, "fp8-blockwise", progress=False).files == 5
     assert not (dst / LOCK_NAME).exists() and (dst / "config.json").is_file()
 
 
-def test_a_refused_conversion_leaves_no_folder(tiny_dirs, tmp_path, one_line_error):
+def test_a_refused_conversion_leaves_no_folder(tiny, tmp_path, one_line_error):
     """A run refused after it took the lock (here: DST holds another checkpoint's files) leaves DST as it was."""
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "notes.txt").write_text("mine")
-    one_line_error(lambda: convert(tiny_dirs["fp8"], dst, "fp8-blockwise", progress=False), "is not empty")
+    one_line_error(lambda: convert(tiny["fp8"], dst, "fp8-blockwise", progress=False), "is not empty")
     assert sorted(os.listdir(dst)) == ["notes.txt"]

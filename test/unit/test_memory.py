@@ -32,15 +32,16 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dirs):
+def reference(tiny):
     """transformers' DeepseekV3ForCausalLM logits of ROW (no memory limit in this process)."""
-    return hf_logits(hf_model(tiny_dirs["fp8"]), [ROW])[0]
+    return hf_logits(hf_model(tiny["fp8"]), [ROW])[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--layer-streamed"], ["--tp", "2"]], ids=["in-memory", "layer-streamed", "tp2"])
-def test_a_prompt_too_long_for_one_call_is_prefilled_in_chunks(tiny_dirs, tmp_path, reference, flags):
+def test_a_prompt_too_long_for_one_call_is_prefilled_in_chunks(tiny, tmp_path, reference, flags):
     out = tmp_path / "l.safetensors"
-    res = _cli("logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", ",".join(map(str, ROW)), "--out", str(out),
+    res = _cli("logits", "--model", str(tiny["fp8"]), "--input-ids", ",".join(map(str, ROW)), "--out", str(out),
                *flags)
     assert res.returncode == 0, res.stderr[-2000:]
     note = [line for line in res.stderr.splitlines() if line.startswith("note: a prefill of 4000 tokens")]
@@ -49,25 +50,26 @@ def test_a_prompt_too_long_for_one_call_is_prefilled_in_chunks(tiny_dirs, tmp_pa
     assert (ours - reference).abs().max() < 1e-3 * reference.abs().max()
 
 
-def test_generate_prefills_a_long_prompt_in_chunks(tiny_dirs, reference):
-    res = _cli("generate", "--model", str(tiny_dirs["fp8"]), "--input-ids", ",".join(map(str, ROW)),
+@pytest.mark.slow
+def test_generate_prefills_a_long_prompt_in_chunks(tiny, reference):
+    res = _cli("generate", "--model", str(tiny["fp8"]), "--input-ids", ",".join(map(str, ROW)),
                "--max-new-tokens", "1", "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "note: a prefill of 4000 tokens in one call" in res.stderr
     assert json.loads(res.stdout)["tokens"] == [[int(reference[-1].argmax())]]
 
 
-def test_the_nxdi_model_refuses_a_prefill_that_cannot_fit_before_any_work(tiny_dirs, tmp_path, one_line_error):
+def test_the_nxdi_model_refuses_a_prefill_that_cannot_fit_before_any_work(tiny, tmp_path, one_line_error):
     """NxDI's context encoding attends its whole bucket in one call; nothing can chunk it behind the user's back."""
-    res = _cli("logits", "--backend", "nxdi-cpu", "--model", str(tiny_dirs["fp8"]), "--input-ids",
+    res = _cli("logits", "--backend", "nxdi-cpu", "--model", str(tiny["fp8"]), "--input-ids",
                ",".join(map(str, ROW)), "--out", str(tmp_path / "l"))
     one_line_error.exit(res.returncode, res.stderr, "prefill: the attention of 4000 tokens over 4000 in one call",
                         "GiB available; give --prefill-chunk")
     assert not (tmp_path / "l").exists()
 
 
-def test_a_given_chunk_that_cannot_fit_is_refused_naming_one_that_does(tiny_dirs, tmp_path, one_line_error):
-    res = _cli("logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", ",".join(map(str, ROW)),
+def test_a_given_chunk_that_cannot_fit_is_refused_naming_one_that_does(tiny, tmp_path, one_line_error):
+    res = _cli("logits", "--model", str(tiny["fp8"]), "--input-ids", ",".join(map(str, ROW)),
                "--prefill-chunk", "4000", "--out", str(tmp_path / "l"))
     line = one_line_error.exit(res.returncode, res.stderr, "--prefill-chunk 4000: a chunk's attention over a prompt "
                                                            "of 4000 tokens needs ~1.0 GiB, more than half")
@@ -111,11 +113,11 @@ def test_the_address_space_limit_counts_per_rank():
     assert out.split() == ["True", "True"]
 
 
-def test_the_runner_chunks_on_its_own_when_nobody_chose(tiny_dirs, monkeypatch):
+def test_the_runner_chunks_on_its_own_when_nobody_chose(tiny, monkeypatch):
     """CpuRunner used as a library (prefill_chunk None) takes the same decision per request."""
     from kimi_k2_neuron.runtime.runner import CpuRunner
 
-    runner = CpuRunner(tiny_dirs["fp8"])
+    runner = CpuRunner(tiny["fp8"])
     seen = []
     forward = runner.forward
     monkeypatch.setattr(runner, "forward", lambda ids, *a, **k: seen.append(ids.shape[1]) or forward(ids, *a, **k))

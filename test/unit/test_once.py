@@ -4,8 +4,6 @@ converted one is needed; said before it starts, refused up front without the roo
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from collections import namedtuple
 from pathlib import Path
 
@@ -24,9 +22,9 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "converted"
 
 
-def test_a_raw_checkpoint_is_converted_once_into_the_cache_saying_so_first(tiny_dirs, tmp_path, cache, capsys):
+def test_a_raw_checkpoint_is_converted_once_into_the_cache_saying_so_first(tiny, tmp_path, cache, capsys):
     raw = tmp_path / "kimi"
-    shutil.copytree(tiny_dirs["fp8"], raw)
+    shutil.copytree(tiny["fp8"], raw)
     dst, record = ensure_converted(raw, "fp8-per-channel", workers=1)
     assert dst == converted_dir_for(raw, "fp8-per-channel") and dst.parent == cache
     assert dst.name.startswith("kimi-neuron-fp8-per-channel-")
@@ -40,29 +38,29 @@ def test_a_raw_checkpoint_is_converted_once_into_the_cache_saying_so_first(tiny_
     assert capsys.readouterr().err == ""  # reused in silence
 
 
-def test_the_planned_size_is_what_convert_writes(tiny_dirs, tmp_path, cache):
+def test_the_planned_size_is_what_convert_writes(tiny, tmp_path, cache):
     for quant in ("fp8", "int4", "bf16"):
-        dst, _ = ensure_converted(tiny_dirs[quant], "fp8-blockwise", workers=1)
+        dst, _ = ensure_converted(tiny[quant], "fp8-blockwise", workers=1)
         written = sum(p.stat().st_size for p in dst.glob("*.safetensors"))
-        planned = planned_bytes(tiny_dirs[quant], "fp8-blockwise")
+        planned = planned_bytes(tiny[quant], "fp8-blockwise")
         assert planned <= written <= planned + 5 * 16384, quant  # + each file's header (5 files)
 
 
-def test_without_the_room_it_is_refused_before_anything_is_written(tiny_dirs, tmp_path, cache, monkeypatch,
+def test_without_the_room_it_is_refused_before_anything_is_written(tiny, tmp_path, cache, monkeypatch,
                                                                    one_line_error):
     monkeypatch.setattr(once.shutil, "disk_usage", lambda p: namedtuple("U", "total used free")(10**12, 0, 1000))
-    line = one_line_error(lambda: ensure_converted(tiny_dirs["fp8"], "fp8-blockwise"), "--model",
+    line = one_line_error(lambda: ensure_converted(tiny["fp8"], "fp8-blockwise"), "--model",
                           "a raw checkpoint, to be converted once into", "GB free there; set KIMI_K2_NEURON_CACHE")
     assert "kimi-k2-neuron convert" in line and not cache.exists()
 
 
-def test_a_conversion_of_another_checkpoint_at_the_same_path_is_not_reused(tiny_dirs, tmp_path, cache,
+def test_a_conversion_of_another_checkpoint_at_the_same_path_is_not_reused(tiny, tmp_path, cache,
                                                                            one_line_error):
     raw = tmp_path / "kimi"
-    shutil.copytree(tiny_dirs["fp8"], raw)
+    shutil.copytree(tiny["fp8"], raw)
     dst, _ = ensure_converted(raw, "fp8-blockwise", workers=1)
     shutil.rmtree(raw)
-    shutil.copytree(tiny_dirs["int4"], raw)  # another checkpoint, downloaded to the same folder
+    shutil.copytree(tiny["int4"], raw)  # another checkpoint, downloaded to the same folder
     one_line_error(lambda: ensure_converted(raw, "fp8-blockwise"), str(dst), "holds another conversion")
 
 

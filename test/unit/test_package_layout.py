@@ -15,7 +15,7 @@ PACKAGE = REPO / "src" / "kimi_k2_neuron"
 # planner beside the rules it applies), its CPU verification harness, the commands; last the test fixtures no
 # command imports.
 STAGES = (
-    ("errors", "cache", "interrupts", "progress", "config"),
+    ("errors", "cache", "interrupts", "progress", "config", "placement"),
     ("quant",),
     ("formats",),
     ("checkpoint",),
@@ -69,6 +69,44 @@ def test_no_module_imports_from_a_later_stage():
         own = STAGE[module[1]]
         upward += [f"{'.'.join(module)} -> {top}" for top in _imported(path) if STAGE.get(top, -1) > own]
     assert upward == []
+
+
+def _imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules (dotted) `path` imports, anywhere in its body: a name imported from a package is its
+    module where one of that name exists."""
+    here, is_package = _module(path), path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or "" if node.level == 0 else ".".join(
+                (here if is_package else here[:-1])[: len(here) - node.level + is_package]
+                + ([node.module] if node.module else []))
+            found |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names}
+    return {m for m in found if m in modules and m != ".".join(here)}
+
+
+def test_no_import_cycle_anywhere():
+    """Not between stages (above), nor inside one: module by module, lazy imports included, a package's __init__
+    counted as importing nothing it merely re-exports lazily."""
+    paths = {".".join(_module(p)): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: _imported_modules(p, set(paths)) for m, p in paths.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, trail: list[str]) -> None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(" -> ".join(trail[trail.index(n):] + [n]))
+            elif n not in state:
+                visit(n, trail + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
 
 
 def _substantial(path: Path) -> bool:

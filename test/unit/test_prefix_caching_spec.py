@@ -1,7 +1,7 @@
 """--prefix-caching without NxD/NxDI: the flags -> RunSpec -> NxDI's block-layout NeuronConfig fields and 2D buckets,
-what the rules refuse, vLLM's request and the precompiled checks (vllm_request.py), and the planner's block pool and
-warm/cold turn (fit.py). The model through NxDI: test/nxdi_cpu/test_prefix_caching.py (and there, NxDI's own bucket
-choice against spec.prefix_caching_calls); through vLLM: test/nxdi_cpu/test_vllm_prefix_caching.py."""
+what the rules refuse, and the planner's block pool and warm/cold turn (fit.py); vLLM's request and the precompiled
+checks are test_vllm_request.py's. The model through NxDI: test/nxdi_cpu/test_prefix_caching.py (and there, NxDI's
+own bucket choice against spec.prefix_caching_calls); through vLLM: test/nxdi_cpu/test_vllm_prefix_caching.py."""
 
 from __future__ import annotations
 
@@ -12,19 +12,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from kimi_k2_neuron.arguments import Parser, add_spec_args
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.scheme import ExpertScheme, scheme_for
 from kimi_k2_neuron.launch import run_spec
-from kimi_k2_neuron.neuron import contract
-from kimi_k2_neuron.neuron import vllm_request as vr
+from kimi_k2_neuron.neuron import contract, rules
 from kimi_k2_neuron.neuron.fit import TURN, plan, turn_seconds
 from kimi_k2_neuron.neuron.hbm import block_bytes
-from kimi_k2_neuron.neuron.spec import DraftSpec, RunSpec, prefix_caching_buckets, prefix_caching_calls
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.neuron.spec import FLAG, DraftSpec, RunSpec, prefix_caching_buckets, prefix_caching_calls
+from kimi_k2_neuron.placement import Layout
 
 REPO = Path(__file__).resolve().parents[2]
 KIMI = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
@@ -53,7 +51,11 @@ def test_the_flags_make_the_runspecs_cache_fields(one_line_error):
     assert (s.prefix_caching, s.block_size, s.num_blocks, s.pool_blocks) == (True, 16, 300, 300)
     plain = run_spec(parse("--prefix-caching"))
     assert (plain.block_size, plain.pool_blocks) == (32, 1024 // 32)  # one full sequence per row by default
-    one_line_error(lambda: run_spec(parse("--block-size", "16")), "--block-size: only with --prefix-caching")
+    one_line_error(lambda: rules.check(kimi(), run_spec(parse("--block-size", "16"))),
+                   "--block-size 16: only with --prefix-caching")
+    # one entry each in spec.FLAGS: compile_and_save.py and plan take them, no CPU backend (vLLM's block tables)
+    assert {FLAG[f].group for f in ("--prefix-caching", "--block-size", "--num-blocks")} == {"cache"}
+    assert all(FLAG[f].taken == {"compile", "plan"} for f in ("--prefix-caching", "--block-size", "--num-blocks"))
 
 
 def test_the_neuron_config_is_nxdis_block_layout_with_the_pool_and_2d_buckets():
@@ -100,88 +102,32 @@ def test_a_turns_calls_are_nxdis_2d_buckets(cached_, new, chunk, calls):
     (dict(draft=DraftSpec(path="/d")), "--draft: not with --prefix-caching"),
 ])
 def test_what_the_block_layout_cannot_run_is_refused_in_one_line(over, needle, one_line_error):
-    one_line_error(lambda: contract.neuron_config_kwargs(kimi(), cached(**over)), needle)
+    one_line_error(lambda: rules.check(kimi(), cached(**over)), needle)
 
 
-def emulated(**over):
-    """A reloaded NeuronConfig's fields the enforcement reads (emulated; the real one: the tier)."""
-    spec = cached(tp=8, seq_len=1024, batch=2, moe_prefill="torch")
+def emulated(spec: RunSpec, **over):
+    """The NeuronConfig neuron_config_kwargs writes for `spec`, emulated (the real one: the tier)."""
     kw = contract.neuron_config_kwargs(kimi(), spec)
-    sampling = SimpleNamespace(**kw.pop("on_device_sampling_config"))
-    bmm = SimpleNamespace(**kw.pop("blockwise_matmul_config"))
-    return SimpleNamespace(**{**kw, "on_device_sampling_config": sampling, "blockwise_matmul_config": bmm,
-                              "max_length": 1024, "router_config": None, "is_chunked_prefill": False, **over})
+    fields = {k: SimpleNamespace(**v) if isinstance(v, dict) else v for k, v in kw.items()}
+    fields["blockwise_matmul_config"].parallelize_token_to_block_mapping = True
+    defaults = dict(moe_ep_degree=1, attention_dtype=None, async_mode=False, flash_decoding_enabled=False,
+                    max_length=spec.seq_len, router_config=None, is_chunked_prefill=False)
+    return SimpleNamespace(**{**defaults, **fields, **over})
 
 
-def test_a_reloaded_block_layout_is_enforced_and_its_halves_go_together(one_line_error):
-    contract.enforce_neuron_config(emulated(), kimi(), Layout())
-    one_line_error(lambda: contract.enforce_neuron_config(emulated(is_prefix_caching=False), kimi(), Layout()),
-                   "is_block_kv_layout=True with is_prefix_caching=False")
-    one_line_error(lambda: contract.enforce_neuron_config(emulated(is_chunked_prefill=True), kimi(), Layout()),
+def test_a_reloaded_block_layout_is_enforced_field_by_field(one_line_error):
+    spec = cached(tp=8, seq_len=1024, batch=2, moe_prefill="torch")
+    derived = contract.derived_fields(kimi(), spec)
+
+    def enforce(**over):
+        contract.enforce_neuron_config(emulated(spec, **over), spec, emulated(spec), derived)
+
+    enforce()
+    one_line_error(lambda: enforce(is_prefix_caching=False),
+                   "is_prefix_caching=False (the run spec kimi_k2_run_spec implies True)")
+    one_line_error(lambda: enforce(pa_num_blocks=33), "pa_num_blocks=33 (the run spec kimi_k2_run_spec implies 65)")
+    one_line_error(lambda: enforce(is_chunked_prefill=True),
                    "is_chunked_prefill=True (NxDI's application raises NotImplementedError")
-
-
-# -- vLLM's request -----------------------------------------------------------------------------------------------
-
-def vllm_request(**over):
-    fields = dict(tp_degree=64, batch_size=4, ctx_batch_size=1, seq_len=2048, max_context_length=2048,
-                  torch_dtype=torch.bfloat16, logical_nc_config=2, moe_ep_degree=1, is_continuous_batching=True,
-                  on_device_sampling_config=SimpleNamespace(dynamic=True, global_topk=256), is_prefix_caching=True,
-                  is_block_kv_layout=True, pa_block_size=32, pa_num_blocks=257, is_chunked_prefill=False,
-                  on_cpu=False, quantized=False)
-    return SimpleNamespace(**{**fields, **over})
-
-
-def record():
-    from kimi_k2_neuron.formats.record import LAYOUT_VERSION, ConversionRecord
-
-    nxd = PER_CHANNEL.nxd(kimi().moe_intermediate_size)
-    return ConversionRecord.from_json({"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": nxd},
-                                      "config.json")
-
-
-def test_vllms_prefix_caching_request_is_the_block_layout_at_its_pool():
-    """--enable-prefix-caching --block-size 32 --num-gpu-blocks-override 256 (vllm-neuron passes 257: its null
-    block)."""
-    r = vr.spec_of_request(kimi(), vllm_request(), record(), "/c")
-    assert (r.prefix_caching, r.block_size, r.pool_blocks) == (True, 32, 256)
-    assert contract.neuron_config_kwargs(kimi(), r)["pa_num_blocks"] == 257
-    assert vr.describe(vllm_request()).endswith("--enable-prefix-caching --block-size 32 --num-gpu-blocks-override 256")
-    assert vr.cache_flags(r) == ["--enable-prefix-caching", "--block-size", "32", "--num-gpu-blocks-override", "256",
-                                 "--enable-prompt-tokens-details"]
-    assert vr.cache_flags(RunSpec(batch=3)) == ["--no-enable-prefix-caching", "--num-gpu-blocks-override", "3"]
-
-
-@pytest.mark.parametrize("over,needle", [
-    (dict(pa_num_blocks=128), "--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs x "
-                              "--max-model-len / --block-size = 256"),
-    (dict(is_prefix_caching=False), "a block KV layout without prefix caching"),
-    (dict(is_chunked_prefill=True, batch_size=1), "NxDI's application raises NotImplementedError for it; unset "
-                                                  "DISABLE_NEURON_CUSTOM_SCHEDULER"),
-])
-def test_what_vllms_request_cannot_get_is_refused_in_one_line(over, needle, one_line_error):
-    one_line_error(lambda: vr.spec_of_request(kimi(), vllm_request(**over), record(), "/c"), needle)
-
-
-COMPILED = dict(tp_degree=64, max_batch_size=4, seq_len=2048, max_context_length=2048, is_continuous_batching=True,
-                ctx_batch_size=1, on_device_sampling_config=SimpleNamespace(dynamic=True), is_prefix_caching=True,
-                pa_block_size=32, pa_num_blocks=257)
-
-
-@pytest.mark.parametrize("request_over,compiled_over,needle", [
-    ({}, {}, None),
-    ({}, dict(max_context_length=512), None),  # the chunks prefill a longer prompt
-    (dict(pa_num_blocks=201, batch_size=2), {}, None),  # a smaller pool: vLLM's block ids stay inside
-    ({}, dict(is_prefix_caching=False), "--enable-prefix-caching, compiled without the block KV layout"),
-    (dict(is_prefix_caching=False, is_block_kv_layout=False), {}, "compiled with --prefix-caching (the block KV "
-                                                                  "layout, --block-size 32), served without"),
-    (dict(pa_block_size=16, pa_num_blocks=257, batch_size=2), {}, "--block-size 16, compiled for 32"),
-    (dict(pa_num_blocks=301), {}, "--num-gpu-blocks-override 300 > the compiled pool of 256 blocks"),
-])
-def test_a_precompiled_folder_serves_prefix_caching_only_with_its_blocks(request_over, compiled_over, needle):
-    r = vr.spec_of_request(kimi(), vllm_request(**request_over), record(), "/c")
-    bad = vr.compiled_mismatches(r, SimpleNamespace(**{**COMPILED, **compiled_over}))
-    assert bad == [] if needle is None else (len(bad) == 1 and needle in bad[0]), bad
 
 
 # -- the planner ------------------------------------------------------------------------------------------------------

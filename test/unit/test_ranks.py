@@ -97,11 +97,12 @@ def test_a_crash_after_the_work_is_a_note_not_a_failure(capfd):
     assert "note: rank 1 finished its work, then died from signal SIGABRT while exiting" in capfd.readouterr().err
 
 
-def test_a_bad_input_in_a_rank_is_the_cli_one_line_error(tiny_dirs, tmp_path, capsys):
+@pytest.mark.slow
+def test_a_bad_input_in_a_rank_is_the_cli_one_line_error(tiny, tmp_path, capsys):
     from kimi_k2_neuron.cli import main
 
     # A shape mismatch only the weights show, so the ranks find it after the CLI's own checks have passed.
-    d = Path(shutil.copytree(tiny_dirs["int4"], tmp_path / "bad"))
+    d = Path(shutil.copytree(tiny["int4"], tmp_path / "bad"))
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "moe_intermediate_size": 96}))
     rc = main(["logits", "--model", str(d), "--input-ids", "1,2,3", "--tp", "2", "--out", str(tmp_path / "l")])
@@ -131,9 +132,10 @@ def start_tp_logits(model: Path, out: Path) -> tuple[subprocess.Popen, list[psut
 
 
 # SIGINT takes SIGTERM's path (one handler for both), so it is left out to save a model load per run.
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
-def test_no_rank_outlives_a_stopped_parent(tiny_dirs, tmp_path, sig):
-    p, children = start_tp_logits(tiny_dirs["int4"], tmp_path / "l")
+def test_no_rank_outlives_a_stopped_parent(tiny, tmp_path, sig):
+    p, children = start_tp_logits(tiny["int4"], tmp_path / "l")
     p.send_signal(sig)
     rc = p.wait(30)
     _, alive = psutil.wait_procs(children, timeout=30)

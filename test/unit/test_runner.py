@@ -14,9 +14,9 @@ ROW = [5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31]
 ROWS = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511], [400, 3, 3, 3, 260, 100, 2, 90, 91, 92]]
 
 
-def test_batch_rows_at_different_positions(tiny_dirs):
+def test_batch_rows_at_different_positions(tiny):
     """Rows with prompts of different lengths decode together; each must equal its own batch-1 run."""
-    r = CpuRunner(tiny_dirs["int4"])
+    r = CpuRunner(tiny["int4"])
     prompts = [ROW[:3], ROW[:9], ROW[2:7]]
     batched = r.generate(prompts, max_new_tokens=6)
     for p, toks in zip(prompts, batched.tokens):
@@ -35,10 +35,10 @@ def test_batch_rows_at_different_positions(tiny_dirs):
         assert (both[i] - solo[i]).abs().max() / solo[i].abs().max() < 1e-5
 
 
-def test_chunked_prefill_equals_one_shot_prefill(tiny_dirs):
+def test_chunked_prefill_equals_one_shot_prefill(tiny):
     """A 14-token prompt in calls of 4 (3.5 chunks: each attends to the cache so far and causally within itself) gives
     the one-shot prefill's logits at every position and the same cache; generation from it the same tokens."""
-    one_shot, chunked = CpuRunner(tiny_dirs["int4"]), CpuRunner(tiny_dirs["int4"], prefill_chunk=4)
+    one_shot, chunked = CpuRunner(tiny["int4"]), CpuRunner(tiny["int4"], prefill_chunk=4)
     ids, pos = torch.tensor([ROW + [2, 3]]), torch.arange(14)[None]
     caches = [r.new_cache(1, 14) for r in (one_shot, chunked)]
     want = one_shot.prefill(ids, pos, caches[0].layers)
@@ -51,8 +51,8 @@ def test_chunked_prefill_equals_one_shot_prefill(tiny_dirs):
     assert chunked.generate(prompts, 4).tokens == one_shot.generate(prompts, 4).tokens
 
 
-def test_generation_stops_on_stop_ids(tiny_dirs):
-    r = CpuRunner(tiny_dirs["fp8"])
+def test_generation_stops_on_stop_ids(tiny):
+    r = CpuRunner(tiny["fp8"])
     free = r.generate([ROW[:4]], max_new_tokens=8).tokens[0]
     stop = free[2]
     cut = r.generate([ROW[:4]], max_new_tokens=8, stop_ids={stop}).tokens[0]
@@ -66,9 +66,9 @@ def test_decode_throughput_counts_only_the_tokens_rows_got():
     assert GenerationResult([[1, 2, 3], [4]], 0.1, 0.5, 2).decode_tokens_per_second == 4.0
 
 
-def test_layer_streamed_equals_in_memory(tiny_dirs):
-    mem = CpuRunner(tiny_dirs["fp8"]).logits(ROWS, 6)
-    streamed = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)
+def test_layer_streamed_equals_in_memory(tiny):
+    mem = CpuRunner(tiny["fp8"]).logits(ROWS, 6)
+    streamed = CpuRunner(tiny["fp8"], layer_streamed=True)
     layers = streamed.model.model.layers
     assert all(p.is_meta for p in layers.parameters())  # nothing resident between calls
     resident = []  # while each layer runs, how many layers hold real weights
@@ -79,11 +79,11 @@ def test_layer_streamed_equals_in_memory(tiny_dirs):
     assert resident and max(resident) == 1  # peak: one decoder layer (plus embeddings, lm_head, KV cache)
 
 
-def test_layer_streamed_shows_progress_with_throughput_and_eta(tiny_dirs, capsys, monkeypatch):
+def test_layer_streamed_shows_progress_with_throughput_and_eta(tiny, capsys, monkeypatch):
     from kimi_k2_neuron import progress
 
     monkeypatch.setattr(progress, "LOG_SECONDS", 0.0)  # capsys is a log: lines from the first second on
-    r = CpuRunner(tiny_dirs["bf16"], layer_streamed=True, progress=True)
+    r = CpuRunner(tiny["bf16"], layer_streamed=True, progress=True)
     r.logits([[1, 2, 3, 4]], prefill_len=2)  # one prefill + two decode passes over 3 layers
     err = capsys.readouterr().err
     assert re.search(r"logits: 3 passes x 3 layers: .*\d+/9 \[[0-9:]+<[0-9:?]+, *[0-9.?]+ ?layer/s\]", err), err
@@ -92,8 +92,8 @@ def test_layer_streamed_shows_progress_with_throughput_and_eta(tiny_dirs, capsys
 # -- requests refused before any work ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def runner(tiny_dirs):
-    return CpuRunner(tiny_dirs["int4"])
+def runner(tiny):
+    return CpuRunner(tiny["int4"])
 
 
 @pytest.mark.parametrize("rows, needles", [
@@ -124,8 +124,8 @@ def test_more_positions_than_the_model_has(ckpt, call, needles, one_line_error):
     one_line_error(lambda: call(CpuRunner(d)), *needles)
 
 
-def test_bad_prefill_chunk(tiny_dirs, one_line_error):
-    one_line_error(lambda: CpuRunner(tiny_dirs["int4"], prefill_chunk=0), "--prefill-chunk 0", "expected an integer")
+def test_bad_prefill_chunk(tiny, one_line_error):
+    one_line_error(lambda: CpuRunner(tiny["int4"], prefill_chunk=0), "--prefill-chunk 0", "expected an integer")
 
 
 def test_bad_prefill_len(runner, one_line_error):
@@ -133,8 +133,8 @@ def test_bad_prefill_len(runner, one_line_error):
     one_line_error(lambda: runner.logits([[1, 2, 3]], prefill_len=-1), "--prefill-len -1")
 
 
-def test_bad_input_ids_streamed(tiny_dirs, one_line_error):
-    r = CpuRunner(tiny_dirs["fp8"], layer_streamed=True)
+def test_bad_input_ids_streamed(tiny, one_line_error):
+    r = CpuRunner(tiny["fp8"], layer_streamed=True)
     one_line_error(lambda: r.logits([[1, 2, 100_000]]), "token 100000", "outside the vocabulary")
 
 

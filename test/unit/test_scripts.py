@@ -57,9 +57,9 @@ def test_compile_checks_the_fit_before_anything_else(tmp_path):
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
 
-def test_compile_checks_its_output_folder_first(tiny_dirs, tmp_path, one_line_error):
+def test_compile_checks_its_output_folder_first(tiny, tmp_path, one_line_error):
     (tmp_path / "file").write_text("")
-    r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "file" / "c"), "--tp", "2",
+    r = _compile("--model", str(tiny["fp8"]), "--out", str(tmp_path / "file" / "c"), "--tp", "2",
                  cache=tmp_path / "cache")
     one_line_error.exit(r.returncode, r.stderr, "--out", "is a file")
     assert not (tmp_path / "cache").exists()  # nothing converted
@@ -81,24 +81,25 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     assert want.summary() in r.stdout, r.stdout + r.stderr
 
 
-def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny_dirs, tmp_path):
+def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny, tmp_path):
     if not sdk.missing_neuron_packages():
         pytest.skip("the Neuron SDK is importable here")
     # torch: the tiny model is below the prefill kernels' shapes
-    r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--moe-prefill", "torch")
+    r = _compile("--model", str(tiny["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--moe-prefill", "torch")
     assert r.returncode == 2 and "(fits)" in r.stdout, r.stdout + r.stderr
     assert r.stderr.startswith("error: kimi_k2_neuron.neuron needs the AWS Neuron SDK"), r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"],
                                    ["--shard-attn-a"], ["--shard-router"], ["--kv-shard", "sequence"],
                                    ["--prefill-chunk", "16"]],
                          ids=["output-logits", "no-on-device-sampling", "max-context-length", "shard-attn-a",
                               "shard-router", "kv-shard", "prefill-chunk"])
-def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny_dirs, tmp_path, one_line_error, flags):
+def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny, tmp_path, one_line_error, flags):
     """vllm-neuron prefills up to --max-model-len in one call and samples on the device, and builds the model from its
     own request, which carries no weight layout: refused before anything."""
-    r = _compile("--model", str(tiny_dirs["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "32",
+    r = _compile("--model", str(tiny["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "32",
                  "--moe-prefill", "torch", "--for-vllm", *flags)
     one_line_error.exit(r.returncode, r.stderr, flags[0], "not with --for-vllm")
 
@@ -318,7 +319,7 @@ SCRIPT_BAD_ARGS = [
     ("bench_tpot", ["--compiled", "{tmp}", "--report", "{tmp}"], "is a directory, expected a file"),
     ("bench_tpot", ["--compiled", "{tmp}", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
     ("bench_tpot", ["--cpu", "--model", "/nonexistent"], "/nonexistent: config.json not found"),
-    ("bench_tpot", ["--compiled", "{tmp}", "--tp", "2"], "--tp: only with --cpu"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--tp", "2"], "--tp 2: only with --cpu (a compiled folder has its own)"),
     ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "abc"],
      "--context-lengths: expected comma-separated integers >= 2, got 'abc'"),
     ("bench_tpot", ["--compiled", "{tmp}", "--context-lengths", "1024,1"],
@@ -349,7 +350,7 @@ SCRIPT_BAD_ARGS = [
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--temperature", "nan"], "--temperature"),
     # a compiled folder carries its own layout; with --cpu the flags follow the CLI's rules
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--prefill-chunk", "8"],
-     "--prefill-chunk 8: only with --cpu (a compiled folder has its own layout)"),
+     "--prefill-chunk 8: only with --cpu (a compiled folder has its own)"),
     ("bench_tpot", ["--compiled", "{tmp}", "--shard-router"], "--shard-router: only with --cpu"),
     ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--tp", "4", "--kv-shard", "sequence",
                        "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
@@ -361,8 +362,8 @@ SCRIPT_BAD_ARGS = [
 @pytest.mark.parametrize("name, argv, words", SCRIPT_BAD_ARGS,
                          ids=[f"{n} {' '.join(a)}"[:60] for n, a, _ in SCRIPT_BAD_ARGS])
 def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tmp_path, capsys, monkeypatch,
-                                                           one_line_error, tiny_dirs):
+                                                           one_line_error, tiny):
     _parser(name, monkeypatch)
-    rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny_dirs["fp8"]) for a in argv], capsys)
+    rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny["fp8"]) for a in argv], capsys)
     one_line_error.exit(rc, err, words)
     assert out == "" and list(tmp_path.iterdir()) == []

@@ -107,6 +107,7 @@ def _plan_json(capsys, *args) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_the_docs_table_of_layouts_by_time_is_what_plan_best_chooses(capsys):
     rows = _table("**The layout by time**")
     assert len(rows) == 4

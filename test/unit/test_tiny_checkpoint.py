@@ -14,8 +14,8 @@ from kimi_k2_neuron.tiny.checkpoint import LAYOUTS, make_tiny
 from kimi_k2_neuron.tiny.tokenizer_files import tiny_special_id
 
 
-def test_fp8_tiny_layout(tiny_dirs):
-    d = tiny_dirs["fp8"]
+def test_fp8_tiny_layout(tiny):
+    d = tiny["fp8"]
     ck, cfg = ShardedCheckpoint(d), KimiK2Config.from_file(d)
     assert cfg.quant.method == "fp8" and len(ck.shard_names()) == 3
     w = ck.info("model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
@@ -31,8 +31,8 @@ def test_fp8_tiny_layout(tiny_dirs):
     assert len(shards) == 2  # one layer's experts span two files
 
 
-def test_int4_tiny_layout(tiny_dirs):
-    ck = ShardedCheckpoint(tiny_dirs["int4"])
+def test_int4_tiny_layout(tiny):
+    ck = ShardedCheckpoint(tiny["int4"])
     p = "model.layers.2.mlp.experts.5.down_proj."
     assert ck.info(p + "weight_packed").dtype == torch.int32
     assert ck.info(p + "weight_scale").dtype == torch.bfloat16
@@ -44,8 +44,8 @@ def test_int4_tiny_layout(tiny_dirs):
     assert ck.info("model.layers.2.self_attn.o_proj.weight").dtype == torch.bfloat16
 
 
-def test_tiny_tokenizer_matches_config(tiny_dirs):
-    d = tiny_dirs["bf16"]
+def test_tiny_tokenizer_matches_config(tiny):
+    d = tiny["bf16"]
     tok, cfg = KimiTokenizer.from_dir(d), KimiK2Config.from_file(d)
     assert tok.vocab_size == cfg.vocab_size
     assert tok.eos_id in cfg.eos_token_ids and tok.bos_id == cfg.bos_token_id

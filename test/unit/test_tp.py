@@ -16,10 +16,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.model.router import NoAuxTcRouter
-from kimi_k2_neuron.parallel import Layout, ParallelContext
+from kimi_k2_neuron.parallel import ParallelContext
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.ranks import run_ranks
 from kimi_k2_neuron.runtime.runner import CpuRunner
 from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
+
+pytestmark = pytest.mark.slow  # every test here spawns ranks
 
 ROWS = [[5, 17, 300, 42, 256, 9], [400, 3, 3, 260, 100, 2]]
 LONG = [[5, 17, 300, 42, 256, 9, 77, 123, 8, 511, 30, 31, 2, 3, 99, 98, 97, 11, 12, 60],
@@ -33,28 +36,28 @@ def rel_err(ours, ref):
     return ((ours - ref).abs()[real].max() / ref[real].abs().max()).item()
 
 
-def test_cli_logits_tp2_equals_tp1(tiny_dirs, tmp_path):
+def test_cli_logits_tp2_equals_tp1(tiny, tmp_path):
     out = tmp_path / "tp2.safetensors"
     ids = ";".join(",".join(map(str, r)) for r in ROWS)
-    assert main(["logits", "--model", str(tiny_dirs["int4"]), "--input-ids", ids, "--prefill-len", "3",
+    assert main(["logits", "--model", str(tiny["int4"]), "--input-ids", ids, "--prefill-len", "3",
                  "--tp", "2", "--out", str(out)]) == 0
     tp2 = load_file(out)["logits"]
-    tp1 = CpuRunner(tiny_dirs["int4"]).logits(ROWS, 3)
+    tp1 = CpuRunner(tiny["int4"]).logits(ROWS, 3)
     assert (tp2 - tp1).abs().max() / tp1.abs().max() < 1e-5
 
 
-def test_cli_logits_with_the_sequence_sharded_cache_at_tp2_equal_tp1_and_transformers(tiny_dirs, tmp_path):
+def test_cli_logits_with_the_sequence_sharded_cache_at_tp2_equal_tp1_and_transformers(tiny, tmp_path):
     """`logits --tp 2 --kv-shard sequence --prefill-chunk 2` on ragged rows (each run on its own, prefilled in 3.5
     chunks, then 13 and 12 tokens through the decode path): the TP=1 replicated one-shot logits, and transformers'."""
     from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
     out = tmp_path / "tp2.safetensors"
     ids = ";".join(",".join(map(str, r)) for r in LONG)
-    assert main(["logits", "--model", str(tiny_dirs["int4"]), "--input-ids", ids, "--prefill-len", "7",
+    assert main(["logits", "--model", str(tiny["int4"]), "--input-ids", ids, "--prefill-len", "7",
                  "--tp", "2", "--kv-shard", "sequence", "--prefill-chunk", str(CHUNK), "--out", str(out)]) == 0
     tp2 = load_file(out)["logits"]
-    assert rel_err(tp2, CpuRunner(tiny_dirs["int4"]).logits(LONG, 7)) < 1e-4
-    hf = hf_model(tiny_dirs["int4"])
+    assert rel_err(tp2, CpuRunner(tiny["int4"]).logits(LONG, 7)) < 1e-4
+    hf = hf_model(tiny["int4"])
     for r, row in enumerate(LONG):
         assert rel_err(tp2[r, :len(row)], hf_logits(hf, [row], 7)[0]) < 1e-3
 
@@ -102,7 +105,7 @@ def sharded_rank(rank, tp, model_dir, rows, out_dir):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
+def test_sequence_sharded_cache_on_a_ragged_batch(tiny, tmp_path, tp):
     """TP=2 and 4 with one KV group of all ranks (at TP=4 one head per rank, as Kimi at TP=64), and at TP=4 also two
     groups of 2 (each holding a whole copy of the sequence); each with its chunks merged over the whole group and over
     fewer ranks pooling their caches (layouts()); prefill in chunks of 2, then two rows at different
@@ -112,7 +115,7 @@ def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
     from kimi_k2_neuron.runtime.ranks import run_ranks
     from kimi_k2_neuron.tiny.transformers_oracle import hf_logits, hf_model
 
-    ckpt = tiny_dirs["int4"]
+    ckpt = tiny["int4"]
     run_ranks(sharded_rank, tp, args=(tp, str(ckpt), LONG, str(tmp_path)))
     ranks = [load_file(tmp_path / f"rank{r}.safetensors") for r in range(tp)]
     want, ref = ragged_batch(CpuRunner(ckpt), LONG)
@@ -133,8 +136,8 @@ def test_sequence_sharded_cache_on_a_ragged_batch(tiny_dirs, tmp_path, tp):
                     assert not held[i, ~written].any()
 
 
-def test_tp_that_does_not_divide_is_refused(tiny_dirs, tmp_path, capsys):
-    rc = main(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "1,2", "--tp", "3",
+def test_tp_that_does_not_divide_is_refused(tiny, tmp_path, capsys):
+    rc = main(["logits", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--tp", "3",
                "--out", str(tmp_path / "x.safetensors")])
     assert rc == 2 and "num_attention_heads=4 is not divisible by 3" in capsys.readouterr().err
 
@@ -142,19 +145,19 @@ def test_tp_that_does_not_divide_is_refused(tiny_dirs, tmp_path, capsys):
 # -- q_a/kv_a and the router split across the ranks (--shard-attn-a, --shard-router) ------------------------------
 
 @pytest.fixture(scope="module")
-def hf_fp8(tiny_dirs):
-    return hf_model(tiny_dirs["fp8"])
+def hf_fp8(tiny):
+    return hf_model(tiny["fp8"])
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_cli_logits_with_sharded_attn_a_and_router_equal_tp1_and_transformers(tiny_dirs, hf_fp8, tmp_path, tp):
+def test_cli_logits_with_sharded_attn_a_and_router_equal_tp1_and_transformers(tiny, hf_fp8, tmp_path, tp):
     """Each rank computes its rows of q_a/kv_a and its experts' router logits, all-gathered: the logits are the
     single rank's (float32, 1e-4) and transformers' DeepseekV3 (1e-3, as test_model_vs_transformers)."""
     out = tmp_path / f"tp{tp}.safetensors"
-    assert main(["logits", "--model", str(tiny_dirs["fp8"]), "--input-ids", "5,17,300,42,256,9;400,3,3,260,100,2",
+    assert main(["logits", "--model", str(tiny["fp8"]), "--input-ids", "5,17,300,42,256,9;400,3,3,260,100,2",
                  "--prefill-len", "3", "--tp", str(tp), "--shard-attn-a", "--shard-router", "--out", str(out)]) == 0
     got = load_file(out)["logits"]
-    want = CpuRunner(tiny_dirs["fp8"]).logits(ROWS, 3)
+    want = CpuRunner(tiny["fp8"]).logits(ROWS, 3)
     assert (got - want).abs().max() / want.abs().max() < 1e-4
     ref = hf_logits(hf_fp8, ROWS, 3)
     assert (got - ref).abs().max() / ref.abs().max() < 1e-3
@@ -190,13 +193,13 @@ def _by_expert(weights, ids):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_the_sharded_router_selects_the_same_experts_on_every_rank(tiny_dirs, hf_fp8, tmp_path, tp):
+def test_the_sharded_router_selects_the_same_experts_on_every_rank(tiny, hf_fp8, tmp_path, tp):
     """Each rank holds 8 / tp of the 8 experts' router rows; the gathered float32 logits make every rank's choice
     and combine weights bitwise the same, and for every token of every call the chosen experts are those of the
     replicated router at TP=1 and of transformers' DeepseekV3TopkRouter (same prompt, same prefill/decode calls)."""
-    run_ranks(_record_routing, tp, args=(tp, str(tiny_dirs["fp8"]), str(tmp_path)))
+    run_ranks(_record_routing, tp, args=(tp, str(tiny["fp8"]), str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tp)]
-    single = CpuRunner(tiny_dirs["fp8"])
+    single = CpuRunner(tiny["fp8"])
     want, full = _routing_calls(single.model, NoAuxTcRouter)
     single.logits(ROWS, 3)
     hf, _ = _routing_calls(hf_fp8, DeepseekV3TopkRouter)

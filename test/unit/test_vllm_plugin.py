@@ -46,4 +46,4 @@ def test_the_docs_say_where_vllm_and_vllm_neuron_come_from_on_a_neuron_image():
     assert "pip show vllm vllm-neuron" in section and "ls /opt | grep -i vllm" in section
     for page in ("quickstart-vllm-offline-serving.html", "vllm-user-guide-v1.html", "environments/dlami.html",
                  "vllm-neuron/docs/getting-started/setup-guide.html"):
-        assert f"https://awsdocs-neuron.readthedocs-hosted.com/en/" in section and page in section, page
+        assert "https://awsdocs-neuron.readthedocs-hosted.com/en/" in section and page in section, page

@@ -51,8 +51,10 @@ class Eagle3Draft:
     rope_theta: float
     max_position_embeddings: int
     has_embedding: bool = True  # False: the target's embed_tokens is used
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
-    stored: dict = field(default_factory=dict, compare=False, repr=False)  # NxDI name -> stored name
+    # read from the folder each time, never saved with a run spec (spec.RunSpec.to_json)
+    raw: dict = field(default_factory=dict, compare=False, repr=False, metadata={"saved": False})
+    stored: dict = field(default_factory=dict, compare=False, repr=False,
+                         metadata={"saved": False})  # NxDI name -> stored name
 
     @property
     def weight_bytes(self) -> int:

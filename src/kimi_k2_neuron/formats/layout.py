@@ -129,7 +129,7 @@ def module_key(key: str) -> str:
     return key.removeprefix("model.").replace("." + _ROUTER, ".mlp.router.")
 
 
-# The Neuron shell's layers that exist under one serving option only (parallel.Layout); the converted
+# The Neuron shell's layers that exist under one serving option only (placement.Layout); the converted
 # checkpoint keeps its own names and the shell's state dict maps them (neuron/NXDI_CONTRACT.md: gathered-linear).
 ATTENTION_A = ("q_a_proj", "kv_a_proj_with_mqa")  # fused in this order (the core's split [q_lora_rank | latent])
 FUSED_ATTENTION_A = "q_kv_a_proj"  # --shard-attn-a: one column-parallel layer, one all-gather

@@ -6,7 +6,9 @@ one each rank pools its chunk group's caches, attends them and its share of the 
 merged across that group, and writes the chunk entries it owns (NXDI_CONTRACT.md: fd-chunk, chunk-groups). The
 graph's size does not grow with the prompt (NXDI_CONTRACT.md: chunk-submodel).
 
-Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called.
+Pure helpers first (no SDK); the wrapper factory, the chunk's forward and the driver import NxDI when called; last,
+the parts the model and the application are built with (ChunkedPrefillModel, ChunkedPrefill), which modeling.py
+composes.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from kimi_k2_neuron.parallel import slot_of, slot_positions, stripe
 
-from .contract import layout_of
+from .contract import run_spec
 
 CHUNK_MODEL_TAG = "chunked_prefill_model"
 
@@ -103,7 +105,7 @@ def enable_chunked_prefill(app, **model_init_kwargs) -> None:
     config = copy.deepcopy(app.config)
     nc = config.neuron_config
     nc.batch_size = 1
-    nc.n_active_tokens = layout_of(app.config).prefill_chunk
+    nc.n_active_tokens = run_spec(app.config).layout.prefill_chunk
     nc.bucket_n_active_tokens = False
     nc.is_prefill_stage = True
     nc.sequence_parallel_enabled = False
@@ -151,7 +153,7 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
     prior, active = chunk_masks(position_ids, cache_len, group, rank)
     hidden, new_kv = model.get_model_output(
         input_ids=input_ids, seq_ids=seq_ids, attention_mask=prior, position_ids=position_ids, active_mask=active,
-        is_for_context_encoding=False, is_for_speculation=True, update_cache=False, kimi_chunk=True)
+        is_for_context_encoding=False, is_for_speculation=True, update_cache=False)
     cache = model.kv_mgr.past_key_values  # K of layer i at 2i, V at 2i + 1 (NXDI_CONTRACT.md: chunk-submodel)
     if 2 * len(new_kv) != len(cache):
         raise RuntimeError(f"{len(new_kv)} layers' entries, the manager holds {len(cache)} cache tensors")
@@ -173,15 +175,14 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
 
 def takes(app, input_ids, position_ids) -> bool:
     """A prefill wider than the chunk; anything else is NxDI's own dispatch (NXDI_CONTRACT.md: private-members)."""
-    chunk = layout_of(app.config).prefill_chunk
-    return (bool(chunk) and not app.neuron_config.is_prefix_caching and input_ids.shape[-1] > chunk
-            and app._is_prefill(position_ids))
+    spec = run_spec(app.config)
+    return spec.chunk_submodel and input_ids.shape[-1] > spec.layout.prefill_chunk and app._is_prefill(position_ids)
 
 
 def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_params):
     """Row by row: the CTE on the first N tokens, then the chunk submodel; the KV shared after every call in CPU mode.
     -> (NxDI's outputs of a prefill: each row's last output, then the cache; is_run_on_neuron)."""
-    chunk = layout_of(app.config).prefill_chunk
+    chunk = run_spec(app.config).layout.prefill_chunk
     lengths = attention_mask.sum(-1).tolist()
     on_neuron = app.context_encoding_model.is_neuron()
     nc = app.neuron_config
@@ -208,3 +209,41 @@ def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_para
     if on_neuron:
         return (heads[0] if front == 1 else heads), True
     return [*heads, *out[front:]], False
+
+
+# -- the parts of the model and the application (modeling.py composes them) ----------------------------------------
+
+class ChunkedPrefillModel:
+    """The model's part: built as the chunk submodel (chunk=True, as enable_chunked_prefill asks), its decoder layers
+    attend as a chunk and its forward is chunk_forward."""
+
+    def __init__(self, config, optimize_inference: bool = True, chunk: bool = False):
+        self.chunk = chunk  # before NxDI's __init__ builds the layers (init_model)
+        super().__init__(config, optimize_inference)
+
+    def attention_kind(self, config) -> str:
+        from .base import CHUNK
+
+        return CHUNK if self.chunk else super().attention_kind(config)
+
+    def forward(self, *args, **kwargs):
+        if self.chunk:
+            return chunk_forward(self, *args, **kwargs)
+        return super().forward(*args, **kwargs)
+
+
+class ChunkedPrefill:
+    """The application's part, with --prefill-chunk (without prefix caching): the chunk submodel beside the
+    token-generation one, and a prefill wider than the chunk sent to the driver."""
+
+    def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
+        super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
+        if run_spec(self.config).chunk_submodel:
+            enable_chunked_prefill(self, **model_init_kwargs)
+
+    def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):
+        """NXDI_CONTRACT.md: private-members."""
+        if takes(self, input_ids, position_ids):
+            return prefill(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params)
+        return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
+                                          **kwargs)

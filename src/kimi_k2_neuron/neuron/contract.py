@@ -1,23 +1,25 @@
-"""What Kimi-K2 sets in NxDI: the NeuronConfig a RunSpec writes (and the RunSpec a saved one holds), the NeuronConfig
-fields it refuses, the layout attribute saved beside them, the FP8 environment and the compiler arguments.
+"""What Kimi-K2 sets in NxDI: the NeuronConfig a RunSpec derives (one way: nothing reads a RunSpec back from a
+NeuronConfig), the RunSpec saved whole on the InferenceConfig and read back on a reload, the NeuronConfig fields it
+refuses, the FP8 environment and the compiler arguments.
 
 Needs torch and the core, not the Neuron SDK. Each choice cites by name the NxDI/NxD code in NXDI_CONTRACT.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
+import weakref
 from typing import Any
 
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.formats.scheme import NXD_DTYPE, ExpertScheme
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.formats.scheme import NXD_DTYPE
+from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules
-from .spec import LAYOUT_KEY, DraftSpec, RunSpec, Sampling, prefix_caching_buckets
+from .spec import RUN_SPEC_KEY, RunSpec, prefix_caching_buckets
 
 # Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
 # (NXDI_CONTRACT.md: moe-settings, normalize-reload).
@@ -27,45 +29,64 @@ MOE_SETTINGS = {"capacity_factor": None, "glu_mlp": True, "glu_type": "glu", "no
 QUANT_FIELDS = ("quantized", "quantization_dtype", "quantization_type", "quantization_block_axis",
                 "quantization_block_size", "quantization_scale_dtype")
 
-# -- the layout: an InferenceConfig attribute, which survives NxDI's save and load where an unknown NeuronConfig field
-# would not (NXDI_CONTRACT.md: layout-attribute) ------------------------------------------------------------------
+
+# -- the RunSpec on the InferenceConfig: saved whole as JSON, an attribute that survives NxDI's save and load where an
+# unknown NeuronConfig field would not (NXDI_CONTRACT.md: layout-attribute, config-construction) --------------------
+
+# The typed spec beside each config, as core_config is: NxDI saves every attribute to neuron_config.json
+_SPECS: "weakref.WeakKeyDictionary[Any, RunSpec]" = weakref.WeakKeyDictionary()
 
 
-def layout_attribute(layout: Layout) -> dict[str, Any]:
-    return dataclasses.asdict(layout)
+def adopt_run_spec(config, cfg: KimiK2Config) -> RunSpec:
+    """The RunSpec an InferenceConfig carries, kept typed beside it and saved on it as JSON. A build put the RunSpec
+    itself there, after rules.check (KimiK2InferenceConfig.for_serving); a reload holds the JSON, which is read and
+    put through the same rules here: once per build either way."""
+    value = getattr(config, RUN_SPEC_KEY, None)
+    if isinstance(value, RunSpec):
+        spec = value
+    else:
+        spec = saved_run_spec(value)
+        try:
+            rules.check(cfg, spec)
+        except KimiInputError as e:
+            raise KimiInputError(f"neuron_config.json field {RUN_SPEC_KEY} (as the flags would ask): {e}") from None
+    setattr(config, RUN_SPEC_KEY, spec.to_json())
+    _SPECS[config] = spec
+    return spec
 
 
-def layout_of(config) -> Layout:
-    """The Layout an InferenceConfig (or a reload of one) carries; none: the replicated default."""
-    value = getattr(config, LAYOUT_KEY, None)
+def saved_run_spec(value) -> RunSpec:
+    """A RunSpec from neuron_config.json's RUN_SPEC_KEY; none there: not compiled by this package (or by one before it
+    saved the spec)."""
     if value is None:
-        return Layout()
-    names = {f.name for f in dataclasses.fields(Layout)}
-    if not isinstance(value, dict) or set(value) - names:
-        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}: expected an object with fields among "
-                             f"{sorted(names)}, got {value!r}")
-    group = value.get("kv_group", 1)
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
-        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.kv_group: expected an integer >= 1 (1: the "
-                             f"replicated cache), got {group!r}")
-    try:
-        return Layout(**value)
-    except KimiInputError as e:  # Layout's own check (chunk_group), named by the field that holds it
-        raise KimiInputError(f"neuron_config.json field {LAYOUT_KEY}.{e}") from None
+        raise KimiInputError(f"neuron_config.json: no field {RUN_SPEC_KEY}: not compiled by this version of "
+                             f"kimi-k2-neuron; compile again with scripts/compile_and_save.py")
+    return RunSpec.from_json(value, f"neuron_config.json field {RUN_SPEC_KEY}")
 
 
-# -- the RunSpec -> the NeuronConfig, and back ---------------------------------------------------------------------
+def run_spec(config) -> RunSpec:
+    """The RunSpec of an InferenceConfig that adopt_run_spec has seen (or a copy of one: read from its JSON)."""
+    spec = _SPECS.get(config)
+    return spec if spec is not None else saved_run_spec(getattr(config, RUN_SPEC_KEY, None))
+
+
+# -- the RunSpec -> the NeuronConfig, one way ---------------------------------------------------------------------
 
 def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
-    """Keyword arguments for MoENeuronConfig (NXDI_CONTRACT.md: neuron-config), after every rule."""
-    rules.check(cfg, spec)
+    """Keyword arguments for MoENeuronConfig (NXDI_CONTRACT.md: neuron-config) of a spec the rules passed: the fields
+    it derives, and its extra ones, which may add fields but never change a derived one (enforce_neuron_config)."""
+    return {**derived_fields(cfg, spec), **spec.extra}
+
+
+def derived_fields(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
+    """The NeuronConfig fields the spec's own fields decide."""
     s, sampling = spec, spec.sampling
     kw: dict[str, Any] = dict(
         tp_degree=s.tp, seq_len=s.seq_len, max_context_length=s.context_length,
         # explicit, or ModelWrapper splits the batch into batch-1 calls (NXDI_CONTRACT.md: batch-sizes)
         batch_size=s.batch, ctx_batch_size=s.prefill_batch, tkg_batch_size=s.batch, max_batch_size=s.batch,
         kv_cache_batch_size=s.batch,
-        padding_side="right", torch_dtype="bfloat16",
+        padding_side="right", torch_dtype=s.dtype,
         # keeps the router's float32 parameters float32 (NXDI_CONTRACT.md: cast-type)
         cast_type="as-declared",
         save_sharded_checkpoint=True,
@@ -77,19 +98,22 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
         # as NxDI's Qwen3-MoE: we all-gather in the embedding (NXDI_CONTRACT.md: numeric-cc-token)
         disable_numeric_cc_token=True,
     )
-    if s.continuous_batching or s.layout.prefill_chunk or s.prefix_caching:  # one row a prefill call
+    if s.one_row_prefill:  # each prefill into its row's line (a chunked prefill's chunk 0 too), one row a call
         kw["is_continuous_batching"] = True
-    if s.prefix_caching:  # pa_num_blocks counts vLLM's null block (NXDI_CONTRACT.md: prefix-buckets, vllm-block-pool)
+    # the latent cache in blocks for vLLM's prefix caching only, else contiguous (named either way: a reload that
+    # holds the other is refused); pa_num_blocks counts vLLM's null block (NXDI_CONTRACT.md: prefix-buckets,
+    # vllm-block-pool)
+    kw.update(is_block_kv_layout=s.prefix_caching, is_prefix_caching=s.prefix_caching)
+    if s.prefix_caching:
         prefill, prefix = prefix_caching_buckets(s)
-        kw.update(is_block_kv_layout=True, is_prefix_caching=True, pa_block_size=s.block_size,
-                  pa_num_blocks=s.pool_blocks + 1, enable_bucketing=True, context_encoding_buckets=prefill,
-                  prefix_buckets=prefix, token_generation_buckets=[s.seq_len])
-    # NxDI's cache sizing, masks and KV group; G: the layout attribute's (NXDI_CONTRACT.md: fd-config)
+        kw.update(pa_block_size=s.block_size, pa_num_blocks=s.pool_blocks + 1, enable_bucketing=True,
+                  context_encoding_buckets=prefill, prefix_buckets=prefix, token_generation_buckets=[s.seq_len])
+    # NxDI's cache sizing, masks and KV group; G: the run spec's layout (NXDI_CONTRACT.md: fd-config)
     if s.layout.sequence_sharded:
         kw["flash_decoding_enabled"] = True
     if s.lnc is not None:
         kw["logical_nc_config"] = s.lnc
-    if s.ep > 1:
+    if s.ep > 1:  # NxDI checks none of EP; differing_fields does (NXDI_CONTRACT.md: moe-ep-unchecked)
         kw.update(moe_ep_degree=s.ep, moe_tp_degree=s.tp // s.ep)
     # The MoE kernel's LNC defaults to the platform's, not to the NeuronConfig's (NXDI_CONTRACT.md: moe-kernel-lnc).
     lnc = {} if s.lnc is None else {"logical_nc_config": s.lnc}
@@ -102,7 +126,6 @@ def neuron_config_kwargs(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
     if s.scheme.quantized:
         kw.update({k: v for k, v in s.scheme.nxd(cfg.moe_intermediate_size).items() if k in QUANT_FIELDS})
         kw.update(quantized_checkpoints_path=s.checkpoint, modules_to_not_convert=modules_to_not_convert(cfg, s.layout))
-    kw.update(s.extra)
     return kw
 
 
@@ -112,28 +135,6 @@ def modules_to_not_convert(cfg: KimiK2Config, layout: Layout = Layout()) -> list
     dense = [f"layers.{i}.mlp." for i in range(cfg.num_hidden_layers) if not cfg.is_moe_layer(i)]
     return ["embed_tokens", "lm_head", "self_attn", "shared_experts", *dense,
             *(["mlp.router"] if layout.shard_router else [])]
-
-
-def spec_of(nc, layout: Layout, draft: DraftSpec | None = None) -> RunSpec:
-    """The RunSpec a NeuronConfig holds (a reload, or one a framework built): what neuron_config_kwargs reads; the
-    draft is its config's (fused_spec.draft_of)."""
-    ods = getattr(nc, "on_device_sampling_config", None)
-    sampling = Sampling(on_device=False) if ods is None else Sampling(
-        do_sample=bool(getattr(ods, "do_sample", False)), top_k=getattr(ods, "top_k", 1),
-        top_p=getattr(ods, "top_p", 1.0), temperature=getattr(ods, "temperature", 1.0),
-        global_topk=getattr(ods, "global_topk", Sampling.global_topk))
-    bmm = getattr(nc, "blockwise_matmul_config", None)
-    return RunSpec(tp=nc.tp_degree, ep=getattr(nc, "moe_ep_degree", 1) or 1, lnc=getattr(nc, "logical_nc_config", None),
-                   seq_len=nc.seq_len, max_context_length=nc.max_context_length,
-                   batch=getattr(nc, "max_batch_size", None) or nc.batch_size,
-                   scheme=ExpertScheme.from_nxd(vars(nc)), checkpoint=getattr(nc, "quantized_checkpoints_path", None),
-                   sampling=sampling, output_logits=bool(getattr(nc, "output_logits", False)),
-                   moe_prefill=None if bmm is None else moe_paths.mode_of(bmm),
-                   continuous_batching=bool(getattr(nc, "is_continuous_batching", False)) and not layout.prefill_chunk
-                   and not getattr(nc, "is_prefix_caching", False),
-                   layout=layout, draft=draft, **(dict(prefix_caching=True, block_size=nc.pa_block_size,
-                                                       num_blocks=nc.pa_num_blocks - 1)
-                                                  if getattr(nc, "is_prefix_caching", False) else {}))
 
 
 # -- what this port refuses of a NeuronConfig, on every construction (the reload too) ------------------------------
@@ -168,54 +169,76 @@ UNSUPPORTED = (
 )
 
 
-def enforce_neuron_config(nc, cfg: KimiK2Config, layout: Layout, draft: DraftSpec | None = None) -> None:
+def enforce_neuron_config(nc, spec: RunSpec, expected, derived: dict) -> None:
     """Idempotent: runs on every construction, including the reload (NXDI_CONTRACT.md: normalize-reload): the fields
-    no RunSpec sets, then the spec the NeuronConfig holds through the same rules the flags meet."""
-    bad = _field_problems(nc, layout)
-    try:
-        spec = spec_of(nc, layout, draft)
-        bad += derived_problems(nc, spec) + _speculation_problems(nc, spec)
-        rules.check(cfg, spec)
-    except KimiInputError as e:
-        bad.append(rules.in_fields(str(e)))
+    no RunSpec sets; the spec's extra fields against the ones it derives (`derived`: derived_fields'), which they may
+    add to but never change; then every field of nc against `expected`, the NeuronConfig the spec's fields make
+    (derived and extra): one a neuron_config.json holds otherwise is named."""
+    bad = _field_problems(nc, spec.layout)
+    bad += [f"{name}={_plain(value)!r} (the run spec {RUN_SPEC_KEY} implies {_plain(derived[name])!r})"
+            for name, value in spec.extra.items() if name in derived and _plain(value) != _plain(derived[name])]
+    bad += differing_fields(nc, expected)
     if bad:
-        raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(bad))
+        raise KimiInputError("unsupported NeuronConfig settings for Kimi-K2: " + "; ".join(dict.fromkeys(bad)))
     for name, value in MOE_SETTINGS.items():
         setattr(nc, name, value)
     nc.cast_type = "as-declared"
-    rc = getattr(nc, "router_config", None)
+    rc = nc.router_config
     if rc is not None:  # unused by our router (the core's, float32), kept truthful for anything that reads it
         rc.act_fn, rc.dtype = "sigmoid", torch.float32
 
 
+def differing_fields(nc, expected) -> list[str]:
+    """Every field nc holds otherwise than `expected`, the NeuronConfig its run spec makes: a neuron_config.json
+    edited by hand, or one whose spec was. MOE_SETTINGS are set, not compared: a reload restores one
+    (NXDI_CONTRACT.md: normalize-reload)."""
+    have, want = vars(nc), vars(expected)
+    return [f"{name}={_plain(have.get(name))!r} (the run spec {RUN_SPEC_KEY} implies {_plain(want[name])!r})"
+            for name in want if name not in MOE_SETTINGS and _plain(have.get(name)) != _plain(want[name])]
+
+
+def _plain(value):
+    """A NeuronConfig value as NxDI saves it to JSON, for comparing a reload with a build."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, dict):
+        if "_name_" in value and "__objclass__" in value:  # an enum as NxDI saves it (NXDI_CONTRACT.md: strategy-reload)
+            return value["_name_"]
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        return {k: _plain(v) for k, v in vars(value).items()}
+    return value
+
+
 def _field_problems(nc, layout: Layout) -> list[str]:
-    """What no RunSpec writes: NxDI features Kimi's model does not have, and settings that break its own."""
-    bad = [f"{name}={getattr(nc, name)!r} ({why})" for name, ok, why in UNSUPPORTED
-           if hasattr(nc, name) and getattr(nc, name) not in ok]
-    if getattr(nc, "capacity_factor", None) != MOE_SETTINGS["capacity_factor"]:
+    """What no RunSpec writes: NxDI features Kimi's model does not have, and settings that break its own. `nc` is a
+    MoENeuronConfig, which defines every attribute read here (some only in some branches: UNSUPPORTED's)."""
+    held = vars(nc)
+    bad = [f"{name}={held[name]!r} ({why})" for name, ok, why in UNSUPPORTED if name in held and held[name] not in ok]
+    if nc.capacity_factor != MOE_SETTINGS["capacity_factor"]:
         bad.append(f"capacity_factor={nc.capacity_factor} (drops prefill tokens; Kimi-K2 is dropless)")
-    tkg_b, kv_b = getattr(nc, "tkg_batch_size", None), getattr(nc, "kv_cache_batch_size", None)
+    tkg_b, kv_b = nc.tkg_batch_size, nc.kv_cache_batch_size
     if tkg_b is not None and kv_b is not None and tkg_b < kv_b:  # NXDI_CONTRACT.md: tkg-batch-below-kv-batch
         bad.append(f"tkg_batch_size={tkg_b} < kv_cache_batch_size={kv_b} (that KV update path assumes V is shaped "
                    f"like K; the latent V slot is 1 wide)")
-    att = getattr(nc, "attention_dtype", None)  # NXDI_CONTRACT.md: cache-dtype
-    if att is not None and att != getattr(nc, "torch_dtype", att):
+    att = nc.attention_dtype  # NXDI_CONTRACT.md: cache-dtype
+    if att is not None and att != nc.torch_dtype:
         bad.append(f"attention_dtype={att} != torch_dtype={nc.torch_dtype} (the latent cache entry is written in "
                    f"torch_dtype)")
-    bmm = getattr(nc, "blockwise_matmul_config", None)
+    bmm = nc.blockwise_matmul_config
     if bmm is not None:
         _restore_block_sharding_strategy(bmm)
         if moe_paths.mode_of(bmm) is None:  # NXDI_CONTRACT.md: blockwise-dispatch
             bad.append(f"blockwise_matmul_config={_blockwise_fields(bmm)} (none of --moe-prefill "
                        f"{', '.join(moe_paths.MODES)}; with no kernel flag at LNC=2 NxD 2.29 calls a kernel that only "
                        f"raises)")
-        ep = getattr(nc, "moe_ep_degree", 1) or 1
-        if ep > 1 and not getattr(bmm, "parallelize_token_to_block_mapping", True):  # NXDI_CONTRACT.md: spmd-rank
+        if (nc.moe_ep_degree or 1) > 1 and not bmm.parallelize_token_to_block_mapping:  # NXDI_CONTRACT.md: spmd-rank
             bad.append("parallelize_token_to_block_mapping=False with EP (no spmd_rank for the local experts)")
-    blocks, prefix = getattr(nc, "is_block_kv_layout", False), getattr(nc, "is_prefix_caching", False)
-    if blocks != prefix:
-        bad.append(f"is_block_kv_layout={blocks} with is_prefix_caching={prefix} (blocks for prefix caching only)")
-    if layout.prefill_chunk and getattr(nc, "async_mode", False):
+    if layout.prefill_chunk and nc.async_mode:
         # its path bypasses the chunk driver (NXDI_CONTRACT.md: async-bypasses-driver)
         bad.append("async_mode=True (NxDI's async path does not call _get_model_outputs, the chunk driver)")
     return bad + _bucket_problems(nc, layout)
@@ -224,42 +247,13 @@ def _field_problems(nc, layout: Layout) -> list[str]:
 def _bucket_problems(nc, layout: Layout) -> list[str]:
     """NxDI's get_cache_size divides each length by G (the manager pads max_length silently), and a context bucket's
     owned positions are every G-th (NXDI_CONTRACT.md: fd-cache-size, fd-cte-filter)."""
-    if not getattr(nc, "flash_decoding_enabled", False):
+    if not nc.flash_decoding_enabled:
         return []
-    g, lengths = layout.kv_group, {"max_length": getattr(nc, "max_length", None)}
+    g, lengths = layout.kv_group, {"max_length": nc.max_length}
     for name in ("context_encoding_buckets", "token_generation_buckets"):
-        lengths |= {f"{name}[{i}]": b for i, b in enumerate(getattr(nc, name, None) or ())}
-    return [f"{name}={n} (not a multiple of {LAYOUT_KEY}.kv_group={g})" for name, n in lengths.items()
+        lengths |= {f"{name}[{i}]": b for i, b in enumerate(vars(nc)[name] or ())}
+    return [f"{name}={n} (not a multiple of {RUN_SPEC_KEY}.layout.kv_group={g})" for name, n in lengths.items()
             if isinstance(n, int) and n % g]
-
-
-def derived_problems(nc, spec: RunSpec) -> list[str]:
-    """The fields neuron_config_kwargs derives from the spec, where a NeuronConfig (`spec_of` it) holds others."""
-    bad = []
-    if spec.layout.sequence_sharded and not getattr(nc, "flash_decoding_enabled", False):
-        # (flash decoding at a group of 1 is NxDI's graph on one rank, as trace-cpu traces it)
-        bad.append(f"flash_decoding_enabled=False with {LAYOUT_KEY}.kv_group={spec.layout.kv_group} (the "
-                   f"sequence-sharded latent cache needs both; --kv-shard sequence sets them)")
-    moe_tp = getattr(nc, "moe_tp_degree", None)  # NxDI checks none of EP (NXDI_CONTRACT.md: moe-ep-unchecked)
-    if spec.ep > 1 and (not isinstance(moe_tp, int) or moe_tp * spec.ep != spec.tp):
-        bad.append(f"moe_tp_degree={moe_tp} x moe_ep_degree={spec.ep} != tp_degree={spec.tp}")
-    rows = getattr(nc, "ctx_batch_size", spec.prefill_batch)
-    if spec.layout.prefill_chunk and (not getattr(nc, "is_continuous_batching", False) or rows != 1):
-        # chunk 0 is one row's CTE call into its seq_id's cache line (NXDI_CONTRACT.md: continuous-batching)
-        bad.append(f"is_continuous_batching={getattr(nc, 'is_continuous_batching', False)}, ctx_batch_size={rows} "
-                   f"with {LAYOUT_KEY}.prefill_chunk={spec.layout.prefill_chunk} (each chunk is one row's call)")
-    elif spec.continuous_batching and rows != 1:
-        bad.append(f"continuous batching with a prefill batch of {rows}: NxDI's cache writes by seq_id take one "
-                   f"sequence per prefill (ctx_batch_size 1)")
-    return bad
-
-
-def _speculation_problems(nc, spec: RunSpec) -> list[str]:
-    """The only speculation this port runs (NXDI_CONTRACT.md: fused-spec); a vLLM request's flags are the plugin's."""
-    fused = [f for f in ("enable_fused_speculation", "enable_eagle_speculation", "is_eagle3", "disable_kv_cache_tiling")
-             if not getattr(nc, f, False)]
-    return [f"speculation_length={spec.draft.speculation_length} without {', '.join(fused)} (Kimi-K2 speculates "
-            f"through NxDI's fused EAGLE3 speculation only: --draft)"] if spec.draft and fused else []
 
 
 def _restore_block_sharding_strategy(bmm) -> None:

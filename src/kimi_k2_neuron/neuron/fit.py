@@ -14,15 +14,13 @@ from dataclasses import asdict, dataclass, replace
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
-from . import rules, timing
-from . import moe_paths
-from .hbm import (BF16, FP32, GiB, block_attention_row, block_bytes, block_pool_row, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
-                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
-                  moe_runs, moe_temporaries, weight_rows)
-from .moe_paths import decodes_all_experts
+from . import moe_paths, rules, timing
+from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
+                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, block_attention_row, block_bytes,
+                  block_pool_row, chunk_attention_row, div, logical_cores, moe_runs, moe_temporaries, weight_rows)
 from .spec import FD_RESERVED_SLOTS, RunSpec, prefix_caching_buckets, prefix_caching_calls
 from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
                      layout_collectives, moe_prefill_work, prefill_time)
@@ -69,7 +67,7 @@ class Plan:
     chunk: Timing | None = None  # the modelled last prefill chunk (the chunk submodel's call); None unchunked
     # what one chunk's attention moves per layer and rank (timing.chunk_merge); None unchunked or unsharded
     chunk_merge_bytes: int | None = None
-    prefix: "PrefixCaching | None" = None  # with --prefix-caching: the block pool and a turn reusing a prefix
+    prefix: "PrefixTurn | None" = None  # with --prefix-caching: the block pool and a turn reusing a prefix
 
     @property
     def kv_slots(self) -> int:
@@ -236,7 +234,7 @@ TURN = (65536, 2048)
 
 
 @dataclass(frozen=True)
-class PrefixCaching:
+class PrefixTurn:
     """The block pool per rank and a turn's modelled prefill with and without its prefix cached (estimates)."""
 
     block_size: int
@@ -288,14 +286,14 @@ def turn_seconds(cfg: KimiK2Config, spec: RunSpec, cached: int, new: int) -> flo
 
 
 def prefix_caching(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], headroom: int,
-                   turn: tuple[int, int] = TURN) -> PrefixCaching:
+                   turn: tuple[int, int] = TURN) -> PrefixTurn:
     """The pool, what the headroom would add to it, and `turn` (cached, new) warm and cold, shortened to seq_len."""
     cached, new = turn
     new = min(new, spec.seq_len)
     cached = min(cached, spec.seq_len - new) // spec.block_size * spec.block_size  # vLLM hits whole blocks
     per_block = block_bytes(cfg, spec.block_size)
     warm, cold = prefix_caching_calls(spec, cached, new), prefix_caching_calls(spec, 0, cached + new)
-    return PrefixCaching(spec.block_size, spec.pool_blocks, per_block, max(0, headroom) // per_block, cached, new,
+    return PrefixTurn(spec.block_size, spec.pool_blocks, per_block, max(0, headroom) // per_block, cached, new,
                          tuple(warm), tuple(turn_calls(cfg, spec, weights, cached, new)), tuple(cold),
                          tuple(turn_calls(cfg, spec, weights, 0, cached + new)))
 
@@ -396,8 +394,7 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
     tokens = b * k
     kv_heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
     draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
-    path = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens) else \
-        "selective"
+    path = moe_paths.verify_path(cfg, tokens)
     norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
     rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
                 div(c.weight_bytes - norms, tp) + norms),

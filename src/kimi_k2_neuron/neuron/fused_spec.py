@@ -1,178 +1,81 @@
 """Speculative decoding with an EAGLE3 draft through NxDI's fused speculation (NXDI_CONTRACT.md: fused-spec): the
 context encoding and one fused graph (draft steps, one target verify of speculation_length tokens, NxDI's acceptance),
-no plain token-generation graph. The target is Kimi's own NeuronKimiK2Model, unchanged but for the 4H-wide gather of
-its captured hidden states (NXDI_CONTRACT.md: eagle3-cte-gather); the draft is NxDI's Llama EAGLE3 model
-(NXDI_CONTRACT.md: llama-eagle3-draft), its weights read and checked by checkpoint/draft.py. Here: the draft's
-InferenceConfig and FusedSpecNeuronConfig (also in place of the one vllm-neuron builds), the fused state dict, the
-verify graph's MoE blocks and the per-step generation loop."""
+no plain token-generation graph. The target is Kimi's own model, unchanged but for the 4H-wide gather of its captured
+hidden states (NXDI_CONTRACT.md: eagle3-cte-gather); the draft and its configs are draft_config.py's, its weights read
+and checked by checkpoint/draft.py. Here: the parts the model and the application are built with (Eagle3Target,
+FusedSpeculation), the FusedSpecNeuronConfig completed before the submodels are built, the fused state dict and the
+per-step generation loop."""
 
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 from .sdk import require_neuron_sdk
 
 require_neuron_sdk()
 
 import torch  # noqa: E402
-from neuronx_distributed.modules.moe.moe_configs import BlockwiseMatmulConfig  # noqa: E402
-from neuronx_distributed_inference.models.config import FusedSpecNeuronConfig, NeuronConfig  # noqa: E402
-from neuronx_distributed_inference.models.llama.modeling_llama import (LlamaInferenceConfig,  # noqa: E402
-                                                                       NeuronLlamaForCausalLM, NeuronLlamaModel)
+from neuronx_distributed_inference.models.llama.modeling_llama import NeuronLlamaForCausalLM  # noqa: E402
 from neuronx_distributed_inference.modules.generation.sampling import prepare_sampling_params  # noqa: E402
 
-from kimi_k2_neuron.checkpoint.draft import Eagle3Draft, neuron_tensors, read_config, read_draft  # noqa: E402
-from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
+from kimi_k2_neuron.checkpoint.draft import neuron_tensors, read_config, read_draft  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 
-from . import moe_paths, vllm_request  # noqa: E402
-from .spec import DraftSpec, Sampling  # noqa: E402
+from .base import add_compiler_args  # noqa: E402
+from .contract import run_spec  # noqa: E402
+from .draft_config import Eagle3DraftForCausalLM, fused_spec_config  # noqa: E402
+from .spec import Sampling  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-# The target's NeuronConfig fields the draft's takes as they are: one graph runs both at one TP, batch and cache
-# length (NXDI_CONTRACT.md: draft-tp), with one sampler's settings (the draft's forced greedy by NxDI).
-SHARED_FIELDS = ("tp_degree", "seq_len", "max_context_length", "batch_size", "ctx_batch_size", "tkg_batch_size",
-                 "max_batch_size", "kv_cache_batch_size", "padding_side", "torch_dtype", "cast_type", "output_logits",
-                 "is_continuous_batching", "logical_nc_config", "on_cpu", "save_sharded_checkpoint",
-                 "speculation_length", "disable_argmax_kernel", "rpl_reduce_dtype")
-# Every module of NxDI's Llama draft: bf16, never quantized when the target's experts are (NXDI_CONTRACT.md:
-# fused-quantize)
-DRAFT_MODULES = ["embed_tokens", "lm_head", "layers.", "fc", "norm"]
-_FACTS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-          "rms_norm_eps", "rope_theta", "max_position_embeddings")
 FUSED_TAG = "fused_speculation_model"
 DRAFT_PREFIX, TARGET_PREFIX = "draft_model.", "target_model."
 
 
-# -- the draft ------------------------------------------------------------------------------------------------------
-
-class Eagle3DraftModel(NeuronLlamaModel):
-    """NxDI's Llama EAGLE3 draft in the draft's dtype throughout. Its fc (WeightGatheredColumnParallel) declares no
-    dtype, so under the target's cast_type "as-declared" (which keeps Kimi's router float32) it would stay float32
-    beside bf16 activations; NxDI's own EAGLE flow casts the whole model (cast_type "config"), which this does for the
-    draft alone (NXDI_CONTRACT.md: llama-eagle3-draft)."""
-
-    def __init__(self, config, optimize_inference: bool = True):
-        super().__init__(config, optimize_inference)
-        self.to(config.neuron_config.torch_dtype)
-
-
-class Eagle3DraftForCausalLM(NeuronLlamaForCausalLM):
-    """The draft_model_cls: NxDI builds the draft from its _model_cls and reloads its config with its config class
-    (Llama's); its weights come from fused_spec.state_dict, not its get_state_dict."""
-
-    _model_cls = Eagle3DraftModel
-
-
-# -- the configs ----------------------------------------------------------------------------------------------------
-
-def draft_neuron_config(target_nc) -> NeuronConfig:
-    """The draft's NeuronConfig from the target's: NxDI's EAGLE3 draft flags, its own dense cache (no flash decoding:
-    the draft is MHA, NXDI_CONTRACT.md: llama-eagle3-draft), no KV tiling (NXDI_CONTRACT.md: fused-kv-tiling)."""
-    kw = {k: getattr(target_nc, k) for k in SHARED_FIELDS if hasattr(target_nc, k)}
-    ods = getattr(target_nc, "on_device_sampling_config", None)
-    nc = NeuronConfig(**kw, on_device_sampling_config=None if ods is None else dict(vars(ods)),
-                      enable_eagle_speculation=True, is_eagle3=True, is_eagle_draft=True,
-                      enable_eagle_draft_input_norm=True, disable_kv_cache_tiling=True, quantized=False,
-                      modules_to_not_convert=list(DRAFT_MODULES))
-    nc.enable_fused_speculation = False  # NeuronConfig sets it with enable_eagle_speculation; the target fuses
-    return nc
-
-
-def draft_config(target_nc, path: str) -> LlamaInferenceConfig:
-    """NxDI's Llama config of the draft folder `path`: config.json's fields as plain JSON (as the target's,
-    KimiK2InferenceConfig.from_core), pad_token_id defaulted as transformers' LlamaConfig does."""
-    raw = json_of(Path(path) / "config.json")
-    attrs = {"pad_token_id": None, "output_attentions": False, "output_hidden_states": False, "return_dict": True,
-             **{k: v for k, v in raw.items() if k not in ("torch_dtype", "dtype", "auto_map", "architectures")}}
-
-    def load_config(self):
-        self.__dict__.update(attrs)
-
-    return LlamaInferenceConfig(draft_neuron_config(target_nc), load_config=load_config)
-
-
-def fused_spec_config(target_nc, path: str) -> FusedSpecNeuronConfig:
-    """worker_cls: Kimi's model; draft_model_cls: NxDI's Llama, whose _model_cls builds the draft."""
-    from .modeling import NeuronKimiK2Model
-
-    return FusedSpecNeuronConfig(NeuronKimiK2Model, draft_config=draft_config(target_nc, path), draft_model_path=path,
-                                 draft_model_cls=Eagle3DraftForCausalLM)
-
-
-def of_spec(target_nc, draft: DraftSpec | None) -> FusedSpecNeuronConfig | None:
-    """The FusedSpecNeuronConfig a run spec's draft asks for; none without a draft or before its folder is known (a
-    vLLM request: complete() takes vllm-neuron's)."""
-    return fused_spec_config(target_nc, draft.path) if draft and draft.path else None
-
-
 def complete(app) -> None:
-    """Before the application builds its submodels: a fused NeuronConfig gets its draft. vllm-neuron attaches a
-    FusedSpecNeuronConfig without a draft class, built with the target's config class (NXDI_CONTRACT.md:
-    vllm-spec-config): it is replaced by ours, from the same draft folder."""
+    """Before the application builds its submodels: a fused NeuronConfig gets its draft, from the run spec's draft
+    folder. vllm-neuron attaches a FusedSpecNeuronConfig without a draft class, built with the target's config class
+    (NXDI_CONTRACT.md: vllm-spec-config): it is replaced by ours, from the same draft folder."""
     config = app.config
-    nc, fused = config.neuron_config, getattr(config, "fused_spec_config", None)
-    if not getattr(nc, "enable_fused_speculation", False):
+    nc, fused = config.neuron_config, config.fused_spec_config
+    if not nc.enable_fused_speculation:
         return
-    if fused is None or not fused.draft_model_path:
+    draft = run_spec(config).draft
+    path = fused.draft_model_path if fused is not None else draft.path if draft else None
+    if not path:
         raise KimiInputError("speculative decoding needs an EAGLE3 draft: --draft DIR (vLLM: --speculative-config "
                              "with \"model\")")
-    if fused.draft_model_cls is not Eagle3DraftForCausalLM:
-        read_config(fused.draft_model_path, config.core_config())
-        config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, fused.draft_model_path)
+    if fused is None or fused.draft_model_cls is not Eagle3DraftForCausalLM:
+        read_config(path, config.core_config())
+        # the class's own model, not the fused one NxDI's __init__ put on the instance
+        config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, path, type(app)._model_cls)
     # a reload's NeuronConfig sets it again with enable_eagle_speculation; the target fuses, not the draft
     config.fused_spec_config.draft_config.neuron_config.enable_fused_speculation = False
 
 
-def draft_of(config) -> DraftSpec | None:
-    """The DraftSpec a (reloaded) config holds: the draft's facts from its draft_config, not its folder, which a
-    host loading pre-sharded weights need not have."""
-    nc = config.neuron_config
-    if not (getattr(nc, "speculation_length", 0) or getattr(nc, "enable_fused_speculation", False)):
-        return None
-    fused = getattr(config, "fused_spec_config", None)
-    path = getattr(fused, "draft_model_path", None)
-    dc = getattr(fused, "draft_config", None)
-    facts = None
-    if dc is not None and all(hasattr(dc, f) for f in _FACTS if f != "head_dim"):
-        values = {f: getattr(dc, f, None) for f in _FACTS}
-        values["head_dim"] = values["head_dim"] or dc.hidden_size // dc.num_attention_heads
-        facts = Eagle3Draft(path=str(path), **values)
-    return DraftSpec(path=path, speculation_length=nc.speculation_length, checkpoint=facts)
+# -- the parts of the model and the application (modeling.py composes them) ----------------------------------------
+
+class Eagle3Target:
+    """The model's part: EAGLE3's capture gathered 4H wide (NXDI_CONTRACT.md: eagle3-cte-gather)."""
+
+    def get_model_output(self, *args, **kwargs):
+        return target_output(self, super().get_model_output(*args, **kwargs), kwargs)
 
 
-def as_vllm_draft_config(config) -> None:
-    """vllm-neuron builds the draft's config with the target's config class (NXDI_CONTRACT.md: vllm-spec-config):
-    the draft folder (load_pretrained_config's _name_or_path) is checked against the target (the draft NeuronConfig
-    is a copy of the target's, whose quantized_checkpoints_path is the target), and against precompiled artifacts;
-    `config` becomes a Llama config of it, which complete() replaces by ours."""
-    path, target = getattr(config, "_name_or_path", None), config.neuron_config.quantized_checkpoints_path
-    where = f"--speculative-config model {path}"
-    try:
-        read_draft(path, KimiK2Config.from_file(target), finite=False)
-        compiled = os.environ.get(vllm_request.COMPILED_ARTIFACTS_ENV)
-        if compiled and (Path(compiled) / "neuron_config.json").is_file():
-            saved = json_of(Path(compiled) / "neuron_config.json").get("fused_spec_config") or {}
-            if saved.get("draft_model_path") and Path(saved["draft_model_path"]).resolve() != Path(path).resolve():
-                raise KimiInputError(f"{vllm_request.COMPILED_ARTIFACTS_ENV}={compiled}: compiled with the draft "
-                                     f"{saved['draft_model_path']}; compile for this draft with "
-                                     f"scripts/compile_and_save.py --for-vllm --draft {path}")
-    except KimiInputError as e:
-        raise KimiInputError(f"{where}: {e}") from None
-    config.__class__ = LlamaInferenceConfig  # (its validate_config follows, on the draft's own fields)
-    LlamaInferenceConfig.add_derived_config(config)
+class FusedSpeculation:
+    """The application's part: the draft completed first thing NxDI's __init__ builds (NXDI_CONTRACT.md: fused-spec),
+    the fused graph compiled with Kimi's arguments, its state dict fused."""
 
+    def enable_context_encoding(self, **model_init_kwargs):
+        complete(self)
+        super().enable_context_encoding(**model_init_kwargs)
 
-def json_of(file: Path) -> dict:
-    import json
+    def enable_fused_spec(self):
+        super().enable_fused_spec()
+        add_compiler_args(self.fused_spec_model)
 
-    try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise KimiInputError(f"{file}: expected a readable JSON file ({e})") from None
+    def checkpoint_loader_fn(self, mmap: bool = False):
+        return state_dict(self, super().checkpoint_loader_fn(mmap))
 
 
 # -- the model ------------------------------------------------------------------------------------------------------
@@ -190,17 +93,6 @@ def target_output(model, output, kwargs):
     hidden = torch.gather(hidden, 1, index.unsqueeze(1).expand(hidden.shape[0], 1, hidden.shape[-1]))
     model.sliced_hidden = True
     return hidden, cache
-
-
-def verify_blockwise(nc):
-    """The fused graph's MoE config: its verify call runs batch x speculation_length tokens, which NxD would send to
-    the blockwise prefill kernel from 48 tokens at Kimi's shapes; all-experts reads no more there (48 x 8 = 384 = E)
-    and needs no kernel (NXDI_CONTRACT.md: verify-moe-path)."""
-    bmm = nc.blockwise_matmul_config
-    if nc.is_prefill_stage or not nc.speculation_length:
-        return bmm
-    return BlockwiseMatmulConfig.from_kwargs(logical_nc_config=bmm.logical_nc_config,
-                                             **moe_paths.MODES["all-experts"].blockwise)
 
 
 def state_dict(app, target: dict) -> dict:

@@ -12,7 +12,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
 from . import moe_paths

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules, timing
 from .fit import Plan, plan

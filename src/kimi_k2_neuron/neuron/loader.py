@@ -18,9 +18,9 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.formats import layout
 from kimi_k2_neuron.formats.scheme import ExpertScheme
-from kimi_k2_neuron.parallel import Layout
+from kimi_k2_neuron.placement import Layout
 
-from .contract import layout_of
+from .contract import run_spec
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def model_state_dict(tensors: dict[str, torch.Tensor], config, where: str = "che
     fitted to the config's layout (contract.for_layout). `config`: a KimiK2InferenceConfig."""
     cfg = config.core_config()
     state = to_neuron_state_dict(tensors, cfg, config.neuron_config, where=where)
-    return for_layout(state, cfg, layout_of(config))
+    return for_layout(state, cfg, run_spec(config).layout)
 
 
 # -- the converted checkpoint's names -> NxD's ------------------------------------------------------------------------

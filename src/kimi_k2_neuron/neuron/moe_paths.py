@@ -98,6 +98,17 @@ def prefill_path(cfg: KimiK2Config, tokens: int, mode_name: str) -> str:
     return m.name if path == "blockwise" else path
 
 
+# The fused graph's verify of batch x speculation_length tokens: selective loading, else all experts, which reads no
+# more than the blockwise kernel there (48 x 8 = 384 = E at Kimi's shapes) and needs none (NXDI_CONTRACT.md:
+# verify-moe-path)
+VERIFY_MODE = "all-experts"
+
+
+def verify_path(cfg: KimiK2Config, tokens: int) -> str:
+    """The MoE path of a verify call of `tokens` tokens (batch x speculation_length)."""
+    return prefill_path(cfg, tokens, VERIFY_MODE)
+
+
 def mode_of(blockwise_config) -> str | None:
     """The mode a BlockwiseMatmulConfig (or dict) is for; None, e.g. no kernel flag at LNC=2, is refused."""
     def value(key):

@@ -3,8 +3,6 @@ and NxD's MoE module around it (routed experts, shared expert inside, one all-re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .sdk import require_neuron_sdk
 
 require_neuron_sdk()
@@ -12,7 +10,8 @@ require_neuron_sdk()
 import torch  # noqa: E402
 from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa: E402
 from neuronx_distributed.modules.moe.model import MoE as NxDMoE  # noqa: E402
-from neuronx_distributed.modules.moe.moe_configs import RoutedExpertsMLPOpsConfig  # noqa: E402
+from neuronx_distributed.modules.moe.moe_configs import (BlockwiseMatmulConfig,  # noqa: E402
+                                                          RoutedExpertsMLPOpsConfig)
 from neuronx_distributed.modules.moe.shared_experts import SharedExperts  # noqa: E402
 from neuronx_distributed.parallel_layers import parallel_state  # noqa: E402
 from neuronx_distributed_inference.modules.moe_v2 import initialize_moe_process_group  # noqa: E402
@@ -22,10 +21,8 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext  # noqa: E402
 
-from . import fused_spec  # noqa: E402
-
-if TYPE_CHECKING:
-    from .modeling import KimiK2InferenceConfig, NxDParallelContext
+from . import moe_paths  # noqa: E402
+from .inference_config import KimiK2InferenceConfig  # noqa: E402
 
 
 class NxDRouter(NoAuxTcRouter):
@@ -58,7 +55,7 @@ class NxDRouter(NoAuxTcRouter):
 
 
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
-              ctx: NxDParallelContext) -> NxDMoE:
+              ctx: ParallelContext) -> NxDMoE:
     """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
     (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
@@ -77,7 +74,7 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
             capacity_factor=nc.capacity_factor,
             enable_spmd_rank=nc.blockwise_matmul_config.parallelize_token_to_block_mapping,
         ),
-        blockwise_matmul_config=fused_spec.verify_blockwise(nc),  # NXDI_CONTRACT.md: verify-moe-path
+        blockwise_matmul_config=_blockwise_config(nc),
         sequence_parallel_enabled=False,
         dtype=dtype,
         is_prefill=nc.is_prefill_stage,
@@ -98,3 +95,14 @@ def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConf
                  sequence_parallel_enabled=False, sequence_dimension=1)
     moe.eval()  # ExpertMLPsV2 takes its training path otherwise (NXDI_CONTRACT.md: moe-eval)
     return moe
+
+
+def _blockwise_config(nc):
+    """The MoE config of the graph: a fused graph's verify call runs batch x speculation_length tokens, which NxD would
+    send to the blockwise prefill kernel from 48 tokens at Kimi's shapes; it runs moe_paths.VERIFY_MODE instead
+    (NXDI_CONTRACT.md: verify-moe-path)."""
+    bmm = nc.blockwise_matmul_config
+    if nc.is_prefill_stage or not nc.speculation_length:
+        return bmm
+    return BlockwiseMatmulConfig.from_kwargs(logical_nc_config=bmm.logical_nc_config,
+                                             **moe_paths.MODES[moe_paths.VERIFY_MODE].blockwise)

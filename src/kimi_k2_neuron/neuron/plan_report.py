@@ -119,9 +119,9 @@ def _prefix_lines(p: Plan) -> list[str]:
 
     def calls(c):
         return ", ".join(f"[{a}, {b}]" for a, b in c[:3]) + (f", ... ({len(c)} calls)" if len(c) > 3 else "")
+    pool = x.pool_blocks * x.block_bytes / GiB
     return ["", f"prefix caching (vLLM --enable-prefix-caching), an estimate: a pool of {x.pool_blocks} blocks x "
-                f"{x.block_size} = {x.pool_tokens:,} positions ({x.pool_blocks * x.block_bytes / GiB:.2f} GiB per core, "
-                f"the KV row above), for the running rows' sequences and the history kept for later turns; the "
+                f"{x.block_size} = {x.pool_tokens:,} positions ({pool:.2f} GiB per core, the KV row above), for the running rows' sequences and the history kept for later turns; the "
                 f"headroom would hold {x.more_blocks} blocks ({x.more_blocks * x.block_size:,} positions) more",
             f"  a turn of {x.new:,} new tokens after {x.cached:,} cached: warm TTFT {x.warm_s:.2f} s in "
             f"{len(x.warm)} call(s) ({calls(x.warm_calls)} as [prefill bucket, prefix bucket]) vs cold "

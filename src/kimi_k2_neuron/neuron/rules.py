@@ -1,19 +1,21 @@
 """What NxD can compile and run for Kimi-K2, each rule once, over a RunSpec: the flags, a vLLM request and a reloaded
-NeuronConfig are all checked here (contract.enforce_neuron_config re-runs them on every construction). A refusal is
-one line naming the flag that sets the refused value. Pure: no SDK, no torch."""
+spec are all checked here, once per build (KimiK2InferenceConfig.for_serving, or contract.adopt_run_spec on a
+reload). A refusal is one line naming the flag that sets the refused value (each flag sets one spec field: spec.FLAGS).
+Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
 
 from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
+from kimi_k2_neuron.placement import check_kv_group
 
 from . import moe_paths
 from .moe_paths import decodes_all_experts
-from .spec import LAYOUT_KEY, RunSpec, Sampling
+from .spec import RUN_SPEC_KEY, RunSpec, Sampling
 
 # Group sizes by (tp, lnc) that NxD's trn2 replica-group logic supports for groups of adjacent ranks: 8 x 8 is
 # documented unsupported, 32 x 2 needs its other logic (for EP it mixes the two halves), 2 x 32 is not documented
@@ -22,12 +24,16 @@ GROUP_LAYOUTS = {(64, 2): (1, 4, 16, 64)}
 # NxDI's EAGLE hidden-state buffer holds 2 x speculation_length positions and the draft loop is unrolled K - 1 times
 # into the fused graph; vLLM's EAGLE3 recipes stop at 8 (NXDI_CONTRACT.md: fused-spec)
 SPECULATION_LENGTHS = range(2, 9)
+# The compute dtype: the device's, or float32 in the CPU harness (NxD's CPU mode)
+DTYPES = ("bfloat16", "float32")
 
 
 def check(cfg: KimiK2Config, spec: RunSpec) -> None:
     """Everything: the shapes, the experts' format, the checkpoint it is read from, and the sampler."""
     check_shapes(cfg, spec)
     check_experts(cfg, spec)
+    if spec.dtype not in DTYPES:
+        raise KimiInputError(f"--dtype {spec.dtype!r}: expected one of {', '.join(DTYPES)}")
     if spec.scheme.quantized and not spec.checkpoint:
         raise KimiInputError(f"--experts {spec.scheme.name}: needs a converted checkpoint (kimi-k2-neuron convert), "
                              f"whose config.json records the expert quantization")
@@ -62,8 +68,8 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
     g, n, seq_len, context = spec.layout.kv_group, spec.layout.prefill_chunk, spec.seq_len, spec.context_length
     check_counts(("--kv-group", g), *((flag, v) for flag, v in (("--prefill-chunk", n),) if v is not None))
     if g > 1:
-        if spec.tp % g:  # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
-            raise KimiInputError(f"--kv-group {g}: must divide --tp {spec.tp} (a KV group is G adjacent ranks)")
+        # NxD's initialize_kv_group asserts it; the masks take rank % G (NXDI_CONTRACT.md: kv-group)
+        check_kv_group(spec.tp, g)
         if spec.lnc is not None and not group_layout_supported(spec.tp, g, spec.lnc):
             raise KimiInputError(f"--kv-group {g} at --tp {spec.tp} --lnc {spec.lnc}: not a layout of adjacent-rank "
                                  f"groups NxD's replica groups support; use --kv-group in "
@@ -91,12 +97,12 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
     c = spec.layout.chunk_group
     if c is not None:
         if n is None or g == 1:
-            raise KimiInputError(f"{LAYOUT_KEY}.chunk_group {c}: only with --kv-shard sequence and --prefill-chunk "
-                                 f"(it groups a chunk's attention over the sharded cache)")
+            raise KimiInputError(f"{RUN_SPEC_KEY}.layout.chunk_group {c}: only with --kv-shard sequence and "
+                                 f"--prefill-chunk (it groups a chunk's attention over the sharded cache)")
         meshes = spec.layout.laid_out_chunk_groups
         if spec.lnc is not None and (spec.tp, spec.lnc) in GROUP_LAYOUTS and c not in meshes:
-            raise KimiInputError(f"{LAYOUT_KEY}.chunk_group {c} at --tp {spec.tp} --lnc {spec.lnc}: not a pair of "
-                                 f"meshes NxD lays out; use one of {list(meshes)}")
+            raise KimiInputError(f"{RUN_SPEC_KEY}.layout.chunk_group {c} at --tp {spec.tp} --lnc {spec.lnc}: not a "
+                                 f"pair of meshes NxD lays out; use one of {list(meshes)}")
     check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
 
 
@@ -104,6 +110,10 @@ def check_prefix_caching(spec: RunSpec) -> None:
     """NxDI's block KV layout under vLLM's prefix caching (neuron/prefix_caching.py)."""
     s = spec
     if not s.prefix_caching:
+        given = [f"--{f.name.replace('_', '-')} {getattr(s, f.name)}" for f in dataclasses.fields(RunSpec)
+                 if f.name in ("block_size", "num_blocks") and getattr(s, f.name) != f.default]
+        if given:
+            raise KimiInputError(f"{given[0]}: only with --prefix-caching (the contiguous cache has no blocks)")
         return
     check_counts(("--block-size", s.block_size), *((("--num-blocks", s.num_blocks),) if s.num_blocks is not None
                                                    else ()))
@@ -121,7 +131,8 @@ def check_prefix_caching(spec: RunSpec) -> None:
             (f"--kv-shard sequence --kv-group {s.layout.kv_group}", s.layout.sequence_sharded,
              "NxDI's BlockKVCacheManager keeps whole blocks on every rank; the block layout has no flash-decoding "
              "slot map"),
-            (f"--max-context-length {s.max_context_length}", not s.layout.prefill_chunk and s.context_length != s.seq_len,
+            (f"--max-context-length {s.max_context_length}",
+             not s.layout.prefill_chunk and s.context_length != s.seq_len,
              "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens; --prefill-chunk N "
              "prefills it N tokens a call"),
             ("--draft", s.draft, "NxDI's EAGLE speculation asserts it is not run with prefix caching")):
@@ -222,26 +233,3 @@ def check_prompt_lengths(lengths: list[int]) -> None:
     if min(lengths) == 1 < max(lengths):
         raise KimiInputError("a one-token prompt cannot share a batch with longer prompts (NxDI's HF adapter "
                              "positions its padding wrongly); run it in a batch of its own")
-
-
-# -- a refusal's words on a reloaded NeuronConfig -----------------------------------------------------------------
-
-# The NeuronConfig field (or InferenceConfig attribute) each run-spec flag sets, for naming a rule's refusal on a
-# reloaded config by what it holds
-FIELD_OF_FLAG = {"--tp": "tp_degree", "--ep": "moe_ep_degree", "--lnc": "logical_nc_config", "--seq-len": "seq_len",
-                 "--batch": "max_batch_size", "--max-context-length": "max_context_length",
-                 "--kv-group": f"{LAYOUT_KEY}.kv_group", "--prefill-chunk": f"{LAYOUT_KEY}.prefill_chunk",
-                 "--block-size": "pa_block_size",
-                 "--top-k": "on_device_sampling_config.top_k"}
-_FLAG_VALUE = re.compile(r"(--[a-z-]+) (\d+)\b")
-
-
-def in_fields(message: str) -> str:
-    """A rules refusal ("--ep 8 at --tp 64: ...") naming the fields that hold the values ("moe_ep_degree=8 at
-    tp_degree=64: ..."); its advice keeps the flags, which a recompile takes."""
-    def field(m: re.Match) -> str:
-        name = FIELD_OF_FLAG.get(m.group(1))
-        return f"{name}={m.group(2)}" if name else m.group(0)
-
-    head, sep, advice = message.partition("; use ")
-    return _FLAG_VALUE.sub(field, head) + sep + advice

@@ -22,7 +22,7 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import write_atomically
 
 from . import rules
-from .contract import layout_of
+from .contract import run_spec
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 from .spec import GREEDY, RunSpec, Sampling, speculation_overrun
 from .vllm_request import COMPILED_ARTIFACTS_ENV, cache_flags
@@ -148,7 +148,7 @@ def generate_ids(app, rows: list[list[int]], stop_ids, decoding: Decoding = Deco
     # token sits at width + new - 2, so new <= seq_len - width keeps it in range; beyond that the scatter leaves the
     # cache and the next step raises.
     # chunked (chunked_prefill.py), a prompt may fill the cache
-    longest = nc.seq_len if layout_of(app.config).prefill_chunk else nc.max_context_length
+    longest = nc.seq_len if run_spec(app.config).layout.prefill_chunk else nc.max_context_length
     if width > longest:
         raise KimiInputError(f"prompt of {width} tokens exceeds the compiled context length {longest}")
     # the first new token comes from prefill alone

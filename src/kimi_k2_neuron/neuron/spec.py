@@ -1,17 +1,25 @@
-"""One run of Kimi-K2 on NxDI as a typed spec: the flags, a vLLM request and a reloaded NeuronConfig are each built
-into a RunSpec (launch.run_spec, vllm_request.spec_of_request, contract.spec_of); the NeuronConfig
-(contract.neuron_config_kwargs), the refusals (rules.py) and the fit planner (fit.py) read it. Pure: no SDK, no torch.
+"""One run of Kimi-K2 on NxDI as a typed spec, and the one way everything else derives from it: the flags are built
+from its fields (FLAGS, read by arguments.add_spec_args), the NeuronConfig is derived from it
+(contract.neuron_config_kwargs), it is saved whole on the InferenceConfig (RUN_SPEC_KEY) and read back from there on a
+reload (RunSpec.from_json). The only reverse mapping is vLLM's own request (vllm_request.run_spec). The
+refusals are rules.py's, the fit planner's fit.py. Pure: no SDK, no torch.
 """
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kimi_k2_neuron.checkpoint.draft import Eagle3Draft
 from kimi_k2_neuron.config import KimiK2Config
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.formats import DEFAULT_SCHEME, SCHEMES
 from kimi_k2_neuron.formats.scheme import ExpertScheme
-from kimi_k2_neuron.parallel import Layout, slots_for
+from kimi_k2_neuron.placement import Layout, slots_for
 
 from . import moe_paths
 
@@ -19,9 +27,9 @@ from . import moe_paths
 # it into the last one, which no mask exposes (NXDI_CONTRACT.md: fd-cache-size).
 FD_RESERVED_SLOTS = 128
 
-# The InferenceConfig attribute a RunSpec's Layout is saved under: not NeuronConfig fields, which NxDI validates
-# (NXDI_CONTRACT.md: layout-attribute).
-LAYOUT_KEY = "kimi_k2_layout"
+# The InferenceConfig attribute the whole RunSpec is saved under, as JSON: not NeuronConfig fields, which NxDI drops
+# when it does not know them (NXDI_CONTRACT.md: layout-attribute).
+RUN_SPEC_KEY = "kimi_k2_run_spec"
 
 
 @dataclass(frozen=True)
@@ -60,7 +68,7 @@ class DraftSpec:
     # NxDI's speculation_length: tokens the target verifies per step, the most a step emits; drafts per step one
     # fewer (vLLM's num_speculative_tokens is this number: NXDI_CONTRACT.md: vllm-spec-config)
     speculation_length: int = 4
-    checkpoint: Eagle3Draft | None = field(default=None, compare=False)  # its config.json's facts, when read
+    checkpoint: Eagle3Draft | None = None  # its config.json's facts, when read (saved with the spec)
 
 
 def speculation_overrun(speculation_length: int) -> int:
@@ -87,16 +95,19 @@ class RunSpec:
     moe_prefill: str | None = moe_paths.DEFAULT_MODE
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
-    # an InferenceConfig attribute, not NeuronConfig fields (LAYOUT_KEY); its prefill_chunk is the CTE
-    # bucket, then the chunk submodel's width (neuron/chunked_prefill.py), one row a call
+    # how the cache and the small layers lie over the ranks; its prefill_chunk is the CTE bucket, then the chunk
+    # submodel's width (neuron/chunked_prefill.py), one row a call
     layout: Layout = Layout()
     draft: DraftSpec | None = None  # speculative decoding with this EAGLE3 draft (NXDI_CONTRACT.md: fused-spec)
+    dtype: str = "bfloat16"  # NxDI's torch_dtype: the device's; the CPU harness may run float32
     # vLLM's prefix caching: the latent cache in NxDI's block layout, a pool of num_blocks blocks of block_size
-    # positions shared by every sequence, found through the block tables vLLM's scheduler keeps (neuron/prefix_caching.py)
+    # positions shared by every sequence, found through the block tables vLLM's scheduler keeps
+    # (neuron/prefix_caching.py)
     prefix_caching: bool = False
     block_size: int = 32  # vLLM's --block-size, NxDI's pa_block_size
     num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override; None: min_blocks, a full sequence per row
-    extra: Mapping[str, Any] = field(default_factory=dict)  # further NeuronConfig kwargs (checked by NxDI)
+    # further NeuronConfig fields, JSON values: added beside the derived ones, never changing one (NxDI checks them)
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def context_length(self) -> int:
@@ -108,7 +119,20 @@ class RunSpec:
         """Rows of one prefill call. One per chunk: a batch-B chunk graph would hold B x chunk tokens of activations;
         one under continuous batching: each sequence into its own cache line (NXDI_CONTRACT.md:
         continuous-batching)."""
-        return 1 if self.layout.prefill_chunk or self.continuous_batching or self.prefix_caching else self.batch
+        return 1 if self.one_row_prefill else self.batch
+
+    @property
+    def one_row_prefill(self) -> bool:
+        """Each prefill call writes one sequence into its own line: NxDI's continuous batching, which a chunked
+        prefill needs too (its CTE call writes chunk 0 into the row's line), and prefix caching (each sequence's
+        prefill into its own blocks)."""
+        return self.continuous_batching or bool(self.layout.prefill_chunk) or self.prefix_caching
+
+    @property
+    def chunk_submodel(self) -> bool:
+        """--prefill-chunk by the chunked-prefill submodel (neuron/chunked_prefill.py); with prefix caching each chunk
+        is a prefill over the blocks written before it instead (neuron/prefix_caching.py)."""
+        return bool(self.layout.prefill_chunk) and not self.prefix_caching
 
     @property
     def prefill_tokens(self) -> int:
@@ -123,7 +147,8 @@ class RunSpec:
 
     @property
     def min_blocks(self) -> int:
-        """Blocks for every row's full sequence at once: the fewest vllm-neuron accepts (its _validate_neuron_config)."""
+        """Blocks for every row's full sequence at once: the fewest vllm-neuron accepts (its
+        _validate_neuron_config)."""
         return self.batch * -(-self.seq_len // self.block_size)
 
     @property
@@ -134,6 +159,15 @@ class RunSpec:
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+    def to_json(self) -> dict:
+        """Every field as JSON values (what RUN_SPEC_KEY holds); from_json reads it back equal."""
+        return _to_json(self)
+
+    @classmethod
+    def from_json(cls, value, where: str = RUN_SPEC_KEY) -> "RunSpec":
+        """A saved spec, each value checked against its field's type; `where` names it in a one-line error."""
+        return _from_json(cls, value, where)
 
 
 # The smallest prefill (active) and prefix bucket of a prefix-caching build, as NxDI's own default 2D buckets start
@@ -187,3 +221,177 @@ def layout_flags(layout: Layout) -> list[str]:
              (f"--prefill-chunk {layout.prefill_chunk}", layout.prefill_chunk is not None),
              ("--shard-attn-a", layout.shard_attn_a), ("--shard-router", layout.shard_router))
     return [flag for flag, on in given if on]
+
+
+# -- the spec as JSON: dataclasses as objects, tuples as lists; a field with metadata saved=False stays out ----------
+
+def _to_json(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("saved", True)}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    return value
+
+
+def _from_json(tp, value, where: str):
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _from_json(inner, value, where)
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_from_json(tp, value, where)
+    if origin is tuple:
+        if not isinstance(value, list) or len(value) != len(args):
+            raise KimiInputError(f"{where}: expected a list of {len(args)}, got {value!r}")
+        return tuple(_from_json(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
+    if origin in (collections.abc.Mapping, dict) or tp is dict:
+        if not isinstance(value, dict):
+            raise KimiInputError(f"{where}: expected an object, got {value!r}")
+        return dict(value)
+    ok = {bool: isinstance(value, bool), int: isinstance(value, int) and not isinstance(value, bool),
+          float: isinstance(value, (int, float)) and not isinstance(value, bool), str: isinstance(value, str)}
+    if not ok.get(tp, False):
+        names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        raise KimiInputError(f"{where}: expected {names.get(tp, tp)}, got {value!r}")
+    return float(value) if tp is float else value
+
+
+def _dataclass_from_json(cls, value, where: str):
+    saved = {f.name: f for f in dataclasses.fields(cls) if f.metadata.get("saved", True)}
+    if not isinstance(value, dict) or set(value) - set(saved):
+        raise KimiInputError(f"{where}: expected an object with fields among {sorted(saved)}, got {value!r}")
+    hints = typing.get_type_hints(cls)
+    kw = {name: _from_json(hints[name], v, f"{where}.{name}") for name, v in value.items()}
+    try:
+        return cls(**kw)
+    except KimiInputError as e:  # a dataclass's own check (Layout.chunk_group), named by where it is
+        raise KimiInputError(f"{where}.{e}") from None
+    except TypeError as e:  # a required field missing
+        raise KimiInputError(f"{where}: {e}") from None
+
+
+# == the flags: each spec field a command can set, by the field it sets, where it is taken, and how ==================
+#
+# arguments.add_spec_args builds a command's flags from this table, with the spec's own defaults; launch.run_spec
+# builds the RunSpec back from them; arguments.check_spec_flags refuses a flag given where its command's backend does
+# not take it. A new setting is a RunSpec field and one Flag here, then its use.
+
+# Where a flag is taken: compile_and_save.py; plan; trace-cpu; the NxDI model in NxD's CPU mode (--backend nxdi-cpu,
+# the scripts' --cpu); the core runner generating in one process; the core runner's logits over TP ranks. A script on
+# a compiled folder takes none: the folder has its own.
+COMPILE, PLAN, TRACE, CPU, CORE, CORE_RANKS = "compile", "plan", "trace", "nxdi-cpu", "core", "core-ranks"
+EVERYWHERE = frozenset({COMPILE, PLAN, TRACE, CPU, CORE, CORE_RANKS})
+NEURON = frozenset({COMPILE, PLAN})  # a trn2 configuration's own: compiled, or planned
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line flag of the run spec."""
+
+    name: str  # "--tp"
+    field: str | None  # the RunSpec field it sets, dotted into nested ones; None: with another flag (--kv-shard)
+    group: str  # parallel, shape, experts, moe, layout, cache, sampler, draft: what a command asks for by name
+    help: str
+    kind: str = "count"  # count (an integer >= `least`), switch (store_true), choice, text
+    least: int = 1
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+    taken: frozenset[str] = NEURON
+    why_not: str = ""  # why a command's backend that does not take it refuses it, where that is not obvious
+
+    unset: bool = False  # the parser's default is None: not given differs from the spec's default (see its help)
+    neutral: tuple = ()  # values that ask for nothing a backend lacks (--kv-shard none), beside the defaults
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def spec_default(self):
+        """The field's default in a RunSpec (a nested field's in its own class where the RunSpec holds None)."""
+        if self.field is None:
+            return None
+        cls, value = RunSpec, RunSpec()
+        for part in self.field.split("."):
+            f = next(f for f in dataclasses.fields(cls) if f.name == part)
+            value = getattr(value, part) if value is not None else f.default
+            hint = typing.get_type_hints(cls)[part]
+            cls = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
+        return value
+
+    @property
+    def default(self):
+        """The parser's default."""
+        if self.kind == "switch":
+            return False
+        return None if self.unset else self.spec_default
+
+
+_RANKS = "the core runner generates in one process; give --backend nxdi-cpu --tp N for ranks (`logits --tp N` " \
+         "runs them on the core runner)"
+
+FLAGS = (
+    Flag("--tp", "tp", "parallel", "tensor-parallel degree (logical cores per model replica; on CPU: ranks, one "
+         "process each)", metavar="N", taken=EVERYWHERE - {CORE}, why_not=_RANKS),
+    Flag("--ep", "ep", "parallel", "expert parallelism inside the --tp ranks (NxDI moe_ep_degree): experts split ep "
+         "ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2, with batch >= n_routed_experts / top_k",
+         metavar="E", taken=NEURON | {CPU}, why_not="the core runner has no expert parallelism"),
+    Flag("--lnc", "lnc", "parallel", "physical NeuronCores per logical core: 1 or 2 (trn2's default: 2)"),
+    Flag("--seq-len", "seq_len", "shape", "KV cache length (prompt + generated tokens)", taken=NEURON | {TRACE}),
+    Flag("--max-context-length", "max_context_length", "shape", "prefill bucket: tokens per sequence in one prefill "
+         "call (default: the chunk with --prefill-chunk, else --seq-len)"),
+    Flag("--batch", "batch", "shape", "sequences decoded together (the KV cache's rows)", taken=NEURON | {TRACE}),
+    Flag("--experts", "scheme", "experts", f"routed-expert format on device (default: what a converted checkpoint "
+         f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one, converted first into "
+         f"$KIMI_K2_NEURON_CACHE/converted)", kind="choice", choices=SCHEMES, taken=NEURON | {TRACE, CPU},
+         why_not="the core runner reads any checkpoint as it is"),
+    Flag("--moe-prefill", "moe_prefill", "moe", "how prefill runs the routed experts: " + moe_paths.modes_help(),
+         kind="choice", choices=tuple(moe_paths.MODES)),
+    Flag("--kv-shard", None, "layout", "none: every rank holds the whole latent KV cache; sequence: the ranks of a KV "
+         "group split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and decode merges "
+         "their partial attention (default: none; compile_and_save.py: any layout flag given, even --kv-shard none, "
+         "builds the layout as given, not the planner's choice)", kind="choice", choices=("none", "sequence"),
+         taken=EVERYWHERE - {CORE}, why_not=_RANKS, neutral=("none",)),
+    Flag("--kv-group", "layout.kv_group", "layout", "with --kv-shard sequence: ranks per KV group, dividing --tp "
+         "(default: --tp, one group)", metavar="G", taken=EVERYWHERE - {CORE}, why_not=_RANKS, unset=True),
+    Flag("--prefill-chunk", "layout.prefill_chunk", "layout", "tokens per prefill call: a longer prompt runs as "
+         "successive chunks, each attending to the cache written so far (default: the prompt in one call)",
+         metavar="N", taken=EVERYWHERE),
+    Flag("--shard-attn-a", "layout.shard_attn_a", "layout", "split attention's two input projections (q_a_proj, "
+         "kv_a_proj_with_mqa) across the ranks by output rows and all-gather their output (one collective per layer) "
+         "instead of holding them whole on every rank", kind="switch", taken=EVERYWHERE - {CORE, TRACE},
+         why_not=_RANKS),
+    Flag("--shard-router", "layout.shard_router", "layout", "split the float32 router across the ranks by experts "
+         "and all-gather its logits (one collective per MoE layer); every rank still selects from the same float32 "
+         "logits", kind="switch", taken=EVERYWHERE - {CORE, TRACE}, why_not=_RANKS),
+    Flag("--prefix-caching", "prefix_caching", "cache", "vLLM's prefix caching (--enable-prefix-caching): the latent "
+         "cache in NxDI's block layout, a pool of blocks shared by every sequence, so a request whose first blocks "
+         "another one prefilled reads them instead of computing them (docs/vllm.md)", kind="switch",
+         why_not="the block tables come from vLLM's scheduler"),
+    Flag("--block-size", "block_size", "cache", "with --prefix-caching: positions per block (vLLM's --block-size), "
+         "dividing --seq-len", metavar="N", why_not="the block tables come from vLLM's scheduler"),
+    Flag("--num-blocks", "num_blocks", "cache", "with --prefix-caching: blocks in the pool (vLLM's "
+         "--num-gpu-blocks-override), at least --batch x --seq-len / --block-size (default: that; more keeps more "
+         "history for later turns to reuse)", metavar="N", why_not="the block tables come from vLLM's scheduler"),
+    Flag("--no-on-device-sampling", None, "sampler", "return logits to the host instead", kind="switch",
+         taken=frozenset({COMPILE})),
+    Flag("--output-logits", "output_logits", "sampler", "also return logits with on-device sampling (needed by the "
+         "logit-parity test)", kind="switch", taken=frozenset({COMPILE})),
+    Flag("--global-topk", "sampling.global_topk", "sampler", "on-device sampling's top-k pre-selection",
+         taken=frozenset({COMPILE})),
+    Flag("--draft", "draft.path", "draft", "speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: "
+         "config.json + safetensors; docs/speculative.md): NxDI's fused speculation, the target verifying "
+         "--speculation-length tokens a step (default: no speculation)", kind="text", metavar="DIR",
+         taken=NEURON | {CPU}, why_not="speculative decoding is NxDI's fused speculation", unset=True),
+    Flag("--speculation-length", "draft.speculation_length", "draft", "with --draft: tokens the target verifies per "
+         "step, the most one step emits; the draft proposes K - 1 (vLLM's num_speculative_tokens)", least=2,
+         metavar="K", taken=NEURON | {CPU}, why_not="speculative decoding is NxDI's fused speculation", unset=True),
+)
+FLAG = {f.name: f for f in FLAGS}

@@ -4,17 +4,14 @@ precompiled artifacts checked against it before vllm-neuron loads them. No SDK."
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats import DEFAULT_SCHEME
-from kimi_k2_neuron.parallel import Layout
 
-from . import contract, moe_paths
-from .spec import DraftSpec, RunSpec
+from . import moe_paths
+from .spec import DraftSpec, RunSpec, Sampling
 
 # vllm-neuron loads precompiled artifacts from this folder, else compiles into it (NXDI_CONTRACT.md: vllm-precompiled).
 COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
@@ -23,7 +20,7 @@ COMPILED_ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
 def describe(nc) -> str:
     """The vLLM flags a request came from."""
     cache = (f" --enable-prefix-caching --block-size {nc.pa_block_size} --num-gpu-blocks-override "
-             f"{nc.pa_num_blocks - 1}" if getattr(nc, "is_prefix_caching", False) else "")
+             f"{nc.pa_num_blocks - 1}" if nc.is_prefix_caching else "")
     return (f"--tensor-parallel-size {nc.tp_degree} --max-num-seqs {nc.batch_size} --max-model-len {nc.seq_len} "
             f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}{cache}")
 
@@ -38,35 +35,34 @@ def cache_flags(spec: RunSpec) -> list[str]:
             str(spec.pool_blocks), "--enable-prompt-tokens-details"]
 
 
-def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
+def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     """The request's shape and sampler, the checkpoint's experts (record: a ConversionRecord), the MoE prefill mode
-    these shapes allow; what the latent cache cannot serve is refused in one line."""
-    if getattr(nc, "is_chunked_prefill", False):
-        # NXDI_CONTRACT.md: nxdi-chunked-prefill
+    these shapes allow; what the latent cache cannot serve is refused in one line. The one reverse mapping of the
+    package: vllm-neuron's NeuronConfig is what vLLM's flags made, not one a RunSpec derived (NXDI_CONTRACT.md:
+    vllm-generic-config)."""
+    if nc.is_chunked_prefill:  # NXDI_CONTRACT.md: nxdi-chunked-prefill
         raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1): NxDI's "
                              "application raises NotImplementedError for it; unset DISABLE_NEURON_CUSTOM_SCHEDULER "
                              "(prefix caching, --enable-prefix-caching, reuses what earlier requests prefilled "
                              "without it)")
-    if getattr(nc, "is_prefix_caching", False):
-        need = nc.batch_size * -(-nc.seq_len // nc.pa_block_size)
-        if nc.pa_num_blocks - 1 < need:  # vllm-neuron counts the null block in pa_num_blocks when told the pool
-            raise KimiInputError(f"--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs "
-                                 f"x --max-model-len / --block-size = {need} (the pool the model is built with)")
-    elif getattr(nc, "is_block_kv_layout", False):
-        raise KimiInputError("a block KV layout without prefix caching: Kimi-K2's latent cache has blocks for "
-                             "--enable-prefix-caching only")
     if nc.torch_dtype != torch.bfloat16:
         raise KimiInputError(f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}: Kimi-K2 runs in bfloat16 on "
                              f"Neuron; pass --dtype bfloat16")
     if record is None:
         raise KimiInputError(f"{checkpoint}: a raw (unconverted) checkpoint; serve the converted one: kimi-k2-neuron "
                              f"convert {checkpoint} DST --experts {DEFAULT_SCHEME}, then serve DST")
-    spec = dataclasses.replace(contract.spec_of(nc, Layout(), draft_of_request(nc)), scheme=record.scheme,
-                               checkpoint=str(checkpoint), moe_prefill=None,
-                               extra={"on_cpu": True} if getattr(nc, "on_cpu", False) else {})
-    bad = contract.derived_problems(nc, spec)
-    if bad:
-        raise KimiInputError("; ".join(bad))
+    if nc.is_continuous_batching and nc.ctx_batch_size != 1:
+        raise KimiInputError(f"continuous batching with a prefill batch of {nc.ctx_batch_size}: NxDI's cache writes "
+                             f"by seq_id take one sequence per prefill (ctx_batch_size 1)")
+    ods = nc.on_device_sampling_config
+    spec = RunSpec(tp=nc.tp_degree, ep=nc.moe_ep_degree or 1, lnc=nc.logical_nc_config, seq_len=nc.seq_len,
+                   max_context_length=nc.max_context_length, batch=nc.max_batch_size or nc.batch_size,
+                   scheme=record.scheme, checkpoint=str(checkpoint), moe_prefill=None,
+                   sampling=Sampling(on_device=False) if ods is None else Sampling(
+                       do_sample=ods.do_sample, top_k=ods.top_k, top_p=ods.top_p, temperature=ods.temperature,
+                       global_topk=ods.global_topk),
+                   output_logits=bool(nc.output_logits), continuous_batching=bool(nc.is_continuous_batching),
+                   draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {}, **cache(nc))
     tile = moe_paths.OUTPUT_TILE
     if spec.prefill_mode(cfg) == "shard-on-block" and spec.prefill_tokens % tile:
         # the kernel's rule, in vLLM's words: a prefill of whole output tiles, never a silent torch loop of hundreds of
@@ -78,61 +74,74 @@ def spec_of_request(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     return spec
 
 
-def draft_of_request(nc) -> DraftSpec | None:
+def cache(nc) -> dict:
+    """vLLM's cache flags as vllm-neuron passes them (NXDI_CONTRACT.md: vllm-block-pool): --enable-prefix-caching
+    sets NxDI's block layout, --block-size its pa_block_size, and the pool its pa_num_blocks, vLLM's null block
+    counted in; the pool is at least every row's full sequence."""
+    if not nc.is_prefix_caching:
+        if nc.is_block_kv_layout:
+            raise KimiInputError("a block KV layout without prefix caching: Kimi-K2's latent cache has blocks for "
+                                 "--enable-prefix-caching only")
+        return {}
+    need = nc.batch_size * -(-nc.seq_len // nc.pa_block_size)
+    if nc.pa_num_blocks - 1 < need:
+        raise KimiInputError(f"--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs x "
+                             f"--max-model-len / --block-size = {need} (the pool the model is built with)")
+    return dict(prefix_caching=True, block_size=nc.pa_block_size, num_blocks=nc.pa_num_blocks - 1)
+
+
+def draft(nc) -> DraftSpec | None:
     """--speculative-config as vllm-neuron passes it: num_speculative_tokens is NxDI's speculation_length, and only
     method "eagle" sets NxDI's EAGLE flow (vLLM 0.13 refuses "eagle3" for a kimi_k2 target); the draft folder comes
     later, in the FusedSpecNeuronConfig vllm-neuron attaches (NXDI_CONTRACT.md: vllm-spec-config)."""
-    if not (getattr(nc, "enable_fused_speculation", False) or getattr(nc, "speculation_length", 0)):
+    if not (nc.enable_fused_speculation or nc.speculation_length):
         return None
-    if not getattr(nc, "enable_eagle_speculation", False):
+    if not nc.enable_eagle_speculation:
         raise KimiInputError("--speculative-config: Kimi-K2 speculates with an EAGLE3 draft only; give "
                              "'{\"method\": \"eagle\", \"model\": DRAFT, \"num_speculative_tokens\": K}'")
     return DraftSpec(path=None, speculation_length=nc.speculation_length)
 
 
-def compiled_mismatches(request: RunSpec, nc) -> list[str]:
-    """What the request needs that compiled artifacts (their NeuronConfig `nc`) lack: smaller than compiled is
+def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
+    """What the request needs that compiled artifacts (built from the spec `compiled`) lack: smaller than compiled is
     served, more is not (NXDI_CONTRACT.md: vllm-precompiled)."""
-    r, bad = request, []
-    if r.tp != nc.tp_degree:
-        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {nc.tp_degree}")
-    if r.batch > nc.max_batch_size:
-        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {nc.max_batch_size}")
-    if r.seq_len > nc.seq_len:
-        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {nc.seq_len}")
-    elif r.context_length > nc.max_context_length and not getattr(nc, "is_prefix_caching", False):
+    r, c, bad = request, compiled, []
+    if r.tp != c.tp:
+        bad.append(f"--tensor-parallel-size {r.tp}, compiled for TP {c.tp}")
+    if r.batch > c.batch:
+        bad.append(f"--max-num-seqs {r.batch} > the compiled batch {c.batch}")
+    if r.seq_len > c.seq_len:
+        bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {c.seq_len}")
+    elif r.context_length > c.context_length and not c.prefix_caching:  # its chunks run behind one prefill
         bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
-                   f"compiled for {nc.max_context_length}")
-    if r.continuous_batching and not (nc.is_continuous_batching and nc.ctx_batch_size == 1):
-        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it "
-                   f"(is_continuous_batching={nc.is_continuous_batching}, ctx_batch_size={nc.ctx_batch_size})")
-    compiled_k = getattr(nc, "speculation_length", 0) if getattr(nc, "enable_fused_speculation", False) else 0
-    asked_k = r.draft.speculation_length if r.draft else 0
+                   f"compiled for {c.context_length}")
+    if r.continuous_batching and not c.one_row_prefill:
+        bad.append(f"--max-num-seqs {r.batch} runs NxDI's continuous batching, compiled without it (a prefill batch "
+                   f"of {c.prefill_batch})")
+    asked_k, compiled_k = (s.draft.speculation_length if s.draft else 0 for s in (r, c))
     if asked_k != compiled_k:
         bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
                    f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
-    bad += _cache_mismatches(r, nc)
-    ods = nc.on_device_sampling_config
-    if ods is not None and not ods.dynamic:
-        bad.append("compiled with static on-device sampling, which ignores each request's temperature, top_k, top_p")
+    bad += _cache_mismatches(r, c)
+    if not c.sampling.on_device and r.sampling.on_device:
+        bad.append("compiled to return logits (--no-on-device-sampling); vllm-neuron samples on the device")
     return bad
 
 
-def _cache_mismatches(r: RunSpec, nc) -> list[str]:
+def _cache_mismatches(r: RunSpec, c: RunSpec) -> list[str]:
     """Prefix caching needs the block layout compiled, at vLLM's block size and with a pool at least vLLM's (its block
     ids index the pool); the block layout compiled needs vLLM's block tables (NXDI_CONTRACT.md: vllm-block-pool)."""
-    compiled = bool(getattr(nc, "is_prefix_caching", False))
-    if r.prefix_caching and not compiled:
+    if r.prefix_caching and not c.prefix_caching:
         return ["--enable-prefix-caching, compiled without the block KV layout (compile_and_save.py --for-vllm "
                 "--prefix-caching), or pass --no-enable-prefix-caching"]
-    if compiled and not r.prefix_caching:
-        return [f"compiled with --prefix-caching (the block KV layout, --block-size {nc.pa_block_size}), served "
+    if c.prefix_caching and not r.prefix_caching:
+        return [f"compiled with --prefix-caching (the block KV layout, --block-size {c.block_size}), served "
                 f"without --enable-prefix-caching"]
-    if not compiled:
+    if not c.prefix_caching:
         return []
     bad = []
-    if r.block_size != nc.pa_block_size:
-        bad.append(f"--block-size {r.block_size}, compiled for {nc.pa_block_size}")
-    if r.pool_blocks > nc.pa_num_blocks - 1:
-        bad.append(f"--num-gpu-blocks-override {r.pool_blocks} > the compiled pool of {nc.pa_num_blocks - 1} blocks")
+    if r.block_size != c.block_size:
+        bad.append(f"--block-size {r.block_size}, compiled for {c.block_size}")
+    if r.pool_blocks > c.pool_blocks:
+        bad.append(f"--num-gpu-blocks-override {r.pool_blocks} > the compiled pool of {c.pool_blocks} blocks")
     return bad

@@ -24,7 +24,6 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2  # noqa:
 from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 from kimi_k2_neuron.formats.record import ConversionRecord, experts_for  # noqa: E402
-from kimi_k2_neuron.runtime.runner import DTYPES  # noqa: E402
 
 from kimi_k2_neuron.neuron import contract, moe_paths  # noqa: E402
 from kimi_k2_neuron.convert import ensure_converted  # noqa: E402
@@ -75,7 +74,7 @@ def application(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | No
     spec = dataclasses.replace(
         request_spec(o, seq_len, batch), scheme=o.record.scheme, checkpoint=o.model,
         sampling=sampling or Sampling(on_device=False), output_logits=sampling is not None and not on_cpu,
-        extra={"on_cpu": on_cpu, "torch_dtype": DTYPES[o.dtype],
+        dtype=o.dtype, extra={"on_cpu": on_cpu,
                **({"flash_decoding_enabled": True} if o.flash_decoding_one_rank else {}),
                # nkilib's max kernel is device-only (NXD_CPU_MODE.md: fused-spec-cpu)
                **({"disable_argmax_kernel": True} if o.spec.draft else {})})
@@ -199,7 +198,7 @@ def teacher_forced_logits(app, rows: list[list[int]], prefill_len: int | list[in
         finally:
             for handle in handles:
                 handle.remove()
-        for r, h in enumerate(hidden_rows(calls, k, contract.layout_of(app.config).prefill_chunk)):
+        for r, h in enumerate(hidden_rows(calls, k, contract.run_spec(app.config).layout.prefill_chunk)):
             out[r, :k[r]] = cte.lm_head(h[None]).float()[0]
         picked = out[torch.arange(b), torch.tensor(k) - 1]
         if not torch.allclose(picked, last[:, -1], rtol=1e-4, atol=1e-4 * picked.abs().max().item()):

@@ -13,7 +13,7 @@ from torch import nn
 
 from kimi_k2_neuron.errors import KimiInputError, listing
 from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
-from kimi_k2_neuron.neuron.contract import layout_of
+from kimi_k2_neuron.neuron.contract import run_spec
 from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM, NxDParallelContext
 from kimi_k2_neuron.runtime.ranks import free_port
 from kimi_k2_neuron.runtime.tp import chunk_process_groups
@@ -31,7 +31,7 @@ class CpuMode:
         check_cpu_run(nc.torch_dtype, nc.tp_degree, getattr(nc, "moe_ep_degree", 1))
         os.environ["NXD_CPU_MODE"] = "1"
         rank = _init_cpu_process_groups(nc, self.config.num_cores_per_group)
-        chunk_groups = chunk_process_groups(nc.tp_degree, layout_of(self.config), rank)  # NXD_CPU_MODE.md: chunk-groups
+        chunk_groups = chunk_process_groups(nc.tp_degree, run_spec(self.config).layout, rank)  # NXD_CPU_MODE.md: chunk-groups
         loaded = self.checkpoint_loader_fn() if presharded is None else read_presharded(presharded, rank)
         for wrapper in self.models:
             model = _build_as_on_device(wrapper)

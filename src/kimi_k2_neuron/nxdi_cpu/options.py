@@ -9,7 +9,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.record import ConversionRecord
 from kimi_k2_neuron.neuron import rules
-from kimi_k2_neuron.neuron.spec import GREEDY, RunSpec, Sampling
+from kimi_k2_neuron.neuron.spec import GREEDY, RunSpec, Sampling, speculation_overrun
 from kimi_k2_neuron.runtime.memory import check_one_call
 
 
@@ -86,8 +86,8 @@ def check_layout(o: CpuOptions, cfg: KimiK2Config | None = None) -> KimiK2Config
 
 def request_spec(o: CpuOptions, seq_len: int, batch: int) -> RunSpec:
     """o's spec at a request's shape: a cache of at least seq_len positions (padded_seq_len), `batch` rows; with a
-    draft, speculation_length more, as the last fused step writes that many (NXDI_CONTRACT.md: fused-positions)."""
-    extra = o.spec.draft.speculation_length if o.spec.draft else 0
+    draft, the room the last fused step writes past them (spec.speculation_overrun)."""
+    extra = speculation_overrun(o.spec.draft.speculation_length) if o.spec.draft else 0
     return dataclasses.replace(o.spec, seq_len=padded_seq_len(o, seq_len + extra), batch=batch)
 
 
@@ -113,7 +113,8 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | 
 
 def padded_seq_len(o: CpuOptions, needed: int) -> int:
     """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), of blocks
-    (prefix caching), else of the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the group: rules.check_layout)."""
+    (prefix caching), else of the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the
+    group: rules.check_layout)."""
     step = o.spec.layout.prefill_chunk or (o.spec.block_size if o.spec.prefix_caching else o.spec.layout.kv_group)
     return -(-needed // step) * step
 

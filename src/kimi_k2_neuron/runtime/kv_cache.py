@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from ..config import KimiK2Config
-from ..parallel import slot_positions, slots_for
+from ..parallel import slot_positions
+from ..placement import slots_for
 
 
 class LatentCache:

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from ..parallel import Layout, ParallelContext, check_kv_group, chunk_meshes
+from ..parallel import ParallelContext
+
+from ..placement import Layout, check_kv_group, chunk_meshes
 from .ranks import run_ranks
 
 
@@ -63,7 +65,7 @@ def cpu_context(tp: int, rank: int, layout: Layout) -> ParallelContext:
 def chunk_process_groups(tp: int, layout: Layout, rank: int) -> dict:
     """{(Gc, which): this rank's gloo group} for each merge group a prefill chunk may use
     (Layout.chunk_group_candidates): 0 its adjacent ranks, 1 the strided ranks whose caches it pools
-    (parallel.chunk_meshes); the core's context and the CPU harness's NxD one both take them."""
+    (placement.chunk_meshes); the core's context and the CPU harness's NxD one both take them."""
     return {(c, which): gloo_group(mesh, rank) for c in layout.chunk_group_candidates()
             for which, mesh in enumerate(chunk_meshes(tp, layout.kv_group, c)) if mesh}
 
