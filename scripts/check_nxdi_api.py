@@ -46,11 +46,11 @@ LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 _APP = ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")
 _MODEL = ("neuronx_distributed_inference.models.model_base", "NeuronBaseModel")
 MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "HostLogits": _APP,
-          "ChunkedPrefillModel": _MODEL, "Eagle3Target": _MODEL}
+          "PrefixCaching": _APP, "ChunkedPrefillModel": _MODEL, "Eagle3Target": _MODEL, "PrefixCachingModel": _MODEL}
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
-               "KimiK2Model": {"attention_kind"}, "ChunkedPrefillModel": {"attention_kind"},
-               "CpuModelWrapper": {"_two_heads"},
+               "KimiK2Model": {"attention_kind", "cache_manager"}, "ChunkedPrefillModel": {"attention_kind"},
+               "PrefixCachingModel": {"attention_kind", "cache_manager"}, "CpuModelWrapper": {"_two_heads"},
                "Eagle3MlaInferenceConfig": {"core_config"}}
 
 

@@ -19,6 +19,11 @@ continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill c
 with the logits returned too (output_logits, for the steps a grammar constrains), or with --no-on-device-sampling
 vLLM's sampler on the host, pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
 
+--for-vllm --prefix-caching compiles the latent cache in NxDI's block layout for vLLM's prefix caching (docs/vllm.md):
+a pool of --num-blocks blocks of --block-size positions, and the context-encoding graphs in 2D buckets (a prefill
+bucket by a prefix bucket), so a request whose first blocks are cached prefills only what follows them; its printed
+command serves with --enable-prefix-caching and reports the cached tokens of each reply.
+
 --draft DIR --speculation-length K compiles NxDI's fused EAGLE3 speculation (docs/speculative.md): the context encoding
 (the draft's prefill inside) and one fused graph of K - 1 draft steps and a K-token target verify, in place of the
 token-generation graph; the draft's weights are pre-sharded beside the target's. With --for-vllm the printed command
@@ -62,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
                   batch=dict(help="batch compiled into both the prefill and decode graphs"))
     p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")
-    add_spec_args(p, "sampler", "moe", "layout", "draft")
+    add_spec_args(p, "sampler", "moe", "layout", "cache", "draft")
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
                         "--max-num-seqs, one sequence per prefill), dynamic on-device sampling returning the logits "
@@ -191,16 +196,23 @@ def choose_decode(cfg, spec, p):
 
 
 def check_for_vllm(args) -> None:
-    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call."""
+    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call (unless
+    --prefix-caching, whose 2D buckets chunk a prefill). --prefix-caching serves through vLLM only (its block tables)."""
     if not args.for_vllm:
+        if args.prefix_caching:
+            raise KimiInputError("--prefix-caching: only with --for-vllm (the block tables come from vLLM's "
+                                 "scheduler)")
         return
-    if args.max_context_length not in (None, args.seq_len):
+    if args.max_context_length not in (None, args.seq_len) and not args.prefix_caching:
         raise KimiInputError("--max-context-length: not with --for-vllm (vllm-neuron prefills up to --max-model-len "
                              "tokens in one call)")
     from kimi_k2_neuron.launch import layout_options
     from kimi_k2_neuron.neuron.spec import layout_flags
 
-    given = layout_flags(layout_options(args))
+    layout = layout_options(args)
+    if args.prefix_caching:  # the chunks run behind vLLM's prefill of a whole prompt (neuron/prefix_caching.py)
+        layout = dataclasses.replace(layout, prefill_chunk=None)
+    given = layout_flags(layout)
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")

@@ -257,8 +257,8 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
 
 def add_spec_args(p, *names: str, where: dict[str, str] | None = None, **overrides: dict) -> None:
     """The run spec's flags on p (a parser or an argument group), in FLAGS' order: those `names` asks for (a flag, or
-    a group: parallel, shape, experts, moe, layout, sampler, draft; none: all). `where`: for a command with several
-    backends, {backend (spec.CPU, ...): the flag that selects it}: only the flags one of them takes, each one's help
+    a group: parallel, shape, experts, moe, layout, cache, sampler, draft; none: all). `where`: for a command with
+    several backends, {backend (spec.CPU, ...): the flag that selects it}: only the flags one of them takes, each one's help
     naming the backends that take it where not all do (check_spec_flags refuses the rest). overrides: {dest:
     add_argument keywords to change}, where a flag means something else in a command."""
     from .neuron.spec import FLAGS

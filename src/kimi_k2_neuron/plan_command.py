@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from .arguments import add_spec_args, checkpoint_folder, integer, number, path
+from .arguments import add_spec_args, checkpoint_folder, integer, integers, number, path
 from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
 from .launch import draft_spec, layout_flags_given, layout_options, run_spec
@@ -44,13 +44,22 @@ def cmd_plan(a) -> int:
         print(plan_json(p, max_batch=found) if a.json else f"{_max_batch_line(p, found)}\n{format_plan(p)}")
         return 0 if p.fits else 1
     if not a.max_seq_len:
-        p = plan(cfg, spec, **model)
+        p = plan(cfg, spec, **model, turn=_turn(a))
         print(plan_json(p) if a.json else format_plan(p))
         return 0 if p.fits else 1
     p = max_seq_len(cfg, spec, **model)
     found = p.seq_len if p.fits else None
     print(plan_json(p, max_seq_len=found) if a.json else f"{_max_seq_len_line(cfg, p, found)}\n{format_plan(p)}")
     return 0 if p.fits else 1
+
+
+def _turn(a) -> tuple[int, int] | None:
+    if a.turn is None:
+        return None
+    if not a.prefix_caching or len(a.turn) != 2 or a.turn[1] < 1:
+        raise KimiInputError(f"--turn {','.join(map(str, a.turn))}: expected CACHED,NEW (NEW >= 1), with "
+                             f"--prefix-caching")
+    return a.turn[0], a.turn[1]
 
 
 def _check_plan_modes(a) -> None:
@@ -255,5 +264,11 @@ def add_plan_parser(sub, command) -> None:
     s.add_argument("--router-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="fp32: this port's router (default); bf16 models ports that cast it (the DeepSeek-V3 contrib)")
     add_spec_args(s, "layout")
+    cache = s.add_argument_group("prefix caching")
+    add_spec_args(cache, "cache")
+    cache.add_argument("--turn", type=integers(0), default=None, metavar="CACHED,NEW",
+                       help="with --prefix-caching: the turn whose prefill is modelled warm (CACHED positions in "
+                            "blocks, NEW to prefill) and cold (default: 65536,2048, an agent's long history and a tool "
+                            "result; cut to --seq-len)")
     add_spec_args(s.add_argument_group("speculative decoding"), "draft")
     s.add_argument("--json", action="store_true", help="print the plan as JSON (every time component in ms)")

@@ -168,8 +168,11 @@ def test_startup_refusals_are_one_line_before_any_weights_load(precompiled, conv
     pre = {"NEURON_COMPILED_ARTIFACTS": str(out)}
     cases = [
         ("raw checkpoint", {"model": str(tiny["fp8"])}, "a raw (unconverted) checkpoint"),
-        ("prefix caching", {"engine": {"enable_prefix_caching": True, "block_size": 16}},
-         "pass --no-enable-prefix-caching"),
+        ("prefix caching, no pool", {"engine": {"enable_prefix_caching": True, "block_size": 16}},
+         "--enable-prefix-caching: give --num-gpu-blocks-override, at least"),
+        ("prefix caching, contiguous folder", {"env": pre, "engine": {"enable_prefix_caching": True, "block_size": 16,
+                                                                      "num_gpu_blocks_override": 8}},
+         "--enable-prefix-caching, compiled without the block KV layout"),
         ("chunked prefill", {"env": {"DISABLE_NEURON_CUSTOM_SCHEDULER": "1"}, "engine": {
             "enable_chunked_prefill": True, "block_size": 16, "max_num_batched_tokens": 64,
             "additional_config": {"override_neuron_config": {"chunked_prefill_config": {"max_num_seqs": 2}}}}},

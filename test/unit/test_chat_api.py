@@ -240,3 +240,11 @@ def test_chat_facts_read_from_the_release_templates(tmp_path, release, facts):
     tok = KimiTokenizer.from_dir(tmp_path)
     assert ChatFacts.of(tok) == facts
     assert ChatFacts.of(tok, contract=False).contract is False
+
+
+def test_prompt_cache_key_is_accepted_and_taken_out_and_cache_salt_passes():
+    """Kimi's session key: the engine's hits come from the prompt's own block hashes; vLLM's cache_salt is vLLM's."""
+    got = kimi_request(request(prompt_cache_key="session-7", cache_salt="tenant-a"), ChatFacts())
+    assert "prompt_cache_key" not in got and got["cache_salt"] == "tenant-a"
+    with pytest.raises(ApiError, match="prompt_cache_key: expected a string"):
+        kimi_request(request(prompt_cache_key=7), ChatFacts())

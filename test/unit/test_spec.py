@@ -32,7 +32,7 @@ EVERY_FIELD = RunSpec(
     output_logits=True, moe_prefill="torch", moe_decode="all-experts", continuous_batching=True,
     layout=Layout(kv_group=16, prefill_chunk=1024, shard_attn_a=True, shard_router=True, chunk_group=4),
     draft=DraftSpec(path="/d", speculation_length=6, checkpoint=FACTS), dtype="float32",
-    extra={"on_cpu": True})
+    prefix_caching=True, block_size=16, num_blocks=300, extra={"on_cpu": True})
 
 
 def _leaves(obj, prefix=""):

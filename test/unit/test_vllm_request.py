@@ -12,6 +12,7 @@ import torch
 from kimi_k2_neuron.neuron import contract, rules
 from kimi_k2_neuron.neuron import vllm_request as vllm_request_
 from kimi_k2_neuron.neuron.spec import DraftSpec, Sampling
+from kimi_k2_neuron.placement import Layout
 
 from specs import PER_CHANNEL, kimi_cfg, per_channel
 
@@ -70,7 +71,8 @@ def test_a_vllm_request_records_the_decode_path_the_time_model_chooses():
 
 
 @pytest.mark.parametrize("over,record,needle", [
-    (dict(is_prefix_caching=True, is_block_kv_layout=True), True, "pass --no-enable-prefix-caching"),
+    (dict(is_prefix_caching=True, is_block_kv_layout=True, pa_block_size=32, pa_num_blocks=65), True,
+     "give --num-gpu-blocks-override, at least --max-num-seqs x --max-model-len / --block-size = 256"),
     (dict(is_chunked_prefill=True, is_block_kv_layout=True, batch_size=1), True,
      "unset DISABLE_NEURON_CUSTOM_SCHEDULER"),
     (dict(torch_dtype=torch.float16), True, "--dtype float16: Kimi-K2 runs in bfloat16"),
@@ -171,3 +173,56 @@ def test_a_server_holds_replies_to_grammars_only_as_configured(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.27")  # vLLM 0.13's pin
     assert "xgrammar 0.1.27 reads Kimi's tokenizer as raw text (xgrammar #483); pip install 'xgrammar>=0.1.29'" == \
         vllm_request_.grammar_refusal(serve_config())
+
+
+# -- --enable-prefix-caching: NxDI's block layout at vLLM's pool ----------------------------------------------------
+
+# what vllm-neuron sets for --enable-prefix-caching --block-size 32 --num-gpu-blocks-override 256 (its null block
+# counted into pa_num_blocks: NXDI_CONTRACT.md: vllm-block-pool)
+CACHING = dict(is_prefix_caching=True, is_block_kv_layout=True, pa_block_size=32, pa_num_blocks=257)
+
+
+def test_vllms_prefix_caching_request_is_the_block_layout_at_its_pool():
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**CACHING), per_channel_record(), "/c")
+    assert (r.prefix_caching, r.block_size, r.pool_blocks) == (True, 32, 256)
+    rules.check(kimi_cfg(), r)
+    assert contract.neuron_config_kwargs(kimi_cfg(), r)["pa_num_blocks"] == 257
+    assert vllm_request_.describe(vllm_request(**CACHING)).endswith(
+        "--enable-prefix-caching --block-size 32 --num-gpu-blocks-override 256")
+    assert vllm_request_.cache_flags(r) == ["--enable-prefix-caching", "--block-size", "32",
+                                            "--num-gpu-blocks-override", "256", "--enable-prompt-tokens-details"]
+    assert vllm_request_.cache_flags(per_channel(batch=3)) == ["--no-enable-prefix-caching",
+                                                               "--num-gpu-blocks-override", "3"]
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(pa_num_blocks=128), "--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs x "
+                              "--max-model-len / --block-size = 256"),
+    (dict(is_prefix_caching=False), "a block KV layout without prefix caching"),
+])
+def test_what_vllms_prefix_caching_request_cannot_get_is_refused_in_one_line(over, needle, one_line_error):
+    one_line_error(lambda: vllm_request_.run_spec(kimi_cfg(), vllm_request(**{**CACHING, **over}),
+                                                  per_channel_record(), "/c"), needle)
+
+
+# what compile_and_save.py --for-vllm --prefix-caching --batch 4 --seq-len 2048 --num-blocks 256 saves
+CACHED = vllm_request_.for_vllm(per_channel(tp=64, batch=4, seq_len=2048, prefix_caching=True, num_blocks=256))
+
+
+@pytest.mark.parametrize("request_over,compiled_over,needle", [
+    ({}, {}, None),
+    ({}, dict(layout=Layout(prefill_chunk=512)), None),  # the chunks prefill a longer prompt
+    (dict(pa_num_blocks=201, batch_size=2, max_batch_size=2), {}, None),  # a smaller pool: vLLM's ids stay inside
+    ({}, dict(prefix_caching=False, num_blocks=None, continuous_batching=True),
+     "--enable-prefix-caching, compiled without the block KV layout"),
+    (dict(is_prefix_caching=False, is_block_kv_layout=False), {}, "compiled with --prefix-caching (the block KV "
+                                                                  "layout, --block-size 32), served without"),
+    (dict(pa_block_size=16, pa_num_blocks=257, batch_size=2, max_batch_size=2), {},
+     "--block-size 16, compiled for 32"),
+    (dict(pa_num_blocks=301), {}, "--num-gpu-blocks-override 300 > the compiled pool of 256 blocks"),
+])
+def test_a_precompiled_folder_serves_prefix_caching_only_with_its_blocks(request_over, compiled_over, needle):
+    r = vllm_request_.run_spec(kimi_cfg(), vllm_request(**{**CACHING, "seq_len": 2048, "max_context_length": 2048,
+                                                           **request_over}), per_channel_record(), "/c")
+    bad = vllm_request_.compiled_mismatches(r, dataclasses.replace(CACHED, **compiled_over))
+    assert bad == [] if needle is None else (len(bad) == 1 and needle in bad[0]), bad

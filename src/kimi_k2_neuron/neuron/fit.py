@@ -15,12 +15,13 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
 from kimi_k2_neuron.placement import Layout
+from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
 from . import moe_paths, rules, timing
 from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
-                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
-                  moe_runs, moe_temporaries, weight_rows)
-from .spec import FD_RESERVED_SLOTS, RunSpec
+                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, block_attention_row, block_bytes,
+                  block_pool_row, chunk_attention_row, div, logical_cores, moe_runs, moe_temporaries, weight_rows)
+from .spec import FD_RESERVED_SLOTS, RunSpec, prefix_caching_buckets, prefix_caching_calls
 from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, decode_traffic,
                      experts_read, layout_collectives, moe_prefill_work, prefill_time)
 
@@ -66,6 +67,7 @@ class Plan:
     chunk: Timing | None = None  # the modelled last prefill chunk (the chunk submodel's call); None unchunked
     # what one chunk's attention moves per layer and rank (timing.chunk_merge); None unchunked or unsharded
     chunk_merge_bytes: int | None = None
+    prefix: "PrefixTurn | None" = None  # with --prefix-caching: the block pool and a turn reusing a prefix
 
     @property
     def kv_slots(self) -> int:
@@ -181,7 +183,11 @@ def prefill_call(cfg: KimiK2Config, spec: RunSpec, prior: int = 0, port: Port = 
 def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, c: timing.Constants,
           longest: bool = True) -> tuple[Timing, float, Timing | None]:
     """(the first prefill call, the prefill of the longest prompt, its last chunk): one bucket, or with chunks a
-    prompt of seq_len tokens, chunk k attending the k x N positions before it (not longest: the first call's)."""
+    prompt of seq_len tokens, chunk k attending the k x N positions before it (not longest: the first call's); with
+    prefix caching, its calls with nothing cached (turn_calls)."""
+    if spec.prefix_caching:
+        calls = turn_calls(cfg, spec, weights, 0, spec.seq_len, c)
+        return calls[0], sum(t.total_s for t in calls), calls[-1] if len(calls) > 1 and longest else None
     first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE, c)
     n = spec.layout.prefill_chunk
     if n is None or spec.seq_len <= n or not longest:
@@ -192,15 +198,16 @@ def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, c: ti
 
 
 def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Constants = timing.TRN2,
-         longest_prompt: bool = True) -> Plan:
+         longest_prompt: bool = True, turn: tuple[int, int] | None = None) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
     build (NxDI's stock KV cache, a bf16 router, ...: timing.Port), `c` other constants. Without --moe-decode,
     planned at the path the time model says is fastest (moe_decode.fastest_plan). longest_prompt False: ttft_s is
-    the first prefill call's alone (for searches that time their own prompts: workload.py)."""
+    the first prefill call's alone (for searches that time their own prompts: workload.py). With prefix caching,
+    `turn` (cached, new positions; default TURN) is the turn whose warm and cold prefill it models."""
     if spec.moe_decode is None:
         from .moe_decode import fastest_plan
 
-        return fastest_plan(cfg, spec, port, c, longest_prompt)
+        return fastest_plan(cfg, spec, port, c, longest_prompt, turn)
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
@@ -213,6 +220,8 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Con
              cfg.num_hidden_layers * kv_slots * batch * slots * cfg.latent_dim * BF16)
     moe = moe_runs(cfg, spec)
     chunk = chunk_attention_row(cfg, tp, slots, layout)
+    if spec.prefix_caching:  # the pool for the cache; no chunk submodel, the prefill attends over blocks
+        kv, chunk = block_pool_row(cfg, spec), block_attention_row(cfg, spec)
     allowance = allowance_rows(cfg, spec.prefill_tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
     speculation = _speculation(cfg, spec, weights, port)
     total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
@@ -230,9 +239,82 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Con
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
         decode=decode_time(cfg, spec, per_token, port, c), prefill=first, ttft_s=ttft,
-        assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
+        assumptions=_assumptions(port, layout, spec), speculation=speculation, chunk=last_chunk,
         chunk_merge_bytes=(sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1))
-                           if last_chunk and layout.sequence_sharded else None))
+                           if last_chunk and layout.sequence_sharded else None),
+        prefix=(prefix_caching(cfg, spec, weights, usable - total, turn or TURN, c) if spec.prefix_caching else None))
+
+
+# -- prefix caching: the pool, and a turn that reuses a cached prefix -------------------------------------------------
+
+# the agentic turn plan prints (issue 37): a long shared history cached, a tool result and a question added
+TURN = (65536, 2048)
+
+
+@dataclass(frozen=True)
+class PrefixTurn:
+    """The block pool per rank and a turn's modelled prefill with and without its prefix cached (estimates)."""
+
+    block_size: int
+    pool_blocks: int  # vLLM's blocks (--num-gpu-blocks-override)
+    block_bytes: int  # one block of every layer on one rank
+    more_blocks: int  # blocks the HBM headroom would hold beyond the pool (0 when it does not fit)
+    cached: int  # the turn: positions in cached blocks
+    new: int  # and positions to prefill
+    warm_calls: tuple[tuple[int, int], ...]  # (prefill bucket, prefix bucket) of each call, as NxDI picks them
+    warm: tuple[Timing, ...]
+    cold_calls: tuple[tuple[int, int], ...]  # the same prompt with nothing cached
+    cold: tuple[Timing, ...]
+
+    @property
+    def pool_tokens(self) -> int:
+        """Positions the pool holds: every row's running sequence and whatever history stays cached beside them."""
+        return self.pool_blocks * self.block_size
+
+    @property
+    def warm_s(self) -> float:
+        return sum(t.total_s for t in self.warm)
+
+    @property
+    def cold_s(self) -> float:
+        return sum(t.total_s for t in self.cold)
+
+
+def turn_calls(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], cached: int, new: int,
+               c: timing.Constants = timing.TRN2) -> list[Timing]:
+    """Each context-encoding call prefilling `new` positions after `cached` ones in blocks (spec.prefix_caching_calls:
+    NxDI's bucket choice, the chunks), timed as prefill_time counts a call: its prefill bucket's tokens through the
+    dense layers and the MoE path NxD takes for them, every key tile of its positions (prefix bucket + prefill
+    bucket) scored after kv_b expands each key (MLAttention.attend_positions)."""
+    tile, mode = key_tile_for(spec.seq_len), spec.prefill_mode(cfg)
+    out = []
+    for a, pfx in prefix_caching_calls(spec, cached, new):
+        call = replace(spec, max_context_length=a, layout=replace(spec.layout, prefill_chunk=None))
+        keys = key_width(pfx + a, tile)
+        work = replace(_prefill_work(cfg, call, weights, moe_paths.prefill_path(cfg, a, mode), pfx), keys=keys,
+                       expanded_keys=keys)
+        out.append(prefill_time(cfg, call, work, CHUNK_QUERY_TILE, c))
+    return out
+
+
+def turn_seconds(cfg: KimiK2Config, spec: RunSpec, cached: int, new: int) -> float:
+    """The modelled prefill (TTFT less the first token's sampling) of a turn of `new` positions after `cached` ones in
+    blocks: the planner's serving view reads a warm turn from here (an estimate)."""
+    weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, THIS_PORT.router_dtype, spec.layout)
+    return sum(t.total_s for t in turn_calls(cfg, spec, weights, cached, new))
+
+
+def prefix_caching(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], headroom: int,
+                   turn: tuple[int, int] = TURN, c: timing.Constants = timing.TRN2) -> PrefixTurn:
+    """The pool, what the headroom would add to it, and `turn` (cached, new) warm and cold, shortened to seq_len."""
+    cached, new = turn
+    new = min(new, spec.seq_len)
+    cached = min(cached, spec.seq_len - new) // spec.block_size * spec.block_size  # vLLM hits whole blocks
+    per_block = block_bytes(cfg, spec.block_size)
+    warm, cold = prefix_caching_calls(spec, cached, new), prefix_caching_calls(spec, 0, cached + new)
+    return PrefixTurn(spec.block_size, spec.pool_blocks, per_block, max(0, headroom) // per_block, cached, new,
+                         tuple(warm), tuple(turn_calls(cfg, spec, weights, cached, new, c)), tuple(cold),
+                         tuple(turn_calls(cfg, spec, weights, 0, cached + new, c)))
 
 
 def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
@@ -248,7 +330,7 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
 
 
 
-def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
+def _assumptions(port: Port, layout: Layout, spec: RunSpec | None = None) -> tuple[str, ...]:
     c = timing.TRN2
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if port.kv_slots == 2 else
@@ -262,7 +344,14 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
                   f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its merge adds 3 "
                   f"collectives per layer to a decode step, up to 5 to a prefill chunk (model/mla.py attend_chunk, "
                   f"over the cheaper chunk group)")
-    if layout.prefill_chunk:
+    if spec is not None and spec.prefix_caching:
+        prefill, prefix = prefix_caching_buckets(spec)
+        lc.append(f"prefix caching: the latent cache in NxDI's block layout, one pool on every rank; "
+                  f"{len(prefill)} x {len(prefix) + 1} context-encoding graphs (prefill buckets {prefill[0]}.."
+                  f"{prefill[-1]} by prefix buckets 0, {prefix[0]}..{prefix[-1]}; their NEFF code not counted); a call "
+                  f"scores every key tile of its positions, no causal halving, after kv_b expands each key "
+                  f"(neuron/prefix_caching.py); a turn's cached positions are whole blocks (vLLM's hits)")
+    elif layout.prefill_chunk:
         lc.append(f"chunked prefill: one row of {layout.prefill_chunk} tokens per call through one graph (batch 1); "
                   "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries as the shell "
                   "tiles them; the chunk graph's own NEFF code is not counted")

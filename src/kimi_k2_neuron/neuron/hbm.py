@@ -14,6 +14,7 @@ from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
 from kimi_k2_neuron.placement import Layout
+from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
 from . import moe_paths
 from .spec import RunSpec
@@ -248,3 +249,28 @@ def chunk_attention_row(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) 
     pooled = f", {pool} caches pooled" if pool > 1 else ""
     return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles{pooled})", "mixed",
                kv_b + cache + active + queries + scores + segment + merged)
+
+
+# -- prefix caching: the block pool and the prefill's attention over it ---------------------------------------------
+
+def block_bytes(cfg: KimiK2Config, block_size: int) -> int:
+    """One block of every layer on one rank: the latent in K, the 1-wide V (LatentBlockKVCacheManager)."""
+    return cfg.num_hidden_layers * block_size * (cfg.latent_dim + 1) * BF16
+
+
+def block_pool_row(cfg: KimiK2Config, spec: RunSpec) -> Row:
+    """vLLM's blocks, its null block 0 and NxDI's reserve for padded writes, whole on every rank."""
+    n = spec.pool_blocks
+    return Row(f"KV cache: block pool ({n} + 2 blocks x {spec.block_size}, latent + 1-wide V)", "bf16",
+               (n + 2) * block_bytes(cfg, spec.block_size))
+
+
+def block_attention_row(cfg: KimiK2Config, spec: RunSpec) -> Row:
+    """One layer's prefill attention over blocks as MLAttention.attend_positions builds it for the largest call: the
+    keys laid out by position (the prefix bucket padded, the call's entries gathered, their merge), every key's kv_b
+    expansion, and one query tile's float32 scores over all of them."""
+    dims, ctx = HeadDims.of(cfg, spec.tp), spec.context_length
+    w = key_width(spec.seq_len + ctx, key_tile_for(spec.seq_len))
+    q = min(CHUNK_QUERY_TILE, ctx)
+    total = 3 * w * cfg.latent_dim * BF16 + dims.heads * w * (dims.nope + dims.v_dim) * BF16 + dims.heads * q * w * FP32
+    return Row(f"prefill attention over blocks ({w} keys, {q}-query tiles)", "mixed", total)

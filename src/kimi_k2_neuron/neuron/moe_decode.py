@@ -23,7 +23,7 @@ def candidates(spec: RunSpec) -> tuple[str, ...]:
     return ("all-experts",) if spec.ep > 1 else DECODE_PATHS
 
 
-def fastest_plan(cfg: KimiK2Config, spec: RunSpec, port=None, c=None, longest_prompt: bool = True):
+def fastest_plan(cfg: KimiK2Config, spec: RunSpec, port=None, c=None, longest_prompt: bool = True, turn=None):
     """fit.plan at the path of the lowest modelled decode step among those that fit (NxD's own on a tie: the one its
     threshold picks); where the spec decides it without the time model (RunSpec.decode_path: EP, a CPU run), at that
     path."""
@@ -33,8 +33,8 @@ def fastest_plan(cfg: KimiK2Config, spec: RunSpec, port=None, c=None, longest_pr
 
     port, c = port or THIS_PORT, c or TRN2
     if spec.ep > 1 or spec.lnc is None or spec.scheme is None:
-        return plan(cfg, replace(spec, moe_decode=spec.decode_path(cfg)), port, c, longest_prompt)
-    plans = [plan(cfg, replace(spec, moe_decode=path), port, c, longest_prompt) for path in candidates(spec)]
+        return plan(cfg, replace(spec, moe_decode=spec.decode_path(cfg)), port, c, longest_prompt, turn)
+    plans = [plan(cfg, replace(spec, moe_decode=path), port, c, longest_prompt, turn) for path in candidates(spec)]
     nxd = nxd_decode_path(cfg, spec.batch)
     return min(plans, key=lambda p: (not p.fits, round(p.decode.total_s, 9), p.decode_path != nxd))
 

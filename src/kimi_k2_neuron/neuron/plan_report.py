@@ -42,6 +42,7 @@ def format_plan(p: Plan) -> str:
               f"token per core ({p.experts_read_per_layer} routed experts per MoE layer) / "
               f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s = TPOT >= {p.tpot_lower_bound_s * 1e3:.2f} ms",
               *_timing_lines(p),
+              *_prefix_lines(p),
               *_speculation_lines(p),
               "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
@@ -124,3 +125,20 @@ def _speculation_lines(p: Plan) -> list[str]:
               f"{p.decode.total_s * 1e3:.2f} ms)" for a in s.accept_lengths]
     lines.append(f"  (accept lengths: {how}; docs/speculative.md)")
     return lines
+
+
+def _prefix_lines(p: Plan) -> list[str]:
+    """The block pool, what the headroom would add, and a turn's prefill warm against cold."""
+    x = p.prefix
+    if x is None:
+        return []
+
+    def calls(c):
+        return ", ".join(f"[{a}, {b}]" for a, b in c[:3]) + (f", ... ({len(c)} calls)" if len(c) > 3 else "")
+    pool = x.pool_blocks * x.block_bytes / GiB
+    return ["", f"prefix caching (vLLM --enable-prefix-caching), an estimate: a pool of {x.pool_blocks} blocks x "
+                f"{x.block_size} = {x.pool_tokens:,} positions ({pool:.2f} GiB per core, the KV row above), for the running rows' sequences and the history kept for later turns; the "
+                f"headroom would hold {x.more_blocks} blocks ({x.more_blocks * x.block_size:,} positions) more",
+            f"  a turn of {x.new:,} new tokens after {x.cached:,} cached: warm TTFT {x.warm_s:.2f} s in "
+            f"{len(x.warm)} call(s) ({calls(x.warm_calls)} as [prefill bucket, prefix bucket]) vs cold "
+            f"{x.cold_s:.2f} s ({calls(x.cold_calls)}): {x.warm_s / x.cold_s * 100:.1f} % of cold"]

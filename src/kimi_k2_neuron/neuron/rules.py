@@ -5,6 +5,8 @@ Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
@@ -56,6 +58,7 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
     check_moe_decode(s)
+    check_prefix_caching(s)
     check_ep(cfg, s)
     check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
@@ -101,6 +104,40 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
             raise KimiInputError(f"{RUN_SPEC_KEY}.layout.chunk_group {c} at --tp {spec.tp} --lnc {spec.lnc}: not a "
                                  f"pair of meshes NxD lays out; use one of {list(meshes)}")
     check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
+
+
+def check_prefix_caching(spec: RunSpec) -> None:
+    """NxDI's block KV layout under vLLM's prefix caching (neuron/prefix_caching.py)."""
+    s = spec
+    if not s.prefix_caching:
+        given = [f"--{f.name.replace('_', '-')} {getattr(s, f.name)}" for f in dataclasses.fields(RunSpec)
+                 if f.name in ("block_size", "num_blocks") and getattr(s, f.name) != f.default]
+        if given:
+            raise KimiInputError(f"{given[0]}: only with --prefix-caching (the contiguous cache has no blocks)")
+        return
+    check_counts(("--block-size", s.block_size), *((("--num-blocks", s.num_blocks),) if s.num_blocks is not None
+                                                   else ()))
+    if s.seq_len % s.block_size:
+        raise KimiInputError(f"--seq-len {s.seq_len}: with --prefix-caching must be a multiple of --block-size "
+                             f"{s.block_size} (vllm-neuron gives a sequence seq_len / block_size blocks)")
+    if s.layout.prefill_chunk and s.layout.prefill_chunk % s.block_size:
+        raise KimiInputError(f"--prefill-chunk {s.layout.prefill_chunk}: with --prefix-caching must be a multiple of "
+                             f"--block-size {s.block_size} (each chunk starts on a block)")
+    if s.pool_blocks < s.min_blocks:
+        raise KimiInputError(f"--num-blocks {s.num_blocks}: at least --batch {s.batch} x --seq-len {s.seq_len} / "
+                             f"--block-size {s.block_size} = {s.min_blocks} (vllm-neuron's minimum: every row's "
+                             f"full sequence)")
+    for flag, given, why in (
+            (f"--kv-shard sequence --kv-group {s.layout.kv_group}", s.layout.sequence_sharded,
+             "NxDI's BlockKVCacheManager keeps whole blocks on every rank; the block layout has no flash-decoding "
+             "slot map"),
+            (f"--max-context-length {s.max_context_length}",
+             not s.layout.prefill_chunk and s.context_length != s.seq_len,
+             "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens; --prefill-chunk N "
+             "prefills it N tokens a call"),
+            ("--draft", s.draft, "NxDI's EAGLE speculation asserts it is not run with prefix caching")):
+        if given:
+            raise KimiInputError(f"{flag}: not with --prefix-caching ({why})")
 
 
 def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:

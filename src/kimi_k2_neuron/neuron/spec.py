@@ -103,6 +103,12 @@ class RunSpec:
     layout: Layout = Layout()
     draft: DraftSpec | None = None  # speculative decoding with this EAGLE3 draft (NXDI_CONTRACT.md: fused-spec)
     dtype: str = "bfloat16"  # NxDI's torch_dtype: the device's; the CPU harness may run float32
+    # vLLM's prefix caching: the latent cache in NxDI's block layout, a pool of num_blocks blocks of block_size
+    # positions shared by every sequence, found through the block tables vLLM's scheduler keeps
+    # (neuron/prefix_caching.py)
+    prefix_caching: bool = False
+    block_size: int = 32  # vLLM's --block-size, NxDI's pa_block_size
+    num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override; None: min_blocks, a full sequence per row
     # further NeuronConfig fields, JSON values: added beside the derived ones, never changing one (NxDI checks them)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -121,8 +127,15 @@ class RunSpec:
     @property
     def one_row_prefill(self) -> bool:
         """Each prefill call writes one sequence into its own line: NxDI's continuous batching, which a chunked
-        prefill needs too (its CTE call writes chunk 0 into the row's line)."""
-        return self.continuous_batching or bool(self.layout.prefill_chunk)
+        prefill needs too (its CTE call writes chunk 0 into the row's line), and prefix caching (each sequence's
+        prefill into its own blocks)."""
+        return self.continuous_batching or bool(self.layout.prefill_chunk) or self.prefix_caching
+
+    @property
+    def chunk_submodel(self) -> bool:
+        """--prefill-chunk by the chunked-prefill submodel (neuron/chunked_prefill.py); with prefix caching each chunk
+        is a prefill over the blocks written before it instead (neuron/prefix_caching.py)."""
+        return bool(self.layout.prefill_chunk) and not self.prefix_caching
 
     @property
     def prefill_tokens(self) -> int:
@@ -134,6 +147,17 @@ class RunSpec:
         """Latent cache slots per rank and sequence: NxDI's get_cache_size when sequence-sharded."""
         g = self.layout.kv_group
         return self.seq_len if g == 1 else slots_for(self.seq_len, g) + FD_RESERVED_SLOTS  # seq_len % G == 0 (rules)
+
+    @property
+    def min_blocks(self) -> int:
+        """Blocks for every row's full sequence at once: the fewest vllm-neuron accepts (its
+        _validate_neuron_config)."""
+        return self.batch * -(-self.seq_len // self.block_size)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the prefix-caching pool vLLM hands out (NxDI's pa_num_blocks is one more: vLLM's null block 0)."""
+        return self.num_blocks or self.min_blocks
 
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
@@ -160,6 +184,51 @@ class RunSpec:
     def from_json(cls, value, where: str = RUN_SPEC_KEY) -> "RunSpec":
         """A saved spec, each value checked against its field's type; `where` names it in a one-line error."""
         return _from_json(cls, value, where)
+
+
+# The smallest prefill (active) and prefix bucket of a prefix-caching build, as NxDI's own default 2D buckets start
+# (modules/autobucketing.py generate_buckets_for_cte), unless a context of fewer than 8 of them asks for smaller ones
+PREFIX_BUCKET_MIN = 512
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= 2
+    return out + [hi]
+
+
+def prefix_caching_buckets(spec: RunSpec) -> tuple[list[int], list[int]]:
+    """(prefill buckets, prefix buckets) of the context-encoding graphs: one graph per pair, and one per prefill
+    bucket with no prefix (NXDI_CONTRACT.md: prefix-buckets). A turn's new tokens pick the smallest prefill bucket
+    that holds them and NxDI fills the rest of it with cached positions recomputed, so the prefix bucket covers what
+    is left of the cached prefix."""
+    bs = spec.block_size
+    lo = -(-min(PREFIX_BUCKET_MIN, max(bs, spec.context_length // 8)) // bs) * bs  # whole blocks: NxDI reads a prefix
+    return powers_of_two(lo, spec.context_length), powers_of_two(lo, spec.seq_len)
+
+
+def prefix_caching_calls(spec: RunSpec, cached: int, new: int) -> list[tuple[int, int]]:
+    """(prefill bucket, prefix bucket) of each context-encoding call that prefills `new` tokens after `cached` ones in
+    blocks: chunks of --prefill-chunk (neuron/prefix_caching.py), each at the bucket NxDI's wrapper picks: the smallest
+    prefill bucket holding the call's tokens, the rest of it refilled with cached positions recomputed, the smallest
+    prefix bucket holding the cached positions left, or a 512-token bucket without a prefix for 257-512 positions in
+    all (NXDI_CONTRACT.md: prefix-buckets)."""
+    prefill, prefix = prefix_caching_buckets(spec)
+    calls, start, end = [], cached, cached + new
+    while start < end:
+        stop = min(start + (spec.layout.prefill_chunk or end), end)
+        n = stop - start
+        if 256 < stop <= 512 and 512 in prefill:
+            calls.append((512, 0))
+        else:
+            a = min(b for b in prefill if b >= n)
+            left = max(0, start - (a - n))
+            calls.append((a, min(b for b in prefix if b >= left) if left else 0))
+        start = stop
+    return calls
 
 
 def layout_flags(layout: Layout) -> list[str]:
@@ -244,7 +313,7 @@ class Flag:
 
     name: str  # "--tp"
     field: str | None  # the RunSpec field it sets, dotted into nested ones; None: with another flag (--kv-shard)
-    group: str  # parallel, shape, experts, moe, layout, sampler, draft: what a command asks for by name
+    group: str  # parallel, shape, experts, moe, layout, cache, sampler, draft: what a command asks for by name
     help: str
     kind: str = "count"  # count (an integer >= `least`), switch (store_true), choice, path (not empty)
     least: int = 1
@@ -325,6 +394,15 @@ FLAGS = (
     Flag("--shard-router", "layout.shard_router", "layout", "split the float32 router across the ranks by experts "
          "and all-gather its logits (one collective per MoE layer); every rank still selects from the same float32 "
          "logits", kind="switch", taken=EVERYWHERE - {CORE, TRACE}, why_not=_RANKS),
+    Flag("--prefix-caching", "prefix_caching", "cache", "vLLM's prefix caching (--enable-prefix-caching): the latent "
+         "cache in NxDI's block layout, a pool of blocks shared by every sequence, so a request whose first blocks "
+         "another one prefilled reads them instead of computing them (docs/vllm.md)", kind="switch",
+         why_not="the block tables come from vLLM's scheduler"),
+    Flag("--block-size", "block_size", "cache", "with --prefix-caching: positions per block (vLLM's --block-size), "
+         "dividing --seq-len", metavar="N", why_not="the block tables come from vLLM's scheduler"),
+    Flag("--num-blocks", "num_blocks", "cache", "with --prefix-caching: blocks in the pool (vLLM's "
+         "--num-gpu-blocks-override), at least --batch x --seq-len / --block-size (default: that; more keeps more "
+         "history for later turns to reuse)", metavar="N", why_not="the block tables come from vLLM's scheduler"),
     Flag("--no-on-device-sampling", None, "sampler", "return logits to the host instead", kind="switch",
          taken=frozenset({COMPILE})),
     Flag("--output-logits", "output_logits", "sampler", "also return logits with on-device sampling (needed by the "

@@ -228,6 +228,10 @@ class PrefillWork:
     dense_params: int  # per-core parameters of the non-expert matmuls every token goes through
     dense_bytes: int  # their bytes, read once per call
     moe: "MoeWork"
+    # keys each query's scores cover; None: the prior and half the call (causal). A prefill through a block table
+    # scores every key tile of its positions, after expanding each key's c_kv through kv_b (prefix_caching.py)
+    keys: int | None = None
+    expanded_keys: int = 0
 
 
 # a draft call's collectives in NxDI's Llama: the embedding's all-gather, fc's output gather, the o_proj and MLP
@@ -277,8 +281,9 @@ def prefill_time(cfg: KimiK2Config, spec: RunSpec, work: PrefillWork, query_tile
     t, layers, h = work.tokens, cfg.num_hidden_layers, cfg.hidden_size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     heads = cfg.num_attention_heads // spec.tp
-    keys = work.prior + t / 2  # causal within the call
+    keys = work.prior + t / 2 if work.keys is None else work.keys  # causal within the call, or every tile
     attention = 2 * heads * t * keys * (cfg.qk_head_dim + cfg.v_head_dim) * layers
+    attention += 2 * heads * work.expanded_keys * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) * layers
     flops = 2 * t * work.dense_params + attention + n_moe * work.moe.flops
     chunk = spec.layout.prefill_chunk is not None and work.prior > 0  # the chunk submodel merges over the group
     rows, queries = (1, t) if spec.layout.prefill_chunk else (spec.prefill_batch, spec.context_length)

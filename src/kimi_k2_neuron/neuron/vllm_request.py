@@ -31,8 +31,20 @@ HOST_SAMPLING_CONFIG = {"override_neuron_config": {"on_device_sampling_config": 
 
 def describe(nc) -> str:
     """The vLLM flags a request came from."""
+    cache = (f" --enable-prefix-caching --block-size {nc.pa_block_size} --num-gpu-blocks-override "
+             f"{nc.pa_num_blocks - 1}" if nc.is_prefix_caching else "")
     return (f"--tensor-parallel-size {nc.tp_degree} --max-num-seqs {nc.batch_size} --max-model-len {nc.seq_len} "
-            f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}")
+            f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}{cache}")
+
+
+def cache_flags(spec: RunSpec) -> list[str]:
+    """vLLM's cache flags for the compiled spec: its block pool with prefix caching (and the cached-token count in
+    every reply's usage), else one vLLM block per sequence, the plugin's block being --max-model-len long
+    (docs/vllm.md)."""
+    if not spec.prefix_caching:
+        return ["--no-enable-prefix-caching", "--num-gpu-blocks-override", str(spec.batch)]
+    return ["--enable-prefix-caching", "--block-size", str(spec.block_size), "--num-gpu-blocks-override",
+            str(spec.pool_blocks), "--enable-prompt-tokens-details"]
 
 
 def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
@@ -40,13 +52,11 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     these shapes allow; what the latent cache cannot serve is refused in one line. The one reverse mapping of the
     package: vllm-neuron's NeuronConfig is what vLLM's flags made, not one a RunSpec derived (NXDI_CONTRACT.md:
     vllm-generic-config)."""
-    if nc.is_chunked_prefill:
-        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1) needs NxDI's "
-                             "block KV layout, which Kimi-K2's latent cache does not have; unset "
-                             "DISABLE_NEURON_CUSTOM_SCHEDULER")
-    if nc.is_prefix_caching or nc.is_block_kv_layout:
-        raise KimiInputError("--enable-prefix-caching (on by default in vLLM) needs NxDI's block KV layout, which "
-                             "Kimi-K2's latent cache does not have; pass --no-enable-prefix-caching")
+    if nc.is_chunked_prefill:  # NXDI_CONTRACT.md: nxdi-chunked-prefill
+        raise KimiInputError("chunked prefill (vllm-neuron's with DISABLE_NEURON_CUSTOM_SCHEDULER=1): NxDI's "
+                             "application raises NotImplementedError for it; unset DISABLE_NEURON_CUSTOM_SCHEDULER "
+                             "(prefix caching, --enable-prefix-caching, reuses what earlier requests prefilled "
+                             "without it)")
     if nc.torch_dtype != torch.bfloat16:
         raise KimiInputError(f"--dtype {str(nc.torch_dtype).removeprefix('torch.')}: Kimi-K2 runs in bfloat16 on "
                              f"Neuron; pass --dtype bfloat16")
@@ -64,7 +74,7 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
                             max_context_length=nc.max_context_length, batch=nc.max_batch_size or nc.batch_size,
                             scheme=record.scheme, checkpoint=str(checkpoint), moe_prefill=None, sampling=sampling,
                             output_logits=bool(nc.output_logits), continuous_batching=bool(nc.is_continuous_batching),
-                            draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {}))
+                            draft=draft(nc), extra={"on_cpu": True} if nc.on_cpu else {}, **cache(nc)))
     tile = moe_paths.OUTPUT_TILE
     if spec.prefill_mode(cfg) == "shard-on-block" and spec.prefill_tokens % tile:
         # the kernel's rule, in vLLM's words: a prefill of whole output tiles, never a silent torch loop of hundreds of
@@ -76,6 +86,22 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
     # vLLM has no flag for it: the token-generation MoE path the time model says is fastest at this batch (NxD's own
     # threshold in NxD's CPU mode), recorded in the spec saved with the artifacts (RunSpec.decode_path)
     return dataclasses.replace(spec, moe_decode=spec.decode_path(cfg))
+
+
+def cache(nc) -> dict:
+    """vLLM's cache flags as vllm-neuron passes them (NXDI_CONTRACT.md: vllm-block-pool): --enable-prefix-caching
+    sets NxDI's block layout, --block-size its pa_block_size, and the pool its pa_num_blocks, vLLM's null block
+    counted in; the pool is at least every row's full sequence."""
+    if not nc.is_prefix_caching:
+        if nc.is_block_kv_layout:
+            raise KimiInputError("a block KV layout without prefix caching: Kimi-K2's latent cache has blocks for "
+                                 "--enable-prefix-caching only")
+        return {}
+    need = nc.batch_size * -(-nc.seq_len // nc.pa_block_size)
+    if nc.pa_num_blocks - 1 < need:
+        raise KimiInputError(f"--enable-prefix-caching: give --num-gpu-blocks-override, at least --max-num-seqs x "
+                             f"--max-model-len / --block-size = {need} (the pool the model is built with)")
+    return dict(prefix_caching=True, block_size=nc.pa_block_size, num_blocks=nc.pa_num_blocks - 1)
 
 
 def draft(nc) -> DraftSpec | None:
@@ -100,7 +126,7 @@ def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
         bad.append(f"--max-num-seqs {r.batch} > the compiled batch {c.batch}")
     if r.seq_len > c.seq_len:
         bad.append(f"--max-model-len {r.seq_len} > the compiled seq_len {c.seq_len}")
-    elif r.context_length > c.context_length:
+    elif r.context_length > c.context_length and not c.prefix_caching:  # its chunks run behind one prefill
         bad.append(f"--max-model-len {r.seq_len}: prompts that long need a prefill of {r.context_length} tokens, "
                    f"compiled for {c.context_length}")
     if r.continuous_batching and not c.one_row_prefill:
@@ -110,6 +136,7 @@ def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
     if asked_k != compiled_k:
         bad.append(f"--speculative-config num_speculative_tokens {asked_k or 'none'}, compiled for "
                    f"{compiled_k or 'no speculation'} (NxDI's speculation_length)")
+    bad += _cache_mismatches(r, c)
     if not c.sampling.on_device and r.sampling.on_device:
         bad.append(f"compiled to return logits (--no-on-device-sampling); vllm-neuron samples on the device unless "
                    f"served with --additional-config '{json.dumps(HOST_SAMPLING_CONFIG)}'")
@@ -119,6 +146,25 @@ def compiled_mismatches(request: RunSpec, compiled: RunSpec) -> list[str]:
     elif r.output_logits and not c.output_logits:
         bad.append("compiled without the logits beside the device's tokens (output_logits), which a grammar masks "
                    "(vllm_worker.py)")
+    return bad
+
+
+def _cache_mismatches(r: RunSpec, c: RunSpec) -> list[str]:
+    """Prefix caching needs the block layout compiled, at vLLM's block size and with a pool at least vLLM's (its block
+    ids index the pool); the block layout compiled needs vLLM's block tables (NXDI_CONTRACT.md: vllm-block-pool)."""
+    if r.prefix_caching and not c.prefix_caching:
+        return ["--enable-prefix-caching, compiled without the block KV layout (compile_and_save.py --for-vllm "
+                "--prefix-caching), or pass --no-enable-prefix-caching"]
+    if c.prefix_caching and not r.prefix_caching:
+        return [f"compiled with --prefix-caching (the block KV layout, --block-size {c.block_size}), served "
+                f"without --enable-prefix-caching"]
+    if not c.prefix_caching:
+        return []
+    bad = []
+    if r.block_size != c.block_size:
+        bad.append(f"--block-size {r.block_size}, compiled for {c.block_size}")
+    if r.pool_blocks > c.pool_blocks:
+        bad.append(f"--num-gpu-blocks-override {r.pool_blocks} > the compiled pool of {c.pool_blocks} blocks")
     return bad
 
 

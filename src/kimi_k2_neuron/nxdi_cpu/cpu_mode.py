@@ -109,7 +109,21 @@ def _build_as_on_device(wrapper) -> nn.Module:
         parallel_state.set_aot_mode(False)
     # n_positions per bucket as the trace sets it; one bucket per submodel here (NXD_CPU_MODE.md: bucket-positions)
     instance.get(len(wrapper.neuron_config.buckets) - 1)
+    if wrapper.neuron_config.is_prefix_caching:  # several, each call's set as the trace sets it for its bucket
+        instance.module.register_forward_pre_hook(_prefix_caching_bucket)
     return instance.module
+
+
+def _prefix_caching_bucket(module, args) -> None:
+    """What DecoderModelInstance.get sets for the [prefill, prefix] bucket NxDI's wrapper padded this call to, read
+    from its shapes: the prefix bucket is the attention mask's width, or 0 where NxDI passes a 1-element mask
+    (NXD_CPU_MODE.md: prefix-caching-buckets)."""
+    input_ids, attention_mask = args[0], args[1]
+    nc = module.config.neuron_config
+    module.prefix_size = attention_mask.shape[-1] if attention_mask.dim() == 2 else 0
+    module.n_active_tokens = input_ids.shape[-1]
+    module.n_positions = (module.prefix_size if nc.n_active_tokens == 1 else
+                          min(module.prefix_size + module.n_active_tokens, nc.max_context_length))
 
 
 def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:

@@ -25,6 +25,9 @@ field. `ChatFacts.of(tokenizer)` reads what a checkpoint's chat template does wi
 - A tool result must name its call (tool_call_id). History tool-call ids become `functions.NAME:IDX` (IDX counting
   the conversation's calls), in the assistant messages and the tool results that answer them, as Moonshot's API
   renames them: Kimi copies the ids it reads.
+- prompt_cache_key (Kimi's: a session's stable key) is accepted and taken out: the engine finds cached blocks by
+  the prompt's own prefix (vLLM's block hashes, docs/vllm.md), and a router in front of several engines reads the key
+  for session affinity before this runs.
 - The detokenizer's spaces around special tokens are off (spaces_between_special_tokens false unless set), and a
   stream reports its usage (stream_options.include_usage), as Kimi's API always does.
 """
@@ -94,6 +97,7 @@ def kimi_request(body: dict, facts: ChatFacts) -> dict:
     _tool_choice(body, facts.grammars)
     _check_tool_results(body)
     _rename_tool_call_ids(body)
+    _prompt_cache_key(body)
     body.setdefault("spaces_between_special_tokens", False)
     if body.get("stream") and body.get("stream_options") is None:
         body["stream_options"] = {"include_usage": True}
@@ -104,6 +108,13 @@ def other_request(body: dict, facts: ChatFacts) -> None:
     """A request to another endpoint that takes vLLM's structured outputs (/v1/completions): ApiError where the
     server applies no grammar, as for a chat."""
     _structured(copy.deepcopy(body), facts.grammars)
+
+
+def _prompt_cache_key(body: dict) -> None:
+    """Accepted and dropped: vLLM would log it as an ignored field on every request."""
+    key = body.pop("prompt_cache_key", None)
+    if key is not None and not isinstance(key, str):
+        _fail("prompt_cache_key", "expected a string", key)
 
 
 def _thinking(body: dict, facts: ChatFacts) -> bool:
