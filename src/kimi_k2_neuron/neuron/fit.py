@@ -103,6 +103,12 @@ class Plan:
             d["speculation"] = {**{k: v for k, v in d["speculation"].items() if k != "verify"},
                                 "verify": _timing_dict(self.speculation.verify),
                                 "effective_tpot_ms": self.speculation.effective_tpot_ms()}
+        if self.prefix is not None:
+            x = self.prefix
+            d["prefix"] = {**{k: v for k, v in d["prefix"].items() if k not in ("warm", "cold")},
+                           "pool_tokens": x.pool_tokens, "more_tokens": x.more_blocks * x.block_size,
+                           "warm_ms": x.warm_s * 1e3, "cold_ms": x.cold_s * 1e3, "warm_over_cold": x.warm_s / x.cold_s,
+                           "warm": [_timing_dict(t) for t in x.warm], "cold": [_timing_dict(t) for t in x.cold]}
         d.update(tpot_ms=self.decode.total_s * 1e3, ttft_ms=self.ttft_s * 1e3, weight_bytes=self.weight_bytes,
                  headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
