@@ -113,7 +113,7 @@ def test_compile_for_vllm_returns_the_logits_and_prints_the_worker(compiled):
 
 
 def test_fifty_json_schemas_streamed_and_not(server):
-    ss.check_schemas(server)
+    ss.check_schemas(server, streamed=1)
 
 
 def test_json_object_regex_and_choice(server):
