@@ -7,6 +7,7 @@ middleware and parsers. Test infrastructure; the cases are structured_cases.py's
 from __future__ import annotations
 
 import json
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,6 +41,19 @@ def serve(model: Path, tokenizer_dir: Path, root: Path, env: dict | None = None,
         server.stop()
         raise
     return server
+
+
+def compile_for_vllm(model: Path, root: Path, *flags: str) -> tuple[Path, list[str]]:
+    """scripts/compile_and_save.py --for-vllm of `model` at the servers' shape (NEFFs aside, as test_vllm_serving.py
+    compiles): (the folder, the `vllm serve` flags it prints)."""
+    from test_vllm_serving import run_child
+
+    out = root / "compiled"
+    argv = ["--model", str(model), "--out", str(out), "--tp", "1", "--seq-len", str(SERVE_LEN), "--batch", str(BATCH),
+            "--moe-prefill", "torch", "--for-vllm", *flags]
+    r, _ = run_child("compile", {"argv": argv}, vs.child_env(vs.write_dists(root / "dists")), root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, shlex.split(r.stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1].replace("\\\n", " "))
 
 
 def chat(messages=None, **fields) -> dict:
