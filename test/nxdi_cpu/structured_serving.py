@@ -7,6 +7,7 @@ middleware and parsers. Test infrastructure; the cases are structured_cases.py's
 from __future__ import annotations
 
 import json
+import shlex
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -42,6 +43,19 @@ def serve(model: Path, tokenizer_dir: Path, root: Path, env: dict | None = None,
     return server
 
 
+def compile_for_vllm(model: Path, root: Path, *flags: str) -> tuple[Path, list[str]]:
+    """scripts/compile_and_save.py --for-vllm of `model` at the servers' shape (NEFFs aside, as test_vllm_serving.py
+    compiles): (the folder, the `vllm serve` flags it prints)."""
+    from test_vllm_serving import run_child
+
+    out = root / "compiled"
+    argv = ["--model", str(model), "--out", str(out), "--tp", "1", "--seq-len", str(SERVE_LEN), "--batch", str(BATCH),
+            "--moe-prefill", "torch", "--for-vllm", *flags]
+    r, _ = run_child("compile", {"argv": argv}, vs.child_env(vs.write_dists(root / "dists")), root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out, shlex.split(r.stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1].replace("\\\n", " "))
+
+
 def chat(messages=None, **fields) -> dict:
     return {"model": "kimi", "messages": messages or [dict(m) for m in ASK], "temperature": 1.0, **fields}
 
@@ -69,26 +83,31 @@ def reply(server: vs.Server, body: dict, stream: bool) -> tuple[dict, str | None
     return message, finish
 
 
-def both_ways(server: vs.Server, bodies: list[dict]) -> list[tuple[dict, str | None]]:
-    """Each body streamed and not, two requests in flight at a time (a batch of two: rows of both kinds mixed)."""
-    jobs = [(body, stream) for body in bodies for stream in (False, True)]
+def replies(server: vs.Server, jobs: list[tuple[dict, bool]]) -> list[tuple[dict, str | None]]:
+    """(body, streamed) jobs, two requests in flight at a time (a batch of two: rows of both kinds mixed)."""
     with ThreadPoolExecutor(BATCH) as pool:
         return list(pool.map(lambda job: reply(server, *job), jobs))
 
 
-def check_schemas(server: vs.Server, **fields) -> None:
-    """The 50 json_schema strict requests, streamed and not: each reply parses and validates, ended by the model
+def both_ways(server: vs.Server, bodies: list[dict]) -> list[tuple[dict, str | None]]:
+    """Each body streamed and not."""
+    return replies(server, [(body, stream) for body in bodies for stream in (False, True)])
+
+
+def check_schemas(server: vs.Server, streamed: int, **fields) -> None:
+    """The 50 json_schema strict requests, every other one streamed (from schema `streamed`, 0 or 1: the two
+    modules take one each, so each schema is served both ways): each reply parses and validates, ended by the model
     where the grammar let it (finish_reason stop)."""
-    bodies = [chat(**cases.schema_request(schema), **NO_THINKING, **fields) for _, schema in cases.SCHEMAS]
-    got = both_ways(server, bodies)
-    for k, (message, finish) in enumerate(got):
-        kind, schema = cases.SCHEMAS[k // 2]
+    jobs = [(chat(**cases.schema_request(schema), **NO_THINKING, **fields), k % 2 == streamed)
+            for k, (_, schema) in enumerate(cases.SCHEMAS)]
+    for k, (message, finish) in enumerate(replies(server, jobs)):
+        kind, schema = cases.SCHEMAS[k]
         assert finish == "stop", (kind, schema, message, finish)
         try:
             cases.check(message["content"], schema)
         except Exception as e:
-            raise AssertionError(f"{kind} {'streamed' if k % 2 else 'not streamed'}: {message['content']!r} against "
-                                 f"{json.dumps(schema)}: {e}") from e
+            raise AssertionError(f"{kind} {'streamed' if jobs[k][1] else 'not streamed'}: {message['content']!r} "
+                                 f"against {json.dumps(schema)}: {e}") from e
 
 
 def check_formats(server: vs.Server, **fields) -> None:

@@ -15,7 +15,6 @@ reply closes its reasoning after a few tokens (a random model never does); then 
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 from pathlib import Path
 
@@ -26,8 +25,6 @@ pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (sc
 
 import structured_cases as cases  # noqa: E402
 import structured_serving as ss  # noqa: E402
-import vllm_support as vs  # noqa: E402
-from test_vllm_serving import run_child  # noqa: E402
 
 from kimi_k2_neuron.neuron.vllm_request import COMPILED_ARTIFACTS_ENV, XGRAMMAR_MIN  # noqa: E402
 from kimi_k2_neuron.runtime import tool_calls as grammar  # noqa: E402
@@ -79,19 +76,16 @@ def k26(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compiled(converted, k26, tmp_path_factory):
-    """compile_and_save --for-vllm of the designed-head checkpoint: (its folder, its stdout, the checkpoint)."""
+    """compile_and_save --for-vllm of the designed-head checkpoint: (its folder, the flags it prints, the
+    checkpoint)."""
     xgrammar_or_skip()
     root = tmp_path_factory.mktemp("structured")
     kimi = KimiTokenizer.from_dir(k26)
     prompt = kimi.encode(kimi.apply_chat_template(THINK_ASK, thinking=True))
     model = thinking_head(converted[("fp8", "fp8-blockwise")], root / "model", prompt,
                           kimi.token_to_id(grammar.THINK_CLOSE))
-    out = root / "compiled"
-    argv = ["--model", str(model), "--out", str(out), "--tp", "1", "--seq-len", str(ss.SERVE_LEN), "--batch",
-            str(ss.BATCH), "--moe-prefill", "torch", "--for-vllm"]
-    r, _ = run_child("compile", {"argv": argv}, vs.child_env(vs.write_dists(root / "dists")), root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out, r.stdout, model
+    out, flags = ss.compile_for_vllm(model, root)
+    return out, flags, model
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +97,17 @@ def server(compiled, k26, tmp_path_factory):
 
 
 def test_compile_for_vllm_returns_the_logits_and_prints_the_worker(compiled):
-    out, stdout, _ = compiled
+    out, flags, _ = compiled
     nc = json.loads((out / "neuron_config.json").read_text())["neuron_config"]
     assert nc["on_device_sampling_config"]["dynamic"] is True and nc["output_logits"] is True
-    flags = shlex.split(stdout.split("serve it with vLLM (docs/vllm.md):\n", 1)[1].replace("\\\n", " "))
+    assert "--additional-config" not in flags  # vllm-neuron's default: on-device sampling
     assert flags[flags.index("--worker-cls") + 1] == "kimi_k2_neuron.neuron.vllm_worker.KimiNeuronWorker"
     assert json.loads(flags[flags.index("--structured-outputs-config") + 1]) == {
         "backend": "xgrammar", "disable_any_whitespace": True}
 
 
 def test_fifty_json_schemas_streamed_and_not(server):
-    ss.check_schemas(server)
+    ss.check_schemas(server, streamed=1)
 
 
 def test_json_object_regex_and_choice(server):

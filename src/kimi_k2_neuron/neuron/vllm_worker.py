@@ -13,7 +13,7 @@ vllm-neuron's CPU sampling does (each request's temperature, top_k, top_p, seed)
 
 Where the logits come from: without on-device sampling they are what the model returns; with it, the application
 compiled with output_logits (vllm_request.for_vllm) returns them beside the device's tokens and, on a constrained
-step, hands them on instead (NeuronKimiK2ForCausalLM.host_logits). What cannot be constrained stops the step with
+step, hands them on instead (host_logits.py, set here around the call). What cannot be constrained stops the step with
 one line (vllm_request.unconstrained_why): the API middleware refuses such requests before (vllm_api.py).
 """
 
