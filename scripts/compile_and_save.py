@@ -93,6 +93,7 @@ def main(argv=None) -> int:
         # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1
         spec = run_spec(args, cfg, record, checkpoint=str(Path(args.model).resolve()),
                         continuous_batching=args.for_vllm and args.batch > 1)
+        check_vllm_draft(args, spec)
         spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
@@ -179,6 +180,17 @@ def check_for_vllm(args) -> None:
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")
+
+
+def check_vllm_draft(args, spec) -> None:
+    """vLLM 0.13 builds the draft's model config from its own registry, which has no MLA EAGLE3 draft: it would refuse
+    the printed command at start-up, before vllm-neuron sees the request."""
+    from kimi_k2_neuron.checkpoint.draft import MLA
+
+    if args.for_vllm and spec.draft and spec.draft.checkpoint and spec.draft.checkpoint.kind == MLA:
+        raise KimiInputError(f"--draft {args.draft}: an MLA EAGLE3 draft, which vLLM 0.13 does not take (its model "
+                             f"registry has no Eagle3DeepseekV2ForCausalLM); compile it without --for-vllm and run it "
+                             f"with scripts/run_inference.py (docs/speculative.md)")
 
 
 def _dry_run(args, cfg, record, spec, p, why: str) -> int:
