@@ -96,6 +96,14 @@ def init_draft_group(nc) -> None:
         parallel_state.initialize_speculative_draft_group(nc.tp_degree)
 
 
+def forget_draft_group() -> None:
+    """NxD keeps its speculative draft group for the process and allows one size (parallel_layers/parallel_state.py
+    :1533-1541), and destroy_model_parallel leaves it; where the harness resets NxD's state between runs of other
+    TP degrees in one process, the draft group goes too (NXD_CPU_MODE.md: fused-spec-cpu)."""
+    for name in ("_SPECULATIVE_DRAFT_GROUP", "_SPECULATIVE_DRAFT_GROUP_SPMD", "_SPECULATIVE_DRAFT_GROUP_SIZE"):
+        setattr(parallel_state, name, None)
+
+
 def checked_names(state: dict) -> list[str]:
     """The names to_cpu checks against the model: the draft's are renamed by NxDI's pre-shard hooks (q/k/v into
     qkv_proj) before they match, and checkpoint/draft.py has checked them strictly as read."""
