@@ -108,6 +108,7 @@ def main(argv=None) -> int:
             from kimi_k2_neuron.neuron.vllm_request import for_vllm
 
             spec = for_vllm(spec)
+        check_vllm_draft(args, spec)
         spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
@@ -216,6 +217,17 @@ def check_for_vllm(args) -> None:
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")
+
+
+def check_vllm_draft(args, spec) -> None:
+    """vLLM 0.13 builds the draft's model config from its own registry, which has no MLA EAGLE3 draft: it would refuse
+    the printed command at start-up, before vllm-neuron sees the request."""
+    from kimi_k2_neuron.checkpoint.draft import MLA
+
+    if args.for_vllm and spec.draft and spec.draft.checkpoint and spec.draft.checkpoint.kind == MLA:
+        raise KimiInputError(f"--draft {args.draft}: an MLA EAGLE3 draft, which vLLM 0.13 does not take (its model "
+                             f"registry has no Eagle3DeepseekV2ForCausalLM); compile it without --for-vllm and run it "
+                             f"with scripts/run_inference.py (docs/speculative.md)")
 
 
 def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:

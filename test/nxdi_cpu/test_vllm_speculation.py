@@ -2,7 +2,8 @@
 DRAFT, "num_speculative_tokens": 4}'` -> vllm-neuron 0.2.0's fused-speculation request (enable_fused_speculation,
 enable_eagle_speculation, speculation_length 4), its draft config built with our config class and its
 FusedSpecNeuronConfig without a draft class (NXDI_CONTRACT.md: vllm-spec-config) -> our model's own fused EAGLE3
-speculation (neuron/fused_spec.py) in NxD's CPU mode, on a tiny 7-layer converted checkpoint and the tiny draft.
+speculation (neuron/fused_spec.py) in NxD's CPU mode, on a tiny 7-layer converted checkpoint and the tiny Llama
+drafts (full vocabulary; reduced with d2t).
 vLLM runs in child processes (vllm_support.py; test_vllm_serving.py has the rest of the serving tier); NxD's
 device-only Argmax is stood in (scripts/nxdi_cpu_tier/device_ops.py).
 
@@ -15,8 +16,9 @@ differ by more than any tolerance on the logits bounds (seen on CPU: 2 of 4 rand
 seed 1 among them, which this module uses on purpose). That speculation gives the target's own greedy tokens is
 checked where it is exact: float32, test_speculation.py, for every draft layout.
 
-Not here: the precompiled branch with a draft (compile_and_save --for-vllm --draft writes it; its request checks are
-unit-tested), TP > 1 through vLLM, sampled outputs (the fused step's sampling branch does not run on CPU).
+Not here: the MLA drafts (vLLM 0.13's registry has no Eagle3DeepseekV2ForCausalLM: VLLM_LAYOUTS), the precompiled
+branch with a draft (compile_and_save --for-vllm --draft writes it; its request checks are unit-tested), TP > 1
+through vLLM, sampled outputs (the fused step's sampling branch does not run on CPU).
 """
 
 from __future__ import annotations
@@ -38,22 +40,28 @@ from kimi_k2_neuron.config import KimiK2Config  # noqa: E402
 from kimi_k2_neuron.convert import convert  # noqa: E402
 from kimi_k2_neuron.neuron.spec import DraftSpec  # noqa: E402
 from kimi_k2_neuron.nxdi_cpu import backend  # noqa: E402
+from kimi_k2_neuron.tiny import DRAFT_LAYOUTS  # noqa: E402
 from kimi_k2_neuron.tiny.checkpoint import make_tiny  # noqa: E402
 from kimi_k2_neuron.tiny.draft_checkpoint import make_tiny_draft  # noqa: E402
 
 K = 4
+# The layouts vLLM 0.13 takes: its model registry has no MLA EAGLE3 draft (Eagle3DeepseekV2ForCausalLM), which it
+# refuses when it builds the draft's ModelConfig, before vllm-neuron or this plugin sees the request
+VLLM_LAYOUTS = tuple(layout for layout in DRAFT_LAYOUTS if "mla" not in layout)
 pytestmark = pytest.mark.fp8_selective_cpu
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A converted 7-layer tiny target (vLLM serves converted checkpoints) and its tiny draft."""
+    """A converted 7-layer tiny target (vLLM serves converted checkpoints) and a tiny draft of each layout vLLM
+    takes."""
     root = tmp_path_factory.mktemp("vllm-speculation")
     # seed 1: in bfloat16 a router near-tie flips an expert between the verify and decode within 8 tokens (the module
     # docstring): the reference must not depend on there being none
     raw = make_tiny(root / "raw", quant="fp8", shards=2, seed=1, config_overrides={"num_hidden_layers": 7})
     convert(raw, root / "target", "fp8-blockwise", progress=False)
-    return root / "target", make_tiny_draft(root / "draft", root / "target", seed=4)
+    return root / "target", {layout: make_tiny_draft(root / layout, root / "target", seed=4, layout=layout)
+                             for layout in VLLM_LAYOUTS}
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +73,12 @@ def speculative(draft) -> dict:
     return {"method": "eagle", "model": str(draft), "num_speculative_tokens": K}
 
 
-def test_llm_api_with_a_speculative_config_gives_the_fused_graphs_greedy_tokens(models, dists, tmp_path):
+@pytest.mark.parametrize("layout", VLLM_LAYOUTS)
+def test_llm_api_with_a_speculative_config_gives_the_fused_graphs_greedy_tokens(layout, models, dists, tmp_path):
     """The plugin's compile branch with a draft: the fused model built from vLLM's request (compile() skipped),
     prefilled one sequence per call, then fused steps for both rows: the tokens the same fused graphs give outside
     vLLM (the module docstring)."""
-    target, draft = models
+    target, draft = models[0], models[1][layout]
     stand_in_device_ops()
     spec = DraftSpec(path=str(draft), speculation_length=K,
                      checkpoint=read_draft(draft, KimiK2Config.from_file(target)))
@@ -89,7 +98,7 @@ def test_llm_api_with_a_speculative_config_gives_the_fused_graphs_greedy_tokens(
 def test_a_draft_the_target_cannot_take_is_refused_in_one_line_at_startup(models, dists, tmp_path):
     """vllm-neuron builds the draft's config with our config class: a draft of another hidden size is refused there,
     in one line naming the draft's field, before the application is constructed."""
-    target, draft = models
+    target, draft = models[0], models[1]["eagle3"]
     bad = tmp_path / "bad-draft"
     shutil.copytree(draft, bad)
     config = json.loads((bad / "config.json").read_text())

@@ -8,6 +8,7 @@ and the planner."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -387,6 +388,20 @@ def test_vllms_speculative_config_as_the_request_spec(pair, one_line_error):
         "--speculative-config num_speculative_tokens 5, compiled for 4 (NxDI's speculation_length)"]
     plain = RunSpec(**{**spec.__dict__, "draft": None})
     assert "num_speculative_tokens none, compiled for 4" in vllm_request.compiled_mismatches(plain, compiled)[0]
+
+
+
+def test_compile_for_vllm_refuses_an_mla_draft_vllm_cannot_take(pair, drafts, tmp_path, one_line_error):
+    """vLLM 0.13's registry has no Eagle3DeepseekV2ForCausalLM: the command compile_and_save.py would print is refused
+    there at start-up, so the compile is refused first, in one line, before the SDK is needed."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "scripts/compile_and_save.py"),
+                        "--model", str(pair[0]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "64",
+                        "--moe-prefill", "torch", "--for-vllm", "--draft", str(drafts["eagle3.1-mla"]), "--dry-run"],
+                       capture_output=True, text=True, env={**os.environ, "KIMI_K2_NEURON_CACHE": str(tmp_path)})
+    one_line_error.exit(r.returncode, r.stderr, "an MLA EAGLE3 draft", "vLLM 0.13", "without --for-vllm")
 
 
 # -- the planner ----------------------------------------------------------------------------------------------------

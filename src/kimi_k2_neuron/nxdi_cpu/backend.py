@@ -33,6 +33,7 @@ from kimi_k2_neuron.neuron.modeling import KimiK2InferenceConfig  # noqa: E402
 from kimi_k2_neuron.neuron.serving import Decoding, generate_ids  # noqa: E402
 from kimi_k2_neuron.neuron.spec import GREEDY, Sampling  # noqa: E402
 from kimi_k2_neuron.nxdi_cpu.cpu_mode import CpuKimiK2ForCausalLM  # noqa: E402
+from kimi_k2_neuron.nxdi_cpu.fused_spec_cpu import forget_draft_group  # noqa: E402
 # Re-exported: the options and their SDK-free checks are part of this module's interface.
 from kimi_k2_neuron.nxdi_cpu.options import (CpuOptions, Generation, check, check_layout,  # noqa: E402,F401
                                              check_request, padded_seq_len, request_spec)
@@ -91,11 +92,13 @@ def preshard(o: CpuOptions, out: str | Path, seq_len: int, batch: int) -> Path:
     # ModelBuilder sets NxD's model-parallel state up for the compile's world, as in compile()'s own process: here it
     # must not see the state (a cached TP size) an in-process run left, nor leave its mock world's behind
     parallel_state.destroy_model_parallel()
+    forget_draft_group()
     try:
         with nxd_cpu_mode(False):
             app.shard_weights(str(out))
     finally:
         parallel_state.destroy_model_parallel()
+        forget_draft_group()
     return Path(out) / "weights"
 
 
