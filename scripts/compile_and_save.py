@@ -251,7 +251,7 @@ def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:
     tokens = spec.prefill_tokens
     prefill = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
-    decode = spec.decode_path(cfg)  # through nxd_moe.KimiExpertMLPs, where NxD's forward picks by a threshold
+    decode = spec.moe_decode  # choose_decode's: through nxd_moe.KimiExpertMLPs, where NxD's forward picks by a threshold
     step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
     if spec.draft:  # the fused graph's verify of batch x K tokens
         decode = moe_paths.verify_path(cfg, step)

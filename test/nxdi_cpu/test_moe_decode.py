@@ -17,7 +17,7 @@ import sys
 import pytest
 from nxdi_support import REPO, cpu_options, rel_err
 
-from kimi_k2_neuron.neuron import contract
+from kimi_k2_neuron.neuron import contract, moe_decode
 from kimi_k2_neuron.neuron.spec import RUN_SPEC_KEY
 from kimi_k2_neuron.nxdi_cpu import backend
 
@@ -76,7 +76,7 @@ def test_nxds_own_threshold_runs_where_no_path_is_given(converted):
     o = backend.prepare(cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=1), 8, 2)
     app = backend.build(o, 8, 2)
     spec = contract.run_spec(app.config)
-    assert spec.moe_decode is None and spec.decode_path(app.config.core_config()) == "selective"
+    assert spec.moe_decode is None and moe_decode.choose(app.config.core_config(), spec) == "selective"
     experts = [m for w in app.models for m in w.model.modules() if type(m).__name__ == "KimiExpertMLPs"]
     assert experts and {m.decode_path for m in experts} == {"selective"}
 

@@ -207,13 +207,18 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Con
          longest_prompt: bool = True, turn: tuple[int, int] | None = None) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
     build (NxDI's stock KV cache, a bf16 router, ...: timing.Port), `c` other constants. Without --moe-decode,
-    planned at the path the time model says is fastest (moe_decode.fastest_plan). longest_prompt False: ttft_s is
-    the first prefill call's alone (for searches that time their own prompts: workload.py). With prefix caching,
-    `turn` (cached, new positions; default TURN) is the turn whose warm and cold prefill it models."""
+    planned at the path the spec decides (RunSpec.decode_path), else at the one the time model says is fastest: the
+    lowest modelled decode step among those that fit, NxD's own on a tie. longest_prompt False: ttft_s is the first
+    prefill call's alone (for searches that time their own prompts: workload.py). With prefix caching, `turn`
+    (cached, new positions; default TURN) is the turn whose warm and cold prefill it models."""
     if spec.moe_decode is None:
-        from .moe_decode import fastest_plan
-
-        return fastest_plan(cfg, spec, port, c, longest_prompt, turn)
+        given = spec.decode_path(cfg)
+        if given is not None:
+            return plan(cfg, replace(spec, moe_decode=given), port, c, longest_prompt, turn)
+        plans = [plan(cfg, replace(spec, moe_decode=path), port, c, longest_prompt, turn)
+                 for path in moe_paths.decode_candidates(spec.ep)]
+        nxd = moe_paths.nxd_decode_path(cfg, spec.batch)
+        return min(plans, key=lambda p: (not p.fits, round(p.decode.total_s, 9), p.decode_path != nxd))
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP

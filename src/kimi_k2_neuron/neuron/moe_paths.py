@@ -83,6 +83,11 @@ def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
 DECODE_PATHS = ("selective", "all-experts")
 
 
+def decode_candidates(ep: int) -> tuple[str, ...]:
+    """The token-generation paths NxD can run at this EP: selective loading has no EP variant."""
+    return ("all-experts",) if ep > 1 else DECODE_PATHS
+
+
 def nxd_decode_path(cfg: KimiK2Config, batch: int) -> str:
     """The path NxD's ExpertMLPsV2.forward takes for a decode of `batch` tokens by its threshold."""
     return "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"

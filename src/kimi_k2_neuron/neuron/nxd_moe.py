@@ -24,7 +24,7 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext  # noqa: E402
 
-from . import contract, moe_paths  # noqa: E402
+from . import contract, moe_decode, moe_paths  # noqa: E402
 from .inference_config import KimiK2InferenceConfig  # noqa: E402
 
 
@@ -135,4 +135,4 @@ def _experts_class(cfg: KimiK2Config, config: KimiK2InferenceConfig):
     nc = config.neuron_config
     if nc.is_prefill_stage or nc.speculation_length:
         return ExpertMLPsV2
-    return partial(KimiExpertMLPs, decode_path=contract.run_spec(config).decode_path(cfg))
+    return partial(KimiExpertMLPs, decode_path=moe_decode.choose(cfg, contract.run_spec(config)))

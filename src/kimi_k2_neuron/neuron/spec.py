@@ -163,18 +163,17 @@ class RunSpec:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
 
-    def decode_path(self, cfg: KimiK2Config) -> str:
-        """--moe-decode; else all-experts under EP (selective loading has none), NxD's own threshold where no trn2
-        time model applies (lnc None: NxD's CPU mode), else the path the time model says is fastest."""
+    def decode_path(self, cfg: KimiK2Config) -> str | None:
+        """The token-generation MoE path the spec itself decides: --moe-decode; else all-experts under EP (selective
+        loading has none); NxD's own threshold where no trn2 time model applies (lnc None: NxD's CPU mode). None: the
+        time model's to choose (the planner, fit.plan; moe_decode.choose)."""
         if self.moe_decode is not None:
             return self.moe_decode
         if self.ep > 1:
             return "all-experts"
         if self.lnc is None or self.scheme is None:
             return moe_paths.nxd_decode_path(cfg, self.batch)
-        from .moe_decode import fastest  # the planner: it plans this spec at each path
-
-        return fastest(cfg, self)
+        return None
 
     def to_json(self) -> dict:
         """Every field as JSON values (what RUN_SPEC_KEY holds); from_json reads it back equal."""

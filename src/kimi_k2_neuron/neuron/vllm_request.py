@@ -84,8 +84,10 @@ def run_spec(cfg: KimiK2Config, nc, record, checkpoint) -> RunSpec:
                              f"{tile}-token tiles; use a multiple of {tile} ({lower + tile}"
                              + (f" or {lower})" if lower else ")"))
     # vLLM has no flag for it: the token-generation MoE path the time model says is fastest at this batch (NxD's own
-    # threshold in NxD's CPU mode), recorded in the spec saved with the artifacts (RunSpec.decode_path)
-    return dataclasses.replace(spec, moe_decode=spec.decode_path(cfg))
+    # threshold in NxD's CPU mode), recorded in the spec saved with the artifacts (moe_decode.choose)
+    from .moe_decode import choose  # the planner
+
+    return dataclasses.replace(spec, moe_decode=choose(cfg, spec))
 
 
 def cache(nc) -> dict:
