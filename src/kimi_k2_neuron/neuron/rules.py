@@ -5,8 +5,6 @@ Pure: no SDK, no torch."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from kimi_k2_neuron.checkpoint.draft import MIN_TARGET_LAYERS
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
@@ -110,10 +108,10 @@ def check_prefix_caching(spec: RunSpec) -> None:
     """NxDI's block KV layout under vLLM's prefix caching (neuron/prefix_caching.py)."""
     s = spec
     if not s.prefix_caching:
-        given = [f"--{f.name.replace('_', '-')} {getattr(s, f.name)}" for f in dataclasses.fields(RunSpec)
-                 if f.name in ("block_size", "num_blocks") and getattr(s, f.name) != f.default]
-        if given:
-            raise KimiInputError(f"{given[0]}: only with --prefix-caching (the contiguous cache has no blocks)")
+        for flag, value, default in (("--block-size", s.block_size, RunSpec.block_size),
+                                     ("--num-blocks", s.num_blocks, RunSpec.num_blocks)):
+            if value != default:
+                raise KimiInputError(f"{flag} {value}: only with --prefix-caching (the contiguous cache has no blocks)")
         return
     check_counts(("--block-size", s.block_size), *((("--num-blocks", s.num_blocks),) if s.num_blocks is not None
                                                    else ()))
