@@ -41,7 +41,7 @@ class FusedSpecCpu:
         """A fused prefill of more rows than the prefill submodel's batch (continuous batching: one) runs one call per
         row group here, each group's state copied before the next, the heads concatenated: NxDI's wrapper would split
         the rows itself, but its CPU branch of that split writes the state into a kv_mgr the fused model does not have
-        (models/model_wrapper.py:1417-1420)."""
+        (NXD_CPU_MODE.md: fused-spec-cpu)."""
         rows, step = seq_ids.shape[0], self.neuron_config.ctx_batch_size
         if not (self.neuron_config.enable_fused_speculation and self._is_prefill(position_ids) and rows > step):
             return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params,
@@ -97,8 +97,8 @@ def init_draft_group(nc) -> None:
 
 
 def forget_draft_group() -> None:
-    """NxD keeps its speculative draft group for the process and allows one size (parallel_layers/parallel_state.py
-    :1533-1541), and destroy_model_parallel leaves it; where the harness resets NxD's state between runs of other
+    """NxD keeps its speculative draft group for the process and allows one size, and destroy_model_parallel leaves
+    it; where the harness resets NxD's state between runs of other
     TP degrees in one process, the draft group goes too (NXD_CPU_MODE.md: fused-spec-cpu)."""
     for name in ("_SPECULATIVE_DRAFT_GROUP", "_SPECULATIVE_DRAFT_GROUP_SPMD", "_SPECULATIVE_DRAFT_GROUP_SIZE"):
         setattr(parallel_state, name, None)
