@@ -26,7 +26,7 @@ pytest.importorskip("vllm_neuron", reason="vllm-neuron is not installed here (sc
 
 import vllm_support as vs  # noqa: E402
 
-pytestmark = pytest.mark.fp8_selective_cpu
+pytestmark = [pytest.mark.fp8_selective_cpu, pytest.mark.slow]  # one vllm serve for the module, minutes on CPU
 
 BATCH, MAX_MODEL_LEN = 4, 128
 LENGTHS = [5, 17, 9, 33, 3, 26, 12, 40, 7, 21]  # prompt tokens
