@@ -165,13 +165,14 @@ class RunSpec:
 
     def decode_path(self, cfg: KimiK2Config) -> str | None:
         """The token-generation MoE path the spec itself decides: --moe-decode; else all-experts under EP (selective
-        loading has none); NxD's own threshold where no trn2 time model applies (lnc None: NxD's CPU mode). None: the
-        time model's to choose (the planner, fit.plan; moe_decode.choose)."""
+        loading has none); NxD's own threshold where no trn2 time model applies (NxD's CPU mode: lnc None, or NxDI's
+        on_cpu as vLLM's request on CPU sets it). None: the time model's to choose (the planner, fit.plan;
+        moe_decode.choose)."""
         if self.moe_decode is not None:
             return self.moe_decode
         if self.ep > 1:
             return "all-experts"
-        if self.lnc is None or self.scheme is None:
+        if self.lnc is None or self.scheme is None or self.extra.get("on_cpu"):
             return moe_paths.nxd_decode_path(cfg, self.batch)
         return None
 
