@@ -82,6 +82,16 @@ def _check_plan_modes(a) -> None:
             raise KimiInputError("--tp: required (--serve searches the layouts at this TP)")
         if a.prefix_reuse and a.serve != "agentic":
             raise KimiInputError("--prefix-reuse: only with --serve agentic (a chat request has no earlier turn)")
+        cache = [f for f, on in (("--prefix-caching", a.prefix_caching), ("--num-blocks", a.num_blocks is not None),
+                                 ("--turn", a.turn is not None)) if on]
+        if cache:
+            raise KimiInputError(f"{cache[0]}: not with --serve (--serve agentic --prefix-reuse searches "
+                                 f"--prefix-caching builds, the pool following the batch)")
+        from .neuron.spec import RunSpec
+
+        if a.block_size != RunSpec.block_size and not a.prefix_reuse:
+            raise KimiInputError(f"--block-size {a.block_size}: with --serve only with --prefix-reuse (the contiguous "
+                                 f"cache has no blocks)")
         if a.serve == "agentic" and (a.input_tokens is not None or a.output_tokens is not None):
             raise KimiInputError("--input-tokens/--output-tokens: for --serve chat; the agentic workload's turns are "
                                  "fixed (docs/planner.md, \"Serving many users\")")
@@ -248,8 +258,10 @@ def add_plan_parser(sub, command) -> None:
     s.add_argument("--ttft-s", type=number(0, lo_open=True), default=None,
                    help="--serve: the 90th percentile of TTFT at most this (default: 5)")
     s.add_argument("--prefix-reuse", action="store_true",
-                   help="--serve agentic: each turn prefills only its new tokens after its cached history (what "
-                        "prefix caching, issue 37, would give; not built yet)")
+                   help="--serve agentic: each turn finds its history in vLLM's prefix cache: the search takes "
+                        "--prefix-caching builds only (--block-size, default 32; the pool every row's full sequence; "
+                        "not the sequence-sharded cache, which the block layout refuses), each turn prefilling what "
+                        "follows the history's whole blocks as NxDI's 2D buckets call it")
     s.add_argument("--port", choices=sorted(PUBLISHED_BY_NAME), default=None,
                    help="plan a published trn2 port at its own configuration and build (its seq_len, batch, experts, "
                         "KV cache, router, sampler) beside the TPOT and TTFT it published, with --config of the model "

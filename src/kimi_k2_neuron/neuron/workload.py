@@ -19,7 +19,9 @@ B prefills (at_concurrency's `together`); the search assumes users.
 
 each step costing vLLM's per-step overhead beside the model's (timing.Constants.vllm_step_s). Turns of different
 lengths (the agentic workload) enter by their mean prefill and output, and TTFT's 90th percentile over the turns.
-The prefill of a turn is `turn_prefill`: the seam prefix caching (issue 37) plugs into. Pure: no SDK.
+The prefill of a turn is `turn_prefill`: from position 0 on the contiguous cache; with --prefix-caching (a workload
+that reuses prefixes is searched over those builds) the calls NxDI makes after the history's cached blocks
+(fit.turn_calls). Pure: no SDK.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules
-from .fit import Plan, plan, prefill_call
+from .fit import Plan, plan, prefill_call, turn_calls
+from .hbm import weight_rows
 from .layout_search import SEARCHED_CHUNKS
 from .spec import RunSpec
 from .timing import TRN2, THIS_PORT, Constants, Timing
@@ -58,7 +61,9 @@ class Workload:
     turns: tuple[Turn, ...]  # the requests, each equally often
     tpot_s: float = 0.050  # vLLM's mean TPOT, prefill stalls included, at most this
     ttft_p90_s: float = 5.0  # the 90th percentile of TTFT at most this
-    prefix_reuse: bool = False  # issue 37: a turn prefills only its new tokens after the cached history
+    # each turn finds its history in vLLM's prefix cache: the search takes --prefix-caching builds, whose turns
+    # prefill only what follows the history's whole blocks (turn_split)
+    prefix_reuse: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -88,7 +93,7 @@ def agentic(history: int = 16384, turns: int = 12, new_tokens: int = 3072, outpu
     return Workload(name, tuple(out), prefix_reuse=prefix_reuse, **bounds)
 
 
-# -- one turn's prefill: the seam issue 37 (prefix caching) plugs into ------------------------------------------------
+# -- one turn's prefill ------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class TurnPrefill:
@@ -101,27 +106,45 @@ class TurnPrefill:
 
 def turn_prefill(cfg: KimiK2Config, spec: RunSpec, new_tokens: int, cached_prefix: int = 0,
                  port=THIS_PORT, c: Constants = TRN2) -> TurnPrefill:
-    """The prefill work of a turn that adds `new_tokens` after `cached_prefix` tokens already in the cache (0 today:
-    every request prefills from position 0; issue 37's block cache will pass the prefix its blocks hold). With
-    --prefill-chunk: a call per chunk from the chunk holding position cached_prefix, each attending every position
-    before it; without, one call of the compiled bucket from position 0 (vllm-neuron prefills up to --max-model-len
-    in one call), or, after a cached prefix, one call of the new tokens (in whole 128-token tiles) attending it."""
-    n, total = spec.layout.prefill_chunk, cached_prefix + new_tokens
+    """The prefill work of a turn that adds `new_tokens` after `cached_prefix` positions already in the cache. With
+    --prefix-caching: the context-encoding calls NxDI makes for it (fit.turn_calls: its 2D bucket choice, the chunks
+    of --prefill-chunk), the cached positions whole blocks (vLLM's hits). The contiguous cache keeps nothing of an
+    earlier request (vLLM gives each its cache line afresh), so there a turn prefills from position 0: with
+    --prefill-chunk a call per chunk, each attending every position before it; without, one call of the compiled
+    bucket (vllm-neuron prefills up to --max-model-len in one call)."""
+    total = cached_prefix + new_tokens
     if total > spec.seq_len:
         raise KimiInputError(f"a turn of {total} tokens: exceeds --seq-len {spec.seq_len}")
+    if spec.prefix_caching:
+        if cached_prefix % spec.block_size:
+            raise KimiInputError(f"a cached prefix of {cached_prefix} tokens: vLLM caches whole blocks of "
+                                 f"--block-size {spec.block_size}")
+        weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, port.router_dtype, spec.layout)
+        return TurnPrefill(tuple(turn_calls(cfg, spec, weights, cached_prefix, new_tokens, c)))
+    if cached_prefix:
+        raise KimiInputError(f"a cached prefix of {cached_prefix} tokens: only with --prefix-caching (the contiguous "
+                             f"cache keeps no earlier request's positions)")
+    n = spec.layout.prefill_chunk
     if n is not None:
-        first = cached_prefix // n * n
-        return TurnPrefill(tuple(prefill_call(cfg, spec, k, port, c) for k in range(first, total, n)))
-    if cached_prefix == 0:
-        return TurnPrefill((prefill_call(cfg, spec, 0, port, c),))
-    tokens = -(-new_tokens // moe_paths.OUTPUT_TILE) * moe_paths.OUTPUT_TILE
-    return TurnPrefill((prefill_call(cfg, replace(spec, max_context_length=tokens), cached_prefix, port, c),))
+        return TurnPrefill(tuple(prefill_call(cfg, spec, k, port, c) for k in range(0, total, n)))
+    return TurnPrefill((prefill_call(cfg, spec, 0, port, c),))
+
+
+def turn_split(spec: RunSpec, w: Workload, t: Turn) -> tuple[int, int]:
+    """(cached, new) positions of turn t at spec: with the workload's reuse on a --prefix-caching build, the history's
+    whole blocks cached (vLLM hashes full blocks, decoded ones too) and the rest prefilled; else the whole prompt.
+    The pool holds the history: at its default size every row's full sequence fits, so the blocks of the turn that
+    just ended, freed last, are evicted last, and its session's next turn (sent as it ends) finds them."""
+    if w.prefix_reuse and spec.prefix_caching:
+        cached = t.history // spec.block_size * spec.block_size
+        return cached, t.prompt - cached
+    return 0, t.prompt
 
 
 def workload_prefills(cfg: KimiK2Config, spec: RunSpec, w: Workload, c: Constants = TRN2) -> tuple[float, ...]:
     """Each turn's prefill seconds at the spec's layout (the batch plays no part: one sequence a call)."""
-    return tuple(turn_prefill(cfg, spec, t.new if w.prefix_reuse else t.prompt,
-                              t.history if w.prefix_reuse else 0, c=c).seconds for t in w.turns)
+    return tuple(turn_prefill(cfg, spec, new, cached, c=c).seconds
+                 for cached, new in (turn_split(spec, w, t) for t in w.turns))
 
 
 # -- the steady state of continuous batching --------------------------------------------------------------------------
@@ -141,6 +164,7 @@ class Serving:
     binds: str = ""  # what stops a larger batch (or any batch)
     meets: bool = False  # within every bound of the workload (TPOT, TTFT, HBM)
     attention_dp: int = 1  # > 1: a modelled variant (attention_dp.py), not a layout the shell builds
+    spec: RunSpec | None = None  # the configuration at the compiled batch (None: a plan given alone)
 
     @property
     def concurrency(self) -> int:
@@ -161,7 +185,8 @@ class Serving:
 
 
 def steady_state(p: Plan, prefills_s: tuple[float, ...], w: Workload, c: Constants = TRN2,
-                 attention_dp: int = 1, decode_step_s: float | None = None, hbm_bytes: int | None = None) -> Serving:
+                 attention_dp: int = 1, decode_step_s: float | None = None, hbm_bytes: int | None = None,
+                 spec: RunSpec | None = None) -> Serving:
     """The module's formulas at p's batch, prefills and decode step (plus vLLM's per-step overhead); a modelled
     variant's own decode step and HBM where given."""
     b, out = p.batch, w.mean_output
@@ -172,7 +197,7 @@ def steady_state(p: Plan, prefills_s: tuple[float, ...], w: Workload, c: Constan
     ranked = sorted(prefill)
     p90 = ranked[min(len(ranked) - 1, math.ceil(0.9 * len(ranked)) - 1)]
     return Serving(p, prefill, step, b * out / cycle, step + (b - 1) * mean_prefill / max(out - 1, 1), p90, out,
-                   p.total_bytes if hbm_bytes is None else hbm_bytes, attention_dp=attention_dp)
+                   p.total_bytes if hbm_bytes is None else hbm_bytes, attention_dp=attention_dp, spec=spec)
 
 
 # -- the search -------------------------------------------------------------------------------------------------------
@@ -186,15 +211,17 @@ def candidates(cfg: KimiK2Config, base: RunSpec, w: Workload) -> list[RunSpec]:
     """base (tp, lnc, experts, checkpoint) at every layout the serving search tries: each KV group NxD lays out, each
     prefill chunk or none, q_a/kv_a and the router split or not, each EP NxD lays out with the prefill modes it takes
     (shard-on-block; shard-on-intermediate where its tiles fit), each decode path NxD can run there (selective
-    loading at EP 1 only); seq_len the workload's, rounded up to what the layout divides. The rules refuse the
-    rest."""
+    loading at EP 1 only); seq_len the workload's, rounded up to what the layout divides. A workload that reuses
+    prefixes is searched on --prefix-caching builds only (base's --block-size, the pool following the batch:
+    vllm-neuron's minimum, every row's full sequence), leaving out the layouts rules.check_prefix_caching refuses (the
+    sequence-sharded cache). The rules refuse the rest."""
     tp, lnc = base.tp, base.lnc
     groups = [g for g in range(1, tp + 1) if tp % g == 0 and rules.group_layout_supported(tp, g, lnc)]
     eps = [e for e in groups if cfg.n_routed_experts % e == 0]
-    out = []
+    out, reuse = [], w.prefix_reuse
     for g in groups:
         for n in (None, *SEARCHED_CHUNKS):
-            step = math.lcm(g, n or 1, moe_paths.OUTPUT_TILE)
+            step = math.lcm(g, n or 1, moe_paths.OUTPUT_TILE, base.block_size if reuse else 1)
             seq_len = -(-w.seq_len // step) * step
             if n is not None and n >= seq_len:
                 continue
@@ -205,10 +232,21 @@ def candidates(cfg: KimiK2Config, base: RunSpec, w: Workload) -> list[RunSpec]:
                         modes = ("shard-on-block",) + (("shard-on-intermediate",) if ep >= 16 else ())
                         for mode in modes:
                             for path in (moe_paths.DECODE_PATHS if ep == 1 else ("all-experts",)):
-                                out.append(replace(base, seq_len=seq_len, batch=1, ep=ep, moe_prefill=mode,
-                                                   moe_decode=path, layout=layout, continuous_batching=True,
-                                                   max_context_length=None))
+                                spec = replace(base, seq_len=seq_len, batch=1, ep=ep, moe_prefill=mode,
+                                               moe_decode=path, layout=layout, continuous_batching=True,
+                                               max_context_length=None, prefix_caching=reuse, num_blocks=None)
+                                if reuse and not _takes_prefix_caching(spec):
+                                    continue
+                                out.append(spec)
     return out
+
+
+def _takes_prefix_caching(spec: RunSpec) -> bool:
+    try:
+        rules.check_prefix_caching(spec)
+    except KimiInputError:
+        return False
+    return True
 
 
 def serve(cfg: KimiK2Config, spec: RunSpec, w: Workload, port=THIS_PORT, c: Constants = TRN2,
@@ -220,12 +258,13 @@ def serve(cfg: KimiK2Config, spec: RunSpec, w: Workload, port=THIS_PORT, c: Cons
     from . import attention_dp as adp
 
     def at(b: int) -> tuple[Serving, bool]:
-        p = plan(cfg, replace(spec, batch=b), port, c, longest_prompt=False)
+        at_b = replace(spec, batch=b)
+        p = plan(cfg, at_b, port, c, longest_prompt=False)
         if attention_dp == 1:
-            s = steady_state(p, prefills, w, c)
+            s = steady_state(p, prefills, w, c, spec=at_b)
         else:
-            hbm, step, _ = adp.modelled(cfg, replace(spec, batch=b), p, attention_dp, c)
-            s = steady_state(p, prefills, w, c, attention_dp, step, hbm)
+            hbm, step, _ = adp.modelled(cfg, at_b, p, attention_dp, c)
+            s = steady_state(p, prefills, w, c, attention_dp, step, hbm, spec=at_b)
         return s, s.fits and s.tpot_s <= w.tpot_s
 
     try:
@@ -258,7 +297,7 @@ def best_serving(cfg: KimiK2Config, base: RunSpec, w: Workload, port=THIS_PORT,
     bound, best first)."""
     found, prefills = [], {}
     for spec in candidates(cfg, base, w):
-        key = (spec.layout, spec.ep, spec.moe_prefill, spec.seq_len)  # what a turn's prefill depends on
+        key = _prefill_key(spec)
         if key not in prefills:
             try:
                 prefills[key] = workload_prefills(cfg, spec, w, c)
@@ -266,8 +305,9 @@ def best_serving(cfg: KimiK2Config, base: RunSpec, w: Workload, port=THIS_PORT,
                 prefills[key] = None
         if prefills[key] is None:
             continue
-        for dp in (1, *(ATTENTION_DP if spec.layout == Layout(shard_attn_a=spec.layout.shard_attn_a,
-                                                               shard_router=spec.layout.shard_router) else ())):
+        # NxDI's DataParallelKVCacheManager replaces the block layout's manager (init_inference_optimization)
+        replicated = spec.layout == Layout(shard_attn_a=spec.layout.shard_attn_a, shard_router=spec.layout.shard_router)
+        for dp in (1, *(ATTENTION_DP if replicated and not spec.prefix_caching else ())):
             s = serve(cfg, spec, w, port, c, prefills[key], dp)
             if s is not None and ": batch" not in s.binds:
                 found.append(s)
@@ -275,10 +315,22 @@ def best_serving(cfg: KimiK2Config, base: RunSpec, w: Workload, port=THIS_PORT,
     return (found[0] if found else None), found
 
 
+def _prefill_key(spec: RunSpec) -> tuple:
+    """What a turn's prefill depends on (the batch and decode path play no part)."""
+    return spec.layout, spec.ep, spec.moe_prefill, spec.seq_len, spec.prefix_caching, spec.block_size
+
+
 def vllm_today(found: list[Serving]) -> Serving | None:
     """The best of `found` that compile_and_save.py --for-vllm builds today: the replicated cache, one-shot prefill
-    (vllm-neuron's request carries no layout), no modelled variant."""
-    return next((s for s in found if s.plan.layout == Layout() and s.attention_dp == 1), None)
+    (vllm-neuron's request carries no layout) or, with --prefix-caching, any --prefill-chunk (its chunk driver runs
+    behind vLLM's prefill of a whole prompt), no modelled variant."""
+    def built(s: Serving) -> bool:
+        layout = s.plan.layout
+        if s.plan.prefix is not None:
+            layout = replace(layout, prefill_chunk=None)
+        return layout == Layout() and s.attention_dp == 1
+
+    return next((s for s in found if built(s)), None)
 
 
 def serve_flags(s: Serving) -> list[str]:
@@ -286,8 +338,9 @@ def serve_flags(s: Serving) -> list[str]:
     from .spec import layout_flags
 
     p = s.plan
+    cache = [f"--prefix-caching --block-size {p.prefix.block_size}"] if p.prefix is not None else []
     return [f"--tp {p.tp}", f"--ep {p.ep}", f"--seq-len {p.seq_len}", f"--batch {p.batch}",
-            f"--moe-prefill {p.moe_prefill}", f"--moe-decode {p.decode_path}", *layout_flags(p.layout)]
+            f"--moe-prefill {p.moe_prefill}", f"--moe-decode {p.decode_path}", *layout_flags(p.layout), *cache]
 
 
 def at_concurrency(s: Serving, clients: int, together: bool = False) -> dict:
@@ -317,14 +370,14 @@ def best_at_batch(cfg: KimiK2Config, base: RunSpec, w: Workload, batch: int, por
     (docs/planner.md's table by batch): every candidate that fits at `batch`."""
     best, prefills = None, {}
     for spec in candidates(cfg, base, w):
-        key = (spec.layout, spec.ep, spec.moe_prefill, spec.seq_len)
+        key, at_b = _prefill_key(spec), replace(spec, batch=batch)
         try:
             if key not in prefills:
                 prefills[key] = workload_prefills(cfg, spec, w, c)
-            p = plan(cfg, replace(spec, batch=batch), port, c, longest_prompt=False)
+            p = plan(cfg, at_b, port, c, longest_prompt=False)
         except KimiInputError:
             continue
-        s = steady_state(p, prefills[key], w, c)
+        s = steady_state(p, prefills[key], w, c, spec=at_b)
         if s.fits and (best is None or s.output_tok_s > best.output_tok_s):
             best = s
     return best
