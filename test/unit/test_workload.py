@@ -1,6 +1,7 @@
 """The serving view (neuron/workload.py, `plan --serve`): its steady-state formulas against a simulation of vllm-neuron's
-continuous-batching scheduler, the seam prefix caching plugs into, the search's answer for the 0905 config at 8K/1K
-against docs/planner.md, and the command's output and refusals. Estimates throughout: nothing here ran on trn2."""
+continuous-batching scheduler, a turn's prefill (with prefix caching: the calls fit.turn_seconds times), the search's
+answers for the 0905 config (8K/1K, the agentic workload with and without prefix reuse) against docs/planner.md, and
+the command's output and refusals. Estimates throughout: nothing here ran on trn2."""
 
 import heapq
 import json
@@ -14,8 +15,9 @@ import pytest
 from kimi_k2_neuron.cli import main
 from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.formats.scheme import scheme_for
-from kimi_k2_neuron.neuron import attention_dp, workload
-from kimi_k2_neuron.neuron.fit import plan
+from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.neuron import attention_dp, rules, workload
+from kimi_k2_neuron.neuron.fit import plan, turn_seconds
 from kimi_k2_neuron.neuron.serve_report import h200_tie
 from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import TRN2
@@ -100,21 +102,27 @@ def p_spec(p) -> RunSpec:
                  moe_decode=p.decode_path)
 
 
-# -- one turn's prefill: the seam ----------------------------------------------------------------------------------
+# -- one turn's prefill ---------------------------------------------------------------------------------------------
 
 def test_a_turn_prefills_what_its_cache_lacks(kimi):
-    """From position 0 a turn is the plan's prefill (one bucket; or its chunks); after a cached prefix only the chunks
-    from the one holding it, each attending all before (issue 37's block cache calls this with its prefix)."""
+    """The contiguous cache prefills a turn from position 0 (one bucket; or its chunks) and keeps no earlier request's
+    positions, so a cached prefix there is refused; with --prefix-caching a turn after its cached blocks is what
+    fit.turn_seconds times (the calls NxDI makes), far less than the same prompt cold."""
     one_shot = _base(seq_len=9216, continuous_batching=True)
     assert workload.turn_prefill(kimi, one_shot, 8192).seconds == plan(kimi, one_shot).prefill.total_s
     chunked = _base(seq_len=65536, continuous_batching=True, layout=Layout(kv_group=64, prefill_chunk=4096))
     cold = workload.turn_prefill(kimi, chunked, 50000)
     assert len(cold.calls) == 13  # ceil(50,000 / 4,096)
-    warm = workload.turn_prefill(kimi, chunked, 3072, cached_prefix=47000)
-    assert len(warm.calls) == 2 and warm.seconds < cold.seconds / 5  # chunks 45,056.. and 49,152..
-    assert warm.calls[-1].total_s == cold.calls[-1].total_s  # the same chunk, the same prior
-    hot = workload.turn_prefill(kimi, one_shot, 2048, cached_prefix=4096)  # one call of the new tokens' tiles
-    assert hot.seconds < workload.turn_prefill(kimi, one_shot, 8192).seconds and len(hot.calls) == 1
+    with pytest.raises(KimiInputError, match="only with --prefix-caching"):
+        workload.turn_prefill(kimi, chunked, 3072, cached_prefix=47008)
+    blocks = _base(seq_len=65536, continuous_batching=True, layout=Layout(prefill_chunk=4096), prefix_caching=True)
+    warm = workload.turn_prefill(kimi, blocks, 3072, cached_prefix=47008)  # 1,469 blocks of 32
+    assert warm.seconds == pytest.approx(turn_seconds(kimi, blocks, 47008, 3072), rel=1e-12)
+    assert workload.turn_prefill(kimi, blocks, 50080).seconds == pytest.approx(turn_seconds(kimi, blocks, 0, 50080),
+                                                                               rel=1e-12)
+    assert warm.seconds < workload.turn_prefill(kimi, blocks, 50080).seconds / 5
+    with pytest.raises(KimiInputError, match="whole blocks"):
+        workload.turn_prefill(kimi, blocks, 3072, cached_prefix=47000)
 
 
 def test_the_agentic_session_resends_its_whole_history():
@@ -159,6 +167,71 @@ def test_plan_serve_at_8k_1k_is_docs_planner_md_s_figure_beside_the_h200_tie(cap
     assert best["output_tok_s"] < lo  # the honest model misses the tie; the doc says so and why
 
 
+@pytest.fixture(scope="module")
+def reuse(kimi):
+    """The agentic workload served with prefix reuse: its search (best, every configuration found)."""
+    return workload.best_serving(kimi, _base(), workload.agentic(prefix_reuse=True))
+
+
+def test_a_served_turn_with_prefix_reuse_is_what_nxdi_calls_for_it(kimi, reuse):
+    """The oracle: each turn's prefill step in the reuse search is vLLM's step cost beside fit.turn_seconds for that
+    spec, the turn's history in whole blocks of 32 cached (vLLM's hits) and the rest prefilled; the first turn cold."""
+    best, _ = reuse
+    w = workload.agentic(prefix_reuse=True)
+    assert best.spec.prefix_caching and best.plan.prefix is not None
+    for t, step in zip(w.turns, best.prefills_s, strict=True):
+        cached = t.history // 32 * 32
+        assert step - TRN2.vllm_step_s == pytest.approx(turn_seconds(kimi, best.spec, cached, t.prompt - cached),
+                                                        rel=1e-12)
+    assert best.prefills_s[0] == max(best.prefills_s)  # the cold first turn
+
+
+def test_the_reuse_search_takes_only_builds_the_rules_accept(kimi, reuse):
+    """With reuse every configuration searched and found is a --prefix-caching build rules.check takes, its pool
+    (vllm-neuron's minimum at its batch) in the HBM as fit.plan counts it; the sequence-sharded cache, which the
+    rules refuse with prefix caching, and attention dp (its own cache manager) are not among them."""
+    _, found = reuse
+    assert found
+    for s in found:
+        rules.check(kimi, s.spec)
+        assert s.spec.prefix_caching and not s.plan.layout.sequence_sharded and s.attention_dp == 1
+        assert s.plan.prefix.pool_blocks == s.concurrency * s.spec.seq_len // 32
+        assert s.hbm_bytes == plan(kimi, s.spec, longest_prompt=False).total_bytes
+    specs = workload.candidates(kimi, _base(), workload.agentic(prefix_reuse=True))
+    assert specs and all(s.prefix_caching and not s.layout.sequence_sharded for s in specs)
+    cold = workload.candidates(kimi, _base(), workload.agentic())
+    assert any(s.layout.sequence_sharded for s in cold) and not any(s.prefix_caching for s in cold)
+    for s in cold:  # what the rules refuse with prefix caching is what the reuse search leaves out
+        refused = False
+        try:
+            rules.check_prefix_caching(replace(s, prefix_caching=True))
+        except KimiInputError:
+            refused = True
+        assert refused == s.layout.sequence_sharded
+
+
+def test_the_docs_agentic_rows_are_the_search_s(kimi, reuse, capsys):
+    """docs/planner.md's agentic rows: the command's JSON, cold and with prefix reuse, and the levers row."""
+    rows = {r[0]: r[1:] for r in _table("| workload | output tok/s |")}
+    cold, _ = workload.best_serving(kimi, _base(), workload.agentic())
+    for name, s in (("agentic, the same bounds", cold),
+                    ("agentic with prefix reuse (`--prefix-reuse`: `--prefix-caching` builds), the same bounds",
+                     reuse[0])):
+        row = rows[name]
+        assert _number(row[0].split("(")[0]) == round(s.output_tok_s) and _number(row[1]) == s.concurrency
+        assert row[2] == f"{s.tpot_s * 1e3:.1f} ms" and row[3] == f"{s.ttft_p90_s:.2f} s"
+        assert row[4] == f"`{' '.join(workload.serve_flags(s))}`"
+        assert ("misses" in row[0]) == (not s.meets)
+    lever = {r[0]: r[1:] for r in _table("| lever | output tok/s at 50 ms / 5 s |")}["prefix reuse (agentic)"]
+    assert lever[0] == f"{round(cold.output_tok_s)} -> {round(reuse[0].output_tok_s)}"
+    assert lever[1] == f"{cold.concurrency} -> {reuse[0].concurrency}"
+    assert main(["plan", "--config", str(KIMI), "--tp", "64", "--serve", "agentic", "--prefix-reuse", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["best"]
+    assert d["flags"] == workload.serve_flags(reuse[0]) and d["output_tok_s"] == reuse[0].output_tok_s
+    assert d["prefix_caching"]["turns"][0] == {"cached": 0, "new": 16384}
+    assert d["prefix_caching"]["turns"][1] == {"cached": 16896, "new": 3072}  # 16,384 + 512: whole blocks
+
+
 def test_the_docs_table_by_batch_is_the_search_s(kimi):
     w = workload.chat()
     for b, step, alone, rate, tpot, ttft, path, _, flags in _table("| batch | decode step |"):
@@ -188,6 +261,9 @@ def test_attention_data_parallelism_holds_a_quarter_of_the_cache_and_four_times_
     (["--input-tokens", "100", "--seq-len", "1024"], "--input-tokens: only with --serve"),
     (["--serve", "agentic", "--input-tokens", "100"], "for --serve chat"),
     (["--serve", "--prefix-reuse"], "--prefix-reuse: only with --serve agentic"),
+    (["--serve", "agentic", "--prefix-caching"], "--prefix-caching: not with --serve"),
+    (["--serve", "agentic", "--prefix-reuse", "--num-blocks", "4096"], "--num-blocks: not with --serve"),
+    (["--serve", "agentic", "--block-size", "64"], "--block-size 64: with --serve only with --prefix-reuse"),
     (["--serve", "--input-tokens", "262144"], "exceeds config.json field max_position_embeddings"),
     (["--serve", "--tpot-ms", "0"], "--tpot-ms: expected a finite number > 0"),
 ])
@@ -203,6 +279,7 @@ def test_plan_serve_prints_every_term(capsys):
                    "TTFT ", "HBM ", "configuration: --tp 64", "decode step: bytes", "against the H200 tie",
                    "through vLLM today"):
         assert needle in out, needle
+    assert "prefix cache:" not in out and "--prefix-caching" not in out
     assert TRN2.vllm_step_s * 1e3 == pytest.approx(float(re.search(r"vLLM's ([\d.]+) ms a step", out).group(1)))
 
 
