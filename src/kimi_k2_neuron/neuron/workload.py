@@ -185,8 +185,7 @@ class Serving:
 
 
 def steady_state(p: Plan, prefills_s: tuple[float, ...], w: Workload, c: Constants = TRN2,
-                 attention_dp: int = 1, decode_step_s: float | None = None, hbm_bytes: int | None = None,
-                 spec: RunSpec | None = None) -> Serving:
+                 attention_dp: int = 1, decode_step_s: float | None = None, hbm_bytes: int | None = None) -> Serving:
     """The module's formulas at p's batch, prefills and decode step (plus vLLM's per-step overhead); a modelled
     variant's own decode step and HBM where given."""
     b, out = p.batch, w.mean_output
@@ -197,7 +196,7 @@ def steady_state(p: Plan, prefills_s: tuple[float, ...], w: Workload, c: Constan
     ranked = sorted(prefill)
     p90 = ranked[min(len(ranked) - 1, math.ceil(0.9 * len(ranked)) - 1)]
     return Serving(p, prefill, step, b * out / cycle, step + (b - 1) * mean_prefill / max(out - 1, 1), p90, out,
-                   p.total_bytes if hbm_bytes is None else hbm_bytes, attention_dp=attention_dp, spec=spec)
+                   p.total_bytes if hbm_bytes is None else hbm_bytes, attention_dp=attention_dp)
 
 
 # -- the search -------------------------------------------------------------------------------------------------------
@@ -261,10 +260,11 @@ def serve(cfg: KimiK2Config, spec: RunSpec, w: Workload, port=THIS_PORT, c: Cons
         at_b = replace(spec, batch=b)
         p = plan(cfg, at_b, port, c, longest_prompt=False)
         if attention_dp == 1:
-            s = steady_state(p, prefills, w, c, spec=at_b)
+            s = steady_state(p, prefills, w, c)
         else:
             hbm, step, _ = adp.modelled(cfg, at_b, p, attention_dp, c)
-            s = steady_state(p, prefills, w, c, attention_dp, step, hbm, spec=at_b)
+            s = steady_state(p, prefills, w, c, attention_dp, step, hbm)
+        s = replace(s, spec=at_b)
         return s, s.fits and s.tpot_s <= w.tpot_s
 
     try:
@@ -377,7 +377,7 @@ def best_at_batch(cfg: KimiK2Config, base: RunSpec, w: Workload, batch: int, por
             p = plan(cfg, at_b, port, c, longest_prompt=False)
         except KimiInputError:
             continue
-        s = steady_state(p, prefills[key], w, c, spec=at_b)
+        s = replace(steady_state(p, prefills[key], w, c), spec=at_b)
         if s.fits and (best is None or s.output_tok_s > best.output_tok_s):
             best = s
     return best
