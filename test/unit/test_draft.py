@@ -476,3 +476,40 @@ def test_the_draft_at_kimis_shapes_in_the_plan():
         assert rows["EAGLE3 draft KV cache"] == batch * 1024 * 2 * 1 * 128 * 2
         assert s.verify_path == path and ("verify MoE temporaries" in rows) == (path == "all-experts")
         assert s.step_s == s.verify.total_s + s.draft_s and s.tpot_s(2.0) == s.step_s / 2
+
+
+def test_speculative_md_quotes_the_planners_figures(capsys, monkeypatch):
+    """docs/speculative.md's table at Kimi-K2-Instruct, TP 64, seq_len 1024 is what the planner computes now, row by
+    row as printed there: SpecForge's Kimi-K2 Llama draft (configs/kimi-k2-eagle3.json: 64 heads, intermediate 18432,
+    a 32000-token head) at K 4 batch 1 and 4, K 2 batch 1, and an EAGLE3.1 MLA draft of the target's attention shape
+    with the full head; the doc's Python snippet, which says how to recompute them, runs and prints the same."""
+    from kimi_k2_neuron.checkpoint.draft import Eagle3Draft, MlaDims
+    from kimi_k2_neuron.formats.record import expert_scheme
+    from kimi_k2_neuron.neuron.fit import plan
+    from kimi_k2_neuron.neuron.hbm import GiB
+
+    root = Path(__file__).parents[2]
+    doc = (root / "docs" / "speculative.md").read_text()
+    cfg = KimiK2Config.from_file(root / "test/data/configs/kimi-k2-instruct-0905.json")
+    shape = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=128, vocab_size=163840,
+                 intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=131072)
+    aq = Eagle3Draft(path="aq", draft_vocab_size=32000, mapped=True, **shape)
+    mla = Eagle3Draft(path="mla", kind="eagle3-mla", fc_norm=True, norm_output=True,
+                      mla=MlaDims(1536, 512, 128, 64, 128), **shape)
+    cases = (("AQ-MedAI K2 (Llama, 32000-token head)", aq, 4, 1), ("AQ-MedAI K2", aq, 4, 4), ("AQ-MedAI K2", aq, 2, 1),
+             ("EAGLE3.1 MLA of K2.6's shape (full head)", mla, 4, 1))
+    steps = []
+    for name, d, k, batch in cases:
+        spec = RunSpec(tp=64, seq_len=1024, batch=batch, scheme=expert_scheme(cfg, None, None))
+        plain = plan(cfg, spec).decode.total_s * 1e3
+        s = plan(cfg, RunSpec(**{**spec.__dict__, "draft": DraftSpec(d.path, k, d)})).speculation
+        tpot = ", ".join(f"{ms:.2f} ms at {a}" for a, ms in s.effective_tpot_ms().items())
+        row = (f"| {name} | {k} | {batch} | {plain:.2f} ms | {s.step_s * 1e3:.2f} ms (verify "
+               f"{s.verify.total_s * 1e3:.2f} + draft {s.draft_s * 1e3:.2f}) | {tpot} | "
+               f"{sum(r.bytes for r in s.rows) / GiB:.3f} GiB |")
+        assert row in doc
+        steps.append(s.step_s * 1e3)
+    monkeypatch.chdir(root)
+    exec(doc.split("```python\n")[1].split("```")[0], {})
+    printed = [float(line.split()[4]) for line in capsys.readouterr().out.splitlines()]
+    assert printed == pytest.approx(steps)

@@ -188,6 +188,23 @@ def test_returning_the_logits_beside_the_devices_tokens_costs_one_all_gather_a_s
     assert logits.total_s - base.total_s == pytest.approx(TRN2.alpha_s + 4 * cfg.vocab_size * 4 / TRN2.beta_bytes_per_s)
 
 
+
+def test_vllm_md_quotes_the_planners_cost_of_the_logits():
+    """docs/vllm.md's "Cost per step" figures are what the planner computes now: TP=64, LNC=2, an 8,192-token cache,
+    the default experts, each batch's TPOT without and with output_logits and the difference, as printed there."""
+    from kimi_k2_neuron.formats.record import expert_scheme
+    from kimi_k2_neuron.neuron.spec import RunSpec
+
+    doc = re.sub(r"\s*\n\s*", " ", (REPO / "docs" / "vllm.md").read_text())
+    cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
+    quoted = []
+    for batch in (1, 4, 8, 32):
+        spec = RunSpec(tp=64, lnc=2, seq_len=8192, batch=batch, scheme=expert_scheme(cfg, None, None))
+        base, logits = (plan(cfg, replace(spec, output_logits=o)).decode.total_s for o in (False, True))
+        quoted.append(f"{base * 1e3:.3f} -> {logits * 1e3:.3f} ms at {'batch ' * (batch == 1)}{batch} "
+                      f"(+{(logits - base) * 1e6:.1f} us)")
+    assert [q for q in quoted if q not in doc] == []
+
 def _plan_dict(seq_len: int, batch: int, path: str) -> dict:
     """The plan's JSON of Kimi-K2-Instruct-0905 at fp8-blockwise, TP=64, the replicated cache, on this decode path
     (fitting or not)."""
