@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import SEED_MAX, fail, integer, integers
+from kimi_k2_neuron.arguments import SEED_MAX, fail, integer, integers, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import host_memory_available, script_parser
@@ -33,7 +33,8 @@ DEFAULT_CONFIG = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, metavar="FILE", help="Kimi-K2 config.json")
+    p.add_argument("--config", type=lambda t: Path(path(t)), default=DEFAULT_CONFIG, metavar="FILE",
+                   help="Kimi-K2 config.json")
     p.add_argument("--contexts", type=integers(1), default=[4096, 32768], metavar="T,T,...",
                    help="comma-separated cached lengths (default: 4096,32768)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights/cache/compute")

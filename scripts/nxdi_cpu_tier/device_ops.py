@@ -1,4 +1,4 @@
-"""Torch stand-ins for two of torch_neuronx's device ops, for the nxdi-cpu tier (test infrastructure, never on a trn2
+"""Torch stand-ins for three of torch_neuronx's device ops, for the nxdi-cpu tier (test infrastructure, never on a trn2
 host, where torch_neuronx is installed). write_shim.py puts this file in the import shim as _nxdi_cpu_device_ops, and
 its torch_neuronx.xla_impl.ops takes the two from it; test/nxdi_cpu/device_ops installs the same in a venv whose shim
 lacks them. Each computes the op's documented semantics; every other op stays refused.
@@ -8,8 +8,10 @@ lacks them. Each computes the op's documented semantics; every other op stays re
 - xla_hlo_call for the one HLO NxDI's KV-cache writes build with it, DynamicUpdateSlice (NxDI modules/kvcache/
   utils.py: fill_prefix, dynamic_update_slice; the chunk submodel's write, NXDI_CONTRACT.md: chunk-write), so those
   graphs run and trace on torch_xla's CPU device: the update written at XLA's clamped start indices, in torch ops with
-  no host sync (test/nxdi_cpu/test_device_ops.py holds it to NxDI's own CPU-mode branch). Any other HLO raises,
-  naming it.
+  no host sync (test/nxdi_cpu/test_device_ops.py holds it to NxDI's own CPU-mode branch); and Rng with XLA's uniform
+  distribution (1) over [minimum, maximum), which NxDI's rand_like builds for the fused speculation's sampled
+  acceptance (NxDI modules/generation/sampling.py rand_like; NXD_CPU_MODE.md: fused-spec-cpu): torch.rand on torch's
+  generator, so ranks seeded alike draw alike, as one device program does. Any other HLO raises, naming it.
 """
 
 import functools
@@ -52,7 +54,7 @@ class _Hlo:
 
     @property
     def dtype(self):
-        return _Type(self.tensor.device)
+        return _Type(self.tensor.device, self.tensor.dtype)
 
     @property
     def scribe(self):
@@ -68,11 +70,11 @@ class _Scribe:
 
 
 class _Type:
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, dtype=None, shape=None):
+        self.device, self.torch_dtype, self.shape = device, dtype, shape
 
     def __getitem__(self, shape):  # dtype[shape].Op(...)
-        return self
+        return _Type(self.device, self.torch_dtype, tuple(shape))
 
     def Constant(self, constant_value):  # noqa: N802 -- the scribe's name
         return _Hlo(torch.tensor(constant_value, device=self.device))
@@ -80,9 +82,17 @@ class _Type:
     def DynamicUpdateSlice(self, operand, update, *starts):  # noqa: N802
         return _Hlo(dynamic_update_slice(operand.tensor, update.tensor, [s.tensor for s in starts]))
 
+    def Rng(self, minimum, maximum, distribution):  # noqa: N802
+        if distribution != 1:
+            raise NotImplementedError(f"torch_neuronx xla_hlo_call Rng distribution={distribution}: the nxdi-cpu "
+                                      f"tier's stand-in computes the uniform one (1) only")
+        low, high = minimum.tensor, maximum.tensor
+        draw = torch.rand(self.shape, dtype=self.torch_dtype or torch.float32, device=self.device)
+        return _Hlo(low + (high - low) * draw)
+
     def __getattr__(self, name):
         raise NotImplementedError(f"torch_neuronx xla_hlo_call {name}: the nxdi-cpu tier's stand-in "
-                                  f"(test/nxdi_cpu/device_ops) computes DynamicUpdateSlice only")
+                                  f"(test/nxdi_cpu/device_ops) computes DynamicUpdateSlice and Rng only")
 
 
 def xla_hlo_call(function):

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from .cache import cache_dir  # noqa: F401 (the CLI's and scripts' name for it)
-from .errors import KimiInputError, MissingConfig, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link, special_file
 
 
 class Parser(argparse.ArgumentParser):
@@ -66,9 +66,18 @@ def integer(lo: int, hi: int | None = None):
     return parse
 
 
+def path(text: str) -> str:
+    """type= for every path argument: an empty one (an unset shell variable, `--out "$OUT"`) is refused, naming the
+    flag, where it would otherwise mean the current folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (an unset shell variable?)")
+    return text
+
+
 def checkpoint_folder(text: str) -> str:
     """type= for a checkpoint folder a command reads: a file (its config.json, a shard) is refused here, naming the
     flag; a missing path is left to the reader, which says what it expected there."""
+    path(text)
     if Path(text).is_file():
         raise argparse.ArgumentTypeError(f"{text}: is a file; expected a checkpoint folder (the one holding "
                                          f"config.json)")
@@ -130,21 +139,33 @@ def check_out_file(path: str | Path, what: str, apart_from: dict[str, str | Path
     path = Path(path)
     if path.is_dir():
         raise KimiInputError(f"{what} {path}: is a directory, expected a file path")
+    node = special_file(path)
+    if node:  # the atomic write's rename would replace it (as root, /dev/null for the whole machine)
+        raise KimiInputError(f"{what} {path}: is {node}; expected a regular file path (the output is written "
+                             f"beside it and renamed into place, which would replace the {node.split()[-1]})")
     folder = path.parent
     if not folder.is_dir():
         why = broken_link(folder) or "not a folder"
         raise KimiInputError(f"{what} {path}: expected a file in an existing folder, but {folder} is {why}")
     _probe_writable(folder, f"{what} {path}")
+    _check_apart(path, what, apart_from)
+
+
+def _check_apart(path: Path, what: str, apart_from: dict[str, str | Path] | None) -> None:
+    """`path` is not inside any input folder of `apart_from` ({flag: folder}), nor one of them."""
     for flag, folder in (apart_from or {}).items():
         if folder is None or broken_link(folder):  # (refused where the folder is read)
             continue
-        if Path(folder).resolve() in Path(path).resolve().parents:
-            raise KimiInputError(f"{what} {path}: is inside {flag} {folder}, which this command reads; expected a "
-                                 f"path outside it")
+        inside, out = Path(folder).resolve(), Path(path).resolve()
+        if inside in out.parents or inside == out:
+            how = "is" if inside == out else "is inside"
+            raise KimiInputError(f"{what} {path}: {how} {flag} {folder}, which this command reads; expected a path "
+                                 f"outside it")
 
 
-def check_out_dir(path: str | Path, what: str) -> None:
-    """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder."""
+def check_out_dir(path: str | Path, what: str, apart_from: dict[str, str | Path] | None = None) -> None:
+    """`path` is a writable folder, or one that can be made: its nearest existing ancestor is a writable folder; and
+    outside every input folder of `apart_from` ({flag: folder})."""
     path = Path(path).absolute()
     for p in (path, *path.parents):  # a link to nothing is no folder to write into, nor one to make
         broken = broken_link(p)
@@ -152,8 +173,10 @@ def check_out_dir(path: str | Path, what: str) -> None:
             raise KimiInputError(f"{what} {path}: {p} is {broken}; expected a folder, or a path where one can be made")
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
-        raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is a file")
+        raise KimiInputError(f"{what} {path}: expected a folder, but {existing} is "
+                             f"{special_file(existing) or 'a file'}")
     _probe_writable(existing, f"{what} {path}")
+    _check_apart(path, what, apart_from)
 
 
 # -- generation flags, the same on CPU (`kimi-k2-neuron generate`) and trn2 (scripts/run_inference.py) -------------
@@ -201,7 +224,9 @@ def check_generation_args(a: argparse.Namespace) -> None:
         raise KimiInputError(f"{sampling[0]}: not allowed with --greedy (greedy decoding does not sample)")
     for flag, value in (("--top-k", a.top_k), ("--top-p", a.top_p)):
         if value is not None and not (a.temperature or 0) > 0:
-            raise KimiInputError(f"{flag}: needs --temperature > 0 (without it decoding is greedy and ignores {flag})")
+            raise KimiInputError(f"{flag}: needs --temperature > 0 (once a sampling flag is given, the checkpoint's "
+                                 f"generation_config.json sampling no longer applies, and without --temperature "
+                                 f"decoding is greedy and ignores {flag})")
     if a.system is not None and not a.chat:
         raise KimiInputError("--system: not allowed with --no-chat (the system message goes into the chat template)")
     if "" in a.stop:
@@ -232,8 +257,8 @@ def sampling_values(a: argparse.Namespace) -> tuple[float, int, float]:
 
 def add_spec_args(p, *names: str, where: dict[str, str] | None = None, **overrides: dict) -> None:
     """The run spec's flags on p (a parser or an argument group), in FLAGS' order: those `names` asks for (a flag, or
-    a group: parallel, shape, experts, moe, layout, sampler, draft; none: all). `where`: for a command with several
-    backends, {backend (spec.CPU, ...): the flag that selects it}: only the flags one of them takes, each one's help
+    a group: parallel, shape, experts, moe, layout, cache, sampler, draft; none: all). `where`: for a command with
+    several backends, {backend (spec.CPU, ...): the flag that selects it}: only the flags one of them takes, each one's help
     naming the backends that take it where not all do (check_spec_flags refuses the rest). overrides: {dest:
     add_argument keywords to change}, where a flag means something else in a command."""
     from .neuron.spec import FLAGS
@@ -261,6 +286,8 @@ def _argparse_keywords(flag) -> dict:
         kw["type"] = integer(flag.least)
     elif flag.kind == "choice":
         kw["choices"] = list(flag.choices)
+    elif flag.kind == "path":
+        kw["type"] = path
     return kw
 
 

@@ -11,7 +11,10 @@ ENV = "KIMI_K2_NEURON_CACHE"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV) or Path.home() / ".cache" / "kimi-k2-neuron")
+    """$KIMI_K2_NEURON_CACHE (a leading ~ expanded, as a shell would not inside quotes; made absolute, so that every
+    message names one place), else ~/.cache/kimi-k2-neuron; blank counts as unset."""
+    value = os.environ.get(ENV, "").strip()
+    return Path(value).expanduser().absolute() if value else Path.home() / ".cache" / "kimi-k2-neuron"
 
 
 def converted_root() -> Path:

@@ -17,7 +17,7 @@ from pathlib import Path
 from . import __version__
 from .arguments import (SEED_MAX, Parser, add_generation_args, add_spec_args, apply_sampling_defaults, cache_dir,
                         check_generation_args, check_out_dir, check_out_file, check_spec_flags, checkpoint_folder,
-                        fail, integer, sampling_values)
+                        fail, integer, path, sampling_values)
 from .errors import KimiInputError
 from .interrupts import Interrupted, run_command, save_safetensors
 from .launch import check_layout_flags, cpu_backend, cpu_generate, cpu_options, layout_options
@@ -26,7 +26,7 @@ from .runtime import DTYPE_NAMES
 from .runtime.ranks import RanksError
 from .neuron.spec import CORE, CORE_RANKS, CPU, TRACE
 from .plan_command import add_plan_parser
-from .tiny import TINY_LAYOUTS
+from .tiny import DRAFT_LAYOUTS, TINY_LAYOUTS
 
 
 def _rows(text: str) -> list[list[int]]:
@@ -47,8 +47,10 @@ def cmd_make_tiny(a) -> int:
     from .tiny.checkpoint import LAYOUTS, make_tiny
 
     check_out_dir(a.out, "OUT")
-    if a.draft_for:
+    if a.draft_for is not None:  # '' too (an unset shell variable): refused as a draft's target, not a target made
         return _make_tiny_draft(a)
+    if a.draft_layout != "eagle3":
+        raise KimiInputError(f"--draft-layout {a.draft_layout}: only with --draft-for TARGET (it writes a draft)")
     layers = {"num_hidden_layers": a.layers} if a.layers else None
     out = make_tiny(a.out, quant=a.quant, shards=a.shards, seed=a.seed, config_overrides=layers, layout=a.layout)
     print(f"wrote a tiny {a.layout} checkpoint ({a.quant or LAYOUTS[a.layout].quant}) to {out}")
@@ -61,9 +63,9 @@ def _make_tiny_draft(a) -> int:
     given = [f for f, on in (("--quant", a.quant), ("--layout", a.layout != "k2"), ("--shards", a.shards != 3),
                              ("--layers", a.layers)) if on]
     if given:
-        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is the Llama EAGLE3 layout's)")
-    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed)
-    print(f"wrote tiny EAGLE3 draft for {a.draft_for} to {out}")
+        raise KimiInputError(f"{given[0]}: not with --draft-for (the draft's shape is its --draft-layout's)")
+    out = make_tiny_draft(a.out, a.draft_for, seed=a.seed, layout=a.draft_layout)
+    print(f"wrote tiny EAGLE3 draft ({a.draft_layout}) for {a.draft_for} to {out}")
     return 0
 
 
@@ -268,7 +270,7 @@ def cmd_convert(a) -> int:
     except Interrupted as e:
         from .convert.resume import resume_hint
 
-        e.hint = resume_hint(a.dst)
+        e.hint = resume_hint(a.dst, a.verify)
         raise
     print(res.summary)
     return 0
@@ -317,7 +319,7 @@ def _command(sub, name: str, what: str, fn) -> argparse.ArgumentParser:
 
 def _make_tiny_parser(sub) -> None:
     s = _command(sub, "make-tiny", "write a tiny random checkpoint in a real Kimi-K2 storage format", cmd_make_tiny)
-    s.add_argument("out", metavar="OUT", help="the new folder to write")
+    s.add_argument("out", metavar="OUT", type=path, help="the new folder to write")
     s.add_argument("--layout", choices=TINY_LAYOUTS, default="k2",
                    help="the release whose checkpoint layout, chat template, end-of-turn id and generation config "
                         "it copies: Kimi-K2-Instruct/-0905, -Thinking, K2.5, K2.6 or K2.7-Code (the last three: "
@@ -329,9 +331,13 @@ def _make_tiny_parser(sub) -> None:
     s.add_argument("--seed", type=integer(0, SEED_MAX), default=0, metavar="S", help="seeds the random weights")
     s.add_argument("--layers", type=integer(1), default=None, metavar="N",
                    help="decoder layers (default: 3); an EAGLE3 target needs 7 (three distinct captured layers)")
-    s.add_argument("--draft-for", metavar="TARGET", default=None,
-                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in the public Llama EAGLE3 "
-                        "layout that --draft takes (default: write a target)")
+    s.add_argument("--draft-for", metavar="TARGET", default=None, type=path,
+                   help="write a tiny EAGLE3 draft for the checkpoint TARGET instead, in a public draft layout "
+                        "that --draft takes (default: write a target)")
+    s.add_argument("--draft-layout", choices=DRAFT_LAYOUTS, default="eagle3",
+                   help="with --draft-for: the public layout it copies: eagle3 (Llama, the target's vocabulary), "
+                        "eagle3-d2t (Llama, a reduced vocabulary with d2t/t2d), eagle3.1-mla (MLA, fc_norm, "
+                        "norm_output) (docs/speculative.md)")
 
 
 def _logits_parser(sub) -> None:
@@ -342,7 +348,7 @@ def _logits_parser(sub) -> None:
     s.add_argument("--prefill-len", type=integer(0), default=None, metavar="K",
                    help="positions below K come from one prefill pass, the rest one token at a time through the "
                         "decode path (default: all of them from one prefill)")
-    s.add_argument("--out", required=True, metavar="FILE",
+    s.add_argument("--out", required=True, metavar="FILE", type=path,
                    help="output .safetensors with `logits` float32 [B, S, V]")
     _model_opts(s, cmd_logits)
 
@@ -363,7 +369,8 @@ def _convert_parser(sub) -> None:
                  cmd_convert)
     s.add_argument("src", type=checkpoint_folder, metavar="SRC",
                    help="FP8 blockwise, compressed-tensors INT4 or BF16 Kimi-K2 checkpoint directory")
-    s.add_argument("dst", help="output directory (new, empty, or an interrupted conversion to resume)")
+    s.add_argument("dst", metavar="DST", type=path,
+                   help="output directory (new, empty, or an interrupted conversion to resume)")
     s.add_argument("--experts", required=True, choices=SCHEMES,
                    help=f"how the routed experts' FP8 scales are laid out, as NxD reads them ({DEFAULT_SCHEME} is "
                         f"recommended: exact from FP8 and INT4 sources)")
@@ -407,7 +414,7 @@ def _model_opts(s, fn):
 
 def main(argv=None) -> int:
     """The command line `argv` (default: the process's own) -> exit code: 0, 1 (a check said no: plan, trace-cpu),
-    2 (bad input, one line), 130 / 143 (Ctrl-C / SIGTERM, one line)."""
+    2 (bad input, one line), 130 / 143 / 129 (Ctrl-C / SIGTERM / SIGHUP, one line)."""
     return run_command(_main, argv)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .errors import KimiInputError, MissingConfig, broken_link
+from .errors import KimiInputError, MissingConfig, broken_link, special_file
 
 # owner/name, as the Hub spells model ids (a relative path of two parts looks the same, hence "looks like")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -64,7 +64,7 @@ class KimiK2Config:
     moe_intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: int | None
+    q_lora_rank: int
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
@@ -126,6 +126,10 @@ class KimiK2Config:
                                  f"give the folder DIR")
         if path.is_dir():
             path = path / "config.json"
+        node = special_file(path)
+        if node or (path.exists() and not path.is_file()):
+            raise KimiInputError(f"{path}: is {node or 'a folder'}; expected a config.json file or the checkpoint "
+                                 f"folder holding one")
         if not path.is_file():
             # a folder's config.json, or a missing folder; else a file named directly (plan --config)
             what = "not found (expected a config.json)" if path.suffix == ".json" and path.name != "config.json" \
@@ -244,7 +248,7 @@ def _parse(f: _Fields, quant_raw) -> KimiK2Config:
         moe_intermediate_size=f.int("moe_intermediate_size"),
         num_hidden_layers=f.int("num_hidden_layers"),
         num_attention_heads=f.int("num_attention_heads"),
-        q_lora_rank=f.int("q_lora_rank", default=None),
+        q_lora_rank=_parse_q_lora_rank(f),
         kv_lora_rank=f.int("kv_lora_rank"),
         qk_nope_head_dim=f.int("qk_nope_head_dim"),
         qk_rope_head_dim=f.int("qk_rope_head_dim"),
@@ -264,7 +268,7 @@ def _parse(f: _Fields, quant_raw) -> KimiK2Config:
         rope_theta=f.float("rope_theta", lo=1.0, strict=True),
         max_position_embeddings=f.int("max_position_embeddings"),
         rope_scaling=_parse_rope_scaling(f),
-        tie_word_embeddings=f.bool("tie_word_embeddings", default=False),
+        tie_word_embeddings=_parse_tie_word_embeddings(f),
         eos_token_ids=_parse_eos(f),
         bos_token_id=f.int("bos_token_id", lo=0, default=None),
         model_type=f.raw["model_type"],
@@ -273,6 +277,23 @@ def _parse(f: _Fields, quant_raw) -> KimiK2Config:
     )
     _check_consistency(cfg, f.source)
     return cfg
+
+
+def _parse_q_lora_rank(f: _Fields) -> int:
+    if f.raw.get("q_lora_rank", 0) is None:  # DeepSeek-V2-Lite's: queries straight from the hidden state
+        raise KimiInputError(f"{f.source}: field q_lora_rank is null: MLA without a query LoRA is not implemented "
+                             f"(Kimi-K2 and DeepSeek-V3 have one); expected an integer >= 1")
+    return f.int("q_lora_rank")
+
+
+def _parse_tie_word_embeddings(f: _Fields) -> bool:
+    """Kimi's and DeepSeek-V3's releases are untied: lm_head has its own weights. A tied config would read the
+    embedding as the output projection, which this port does not do, so it is refused rather than ignored."""
+    tied = f.bool("tie_word_embeddings", default=False)
+    if tied:
+        raise KimiInputError(f"{f.source}: field tie_word_embeddings=true is not supported (Kimi-K2's lm_head has "
+                             f"its own weights; every Kimi release is untied); expected false")
+    return tied
 
 
 def _parse_rope_scaling(f: _Fields) -> YarnScaling | None:

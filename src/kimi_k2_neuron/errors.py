@@ -34,6 +34,38 @@ def broken_link(path) -> str | None:
         return None
 
 
+def special_file(path) -> str | None:
+    """What `path` is when it exists and is neither a regular file nor a folder ("a character device", "a FIFO",
+    ...), else None. An output is written beside its path and renamed over it: over a device node, a FIFO or a
+    socket, the rename would replace the node (as root, /dev/null itself), so outputs refuse them."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    for test, what in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return None
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (default when unset or empty); another value is one line naming it, where
+    int() would raise a traceback from deep inside a build."""
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise KimiInputError(f"environment variable {name}={value!r}: expected an integer") from None
+
+
 def listing(names, limit: int = 4) -> str:
     names = list(names)
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""

@@ -1,8 +1,9 @@
-"""How a run ends when it is cut short, and what it leaves: Ctrl-C and SIGTERM end a command with one line and exit
-code 130 / 143 (run_command); output files and folders appear under their name only when complete (atomic_output,
-write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write gets; atomic_folder: a
-hidden folder, renamed), and a write that fails (a full disk) is one line naming the file. (A conversion that did not
-finish is the converter's to recognise: convert/resume.py.)
+"""How a run ends when it is cut short, and what it leaves: Ctrl-C, SIGTERM and SIGHUP end a command with one line and
+exit code 130 / 143 / 129 (run_command; SIGHUP not under nohup); output files and folders appear under their name only
+when complete (atomic_output, write_atomically, save_safetensors: temp file, fsync, rename, with the mode a plain write
+gets; atomic_folder: a hidden folder, renamed), and a write that fails (a full disk) is one line naming the file,
+stdout's too (a full disk, an encoding that lacks a character: replaced). (A conversion that did not finish is the
+converter's to recognise: convert/resume.py.)
 
 Stdlib only at import: every command and script installs its signal handling before importing torch.
 """
@@ -10,6 +11,7 @@ Stdlib only at import: every command and script installs its signal handling bef
 from __future__ import annotations
 
 import errno
+import io
 import os
 import select
 import shutil
@@ -20,9 +22,12 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from .errors import KimiInputError
+from .errors import KimiInputError, special_file
 
-STOPPING = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP (the terminal that started the command closed) stops a command as SIGTERM does: one line (if stderr is still
+# there), exit 129, the same clean-up; unless the command was started ignoring it (nohup), which it keeps.
+STOPPING = (signal.SIGINT, signal.SIGTERM) + (() if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else
+                                              (signal.SIGHUP,))
 # One stop can arrive twice within milliseconds (timeout(1) signals its child, then the child's process group): a
 # second signal inside this window is the same stop, not a request to skip the clean-up.
 REPEAT_WINDOW_S = 1.0
@@ -47,20 +52,32 @@ class Interrupted(KeyboardInterrupt):
 
 
 def run_command(main, argv=None) -> int:
-    """main(argv) with SIGINT and SIGTERM raising Interrupted; an interrupt ends with one `error: interrupted by
-    SIG...` line on stderr and exit code 130 / 143, no traceback. A second signal while the first one's clean-up
-    runs ends the process at once (still one line). argv None means the process's own command line: the handlers
-    then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
+    """main(argv) with SIGINT, SIGTERM and SIGHUP (STOPPING) raising Interrupted; an interrupt ends with one `error:
+    interrupted by SIG...` line on stderr and exit code 130 / 143 / 129, no traceback. A second signal while the first
+    one's clean-up runs ends the process at once (still one line). argv None means the process's own command line: the
+    handlers then stay until the process is gone (a signal after main returned ends it at once, with main's exit code's
     output already flushed); otherwise (tests calling main in-process) the previous handlers come back. A reader of
-    stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's."""
+    stdout that leaves early (`| head`) ends it quietly: exit code 141 if main was still writing, else main's.
+    For the process's own command line, stdout is guarded (guard_stdout): text its encoding cannot write is
+    replaced, and a write that fails (`> /dev/full`, a full disk) ends with one `error: stdout: ...` line and
+    exit code 2, as a failed --out does."""
     handlers = _install() if threading.current_thread() is threading.main_thread() else None
+    if argv is None:
+        guard_stdout()
     try:
-        return main(argv)
+        code = main(argv)
+        if argv is None:
+            _flush(sys.stdout)  # main's last output: its failure is main's (a StdoutError), not the interpreter's
+        return code
     except BrokenPipeError:
         if not _reader_gone(sys.stdout):  # another pipe (a rank's, a child's): not ours to hush
             raise
         _silence(sys.stdout)
         return BROKEN_PIPE_EXIT
+    except StdoutError as e:
+        _silence(sys.stdout)  # what it still buffers would fail again at the interpreter's exit
+        print(f"error: stdout: cannot write ({write_error(e)})", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt as e:  # Interrupted, or the default SIGINT handler's before ours was installed
         e = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -105,8 +122,49 @@ def _flush(stream) -> None:
         stream.flush()
     except BrokenPipeError:
         _silence(stream)
-    except (OSError, ValueError):
+    except StdoutError:
+        raise
+    except (OSError, ValueError, AttributeError):
         pass
+
+
+class StdoutError(OSError):
+    """A write to the guarded stdout failed (a full disk, /dev/full, a descriptor not open for writing): run_command
+    ends with one line. A broken pipe stays a BrokenPipeError (its reader left: quiet)."""
+
+
+class _StdoutFile(io.FileIO):
+    def write(self, b):
+        try:
+            return super().write(b)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from None
+
+
+def stdout_over(fd: int, like) -> io.TextIOWrapper:
+    """A text stream writing to descriptor `fd` (not closed with it) as `like` does (encoding, line buffering), whose
+    failed writes raise StdoutError and which replaces what its encoding cannot write (PYTHONIOENCODING=ascii and a
+    non-ASCII reply: '?', not a UnicodeEncodeError) unless `like` names another non-strict handler."""
+    errors = getattr(like, "errors", None)
+    return io.TextIOWrapper(io.BufferedWriter(_StdoutFile(fd, "w", closefd=False)),
+                            encoding=getattr(like, "encoding", None),
+                            errors="replace" if errors in (None, "strict") else errors,
+                            line_buffering=getattr(like, "line_buffering", False))
+
+
+def guard_stdout() -> None:
+    """sys.stdout, the process's own, rebuilt by stdout_over on its descriptor (nothing to do without one)."""
+    stream = sys.stdout
+    if stream is None or stream is not sys.__stdout__:
+        return
+    try:
+        fd = stream.fileno()
+        stream.flush()
+    except (OSError, ValueError, AttributeError):
+        return
+    sys.stdout = stdout_over(fd, stream)
 
 
 def _reader_gone(stream) -> bool:
@@ -143,8 +201,13 @@ def partial_path(final: Path) -> Path:
 def atomic_output(path: str | Path):
     """Yields a temporary path beside `path` to write to; once the block ends without an error the file is fsynced
     and renamed to `path` (an existing file is replaced), else removed. An interrupted run therefore leaves either
-    the old file or none, never a file that looks complete and is not."""
+    the old file or none, never a file that looks complete and is not. A device node, FIFO or socket at `path` is
+    refused (one line), never replaced: the entry points refuse it before any work (arguments.check_out_file)."""
     path = Path(path)
+    node = special_file(path)
+    if node:
+        raise KimiInputError(f"{path}: is {node}; expected a regular file path (writing would replace the "
+                             f"{node.split()[-1]})")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}{PARTIAL_SUFFIX}")
     open(tmp, "wb").close()  # the umask's mode, as a plain write of `path` would have (mkstemp's 0600 would stay)
     mode = tmp.stat().st_mode & 0o777
@@ -163,8 +226,12 @@ def atomic_output(path: str | Path):
 def atomic_folder(dest: str | Path):
     """Yields a new hidden folder beside `dest` to fill; once the block ends without an error it takes `dest`'s
     name (an earlier `dest` is removed, or put back if the rename fails), else it is removed. An interrupted run
-    therefore leaves the earlier folder or none, never one that looks complete and is not."""
+    therefore leaves the earlier folder or none, never one that looks complete and is not. Anything else at `dest`
+    (a file, a device node, a FIFO) is refused, never replaced."""
     dest = Path(dest)
+    if dest.exists() and not dest.is_dir():
+        raise KimiInputError(f"{dest}: is {special_file(dest) or 'a file'}; expected a folder, or a path where one "
+                             f"can be made")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}{PARTIAL_SUFFIX}")
     old = tmp.with_name(tmp.name + ".old")

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from .cache import converted_root
-from .arguments import (Parser, add_spec_args, check_spec_flags, checkpoint_folder, fail, kv_group_of,
+from .arguments import (Parser, add_spec_args, check_spec_flags, checkpoint_folder, fail, kv_group_of, path,
                         sampling_values)
 from .errors import KimiInputError
 from .placement import Layout, check_kv_group
@@ -33,7 +33,7 @@ def add_compiled_args(p: argparse.ArgumentParser) -> None:
     """--compiled / --model, for the scripts that load what compile_and_save.py wrote, and --cpu: the same script on
     the NxDI model in NxD's CPU mode, built from --model (kimi_k2_neuron.nxdi_cpu.backend), with the run-spec flags
     that take."""
-    p.add_argument("--compiled", metavar="DIR",
+    p.add_argument("--compiled", metavar="DIR", type=path,
                    help="folder written by scripts/compile_and_save.py (no default: required unless --cpu)")
     p.add_argument("--model", default=None, type=checkpoint_folder, metavar="DIR",
                    help="checkpoint folder (default: the one --compiled was compiled from; with --cpu: required, raw "

@@ -11,6 +11,7 @@ from torch import nn
 
 from .checkpoint.source import WeightSource
 from .errors import KimiInputError, listing
+from .formats.layout import logical_shapes
 from .progress import bar as progress_bar
 
 
@@ -50,8 +51,29 @@ def load_weights(model: nn.Module, source: WeightSource, prefix: str = "", progr
         param.data.copy_(ctx.shard(full, shard_dim) if ctx is not None else full)
 
 
+def check_against_config(source: WeightSource) -> None:
+    """Every logical weight's name and stored shape against what config.json describes (formats.layout), before
+    any model is built: a config whose sizes the checkpoint does not hold (hidden_size 10^12) is one line naming a
+    tensor, not an allocation of the model it describes."""
+    want = logical_shapes(source.cfg)
+    names = source.names()
+    unexpected = [n for n in names if n not in want]
+    if unexpected:
+        raise KimiInputError(f"{source.dir}: {len(unexpected)} tensor(s) the model has no place for: "
+                             f"{listing(unexpected)}")
+    missing = sorted(set(want) - set(names))
+    if missing:
+        raise KimiInputError(f"{source.dir}: {len(missing)} tensor(s) missing from the checkpoint: "
+                             f"{listing(missing)}")
+    for name, shape in want.items():
+        _check_stored(source, name, shape)
+
+
 def _check_shape(source: WeightSource, name: str, mod, param) -> None:
-    expected = full_shape(name, mod, param)
+    _check_stored(source, name, full_shape(name, mod, param))
+
+
+def _check_stored(source: WeightSource, name: str, expected: tuple[int, ...]) -> None:
     w = source.weights[name]
     if w.kind == "int4":  # packed: the logical shape is stored in weight_shape, so that is the tensor to name
         named, says = w.raw[2], "says shape"

@@ -2,12 +2,14 @@
 Moonshot's vendor verifiers (docs/vllm.md, "The vendor verifiers"): the product's middleware and parsers, a slow
 tokenizer as Kimi's is, the chat template of one release. Test infrastructure, run by hand:
 
-    PYTHONPATH=src PJRT_DEVICE=CPU $VENV/bin/python test/nxdi_cpu/serve_for_verifiers.py ROOT MAX_MODEL_LEN RELEASE URLFILE
+    PYTHONPATH=src PJRT_DEVICE=CPU $VENV/bin/python test/nxdi_cpu/serve_for_verifiers.py ROOT MAX_MODEL_LEN RELEASE URLFILE \
+        [REPLY_TOKENS]
 
 ROOT gets the tiny FP8 checkpoint (made and converted once) and the logs; URLFILE the server's URL once it answers;
 RELEASE is a make-tiny layout (k2, k2-thinking, k2.5, k2.6, k2.7). A random model never stops, so every reply is cut
-at 8 tokens (a generation config with max_new_tokens 8, vLLM's server-wide cap). It listens on 127.0.0.1 and runs
-until SIGTERM, which stops the server's process group.
+at REPLY_TOKENS tokens, 8 unless given (a generation config with max_new_tokens, vLLM's server-wide cap). The
+server holds replies to grammars as compile_and_save prints it (the worker, xgrammar: docs/vllm.md, "Structured
+outputs"). It listens on 127.0.0.1 and runs until SIGTERM, which stops the server's process group.
 """
 
 import json
@@ -20,13 +22,14 @@ import vllm_support as vs
 from kimi_slow_tokenizer import write_slow_tokenizer
 
 from kimi_k2_neuron.convert import convert
+from kimi_k2_neuron.neuron.vllm_request import STRUCTURED_OUTPUTS_CONFIG, WORKER_CLS
 from kimi_k2_neuron.tiny.checkpoint import make_tiny
 from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer
 
 REPLY_TOKENS = 8
 
 
-def main(root: Path, max_len: int, release: str, urlfile: Path) -> None:
+def main(root: Path, max_len: int, release: str, urlfile: Path, reply_tokens: int = REPLY_TOKENS) -> None:
     root.mkdir(parents=True, exist_ok=True)
     model = root / "neuron"
     if not model.exists():
@@ -36,11 +39,14 @@ def main(root: Path, max_len: int, release: str, urlfile: Path) -> None:
     generation = root / "generation"
     generation.mkdir(exist_ok=True)
     config = json.loads((model / "generation_config.json").read_text())
-    (generation / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": REPLY_TOKENS}))
+    (generation / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": reply_tokens}))
     parsers = str(vs.REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py")
+    # the reasoning parser where the template writes <think>, as compile_and_save's printed command has it
+    thinking = ("--reasoning-parser-plugin", parsers, "--reasoning-parser", "kimi_k2_neuron") if "<think>" in \
+        CHAT_TEMPLATES[release] else ()
     extra = ("--middleware", "kimi_k2_neuron.neuron.vllm_api.KimiApi", "--chat-template-content-format", "string",
-             "--reasoning-parser-plugin", parsers, "--reasoning-parser", "kimi_k2_neuron", "--trust-remote-code",
-             "--generation-config", str(generation))
+             *thinking, "--trust-remote-code", "--generation-config", str(generation), "--worker-cls", WORKER_CLS,
+             "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG))
     server = vs.Server(model, tokenizer, vs.child_env(vs.write_dists(root / "dists")), root / f"serve-{release}.log",
                        max_len, 2, extra)
     signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
@@ -52,4 +58,4 @@ def main(root: Path, max_len: int, release: str, urlfile: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), *map(int, sys.argv[5:6]))

@@ -29,6 +29,7 @@ from neuronx_distributed.modules.moe.expert_mlps_v2 import ExpertMLPsV2
 from nxdi_support import cpu_options, oracle_logits, rel_err
 from safetensors import safe_open
 
+from kimi_k2_neuron.neuron import rules
 from kimi_k2_neuron.neuron.spec import Sampling
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.nxdi_cpu import backend
@@ -79,6 +80,22 @@ def test_exact_conversions_match_transformers(apps, tiny, q, tmp_path):
     ref = oracle_logits(tiny[q], ROWS, PREFILL, bf16_non_experts=True, tmp_path=tmp_path)
     for r, want in enumerate(ref):
         assert rel_err(got[r, :len(ROWS[r])], want) < 1e-3, f"row {r}"
+
+
+def test_the_hooks_self_check_allows_one_rounding_of_the_dtype_and_no_more():
+    """backend.check_hooked_logits: two matmuls of the same hidden state round differently by at most one unit in
+    the last place of the dtype (bf16's 2^-7 relative), which it takes at every batch (a 1e-4 bound refused it:
+    trace-cpu at batch 4 in bf16, issue 41); another row's logits, or a bf16 result checked as float32, are refused."""
+    g = torch.Generator().manual_seed(0)
+    nxdi = (torch.randn(4, 2560, generator=g) * 4).to(torch.bfloat16).float()  # one rank's vocabulary at TP 64
+    ulp = torch.ldexp(torch.ones(()), torch.frexp(nxdi).exponent - 8)  # bf16 keeps 8 significant bits
+    one_ulp_off = nxdi + ulp * (torch.rand(nxdi.shape, generator=g) < 0.5)
+    assert torch.equal(one_ulp_off.to(torch.bfloat16).float(), one_ulp_off) and (one_ulp_off != nxdi).any()
+    backend.check_hooked_logits(one_ulp_off, nxdi, torch.bfloat16)
+    backend.check_hooked_logits(nxdi, nxdi, torch.float32)
+    for wrong, dtype in ((nxdi.roll(1, 0), torch.bfloat16), (one_ulp_off, torch.float32)):
+        with pytest.raises(RuntimeError, match="the hook read the wrong tensor"):
+            backend.check_hooked_logits(wrong, nxdi, dtype)
 
 
 def test_bfloat16_at_tp1_is_close_to_float32(apps, converted):
@@ -204,11 +221,13 @@ PROMPTS = [[5, 17, 300, 42, 256, 9, 77], [400, 3, 3, 260]]
 NEW = 5
 
 
-@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling-top_k-1"])
-def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, do_sample):
+# sampling at the smallest temperature the rules take (NxDI's sampler divides by it in float32) is greedy's limit
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True),
+                                      Sampling.of(rules.MIN_TEMPERATURE, 0, 1.0)],
+                         ids=["greedy", "sampling-top_k-1", "sampling-at-MIN_TEMPERATURE"])
+def test_on_device_sampler_at_tp2_picks_the_argmax_of_the_full_logits(converted, sampling):
     o = cpu_options(model=str(converted[("fp8", "fp8-blockwise")]), tp=2)
-    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, sampling=Sampling(do_sample=do_sample),
-                           seed=3)
+    g = backend.Generation(rows=PROMPTS, stop_ids=(), max_new_tokens=NEW, sampling=sampling, seed=3)
     new, report = backend.generate(o, g)
     assert "on-device sampling: NxDI's CPU branch over logits gathered in lm_head" in report
     assert [len(r) for r in new] == [NEW, NEW]

@@ -1,6 +1,8 @@
 """The tier's stand-ins for torch_neuronx's device ops (scripts/nxdi_cpu_tier/device_ops.py) against NxDI's own code: its
 DynamicUpdateSlice, through NxDI's dynamic_update_slice and fill_prefix with torch_xla's device, equals the update
-NxDI's CPU-mode branch of the same functions writes (modules/kvcache/utils.py), and traces with no host sync."""
+NxDI's CPU-mode branch of the same functions writes (modules/kvcache/utils.py), and traces with no host sync; its Rng,
+through NxDI's own rand_like (the fused step's sampled acceptance), draws XLA's uniform [0, 1) in the tensor's shape and
+dtype from torch's generator."""
 
 import pytest
 import torch
@@ -58,3 +60,21 @@ def test_a_start_past_the_end_is_clamped_as_xla_specifies():
     cache, update = torch.zeros(1, 10), torch.ones(1, 4)
     got = dynamic_update_slice(cache, update, [torch.tensor(0), torch.tensor(9)])
     assert got[0].tolist() == [0.0] * 6 + [1.0] * 4
+
+
+def test_rng_is_nxdis_rand_like_uniform_draw():
+    """NxDI's rand_like (modules/generation/sampling.py) under the stand-in: XLA's Rng(0, 1, distribution=1)."""
+    ops = stand_in_device_ops()
+    from neuronx_distributed_inference.modules.generation import sampling
+
+    raw = getattr(sampling.rand_like, "__wrapped__", None)
+    if raw is None:
+        pytest.skip("this venv's torch_neuronx shim does not wrap rand_like with functools.wraps")
+    draw = ops.xla_hlo_call(raw)
+    torch.manual_seed(3)
+    x = draw(torch.zeros(4, 5))
+    torch.manual_seed(3)
+    assert torch.equal(draw(torch.zeros(4, 5)), x)  # torch's generator: ranks seeded alike draw alike
+    assert x.shape == (4, 5) and x.dtype == torch.float32 and bool(((x >= 0) & (x < 1)).all())
+    many = draw(torch.zeros(20000))
+    assert abs(float(many.mean()) - 0.5) < 0.01 and abs(float(many.var()) - 1 / 12) < 0.005

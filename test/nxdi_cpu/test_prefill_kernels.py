@@ -1,6 +1,7 @@
 """The prefill kernels' work at Kimi-K2's per-rank shapes as neuron/kernels.py counts it (for the planner's time model)
 against the kernels' own loops, traced by nki_kernels at the arguments NxD passes them; and the trn2 kernel-check
-script's CPU dry mode (scripts/check_kernels.py --dry-run: nki-library's references against the model's math).
+script's CPU dry mode (scripts/check_kernels.py --dry-run: nki-library's references, the MoE one computed from the
+arguments NxD's own kernel wrapper passes, against the model's math).
 
 Kimi-K2 at TP=64: 1024 prefill tokens x top-8 = 8,192 routed rows per MoE layer; EP=1 gives each rank all 384 experts
 of 32 columns (shard-on-block), EP=16 or 64 gives it 24 experts of 512 or 6 of 2,048 columns (shard-on-intermediate,
@@ -116,3 +117,64 @@ def test_the_kernel_check_script_dry_mode_holds_the_references_to_the_models_mat
     assert [x["kernel"] for x in results] == ["bwmm_shard_on_block", "topk", "topk", "cumsum"]
     assert all(x["ok"] and "device_vs_reference" not in x for x in results), results
     assert "4 of 4 within tolerance" in r.stdout
+    assert results[0]["wrapper"] == "neuronx_distributed.modules.moe.blockwise._call_bwmm_shard_on_block_kernel"
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_kernels_script", REPO / "scripts/check_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_dry_run_calls_the_moe_kernel_through_nxds_wrapper(tmp_path, monkeypatch):
+    """The MoE case goes through NxD's blockwise._call_bwmm_shard_on_block_kernel (spied on here) with NxD's
+    BlockwiseMatmulArgs, which calls its module's kernel object, import_nki_beta2's nki.jit(..., mode='torchxla') on a
+    device: here, for that call only, nki-library's reference, which receives the keyword arguments NxD builds
+    (the grid LNC_2, the int32 block maps, the compute dtype and activation NxD derives). A tiny config (TP 2, 128
+    tokens) keeps it quick; the real shapes are the subprocess test's."""
+    from neuronx_distributed.modules.moe import blockwise
+
+    from kimi_k2_neuron.tiny.checkpoint import make_tiny
+
+    ck = _script()
+    calls, real, kernel = [], blockwise._call_bwmm_shard_on_block_kernel, blockwise._bwmm_shard_on_block_nki_call
+
+    def spy(args):
+        calls.append(args)
+        return real(args)
+
+    monkeypatch.setattr(blockwise, "_call_bwmm_shard_on_block_kernel", spy)
+    config = make_tiny(tmp_path / "tiny", shards=1) / "config.json"
+    report = tmp_path / "r.json"
+    rc = ck.main(["--dry-run", "--config", str(config), "--tp", "2", "--tokens", "128", "--kernels",
+                  "bwmm_shard_on_block", "--report", str(report)])
+    assert rc == 0 and len(calls) == 1 and isinstance(calls[0], blockwise.BlockwiseMatmulArgs)
+    assert calls[0].kernel_act_fn == blockwise.ActivationFunction.SiLU and calls[0].is_tensor_update_accumulating
+    result = json.loads(report.read_text())["results"][0]
+    assert result["ok"] and result["kernel_call"]["grid"] == "2"
+    assert {"token_position_to_id", "block_to_expert", "compute_dtype", "activation_function", "skip_dma",
+            "block_sharding_strategy"} <= set(result["kernel_call"]["arguments"])
+    assert blockwise._bwmm_shard_on_block_nki_call is kernel  # the stand-in was for that call only
+
+
+def test_a_case_that_raises_is_reported_and_the_others_still_run(monkeypatch, capsys):
+    """One case's exception (a kernel assert on a device) is that case's FAILED line, in one line; the next cases
+    run and the exit status is 1."""
+    ck = _script()
+    real = ck.run_case
+
+    def flaky(case, refs, device):
+        if case["case"].endswith("unsorted"):
+            raise RuntimeError("kernel assert: tile too large\nin topk")
+        return real(case, refs, device)
+
+    monkeypatch.setattr(ck, "run_case", flaky)
+    rc = ck.main(["--dry-run", "--kernels", "topk,cumsum", "--batch", "2"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "topk 256 of [2, 2560] unsorted: FAILED: RuntimeError: kernel assert: tile too large in topk" in out
+    assert "cumsum of [2, 256]: reference vs model" in out
+    assert "2 of 3 within tolerance; not: topk 256 of [2, 2560] unsorted" in out

@@ -371,6 +371,24 @@ def _rows(batch: int, length: int, vocab: int) -> list[list[int]]:
 CASES = [("fp8", 1, PREFILL_TOKENS), ("fp8", 4, PREFILL_TOKENS // 4), ("int4", 1, PREFILL_TOKENS)]
 
 
+def test_tp2_all_experts_decode_at_real_shapes_equals_the_core_runner(rank_slices):
+    """--moe-decode all-experts (what the planner's model picks at batch 35-42 where NxD's threshold takes selective
+    loading: docs/planner.md): the shell's KimiExpertMLPs calls NxD's forward_all_experts at token generation, every
+    one of a rank's 384 experts of 32 columns for the 4 tokens of a step, whose [384, 4, 7168] output is summed at
+    the zero affinities too; the logits equal the core runner's as the selective path's do."""
+    ckpt = rank_slices[("fp8", 2)]
+    cfg = KimiK2Config.from_file(ckpt)
+    batch, length = 4, 128
+    rows = _rows(batch, length, cfg.vocab_size)
+    prefill = length - 3
+    o = cpu_options(model=str(ckpt), tp=2, moe_decode="all-experts")
+    got, report, calls, _ = backend.run(backend.prepare(o, length, batch), logits_and_calls, rows, prefill)
+    want = CpuRunner(ckpt, dtype=torch.float32).logits(rows, prefill)
+    assert rel_err(got, want) < 1e-4
+    assert "token_generation_model: all-experts" in report
+    assert "ExpertMLPsV2.forward_all_experts" in calls and "ExpertMLPsV2.forward_selective_loading" not in calls
+
+
 @pytest.mark.parametrize("source,batch,length", CASES, ids=[f"{s}-batch{b}" for s, b, _ in CASES])
 def test_tp2_at_real_shapes_equals_the_core_runner(rank_slices, traces, source, batch, length):
     ckpt = rank_slices[(source, 2)]

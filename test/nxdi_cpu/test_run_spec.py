@@ -51,20 +51,24 @@ def rules_checks(monkeypatch):
 
 def _specs(models):
     """Every RunSpec field away from its default as far as the rules allow at the tiny shapes: one with a draft, one
-    with a prefill chunk over the sequence-sharded cache (a draft takes no chunk)."""
+    with a prefill chunk over the sequence-sharded cache (a draft takes no chunk), one with prefix caching (which
+    takes neither a draft nor the sequence-sharded cache)."""
     target, record, draft = models
     cfg = KimiK2Config.from_file(target)
     base = dict(tp=2, lnc=1, seq_len=64, max_context_length=32, batch=2, scheme=record.scheme, checkpoint=str(target),
                 moe_prefill="torch", dtype="float32", extra={"on_cpu": True})
     with_draft = RunSpec(**base, sampling=Sampling(global_topk=64), output_logits=True, continuous_batching=True,
-                         layout=Layout(kv_group=2, shard_attn_a=True, shard_router=True),
+                         layout=Layout(kv_group=2, shard_attn_a=True, shard_router=True), moe_decode="selective",
                          draft=DraftSpec(path=str(draft), speculation_length=3, checkpoint=read_draft(draft, cfg)))
     chunked = RunSpec(**{**base, "max_context_length": None}, sampling=Sampling(on_device=False, global_topk=8),
-                      layout=Layout(kv_group=2, prefill_chunk=16, chunk_group=1))
-    return cfg, {"draft": with_draft, "chunk": chunked}
+                      layout=Layout(kv_group=2, prefill_chunk=16, chunk_group=1), moe_decode="all-experts")
+    # vLLM's prefix caching: the block layout, its pool and block size, chunks through the block table
+    blocks = RunSpec(**{**base, "max_context_length": None}, continuous_batching=True, prefix_caching=True,
+                     block_size=16, num_blocks=12, layout=Layout(prefill_chunk=32))
+    return cfg, {"draft": with_draft, "chunk": chunked, "blocks": blocks}
 
 
-@pytest.mark.parametrize("which", ["draft", "chunk"])
+@pytest.mark.parametrize("which", ["draft", "chunk", "blocks"])
 def test_a_compiled_folders_spec_reloads_equal_and_meets_the_rules_once(models, tmp_path, rules_checks, which):
     cfg, specs = _specs(models)
     spec = specs[which]

@@ -7,8 +7,8 @@ One pair of replicas and one router for the module (scale_out_support.py starts 
 failure); the box-death test runs last, since it kills one replica and restarts it. Which replica served a request
 is read from the replicas' own /metrics. References are the replicas' own tokens, asked for directly (greedy).
 
-Prefix caching through vLLM is issue 37: the cached-tokens test runs once compile_and_save.py has its flag
-(PREFIX_CACHING_FLAG, the replicas then start from the command it prints) and skips with that reason until then.
+Prefix caching through vLLM (issue 37): the replicas are compiled with compile_and_save.py's PREFIX_CACHING_FLAG
+and start from the command it prints; the cached-tokens test would skip, naming issue 37, on a tree without it.
 """
 
 from __future__ import annotations

@@ -239,8 +239,9 @@ def test_tool_choice(server, templates):
 # -- tests/k3_features/test_response_format.py ---------------------------------------------------------------------------
 
 def test_response_format(server):
-    """text is served; json_object and json_schema are refused with the reason (vllm-neuron applies no grammar),
-    and so is every malformed form KVV sends."""
+    """text is served; json_object and json_schema are refused with the reason where the server runs vllm-neuron's
+    own worker, which applies no grammar (as this module's does; with this package's worker they are served:
+    test_vllm_structured*.py), and so is every malformed form KVV sends."""
     ok(server, chat(response_format={"type": "text"}))
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     for response_format in ({"type": "json_object"},

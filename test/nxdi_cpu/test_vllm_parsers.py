@@ -248,19 +248,56 @@ def cut(tok, text: str, size: int) -> list[tuple[str, list[int]]]:
     return TokenStream(tok.kimi, text).deltas(size)
 
 
-@pytest.mark.parametrize("tail", ["<", "<|", "</", "<|tool_calls_sec"])
-def test_held_text_is_out_when_the_output_ends_without_a_stop_token(tok, request_, tail):
-    """vLLM gives a parser every marker as one token's text, so a '<' at a delta's end is text: nothing waits for a
-    stop token that an output cut by max_tokens or a stop string never gets. (On main 'Compare 1 <' streamed as
-    'Compare 1 '.)"""
+@pytest.mark.parametrize("tail", ["<", "<|", "<|tool_calls_sec"])
+def test_held_text_is_out_when_max_tokens_ends_the_output(tok, tail):
+    """A tail that could begin a marker waits for the next delta, or for the end of the output: the stop token, or
+    the request's max_tokens reached (issue 30's 'Compare 1 <' is whole). What a stop string cuts cannot be seen
+    from a parser: a tail of a marker's first characters there stays held (docs/tool_calls.md)."""
     text = "Compare 1 " + tail
+    request = with_tools(WEATHER, max_tokens=len(tok.kimi.encode(text)))
     for size in (1, 2):
-        message = tool_stream(KimiK2NeuronToolParser(tok), request_, cut(tok, text, size))
+        message = tool_stream(KimiK2NeuronToolParser(tok), request, cut(tok, text, size))
         assert message.content == text, size
-        message = reasoning_stream(KimiK2NeuronReasoningParser(tok), cut(tok, "<think>" + text, size))
-        assert (message.reasoning, message.content) == (text, ""), size
-    assert at_once(tok, request_, text) == (text, [])
-    assert KimiK2NeuronReasoningParser(tok).extract_reasoning("<think>" + text, request_) == (text, None)
+    assert at_once(tok, request, text) == (text, [])
+    assert KimiK2NeuronReasoningParser(tok).extract_reasoning("<think>" + text, request) == (text, None)
+
+
+SPLIT = f"Listing.{S}{B}functions.get_weather:0{A}{{\"city\": \"Paris\"}}{C}{E}Done."
+SPLIT_MARKERS = {"end": C, "begin": B, "section-end": E, "argument-begin": A, "section-begin": S}
+
+
+def split_at(tok, marker: str, at: int) -> list[tuple[str, list[int]]]:
+    """SPLIT one token a delta, but `marker` in two deltas cut after `at` characters, written as ordinary text
+    tokens (as a model may write it, or a detokenizer split it); <|im_end|> last."""
+    head, tail = SPLIT.split(marker, 1)
+    pieces = [(piece, tok.kimi.encode(piece, allow_special=False)) for piece in (marker[:at], marker[at:])]
+    chunks = TokenStream(tok.kimi, head).deltas(1) + pieces + TokenStream(tok.kimi, tail).deltas(1)
+    return chunks[:-1] + [(chunks[-1][0], chunks[-1][1] + [tok.vocab["<|im_end|>"]])]
+
+
+@pytest.mark.parametrize("name", SPLIT_MARKERS)
+def test_a_marker_split_across_two_deltas_is_held_back(tok, request_, name):
+    """Issue 41's regression: the parser fed vLLM's deltas took a '<' at a delta's end for text, so `<|tool_call_`
+    then `end|>` left the marker in the call's arguments, `{"city": "Paris"}<|tool_call_end|>` (and the other
+    markers likewise). Every split point of each marker, streamed, gives the message the at-once parse gives."""
+    want = ("Listing.Done.", [("functions.get_weather:0", "get_weather", '{"city": "Paris"}')])
+    assert at_once(tok, request_, SPLIT) == want
+    marker = SPLIT_MARKERS[name]
+    for at in range(1, len(marker)):
+        message = tool_stream(KimiK2NeuronToolParser(tok), request_, split_at(tok, marker, at))
+        assert (message.content, message.tool_calls()) == want, (name, at)
+
+
+@pytest.mark.parametrize("at", range(1, len("</think>")))
+def test_a_split_think_close_ends_the_reasoning(tok, at):
+    """`</think>` in two deltas: the reasoning ends there, the rest is content (before: all of it reasoning)."""
+    text = "<think>deep</think>The answer."
+    head, tail = text.split("</think>")
+    chunks = (TokenStream(tok.kimi, head).deltas(1) + [("</think>"[:at], [1]), ("</think>"[at:], [2])] +
+              TokenStream(tok.kimi, tail).deltas(1))
+    chunks[-1] = (chunks[-1][0], chunks[-1][1] + [tok.vocab["<|im_end|>"]])
+    message = reasoning_stream(KimiK2NeuronReasoningParser(tok), chunks)
+    assert (message.reasoning, message.content) == ("deep", "The answer."), at
 
 
 def test_a_call_whose_end_marker_max_tokens_cut_off_is_there_when_its_arguments_are_whole(tok):

@@ -75,7 +75,10 @@ def precompiled(converted, dists, tmp_path_factory):
     """scripts/compile_and_save.py --for-vllm into a folder, NEFFs aside (vllm_support.compile_child); its stdout."""
     out = tmp_path_factory.mktemp("compiled") / "tiny-b2"
     argv = ["--model", str(converted[("fp8", "fp8-blockwise")]), "--out", str(out), "--tp", "1", "--seq-len",
-            str(MAX_MODEL_LEN), "--batch", str(BATCH), "--moe-prefill", "torch", "--for-vllm"]
+            str(MAX_MODEL_LEN), "--batch", str(BATCH), "--moe-prefill", "torch", "--for-vllm",
+            # the reference's decode path (NxD's threshold on CPU), where the planner's trn2 model would choose for the
+            # tiny shapes: in bf16 the two paths sum in another order (their equality: test_moe_decode.py, float32)
+            "--moe-decode", "selective"]
     r, _ = run_child("compile", {"argv": argv}, vs.child_env(dists), tmp_path_factory.mktemp("c"))
     assert r.returncode == 0, r.stderr[-3000:]
     return out, r.stdout
@@ -168,8 +171,11 @@ def test_startup_refusals_are_one_line_before_any_weights_load(precompiled, conv
     pre = {"NEURON_COMPILED_ARTIFACTS": str(out)}
     cases = [
         ("raw checkpoint", {"model": str(tiny["fp8"])}, "a raw (unconverted) checkpoint"),
-        ("prefix caching", {"engine": {"enable_prefix_caching": True, "block_size": 16}},
-         "pass --no-enable-prefix-caching"),
+        ("prefix caching, no pool", {"engine": {"enable_prefix_caching": True, "block_size": 16}},
+         "--enable-prefix-caching: give --num-gpu-blocks-override, at least"),
+        ("prefix caching, contiguous folder", {"env": pre, "engine": {"enable_prefix_caching": True, "block_size": 16,
+                                                                      "num_gpu_blocks_override": 8}},
+         "--enable-prefix-caching, compiled without the block KV layout"),
         ("chunked prefill", {"env": {"DISABLE_NEURON_CUSTOM_SCHEDULER": "1"}, "engine": {
             "enable_chunked_prefill": True, "block_size": 16, "max_num_batched_tokens": 64,
             "additional_config": {"override_neuron_config": {"chunked_prefill_config": {"max_num_seqs": 2}}}}},

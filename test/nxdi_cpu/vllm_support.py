@@ -190,7 +190,12 @@ class Server:
     """`vllm serve` in its own process group on a free local port; stop() ends the group and waits."""
 
     def __init__(self, model: Path, tokenizer: Path, env: dict, log: Path, max_model_len: int, max_num_seqs: int,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), neuron_override: dict | None = None,
+                 cache=None):
+        """cache: the RunSpec whose cache flags to serve with (vllm_request.cache_flags: its prefix caching, block
+        size and pool); default the contiguous cache at max_num_seqs."""
+        from kimi_k2_neuron.neuron.spec import RunSpec
+        from kimi_k2_neuron.neuron.vllm_request import cache_flags
         from kimi_k2_neuron.runtime.ranks import free_port
 
         self.port = free_port()
@@ -198,9 +203,10 @@ class Server:
         parsers = REPO / "src/kimi_k2_neuron/neuron/vllm_parsers.py"
         cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--tokenizer", str(tokenizer),
                "--served-model-name", "kimi", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--num-gpu-blocks-override",
-               str(max_num_seqs), "--no-enable-prefix-caching", "--dtype", "bfloat16", "--enforce-eager",
-               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True}}),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+               *cache_flags(cache or RunSpec(batch=max_num_seqs)), "--dtype", "bfloat16", "--enforce-eager",
+               "--additional-config", json.dumps({"override_neuron_config": {"on_cpu": True,
+                                                                             **(neuron_override or {})}}),
                "--enable-auto-tool-choice", "--tool-parser-plugin", str(parsers), "--tool-call-parser",
                "kimi_k2_neuron", *extra]
         self.log = open(log, "w")
@@ -256,6 +262,18 @@ class Server:
                 self.proc.wait(30)
         self.log.close()
         return self.proc.returncode
+
+
+def compile_for_vllm(model: Path, out: Path, env: dict, seq_len: int, batch: int, *flags: str) -> str:
+    """scripts/compile_and_save.py --for-vllm into `out` (compile_child: NEFFs aside), e.g. with flags
+    ("--prefix-caching", "--block-size", "16"); -> its stdout, which ends with the `vllm serve` line."""
+    argv = ["--model", str(model), "--out", str(out), "--tp", "1", "--seq-len", str(seq_len), "--batch", str(batch),
+            "--moe-prefill", "torch", "--for-vllm", *flags]
+    result = out.parent / f"{out.name}-compile.json"
+    r = subprocess.run([sys.executable, str(HERE / "vllm_support.py"), "compile", json.dumps({"argv": argv}),
+                        str(result)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
 
 
 # -- the child: vLLM itself ---------------------------------------------------------------------------------------

@@ -101,3 +101,32 @@ def test_generation_defaults_come_from_a_generation_config_that_samples(tmp_path
     path.write_text("{")
     with pytest.raises(KimiInputError, match="not valid JSON"):
         generation_defaults(tmp_path)
+
+
+def test_a_generation_config_that_says_nothing_readable_is_one_line(tmp_path, one_line_error):
+    """A generation config that is no JSON object, whose do_sample is no boolean, or a folder in its place, is refused
+    (before: K2.7-Code's do_sample "true" decoded greedily without a word); top_p 0 is refused naming the range it
+    is outside, (0, 1] (before: "expected a number in [0.0, 1.0]", which holds 0)."""
+    import json
+
+    from kimi_k2_neuron.runtime.chat import generation_defaults
+
+    path = tmp_path / "generation_config.json"
+    for text, words in (("[1, 2]", "generation_config.json: expected a JSON object, got list"),
+                        ('"sample"', "expected a JSON object, got str"),
+                        ('{"do_sample": "true", "temperature": 1.0}', "field do_sample='true', expected true or false"),
+                        ('{"do_sample": 1}', "field do_sample=1, expected true or false"),
+                        ('{"do_sample": true, "top_p": 0}', "field top_p=0, expected a number > 0 and <= 1"),
+                        ('{"do_sample": true, "top_k": -1}', "field top_k=-1, expected an integer >= 0"),
+                        ('{"do_sample": true, "temperature": 1e999}', "field temperature=inf")):
+        path.write_text(text)
+        one_line_error(lambda: generation_defaults(tmp_path), words)
+    path.unlink()
+    path.mkdir()
+    one_line_error(lambda: generation_defaults(tmp_path), "generation_config.json: is a folder; expected a JSON file")
+    path.rmdir()
+    path.symlink_to(tmp_path / "gone.json")
+    one_line_error(lambda: generation_defaults(tmp_path), "is a symbolic link to")
+    path.unlink()
+    path.write_text(json.dumps({"do_sample": False, "temperature": "ignored: not sampling"}))
+    assert generation_defaults(tmp_path) == {}

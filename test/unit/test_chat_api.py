@@ -5,9 +5,11 @@ vLLM's real server: test/nxdi_cpu/test_vllm_contract.py."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from kimi_k2_neuron.runtime.chat_api import ApiError, ChatFacts, kimi_request
+from kimi_k2_neuron.runtime.chat_api import ApiError, ChatFacts, kimi_request, other_request
 from kimi_k2_neuron.runtime.tokenizer import KimiTokenizer
 from kimi_k2_neuron.tiny.tokenizer_files import CHAT_TEMPLATES, write_tiny_tokenizer
 
@@ -85,22 +87,64 @@ def test_a_thinking_only_checkpoint_refuses_thinking_off():
     assert kimi_request(request(thinking={"type": "enabled", "keep": "all"}), k27)["temperature"] == 1.0
 
 
-# KVV tests/k3_features/test_response_format.py: text passes; json_object and json_schema cannot be held to here
+# KVV tests/k3_features/test_response_format.py: malformed forms are refused whether or not grammars are applied
+SERVED = ChatFacts(grammars=None)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
 @pytest.mark.parametrize("response_format, words", [
-    ({"type": "json_object"}, "response_format json_object: not served here"),
-    ({"type": "json_schema", "json_schema": {"name": "weather", "strict": True, "schema": {"type": "object"}}},
-     "response_format json_schema: not served here: vllm-neuron does not apply"),
-    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}, "response_format json_schema"),
-    ({"type": "json_schema", "json_schema": {"name": "weather"}}, "response_format json_schema"),
-    ({"type": "json_schema"}, "response_format json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+     "response_format.json_schema.name: expected a non-empty string"),
+    ({"type": "json_schema", "json_schema": {"name": "weather"}},
+     "response_format.json_schema.schema: expected a JSON Schema object"),
+    ({"type": "json_schema"}, "response_format.json_schema: expected an object with name and schema"),
+    ({"type": "json_schema", "json_schema": {"name": "w", "strict": "yes", "schema": {}}},
+     "response_format.json_schema.strict: expected true or false"),
+    ({"type": "json_schema", "json_schema": {"name": "w", "schema": "x"}},
+     "response_format.json_schema.schema: expected a JSON Schema object"),
     ({"type": "bogus"}, "response_format.type: expected 'text', 'json_object' or 'json_schema'"),
 ])
-def test_response_formats_that_need_a_grammar_are_refused(response_format, words):
+def test_malformed_response_formats_are_refused(response_format, words):
+    for facts in (ChatFacts(), SERVED):
+        with pytest.raises(ApiError, match=words):
+            kimi_request(request(response_format=response_format), facts)
+
+
+@pytest.mark.parametrize("fields, served", [
+    ({"response_format": {"type": "json_object"}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": True, "schema": SCHEMA}}},
+     None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "strict": False, "schema": SCHEMA}}},
+     {"response_format": {"type": "json_object"}}),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, None), ({"structured_outputs": {"choice": ["yes", "no"]}}, None)])
+def test_structured_outputs_pass_where_grammars_are_applied_and_are_refused_with_why_elsewhere(fields, served):
+    """json_schema strict false: a JSON object, its structure not enforced (Kimi's API words), which is vLLM's
+    json_object (any object: test/nxdi_cpu/test_grammar.py). The rest passes as it is: vLLM applies it."""
+    got = kimi_request(request(**fields), SERVED)
+    assert {k: got[k] for k in ("response_format", "structured_outputs") if k in got} == (served or fields)
+    why = ChatFacts(grammars="vllm-neuron's own worker applies no grammar; serve with --worker-cls X")
+    with pytest.raises(ApiError, match=r"not served here: vllm-neuron's own worker applies no grammar; serve with "
+                                       r"--worker-cls X; refused rather than ignored"):
+        kimi_request(request(**fields), why)
+    with pytest.raises(ApiError, match="no vLLM configuration was read"):
+        kimi_request(request(**fields), ChatFacts())
+
+
+def test_text_is_served_and_what_vllm_would_ignore_is_refused():
     assert "response_format" not in kimi_request(request(response_format={"type": "text"}), ChatFacts())
-    with pytest.raises(ApiError, match=words):
-        kimi_request(request(response_format=response_format), ChatFacts())
-    with pytest.raises(ApiError, match="guided_json: not served here"):
-        kimi_request(request(guided_json={"type": "object"}), ChatFacts())
+    for facts in (ChatFacts(), SERVED):
+        with pytest.raises(ApiError, match="guided_json: not read by vLLM 0.13, which would ignore it; use "
+                                           "structured_outputs"):
+            kimi_request(request(guided_json={"type": "object"}), facts)
+    with pytest.raises(ApiError, match="structured_outputs: expected an object"):
+        kimi_request(request(structured_outputs="x"), SERVED)
+
+
+def test_other_endpoints_get_the_same_structured_output_checks():
+    other_request({"prompt": "x", "structured_outputs": {"regex": "a"}}, SERVED)
+    with pytest.raises(ApiError, match="structured_outputs: not served here"):
+        other_request({"prompt": "x", "structured_outputs": {"regex": "a"}}, ChatFacts())
 
 
 # KVV tests/k3_features/test_tool_choice.py
@@ -126,6 +170,43 @@ def test_tool_choice():
     with pytest.raises(ApiError, match="tool_choice.function.name: expected one of the request's tools"):
         kimi_request(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
                      ChatFacts())
+    assert "structured_outputs" not in forced and "structured_outputs" not in named  # no grammar applied here
+
+
+SEARCH = {"type": "function", "function": {"name": "search", "parameters": {}}}
+
+
+def test_forced_tool_calls_are_held_to_the_tools_parameters_where_grammars_are_applied():
+    """Named: the prompt ends at the call's argument marker, the rest is the function's parameters. Required: the
+    prompt ends at the section's begin marker, the rest whole calls (IDX counting the conversation's calls) and the
+    section's end, as an xgrammar structural tag (its compilation and what it accepts: test/nxdi_cpu/
+    test_grammar.py). The tool choice's grammar replaces a response_format, as vLLM's does."""
+    named = kimi_request(request(tools=[WEATHER, SEARCH], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}, response_format={"type": "json_object"}), SERVED)
+    assert named["structured_outputs"] == {"json": WEATHER["function"]["parameters"]}
+    assert "response_format" not in named and named["tool_choice"] == "auto"
+    empty = kimi_request(request(tools=[SEARCH], tool_choice={"type": "function", "function": {"name": "search"}}),
+                         SERVED)
+    assert empty["structured_outputs"] == {"json": {"type": "object"}}  # arguments are an object
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "search", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "-"}, {"role": "user", "content": "more"}]
+    for parallel, calls in ((None, 4), (False, 1)):
+        fields = {} if parallel is None else {"parallel_tool_calls": parallel}
+        required = kimi_request({"messages": history, "tools": [WEATHER, SEARCH], "tool_choice": "required", **fields},
+                                SERVED)
+        grammar = json.loads(required["structured_outputs"]["structural_tag"])
+        assert grammar["type"] == "structural_tag"
+        begins, level = [], grammar["format"]
+        while level is not None:  # sequence[or(tags), or(end, next level) | end]
+            tags, tail = level["elements"]
+            begins.append([t["begin"] for t in tags["elements"]])
+            assert all(t["end"] == "<|tool_call_end|>" for t in tags["elements"])
+            level = tail["elements"][1] if tail["type"] == "or" else None
+            assert (tail["elements"][0] if tail["type"] == "or" else tail) == {
+                "type": "const_string", "value": "<|tool_calls_section_end|>"}
+        assert begins == [[f"<|tool_call_begin|>functions.{name}:{1 + k}<|tool_call_argument_begin|>"
+                           for name in ("get_weather", "search")] for k in range(calls)]
 
 
 def test_history_tool_call_ids_become_kimis():
@@ -159,3 +240,11 @@ def test_chat_facts_read_from_the_release_templates(tmp_path, release, facts):
     tok = KimiTokenizer.from_dir(tmp_path)
     assert ChatFacts.of(tok) == facts
     assert ChatFacts.of(tok, contract=False).contract is False
+
+
+def test_prompt_cache_key_is_accepted_and_taken_out_and_cache_salt_passes():
+    """Kimi's session key: the engine's hits come from the prompt's own block hashes; vLLM's cache_salt is vLLM's."""
+    got = kimi_request(request(prompt_cache_key="session-7", cache_salt="tenant-a"), ChatFacts())
+    assert "prompt_cache_key" not in got and got["cache_salt"] == "tenant-a"
+    with pytest.raises(ApiError, match="prompt_cache_key: expected a string"):
+        kimi_request(request(prompt_cache_key=7), ChatFacts())

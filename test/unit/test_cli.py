@@ -101,6 +101,11 @@ BAD_ARGS = [
      "--out /nonexistent/dir/x.safetensors: expected a file in an existing folder"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}"], "is a directory, expected a file"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "/proc/x.safetensors"], "refuses new files"),
+    # an output onto a device node is refused, never replaced (as root, the rename made /dev/null a regular file)
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "/dev/null"],
+     "--out /dev/null: is a character device; expected a regular file path"),
+    (["make-tiny", "/dev/null"], "OUT /dev/null: expected a folder, but /dev/null is a character device"),
+    (["convert", "{model}", "/dev/null/x", "--experts", "fp8-blockwise"], "but /dev/null is a character device"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "0"],
      "--tp: expected an integer >= 1"),
     (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", "{tmp}/l", "--tp", "3"],
@@ -114,6 +119,9 @@ BAD_ARGS = [
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "-1"],
      "--temperature: expected a finite number >= 0"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "nan"], "got 'nan'"),
+    # NxDI's sampler divides by the temperature in float32: one that overflows is refused, naming the smallest it takes
+    (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1e-300", "--backend", "nxdi-cpu"],
+     "--temperature 1e-300: below 1e-30, the smallest NxDI's sampler takes"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1", "--top-p", "1.5"],
      "--top-p: expected a finite number > 0 and <= 1"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "1", "--top-p", "0"], "--top-p"),
@@ -121,7 +129,10 @@ BAD_ARGS = [
      "--top-k: expected an integer >= 0"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--greedy", "--temperature", "0.9"],
      "--temperature: not allowed with --greedy"),
-    (["generate", "--model", "{model}", "--prompt", "hi", "--top-k", "5"], "--top-k: needs --temperature > 0"),
+    # the rule as it is: K2.7-Code samples by default, until a sampling flag is given (it said "because greedy")
+    (["generate", "--model", "{model}", "--prompt", "hi", "--top-k", "5"],
+     "--top-k: needs --temperature > 0 (once a sampling flag is given, the checkpoint's generation_config.json "
+     "sampling no longer applies, and without --temperature decoding is greedy and ignores --top-k)"),
     (["generate", "--model", "{model}", "--prompt", "hi", "--temperature", "0", "--top-p", "0.9"],
      "--top-p: needs --temperature > 0"),
     (["generate", "--model", "{model}"], "one of the arguments --input-ids --prompt is required"),
@@ -162,6 +173,21 @@ BAD_ARGS = [
     (["convert", "{model}", "{model}/sub", "--experts", "fp8-blockwise"], "/sub: is inside SRC"),
     (["convert", "{model}", "{model}", "--experts", "fp8-blockwise"], "is SRC"),
     (["convert", "{model}", "{model}/..", "--experts", "fp8-blockwise"], "holds SRC"),
+    # an empty path (an unset shell variable) is refused by its flag, not taken for the current folder (it said
+    # "DST .: holds SRC", "--out .: is a directory", "config.json: config.json not found"; plan --model '': a traceback)
+    (["convert", "{model}", "", "--experts", "fp8-blockwise"], "DST: expected a path, got '' (an unset shell"),
+    (["convert", "", "{tmp}/c", "--experts", "fp8-blockwise"], "SRC: expected a path, got ''"),
+    (["make-tiny", ""], "OUT: expected a path, got ''"),
+    (["make-tiny", "{tmp}/d", "--draft-for", ""], "--draft-for: expected a path, got ''"),
+    (["logits", "--model", "{model}", "--input-ids", "1,2", "--out", ""], "--out: expected a path, got ''"),
+    (["generate", "--model", "", "--prompt", "hi"], "--model: expected a path, got ''"),
+    (["generate", "--model", "{model}", "--prompt", "hi", "--backend", "nxdi-cpu", "--draft", " "],
+     "--draft: expected a path, got ' '"),
+    (["plan", "--model", "", "--tp", "2", "--seq-len", "8"], "--model: expected a path, got ''"),
+    (["plan", "--config", "", "--tp", "2", "--seq-len", "8"], "--config: expected a path, got ''"),
+    (["plan", "--config", "/dev/null", "--tp", "2", "--seq-len", "8"],
+     "/dev/null: is a character device; expected a config.json file"),
+    (["trace-cpu", "--model", "", "--submodel", "token"], "--model: expected a path, got ''"),
 ]
 
 

@@ -85,6 +85,13 @@ BAD_CONFIGS = {
     "norm_topk_prob string": (set_field("norm_topk_prob", "yes"), ["norm_topk_prob='yes'", "expected true or false"]),
     "zero rms_norm_eps": (set_field("rms_norm_eps", 0), ["rms_norm_eps=0", "expected a finite number > 0"]),
     "attention bias": (set_field("attention_bias", True), ["attention_bias", "not supported"]),
+    # DeepSeek-V2-Lite's MLA (before: a bare ValueError from the model's constructor, 41 lines)
+    "q_lora_rank null": (set_field("q_lora_rank", None), ["field q_lora_rank is null", "not implemented"]),
+    # read and never used before: transformers would tie lm_head to the embedding; Kimi releases are untied
+    "tie_word_embeddings true": (set_field("tie_word_embeddings", True),
+                                 ["field tie_word_embeddings=true is not supported", "expected false"]),
+    "tie_word_embeddings string": (set_field("tie_word_embeddings", "false"),
+                                   ["tie_word_embeddings='false'", "expected true or false"]),
     "quant_method awq": (lambda c: c["quantization_config"].__setitem__("quant_method", "awq"),
                          ["quantization_config.quant_method='awq'", "expected 'fp8' or 'compressed-tensors'"]),
     "fp8 block size of one int": (lambda c: c["quantization_config"].__setitem__("weight_block_size", [128]),

@@ -170,7 +170,7 @@ FD = per_channel(tp=8, seq_len=1024, max_context_length=512, layout=group(4), mo
     (dict(token_generation_buckets=[512, 1022]), "token_generation_buckets[1]=1022 (not a multiple"),
     (dict(tp_degree=12), "tp_degree=12 (the run spec kimi_k2_run_spec implies 8)"),
     (dict(capacity_factor=1.0), "capacity_factor=1.0 (drops prefill tokens"),
-    (dict(is_block_kv_layout=True), "is_block_kv_layout=True (the latent cache uses the contiguous layout)"),
+    (dict(is_block_kv_layout=True), "is_block_kv_layout=True (the run spec kimi_k2_run_spec implies False)"),
 ])
 def test_a_reloaded_flash_decoding_config_is_checked_again_emulated(nc_over, needle, one_line_error):
     """Each NeuronConfig field the spec derives, compared with what it holds, and the fields no spec sets (emulated;

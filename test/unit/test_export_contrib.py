@@ -100,7 +100,7 @@ def test_a_folder_that_is_not_an_export_is_refused_and_an_earlier_export_replace
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "not an earlier export" in r.stderr, r.stderr
     assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
     (tmp_path / "file").write_text("")
-    assert "not a folder" in _export(tmp_path / "file").stderr
+    assert "file: is a file; expected a folder" in _export(tmp_path / "file").stderr
     assert _export(tmp_path / "again").returncode == 0
     stale = tmp_path / "again" / "src" / "kimi_k2_neuron" / "stale.py"
     stale.write_text("")

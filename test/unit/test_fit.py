@@ -281,15 +281,17 @@ def test_shard_on_intermediate_where_each_core_gets_128_columns(kimi):
 
 
 def test_all_experts_decode_temporaries(kimi):
-    """batch 48 x top-8 = 384 = E: decode runs every local expert (expert_mlps_v2.py:1473-1478). EP=1: 528,482,304
+    """All-experts decode at batch 48 runs every local expert (expert_mlps_v2.py:366-392). EP=1: 528,482,304
     + 384 x 48 x 7264 x 2 = 796,262,400 bytes. EP=16: 24 experts of I/4 = 512, the same 528,482,304 bytes of
-    copies + 24 x 48 x (3 x 512 + 7168) x 2 = 548,536,320."""
-    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE))
+    copies + 24 x 48 x (3 x 512 + 7168) x 2 = 548,536,320. Selective loading allocates none."""
+    p = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE, moe_decode="all-experts"))
     assert p.decode_path == "all-experts" and _row(p, "decode MoE temporaries") == 796_262_400
     ep16 = plan(kimi, spec(tp=64, ep=16, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE))
     assert _row(ep16, "decode MoE temporaries") == 548_536_320
     assert ep16.prefill_blocks == 407  # 48 x 128 tokens x 8 = 49,152 pairs: ceil((49,152 - 23) / 128) + 23
-    assert plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=47, scheme=BLOCKWISE)).decode_path == "selective"
+    selective = plan(kimi, spec(tp=64, ep=1, lnc=2, seq_len=128, batch=48, scheme=BLOCKWISE, moe_decode="selective"))
+    assert selective.decode_path == "selective"
+    assert not [r for r in selective.allowance if r.kind.startswith("decode MoE temporaries")]
 
 
 def test_glm_5_2_all_experts_prefill_fits_only_if_its_fp32_products_are_fused(dsv3):
@@ -370,7 +372,7 @@ def test_max_seq_len_with_a_fixed_prefill_is_kv_bound(kimi):
 @pytest.mark.parametrize("kw,needle", [
     (dict(tp=128), "--tp 128"), (dict(tp=16, ep=32), "--ep 32: must divide --tp 16"),
     (dict(tp=64, ep=8, batch=48), "--ep 8 at --tp 64 --lnc 2: not an expert layout"),
-    (dict(tp=64, ep=4, batch=47), "needs batch >= 48"), (dict(lnc=3), "--lnc"),
+    (dict(tp=64, ep=4, batch=47, moe_decode="selective"), "--moe-decode selective with --ep 4"), (dict(lnc=3), "--lnc"),
     (dict(seq_len=0), "--seq-len"), (dict(batch=0), "--batch"),
     (dict(kv_slots=3), "--kv-slots"), (dict(tp=1, ep=5), "--ep 5"),
 ])
@@ -577,8 +579,8 @@ def test_decode_collectives_added_per_step(kimi):
                    "[context | sum] reduce-scatter": (61, 64, 8 * 64 * 513 * 4),
                    "q_a|kv_a output all-gather": (61, 64, 8 * 2112 * 2), "router logits all-gather": (60, 64, 8 * 384 * 4)}
     assert sum(c.count for c in split.collectives) == 183 + 61 + 60
-    # among the step's own: 61 o_proj, 1 dense and 60 MoE all-reduces, the embedding's all-gather, the sampler's 6
-    assert split.decode.collective_count == 129 + 183 + 61 + 60
+    # among the step's own: 61 o_proj, 1 dense and 60 MoE all-reduces, the embedding's all-gather, the sampler's 2
+    assert split.decode.collective_count == 125 + 183 + 61 + 60
     assert set(split.collectives) < set(split.decode.collectives)
     g16 = _at(kimi, 262144, 8, dataclasses.replace(SEQ, kv_group=16))  # 1 head per rank, 16 gathered
     assert (g16.collectives[0].group, g16.collectives[0].bytes) == (16, 8 * 16 * 576 * 2)
@@ -661,14 +663,14 @@ def test_cli_plans_the_long_context_layout(capsys):
                    "attention q_a+kv_a (TP, gathered)", "router (TP, gathered) + bias (replicated)",
                    "prefill chunk attention (16 heads, 128-query tiles, 4 caches pooled)", "prefill 1 x 1024 tokens",
                    "its attention moves 38.5 MB per layer and rank",
-                   "collectives per decode step", "router logits all-gather (TP), fp32", " 433 collectives "):
+                   "collectives per decode step", "router logits all-gather (TP), fp32", " 429 collectives "):
         assert needle in out, needle
     assert main([*args, "--seq-len", "131072", "--max-batch", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["max_batch"] == d["batch"] == 40 and d["layout"]["kv_group"] == 64 and d["cache_slots_per_rank"] == 2176
     assert [c["count"] for c in d["collectives"]] == [61, 61, 61, 61, 60]
     assert d["collectives"][0]["bytes"] == 73_728 * 40
-    assert d["decode"]["collective_count"] == 129 + 304 and d["tpot_ms"] > d["tpot_lower_bound_ms"]
+    assert d["decode"]["collective_count"] == 125 + 304 and d["tpot_ms"] > d["tpot_lower_bound_ms"]
     assert main([*args, "--seq-len", "131072", "--max-batch"]) == 0
     assert capsys.readouterr().out.startswith("max batch at seq_len 131072: 40; the plan at it:")
     assert main([*args, "--max-seq-len", "--batch", "16", "--json"]) == 0
@@ -699,9 +701,10 @@ def test_the_sample_in_docs_planner_md_is_the_commands_output(capsys, monkeypatc
     assert capsys.readouterr().out == shown
 
 
-def test_max_batch_with_ep_starts_where_ep_decodes(capsys):
-    """--ep 4 decodes only on all experts, batch x 8 >= 384: --max-batch searches from batch 48 (it refused batch 1
-    before), and the batch it finds fits while one more row does not (the long-context layout, 1024-token chunks)."""
+def test_max_batch_with_ep_decodes_on_all_experts(capsys):
+    """--ep 4 decodes on all experts at any batch (the shell calls forward_all_experts_EP: nxd_moe.KimiExpertMLPs,
+    where NxD's own forward would take selective loading below batch 48 and raise): --max-batch searches from batch
+    1, and the batch it finds fits while one more row does not (the long-context layout, 1024-token chunks)."""
     cfg = KimiK2Config.from_file(CONFIGS / "kimi-k2-instruct-0905.json")
     layout = Layout(kv_group=64, prefill_chunk=1024, shard_attn_a=True, shard_router=True)
     found = max_batch(cfg, spec(tp=64, ep=4, lnc=2, seq_len=4096, scheme=BLOCKWISE, layout=layout))

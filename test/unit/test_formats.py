@@ -34,10 +34,6 @@ def test_logical_weights_are_the_core_models_parameters_in_checkpoint_order(over
     assert list(layout.logical_shapes(cfg).items()) == list(params.items())
 
 
-def test_a_config_without_a_query_lora_is_refused_in_one_line(one_line_error):
-    one_line_error(lambda: layout.logical_shapes(tiny_cfg(q_lora_rank=None)), "q_lora_rank is null")
-
-
 @pytest.mark.parametrize("source", ["fp8", "int4"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_converted_tensors_are_what_the_converter_writes(converted, source, scheme):

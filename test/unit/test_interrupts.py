@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from kimi_k2_neuron.interrupts import PARTIAL_SUFFIX
 
 REPO = Path(__file__).resolve().parents[2]
 SRC = REPO / "src"
-CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 # The child: test/pause_child.py, which pauses the command or script inside `target`'s nth call and touches a marker.
 PAUSE_CHILD = REPO / "test" / "pause_child.py"
@@ -67,8 +68,10 @@ def no_partial_files(folder: Path) -> None:
 
 
 # times 2: one stop delivered twice at once, as `timeout -s INT` does (to the child, then to its process group)
-@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2)],
-                         ids=["SIGINT", "SIGTERM", "SIGINT-twice"])
+# SIGHUP: the terminal closed; the promise is SIGTERM's (one line, exit 129, resumable)
+@pytest.mark.parametrize("sig, times", [(signal.SIGINT, 1), (signal.SIGTERM, 1), (signal.SIGINT, 2),
+                                        (signal.SIGHUP, 1)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-twice", "SIGHUP"])
 def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, tiny, tmp_path, capsys,
                                                                  one_line_error):
     src, dst = tiny["fp8"], tmp_path / "dst"
@@ -86,6 +89,23 @@ def test_an_interrupted_conversion_says_how_to_resume_and_resumes(sig, times, ti
     one_line_error.exit(rc, err, f"{dst}: an unfinished conversion (2 of 5 files done", f"resume it with: {resume}")
     assert convert(src, dst, "fp8-blockwise", progress=False).skipped == 2
     assert (dst / "config.json").is_file()
+
+
+def test_an_interrupted_verify_leaves_the_finished_conversion_as_it_was(tiny, tmp_path):
+    """Ctrl-C while `convert --verify` re-hashes a finished conversion: one line saying the conversion is as it was,
+    and it is (its config.json, files and a manifest still marked complete; before, the manifest said incomplete
+    beside a config.json, and the line said nothing)."""
+    src, dst = tiny["fp8"], tmp_path / "dst"
+    convert(src, dst, "fp8-blockwise", progress=False)
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    rc, out, err = interrupt(tmp_path, signal.SIGINT, "kimi_k2_neuron.convert.converter:file_digest", 2,
+                             "kimi_k2_neuron.cli", "convert", str(src), str(dst), "--experts", "fp8-blockwise",
+                             "--verify")
+    line = one_interrupt_line(signal.SIGINT, rc, err)
+    assert line.endswith("the conversion there is finished as it was; the re-hash stopped: run convert --verify "
+                         "again to finish it"), line
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before and out == ""
+    assert json.loads((dst / MANIFEST).read_text())["complete"] is True
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
@@ -258,6 +278,40 @@ def test_export_contrib_interrupted_keeps_the_earlier_export(tmp_path):
 # -- run_command in-process ----------------------------------------------------------------------------------------
 
 
+def test_a_second_ctrl_c_during_a_slow_clean_up_ends_at_once_in_one_line(tmp_path):
+    """Ctrl-C, then Ctrl-C again 1.5 s later (past the window in which a repeat is the same stop) while the first
+    one's clean-up still runs: the process ends at once, exit 130, with one line saying the clean-up was cut short
+    (an unfinished conversion is then recognised by every command, with its resume command: the SIGKILL tests)."""
+    code = ("import sys, time; from pathlib import Path; from kimi_k2_neuron import interrupts\n"
+            "def main(argv):\n"
+            "    try:\n        Path(sys.argv[1]).touch(); time.sleep(60)\n"
+            "    finally:\n        time.sleep(30)  # a clean-up that takes its time\n"
+            "sys.exit(interrupts.run_command(main))")
+    marker = tmp_path / "started"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(marker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(SRC)})
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(interrupts.REPEAT_WINDOW_S + 0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert time.monotonic() - t0 < 10 and proc.returncode == 130, (proc.returncode, err)
+    assert err == "error: interrupted by SIGINT again; stopped without cleaning up\n" and out == "", err
+
+
+def test_a_command_started_under_nohup_keeps_ignoring_sighup(tmp_path):
+    """nohup's promise (SIGHUP ignored) is kept: the command runs on through a hangup."""
+    code = ("import os, signal, sys, time; from kimi_k2_neuron import interrupts\n"
+            "def main(argv):\n    os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.2); print('ran on'); return 0\n"
+            "sys.exit(interrupts.run_command(main))")
+    r = subprocess.run(["nohup", sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(SRC)}, timeout=60)
+    assert r.returncode == 0 and r.stdout == "ran on\n", (r.returncode, r.stdout, r.stderr)
+
+
 def test_run_command_in_process_gives_back_the_handlers(capsys):
     def main(argv):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -304,6 +358,24 @@ def test_an_atomic_output_has_the_modes_a_plain_write_gets(tmp_path):
     assert (tmp_path / "out").stat().st_mode == plain.stat().st_mode
 
 
+def test_an_atomic_output_never_replaces_a_node(tmp_path, one_line_error):
+    """A FIFO (or /dev/null) where an output goes is refused in one line and stays what it was: the rename would have
+    put a regular file in its place."""
+    from kimi_k2_neuron.interrupts import atomic_folder, atomic_output, write_atomically
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+
+    def enter(cm):
+        with cm:
+            raise AssertionError("entered")
+
+    one_line_error(lambda: write_atomically(fifo, b"x"), f"{fifo}: is a FIFO", "would replace the FIFO")
+    one_line_error(lambda: enter(atomic_output(fifo)), "is a FIFO")
+    one_line_error(lambda: enter(atomic_folder(fifo)), f"{fifo}: is a FIFO; expected a folder")
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["fifo"]
+
+
 @pytest.mark.parametrize("flags", [[], ["--best", "--json"]], ids=["buffered whole", "written mid-run"])
 def test_a_reader_that_leaves_early_ends_the_command_quietly(flags):
     """`plan | head -1`: the pipe's reader gone before plan writes, so its writes fail (mid-run, or the last flush):
@@ -326,3 +398,65 @@ def test_a_broken_pipe_that_is_not_stdout_is_not_hushed(capsys):
 
     with pytest.raises(BrokenPipeError):
         interrupts.run_command(main, [])
+
+
+# -- stdout that cannot take the output -----------------------------------------------------------------------------
+
+
+def _command(*argv: str, stdout, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kimi_k2_neuron.cli", *argv], stdout=stdout, stderr=subprocess.PIPE,
+                          env={**os.environ, "PYTHONPATH": str(SRC), **(env or {})}, timeout=600)
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "--tp", "64", "--seq-len", "1024"],  # the table, written past the buffer mid-run
+    ["plan", "--tp", "64", "--seq-len", "1024", "--json"],  # buffered whole: fails at the last flush
+    ["--version"],
+], ids=["plan", "plan --json", "--version"])
+def test_a_full_stdout_is_one_line_and_exit_2(argv):
+    """`plan > /dev/full`: one `error: stdout: cannot write (disk full)` line and exit 2 (as a full --out), no
+    traceback and no `Exception ignored` (before: a traceback and exit 1, plan's 'does not fit')."""
+    config = REPO / "test" / "data" / "configs" / "kimi-k2-instruct-0905.json"
+    argv = [*argv[:1], "--config", str(config), *argv[1:]] if argv[0] == "plan" else argv
+    with open("/dev/full", "w") as full:
+        r = _command(*argv, stdout=full)
+    assert r.returncode == 2 and r.stderr.decode() == "error: stdout: cannot write (disk full)\n", r.stderr[-2000:]
+
+
+def test_generate_json_on_a_full_stdout(tiny):
+    with open("/dev/full", "w") as full:
+        r = _command("generate", "--model", str(tiny["fp8"]), "--input-ids", "1,2", "--max-new-tokens", "2",
+                     "--json", stdout=full)
+    assert r.returncode == 2 and r.stderr.decode().splitlines() == ["error: stdout: cannot write (disk full)"], \
+        r.stderr[-2000:]
+
+
+def test_a_reply_the_terminal_cannot_encode_is_replaced(tiny):
+    """PYTHONIOENCODING=ascii and a reply that is not ASCII: the text with '?' where ASCII has no character, exit 0
+    (before: a UnicodeEncodeError traceback)."""
+    model = str(tiny["fp8"])
+    argv = ("generate", "--model", model, "--prompt", "héllo", "--max-new-tokens", "8")
+    text = json.loads(_command(*argv, "--json", stdout=subprocess.PIPE).stdout)["text"][0]
+    assert not text.isascii(), text  # (the tiny model's greedy bytes are not all ASCII)
+    r = _command(*argv, stdout=subprocess.PIPE, env={"PYTHONIOENCODING": "ascii"})
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode(), r.stderr.decode()[-2000:]
+    assert r.stdout.decode("ascii") == text.encode("ascii", "replace").decode() + "\n"
+
+
+def test_stdout_over_replaces_and_names_its_failures():
+    from kimi_k2_neuron.interrupts import StdoutError, stdout_over
+
+    read, write = os.pipe()
+    like = type("Like", (), {"encoding": "ascii", "errors": "strict", "line_buffering": False})()
+    stream = stdout_over(write, like)
+    stream.write("h\u00e9llo \u2713\n")
+    stream.flush()
+    assert os.read(read, 100) == b"h?llo ?\n"
+    os.close(write)
+    os.close(read)
+    full = os.open("/dev/full", os.O_WRONLY)
+    stream = stdout_over(full, like)
+    stream.write("x")
+    with pytest.raises(StdoutError):
+        stream.flush()
+    os.close(full)

@@ -114,13 +114,14 @@ def test_a_bad_input_in_a_rank_is_the_cli_one_line_error(tiny, tmp_path, capsys)
 # -- the parent is stopped: no rank may stay behind ------------------------------------------------------------------
 
 
-def start_tp_logits(model: Path, out: Path) -> tuple[subprocess.Popen, list[psutil.Process]]:
-    """`kimi-k2-neuron logits --tp 2` in a subprocess, long enough to signal; returns it and its children once both
-    ranks have started (the children include multiprocessing's resource tracker, which must go too)."""
+def start_tp_logits(model: Path, out: Path, session: bool = False) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    """`kimi-k2-neuron logits --tp 2` in a subprocess (in a session of its own with `session`, as a terminal's
+    command is), long enough to signal; returns it and its children once both ranks have started (the children
+    include multiprocessing's resource tracker, which must go too)."""
     ids = ";".join([",".join(["5"] * 64)] * 2)
     p = subprocess.Popen([sys.executable, "-m", "kimi_k2_neuron.cli", "logits", "--model", str(model), "--input-ids",
                           ids, "--prefill-len", "1", "--tp", "2", "--out", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
     parent, deadline = psutil.Process(p.pid), time.monotonic() + 60
     while time.monotonic() < deadline:
         children = parent.children(recursive=True)
@@ -146,6 +147,20 @@ def test_no_rank_outlives_a_stopped_parent(tiny, tmp_path, sig):
     else:
         assert rc == 128 + sig and "Traceback" not in err
         assert err.rstrip().splitlines()[-1].endswith(f"error: interrupted by {sig.name}; terminated every rank")
+    assert not (tmp_path / "l").exists()
+
+
+def test_a_hangup_of_the_whole_group_stops_the_ranks_with_one_line(tiny, tmp_path):
+    """The terminal closes: SIGHUP reaches the command and its ranks (one process group). The promise is SIGTERM's:
+    one line, exit 129, every rank stopped, no output left (before: exit 129 and no line, from the default action)."""
+    p, children = start_tp_logits(tiny["int4"], tmp_path / "l", session=True)
+    os.killpg(p.pid, signal.SIGHUP)
+    rc = p.wait(30)
+    _, alive = psutil.wait_procs(children, timeout=30)
+    err = p.stderr.read()
+    assert not alive, [c.cmdline() for c in alive]
+    assert rc == 129 and "Traceback" not in err, err[-2000:]
+    assert err.rstrip().splitlines()[-1].endswith("error: interrupted by SIGHUP; terminated every rank"), err[-2000:]
     assert not (tmp_path / "l").exists()
 
 

@@ -10,7 +10,7 @@ import pytest
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.neuron import rules
-from kimi_k2_neuron.neuron.spec import RunSpec
+from kimi_k2_neuron.neuron.spec import RunSpec, Sampling
 from kimi_k2_neuron.placement import Layout
 
 from specs import chunk, group, kimi_cfg, per_channel, tiny_cfg
@@ -18,7 +18,8 @@ from specs import chunk, group, kimi_cfg, per_channel, tiny_cfg
 
 @pytest.mark.parametrize("opts,needle", [
     (dict(tp=3), "num_attention_heads=64 is not divisible by 3"),
-    (dict(tp=64, ep=4, batch=1), "needs batch >= 48"),
+    (dict(tp=64, ep=4, batch=1, moe_decode="selective"), "--moe-decode selective with --ep 4: NxD's selective loading"),
+    (dict(tp=64, moe_decode="sparse"), "--moe-decode 'sparse': expected one of selective, all-experts"),
     (dict(tp=64, ep=2, batch=48), "--ep 2 at --tp 64 --lnc 2: not an expert layout"),
     (dict(tp=64, ep=8, batch=48), "use --ep in [1, 4, 16, 64]"),
     (dict(tp=64, ep=16, batch=48, moe_prefill="all-experts"), "no EP variant; use --moe-prefill shard-on-block with "
@@ -26,8 +27,8 @@ from specs import chunk, group, kimi_cfg, per_channel, tiny_cfg
     # 48 x 8 = 384 token-expert pairs: below the torch path's block of 512, so NxD's all-experts path
     (dict(tp=64, ep=16, batch=48, seq_len=1, max_context_length=1, moe_prefill="torch"),
      "takes NxD's all-experts path, which has no EP variant"),
-    # 47 x 8 < 384 experts: selective loading
-    (dict(tp=64, ep=16, batch=47, seq_len=1, max_context_length=1), "--ep 16 with --batch 47"),
+    # 47 x 8 < 384 experts: a prefill on selective loading
+    (dict(tp=64, ep=16, batch=47, seq_len=1, max_context_length=1), "a prefill of 47 tokens takes NxD's selective"),
     # shard-on-block at Kimi's shapes: the kernel's output tiles are 128 rows
     (dict(tp=64, seq_len=1000), "a prefill of 1000 tokens (batch x --max-context-length) must be a multiple of 128"),
     (dict(tp=64, lnc=1), "--moe-prefill shard-on-block with --lnc 1: nkilib has its MoE prefill kernels for LNC=2"),
@@ -106,3 +107,14 @@ def test_the_shell_refuses_layouts_it_cannot_build_in_one_line(one_line_error, o
     cfg = tiny_cfg(n_routed_experts=6, q_lora_rank=162)
     o = RunSpec(tp=4, lnc=None, seq_len=16, scheme=BF16_EXPERTS, moe_prefill="torch", layout=options)
     one_line_error(lambda: rules.check(cfg, o), message)
+
+
+def test_a_temperature_nxdis_sampler_cannot_divide_by_is_refused_with_the_smallest_it_takes(one_line_error):
+    """NxDI's sampler divides the logits by the temperature in float32: 1e-300 is 0 there (inf logits, a NaN draw).
+    The smallest taken (rules.MIN_TEMPERATURE) samples the greedy tokens in NxDI's own sampler (the tier's
+    test_backend.py)."""
+    rules.check_top_k(Sampling.of(rules.MIN_TEMPERATURE, 0, 1.0))
+    rules.check_top_k(Sampling.of(0.0, 0, 1.0))  # greedy: no division
+    for t in (1e-300, 9.9e-31):
+        one_line_error(lambda: rules.check_top_k(Sampling.of(t, 0, 1.0)), f"--temperature {t:g}: below 1e-30",
+                       "give 1e-30 or more, or 0 for greedy decoding")

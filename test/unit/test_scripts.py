@@ -52,8 +52,10 @@ def test_compile_checks_the_fit_before_anything_else(tmp_path):
     """The real Kimi config with a converted-checkpoint record and no tensors: the planner refuses TP=8."""
     raw = json.loads((CONFIGS / "kimi-k2-instruct-0905.json").read_text())
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-per-channel", "nxd": PER_CHANNEL}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "8")
+    model = tmp_path / "model"  # --out apart from it: no command writes into the checkpoint it reads
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "8")
     assert r.returncode == 2 and "does not fit" in r.stderr and "pass --force" in r.stderr, r.stderr
 
 
@@ -75,9 +77,11 @@ def test_compile_plans_a_converted_checkpoint_with_its_recorded_block(tmp_path):
     raw.pop("quantization_config")
     nxd = scheme_for("fp8-blockwise", "int4", 32).nxd(raw["moe_intermediate_size"])
     rec = {"layout_version": LAYOUT_VERSION, "experts": "fp8-blockwise", "nxd": nxd}
-    (tmp_path / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "64", "--kv-shard", "none")
-    want = plan(KimiK2Config.from_file(tmp_path), RunSpec(tp=64, scheme=ExpertScheme("fp8-blockwise", (32, 1))))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**raw, CONVERSION_KEY: rec}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "64", "--kv-shard", "none")
+    want = plan(KimiK2Config.from_file(model), RunSpec(tp=64, scheme=ExpertScheme("fp8-blockwise", (32, 1))))
     assert want.summary() in r.stdout, r.stdout + r.stderr
 
 
@@ -91,14 +95,12 @@ def test_compile_without_the_sdk_stops_with_a_one_line_error(tiny, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--output-logits"], ["--no-on-device-sampling"], ["--max-context-length", "16"],
-                                   ["--shard-attn-a"], ["--shard-router"], ["--kv-shard", "sequence"],
-                                   ["--prefill-chunk", "16"]],
-                         ids=["output-logits", "no-on-device-sampling", "max-context-length", "shard-attn-a",
-                              "shard-router", "kv-shard", "prefill-chunk"])
+@pytest.mark.parametrize("flags", [["--max-context-length", "16"], ["--shard-attn-a"], ["--shard-router"],
+                                   ["--kv-shard", "sequence"], ["--prefill-chunk", "16"]],
+                         ids=["max-context-length", "shard-attn-a", "shard-router", "kv-shard", "prefill-chunk"])
 def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny, tmp_path, one_line_error, flags):
-    """vllm-neuron prefills up to --max-model-len in one call and samples on the device, and builds the model from its
-    own request, which carries no weight layout: refused before anything."""
+    """vllm-neuron prefills up to --max-model-len in one call and builds the model from its own request, which carries
+    no weight layout: refused before anything. (Both sampling placements are served: test_vllm_structured*.py.)"""
     r = _compile("--model", str(tiny["fp8"]), "--out", str(tmp_path / "c"), "--tp", "2", "--seq-len", "32",
                  "--moe-prefill", "torch", "--for-vllm", *flags)
     one_line_error.exit(r.returncode, r.stderr, flags[0], "not with --for-vllm")
@@ -109,8 +111,10 @@ def test_compile_for_vllm_refuses_what_vllm_neuron_never_asks_for(tiny, tmp_path
 def test_compile_refuses_an_uneven_weight_split_before_anything(tmp_path, one_line_error, flag, field):
     """NxD would pad the split layer, which neither the fused split nor the planner models (parallel.py)."""
     name, value = field.split("=")
-    (tmp_path / "config.json").write_text(json.dumps({**tiny_config_dict("fp8"), name: int(value)}))
-    r = _compile("--model", str(tmp_path), "--out", str(tmp_path / "c"), "--tp", "4", "--moe-prefill", "torch", flag,
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**tiny_config_dict("fp8"), name: int(value)}))
+    r = _compile("--model", str(model), "--out", str(tmp_path / "c"), "--tp", "4", "--moe-prefill", "torch", flag,
                  cache=tmp_path / "cache")
     one_line_error.exit(r.returncode, r.stderr, f"{flag} --tp 4: config.json field {field} is not divisible by 4")
     assert not (tmp_path / "c").exists() and not (tmp_path / "cache").exists()
@@ -262,8 +266,9 @@ def _flags(parser):
 
 
 def test_every_script_is_walked():
-    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_tpot", "check_kernels",
-                                "check_nxdi_api", "compile_and_save", "export_contrib", "run_inference"}
+    assert set(ALL_SCRIPTS) == {"bench_convert", "bench_drift", "bench_mla_decode", "bench_serving", "bench_tpot",
+                                "check_kernels", "check_nxdi_api", "compile_and_save", "export_contrib",
+                                "run_inference"}
 
 
 @pytest.mark.parametrize("name", ALL_SCRIPTS)
@@ -332,6 +337,25 @@ SCRIPT_BAD_ARGS = [
     ("check_kernels", ["--tokens", "1000"], "--tokens 1000: expected a multiple of 128"),
     ("check_kernels", ["--config", "/nonexistent.json"], "--config /nonexistent.json: not a file"),
     ("check_kernels", ["--nki-library", "{tmp}"], "expected an aws-neuron/nki-library checkout (d2ad3a5)"),
+    # an output onto a device node is refused, never replaced (the atomic write's rename would replace /dev/null)
+    ("check_kernels", ["--report", "/dev/null"], "--report /dev/null: is a character device"),
+    ("check_kernels", ["--report", "{tmp}"], "--report {tmp}: is a directory, expected a file"),
+    ("bench_tpot", ["--compiled", "{tmp}", "--report", "/dev/null"], "--report /dev/null: is a character device"),
+    ("compile_and_save", ["--model", "{tmp}", "--out", "/dev/null", "--tp", "2"], "but /dev/null is a character"),
+    # no command writes into the checkpoint it reads (logits --out, convert and bench_tpot --report refused it)
+    ("compile_and_save", ["--model", "{tiny}", "--out", "{tiny}/compiled", "--tp", "2"],
+     "--out {tiny}/compiled: is inside --model {tiny}, which this command reads"),
+    ("compile_and_save", ["--model", "{tiny}", "--out", "{tiny}", "--tp", "2"], "--out {tiny}: is --model {tiny}"),
+    ("bench_mla_decode", ["--config", "/dev/null"], "/dev/null: is a character device; expected a config.json file"),
+    ("export_contrib", ["/dev/null"], "/dev/null: is a character device; expected a folder"),
+    # an empty path (an unset shell variable) is refused by its flag
+    ("export_contrib", [""], "DEST: expected a path, got ''"),
+    ("compile_and_save", ["--model", "{tmp}", "--out", "", "--tp", "2"], "--out: expected a path, got ''"),
+    ("bench_tpot", ["--cpu", "--model", "{tmp}", "--report", ""], "--report: expected a path, got ''"),
+    ("check_kernels", ["--report", ""], "--report: expected a path, got ''"),
+    ("check_nxdi_api", ["--nxdi", "", "--nxd", "{tmp}"], "--nxdi: expected a path, got ''"),
+    ("bench_mla_decode", ["--config", ""], "--config: expected a path, got ''"),
+    ("run_inference", ["--compiled", "", "--prompt", "hi"], "--compiled: expected a path, got ''"),
     ("check_nxdi_api", ["--nxdi", "/nonexistent", "--nxd", "/nonexistent"],
      "--nxdi /nonexistent: expected a neuronx-distributed-inference checkout"),
     ("check_nxdi_api", ["--nxdi", "{tmp}", "--nxd", "{tmp}"], "expected a neuronx-distributed-inference checkout"),
@@ -352,6 +376,14 @@ SCRIPT_BAD_ARGS = [
     ("run_inference", ["--compiled", "{tmp}", "--prompt", "hi", "--prefill-chunk", "8"],
      "--prefill-chunk 8: only with --cpu (a compiled folder has its own)"),
     ("bench_tpot", ["--compiled", "{tmp}", "--shard-router"], "--shard-router: only with --cpu"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json"],
+     "--url http://127.0.0.1:9: no vLLM server answers there"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "/proc/r.json"],
+     "--report /proc/r.json"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json", "--config",
+                       "/nonexistent.json"], "/nonexistent.json"),
+    ("bench_serving", ["--url", "http://127.0.0.1:9", "--served-model", "k", "--report", "{tmp}/r.json",
+                       "--workload", "agentic", "--num-prompts", "5"], "--num-prompts 5: an agentic run is whole"),
     ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--tp", "4", "--kv-shard", "sequence",
                        "--kv-group", "3"], "--kv-group 3: must divide --tp 4"),
     ("run_inference", ["--cpu", "--model", "{tiny}", "--prompt", "hi", "--shard-attn-a"],
@@ -365,5 +397,5 @@ def test_bad_script_arguments_get_one_line_before_any_work(name, argv, words, tm
                                                            one_line_error, tiny):
     _parser(name, monkeypatch)
     rc, out, err = _run_script(name, [a.format(tmp=tmp_path, tiny=tiny["fp8"]) for a in argv], capsys)
-    one_line_error.exit(rc, err, words)
+    one_line_error.exit(rc, err, words.format(tmp=tmp_path, tiny=tiny["fp8"]))
     assert out == "" and list(tmp_path.iterdir()) == []

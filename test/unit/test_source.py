@@ -152,8 +152,9 @@ def test_non_finite_weight_is_refused_at_load(ckpt, case, streamed, one_line_err
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "bf16"])
 def test_random_bytes_over_a_shard_are_refused_at_load(ckpt, fmt, one_line_error):
     # Random bytes hold NaN/inf bf16 and fp32 values and NaN FP8 codes (2 in 256 bytes): some tensor of the shard is
-    # refused, by name, whichever comes first.
+    # refused, by name, whichever comes first (INT4's weight_shape tensors, read by the shape check before the
+    # model is built, then say a shape no config describes).
     d = ckpt(fmt)
     scramble_data(d, SHARD1)
     msg = one_line_error(lambda: load(d), SHARD1 + ": tensor ")
-    assert "NaN" in msg or "positive scales" in msg, msg
+    assert "NaN" in msg or "positive scales" in msg or (fmt == "int4" and "weight_shape says shape" in msg), msg

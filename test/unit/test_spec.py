@@ -12,7 +12,7 @@ import typing
 import pytest
 
 from kimi_k2_neuron import arguments
-from kimi_k2_neuron.checkpoint.draft import Eagle3Draft
+from kimi_k2_neuron.checkpoint.draft import MLA, Eagle3Draft, MlaDims
 from kimi_k2_neuron.formats.scheme import ExpertScheme
 from kimi_k2_neuron.launch import run_spec
 from kimi_k2_neuron.neuron import spec as spec_module
@@ -21,16 +21,18 @@ from kimi_k2_neuron.placement import Layout
 
 FACTS = Eagle3Draft(path="/d", hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, vocab_size=512, rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=4096,
-                    has_embedding=False, raw={"x": 1}, stored={"fc.weight": "midlayer.fc.weight"})
+                    has_embedding=False, kind=MLA, draft_vocab_size=128, mla=MlaDims(24, 16, 8, 8, 8), fc_norm=True,
+                    norm_output=True, aux_convention="output", mapped=True, raw={"x": 1},
+                    stored={"fc.weight": "midlayer.fc.weight"})
 # every field away from its default, nested ones too
 EVERY_FIELD = RunSpec(
     tp=64, ep=4, lnc=1, seq_len=4096, max_context_length=2048, batch=48,
     scheme=ExpertScheme("fp8-blockwise", (32, 32)), checkpoint="/c",
     sampling=Sampling(on_device=False, do_sample=True, top_k=5, top_p=0.5, temperature=0.7, global_topk=64),
-    output_logits=True, moe_prefill="torch", continuous_batching=True,
+    output_logits=True, moe_prefill="torch", moe_decode="all-experts", continuous_batching=True,
     layout=Layout(kv_group=16, prefill_chunk=1024, shard_attn_a=True, shard_router=True, chunk_group=4),
     draft=DraftSpec(path="/d", speculation_length=6, checkpoint=FACTS), dtype="float32",
-    extra={"on_cpu": True})
+    prefix_caching=True, block_size=16, num_blocks=300, extra={"on_cpu": True})
 
 
 def _leaves(obj, prefix=""):

@@ -162,6 +162,37 @@ def test_malformed_vocab_line(tiny_dir, bad_line):
     assert "tiktoken.model" in message and "line 4" in message
 
 
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json"])
+def test_a_tokenizer_file_that_is_not_utf8_is_one_line(tiny_dir, name):
+    """A template saved in Latin-1 (or a tokenizer_config.json with a stray byte): one line naming the file and the
+    byte (before: a UnicodeDecodeError traceback for the template file)."""
+    path = tiny_dir / name
+    path.write_bytes(path.read_text().replace("\n", "\n\u00e9", 1).encode("latin-1"))  # é as one byte, 0xe9
+    message = _one_line_error(tiny_dir)
+    assert f"{name}: not UTF-8 text (byte 0xe9 at offset" in message, message
+
+
+@pytest.mark.parametrize("template, words", [
+    (["x", 5], 'field chat_template: expected a string or a list of {"name", "template"} objects, got ["x", 5]'),
+    (5, "field chat_template: expected a string"),
+    ([{"name": "default", "template": 5}], "field chat_template"),
+])
+def test_a_chat_template_field_of_another_type_is_one_line(tiny_dir, template, words):
+    (tiny_dir / "chat_template.jinja").unlink(missing_ok=True)
+    path = tiny_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "chat_template": template}))
+    assert words in _one_line_error(tiny_dir)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tiktoken.model"])
+def test_a_folder_in_a_tokenizer_files_place_is_one_line(tiny_dir, name):
+    path = tiny_dir / name
+    path.unlink(missing_ok=True)
+    path.mkdir()
+    assert f"{name}: is a folder" in _one_line_error(tiny_dir)
+
+
 def test_duplicate_rank(tiny_dir):
     path = tiny_dir / "tiktoken.model"
     path.write_bytes(path.read_bytes() + base64.b64encode(b"xyz") + b" 7\n")

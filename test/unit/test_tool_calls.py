@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pytest
 
@@ -32,8 +33,8 @@ def expected(golden) -> Parsed:
     return Parsed(golden.content, golden.reasoning, tuple(ToolCall(*call) for call in golden.calls))
 
 
-def streamed(deltas, thinking: bool, tools=None, whole_markers: bool = False, finish: bool = True):
-    stream = OutputStream(thinking=thinking, tools=tools, whole_markers=whole_markers)
+def streamed(deltas, thinking: bool, tools=None, finish: bool = True):
+    stream = OutputStream(thinking=thinking, tools=tools)
     events = [e for d in deltas for e in stream.feed(d)] + (stream.finish() if finish else [])
     return events, collect(events)
 
@@ -55,8 +56,6 @@ def test_golden_outputs_parse_to_their_message_at_once_and_in_every_token_chunki
         deltas = [d for d, _ in tokens.deltas(size)]
         assert "".join(deltas) == text
         assert streamed(deltas, bool(golden.reasoning))[1] == want, size
-        # token deltas carry every marker whole: nothing is held back, so the message is there without finish()
-        assert streamed(deltas, bool(golden.reasoning), whole_markers=True, finish=False)[1] == want, size
 
 
 @pytest.mark.parametrize("name", GOLDENS)
@@ -94,7 +93,7 @@ def test_a_call_comes_whole_when_its_end_marker_arrives(tok):
     golden = GOLDENS["big_arguments"]
     text = assistant_output(tok, golden)
     assert len(golden.calls[0][2]) > 8192
-    stream, fed, seen = OutputStream(whole_markers=True), "", []
+    stream, fed, seen = OutputStream(), "", []
     for delta, _ in TokenStream(tok, text).deltas(1):
         fed += delta
         calls = [e for e in stream.feed(delta) if isinstance(e, Call)]
@@ -174,6 +173,34 @@ def test_edge_cases_at_once_and_split_anywhere(text, content, calls):
     assert parse(text) == want
     for size in range(1, len(text) + 1):
         assert streamed(text_chunks(text, size), False)[1] == want, size
+
+
+SPLIT_OUTPUT = "Listing." + S + call("functions.bash:0", '{"command": "ls"}') + E + "Done."
+SPLIT_MARKERS = {"end": C, "begin": B, "section-end": E, "argument-begin": A, "section-begin": S}
+
+
+@pytest.mark.parametrize("marker", SPLIT_MARKERS)
+def test_a_marker_split_across_two_deltas_is_held_back(marker):
+    """Issue 41's regression: `<|tool_call_end|>` reaching the stream as `<|tool_call_` then `end|>` (a model writing
+    the marker as ordinary text tokens, a detokenizer splitting it) leaked into the arguments, `{"command": "ls"}<|
+    tool_call_end|>`, whose JSON then failed. Every split point of each marker, the rest in whole-token deltas, gives
+    the at-once parse, and no event carries a piece of a marker."""
+    want = Parsed("Listing.Done.", "", (ToolCall("functions.bash:0", "bash", '{"command": "ls"}'),))
+    assert parse(SPLIT_OUTPUT) == want
+    text = SPLIT_MARKERS[marker]
+    head, tail = SPLIT_OUTPUT.split(text, 1)
+    for cut in range(1, len(text)):
+        deltas = [*TOKENS.findall(head), text[:cut], text[cut:], *TOKENS.findall(tail)]
+        assert "".join(deltas) == SPLIT_OUTPUT
+        for finish in (True, False):  # nothing waits for the end once the marker is whole
+            events, got = streamed(deltas, False, finish=finish)
+            assert got == want, (marker, cut, finish, got)
+            assert not [e for e in events if isinstance(e, Dropped)]
+            for e in events:
+                assert "<|" not in str(getattr(e, "arguments", "")) + str(getattr(e, "text", "")), e
+
+
+TOKENS = re.compile(r"<\|[a-z_]+\|>|[^<]+|<")  # whole markers, the text between them
 
 
 # vLLM's test_kimi_k2_tool_parser.py (tests/tool_parsers, 2026) and SGLang's test_kimi_k2_detector cases: their
@@ -299,28 +326,29 @@ def test_infer_name(arguments, tools, name):
     assert infer_name(arguments, tools) == name
 
 
-def test_held_text_is_out_without_finish_when_markers_come_whole():
-    """The defect of issue 30: a tail that could begin a marker waited for the stop token, so an output cut by
-    max_tokens or a stop string lost it ('Compare 1 <' streamed as 'Compare 1 '). With whole markers it is text."""
-    for thinking, prefix, field in ((False, "", "content"), (True, "<think>", "reasoning")):
-        for tail in ("<", "<|", "</", "<|tool_calls_sec", "</thi"):
-            pieces = ([prefix] if prefix else []) + text_chunks("Compare 1 " + tail, 1)  # markers whole
-            _, got = streamed(pieces, thinking, whole_markers=True, finish=False)
-            assert getattr(got, field) == "Compare 1 " + tail
-        _, held = streamed(([prefix] if prefix else []) + text_chunks("Compare 1 <", 1), thinking, finish=False)
-        assert getattr(held, field) == "Compare 1 "  # a text-level stream must wait for the next delta
+def test_held_text_waits_for_the_next_delta_or_the_end():
+    """A tail that could begin a marker waits: for the next delta, which completes the marker or shows it was text,
+    or for finish() (vllm_parsers calls it at the stop token and at max_tokens: issue 30's 'Compare 1 <' is whole)."""
+    for thinking, prefix, field, tails in ((False, "", "content", ("<", "<|", "<|tool_calls_sec")),
+                                           (True, "<think>", "reasoning",
+                                            ("<", "<|", "</", "<|tool_calls_sec", "</thi"))):
+        for tail in tails:
+            pieces = ([prefix] if prefix else []) + text_chunks("Compare 1 " + tail, 1)
+            assert getattr(streamed(pieces, thinking, finish=False)[1], field) == "Compare 1 "
+            assert getattr(streamed(pieces, thinking)[1], field) == "Compare 1 " + tail
+            assert getattr(streamed(pieces + [" 2"], thinking, finish=False)[1], field) == "Compare 1 " + tail + " 2"
 
 
 def test_a_prefill_sets_where_the_output_continues():
     """A forced call: the prompt ends inside the section (or inside a call's id); the prefill's text is no output."""
-    stream = OutputStream(tools=[WEATHER], whole_markers=True)
+    stream = OutputStream(tools=[WEATHER])
     stream.prefill("Sure." + S)
     events = stream.feed(call("functions.get_weather:0", '{"city": "Paris"}') + E) + stream.finish()
     assert collect(events) == Parsed("", "", (ToolCall("functions.get_weather:0", "get_weather",
                                                         '{"city": "Paris"}'),))
     assert parse('{"city": "Oslo"}' + C + E, prefill=S + B + "functions.get_weather:3" + A) == Parsed(
         "", "", (ToolCall("functions.get_weather:3", "get_weather", '{"city": "Oslo"}'),))
-    thinking = OutputStream(thinking=True, opened=True, whole_markers=True)
+    thinking = OutputStream(thinking=True, opened=True)
     thinking.prefill("</think>" + S)
     assert collect(thinking.feed(call("f:0", "{}") + E)).calls == (ToolCall("f:0", "f", "{}"),)
 

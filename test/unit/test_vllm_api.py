@@ -101,3 +101,29 @@ def test_the_contract_follows_the_template_unless_the_environment_says(served, m
     monkeypatch.setenv(vllm_api.CONTRACT_ENV, "maybe")
     with pytest.raises(KimiInputError, match="KIMI_K2_CONTRACT='maybe': expected on, off or auto"):
         vllm_api.KimiApi(App())
+
+
+def test_structured_outputs_are_served_as_the_vllm_config_allows(served, monkeypatch):
+    """The middleware reads once whether the server holds replies to grammars (vllm_request.grammar_refusal: the
+    worker, the backend, xgrammar, the model's logits): refused with the reason where not, passed where so; on
+    /v1/completions too, whose body otherwise passes as it came."""
+    import importlib.metadata
+
+    from kimi_k2_neuron.neuron import vllm_request
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.1.29")
+    monkeypatch.delenv(vllm_request.COMPILED_ARTIFACTS_ENV, raising=False)
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"regex": "a+"}})
+    completion = json.dumps({"prompt": "x", "structured_outputs": {"choice": ["a", "b"]}})
+    middleware, app = served("k2")  # vLLM's state without the worker (nor any of it)
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        status, answer = call(middleware, app, path, body.encode())
+        assert status == 400 and "serve with --worker-cls kimi_k2_neuron.neuron.vllm_worker.KimiNeuronWorker" in \
+            json.loads(answer)["error"]["message"]
+    middleware, app = served("k2")
+    app.state.vllm_config.parallel_config = SimpleNamespace(worker_cls=vllm_request.WORKER_CLS)
+    app.state.vllm_config.structured_outputs_config = SimpleNamespace(backend="xgrammar")
+    app.state.vllm_config.speculative_config = None
+    status, echoed = call(middleware, app, "/v1/chat/completions", chat.encode())
+    assert status == 200 and json.loads(echoed)["structured_outputs"] == {"regex": "a+"}
+    assert call(middleware, app, "/v1/completions", completion.encode()) == (200, completion.encode())

@@ -21,6 +21,26 @@ def test_config_hidden_size_disagrees_with_tensors(ckpt, one_line_error):
     assert "model-0000" in msg and ".weight" in msg  # names the shard and the tensor
 
 
+@pytest.mark.parametrize("field, value, tensor", [
+    ("hidden_size", 10**12, "model.embed_tokens.weight has shape [512, 192], expected [512, 1000000000000]"),
+    ("moe_intermediate_size", 10**9, "experts.0.gate_proj.weight_shape says shape [64, 192], expected [1000000000, ")])
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "layer-streamed"])
+def test_a_config_beyond_the_checkpoint_is_refused_before_the_model_is_allocated(ckpt, field, value, tensor,
+                                                                                  streamed, monkeypatch,
+                                                                                  one_line_error):
+    """hidden_size 10^12: the shape check names a tensor before the 2 PB model config.json describes is built
+    (before: torch's allocator failed, a traceback)."""
+    from kimi_k2_neuron.runtime import runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before its shapes were checked")
+
+    d = ckpt("int4" if "experts" in tensor else "fp8")
+    edit_config(d, set_field(field, value))
+    monkeypatch.setattr(runner, "KimiK2ForCausalLM", never)
+    one_line_error(lambda: CpuRunner(d, layer_streamed=streamed), tensor, "from config.json")
+
+
 def test_config_more_layers_than_checkpoint(ckpt, one_line_error):
     d = ckpt("fp8")
     edit_config(d, set_field("num_hidden_layers", 4))

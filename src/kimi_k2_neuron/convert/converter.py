@@ -131,12 +131,17 @@ class _Job:
     def run(self, units: list[schedule.Unit]) -> Result:
         t0 = time.perf_counter()
         manifest = self._open_dst(len(units))
-        self._save_manifest(manifest)  # first thing in DST: marks it as a conversion in progress
-        todo = [u for u in units if not self._done(u, manifest)]
+        finished = (self.dst / "config.json").is_file()
+        if not finished:
+            self._save_manifest(manifest)  # first thing in DST: marks it as a conversion in progress
+        todo = [u for u in units if not self._done(u, manifest)]  # --verify re-hashes here
         self.result.skipped = len(units) - len(todo)
         if todo:  # a finished DST being redone in part (a file lost, --verify) must not look finished meanwhile
             for f in ("config.json", INDEX_NAME):  # the last two written, first to go
                 (self.dst / f).unlink(missing_ok=True)
+            self._save_manifest(manifest)
+        # (a finished DST re-hashed by --verify and found whole stays marked finished throughout: a stop mid-way
+        # leaves it as it was)
         bar = progress_bar(total=sum(u.src_bytes for u in todo), unit="B", unit_scale=True, desc="converting",
                            disable=not self.progress)
         with bar, _torch_threads(), ThreadPoolExecutor(self.workers) as pool:

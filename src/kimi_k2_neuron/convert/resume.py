@@ -28,9 +28,13 @@ def unfinished_conversion(folder: str | Path) -> str | None:
     return f"{folder}: an unfinished conversion ({done} files done, no config.json yet); resume it with: {command}"
 
 
-def resume_hint(folder: str | Path) -> str:
-    """What an interrupted conversion into `folder` kept and how to resume it ("" when there is nothing to say)."""
+def resume_hint(folder: str | Path, verify: bool = False) -> str:
+    """What an interrupted conversion into `folder` kept and how to resume it ("" when there is nothing to say).
+    `verify`: the run re-hashed a finished conversion (--verify), which a stop leaves finished."""
     state = _conversion_state(folder)
+    if state is None and verify and (Path(folder) / "config.json").is_file():
+        return ("the conversion there is finished as it was; the re-hash stopped: run convert --verify again to "
+                "finish it")
     if state is None or state[1] is None:
         return ""
     done, command = state

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from ..config import KimiK2Config
-from ..errors import KimiInputError
 from .scheme import ExpertScheme
 
 BF16, F32, FP8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -55,9 +54,6 @@ def is_ignored(key: str) -> bool:
 def logical_shapes(cfg: KimiK2Config, routed_experts: bool = True) -> dict[str, tuple[int, ...]]:
     """Logical weight name -> full shape ([out, in] for linears), in checkpoint order; routed_experts=False leaves
     out the per-expert weights (Kimi-K2 has 70K of them)."""
-    if cfg.q_lora_rank is None:
-        raise KimiInputError(f"{cfg.source}: field q_lora_rank is null: MLA without a query LoRA is not implemented "
-                             f"(Kimi-K2 has one)")
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
     for layer in range(cfg.num_hidden_layers):

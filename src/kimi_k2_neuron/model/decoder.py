@@ -29,6 +29,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, ctx)
 
+    def attention_input(self, x):
+        """-> (the attention's input, the residual); an EAGLE3 draft's layer reads two (model/eagle3.py)."""
+        return self.input_layernorm(x), x
+
     def forward(self, x, positions, rope, latent_cache, absorbed=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, latent_cache, absorbed)
+        attn_in, x = self.attention_input(x)
+        x = x + self.self_attn(attn_in, positions, rope, latent_cache, absorbed)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -4,7 +4,10 @@ matrix the 128+64-wide space is 3x cheaper than the 512+64 latent one. absorbed 
 W_UV into the output, so nothing per-head is materialized for the T cached tokens (scripts/bench_mla_decode.py).
 Sharded over a KV group, attend_sharded merges the ranks' scores by log-sum-exp (decode and speculative verification
 differ only in the segments and masks they pass); a prefill chunk's attend_chunk merges over a chunk group after
-pooling caches, which moves a fifth of the bytes at Kimi's shapes (issue 27).
+pooling caches, which moves a fifth of the bytes at Kimi's shapes (issue 27). Through a block table (vLLM's prefix
+caching) a prefill reads the positions before it from cached blocks: attend_positions, over keys laid out by position
+(positional_keys) in tiles of a fixed width, so a prefill from a cached prefix computes each of its queries exactly as
+a prefill of the whole prompt does.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from .rope import apply_interleaved_rope, softmax_scale
 # Queries per score block of a prefill chunk (attend_chunk): bounds its [heads x Gc, tile, keys] float32 scores, which
 # the fit planner counts (neuron/hbm.py).
 CHUNK_QUERY_TILE = 128
+# Keys per score tile of a prefill through a block table (attend_positions): fixed for a model, tiles starting at
+# position 0, so a query's float operations do not depend on how many keys the call holds after its own.
+BLOCK_KEY_TILE = 2048
 # modeling_deepseek.py (and transformers) build q_a/kv_a_layernorm with the default eps, not rms_norm_eps (1e-5 in
 # Kimi-K2-Thinking and K2.5).
 LORA_NORM_EPS = 1e-6
@@ -30,8 +36,6 @@ LORA_NORM_EPS = 1e-6
 class MLAttention(nn.Module):
     def __init__(self, cfg: KimiK2Config, dtype: torch.dtype, ctx: ParallelContext):
         super().__init__()
-        if cfg.q_lora_rank is None:
-            raise ValueError("q_lora_rank is null: MLA without a query LoRA is not implemented (Kimi-K2 has one)")
         h, d = cfg.hidden_size, cfg.qk_head_dim
         self.ctx = ctx
         self.n_heads = ctx.local(cfg.num_attention_heads, "num_attention_heads")
@@ -55,8 +59,13 @@ class MLAttention(nn.Module):
 
     def forward(self, x, positions, rope, latent_cache, absorbed: bool | None = None):
         """x [B, S, hidden]; positions [B, S]; latent_cache [B, T_max, latent], written in place at `positions`.
-        Sharded (kv_group G > 1): slot j holds position j * G + rank % G, and `absorbed` is ignored."""
+        Sharded (kv_group G > 1): slot j holds position j * G + rank % G, and `absorbed` is ignored. A block cache
+        (runtime/block_cache.py BlockView: write(positions, entries), keys() by position) is written, then attended
+        through its block table (attend_positions); `absorbed` is ignored."""
         q_nope, q_pe, entries = self.project(x, rope)
+        if not torch.is_tensor(latent_cache):
+            latent_cache.write(positions, entries)
+            return self.attend_positions(q_nope, q_pe, latent_cache.keys(), positions, latent_cache.key_tile)
         if self.ctx.kv_group > 1:
             return self._forward_sharded(q_nope, q_pe, entries, positions, latent_cache)
         _write_cache(latent_cache, positions, entries)
@@ -169,6 +178,41 @@ class MLAttention(nn.Module):
         out = (merged[..., : self.v_dim] / merged[..., self.v_dim :]).to(q_nope.dtype)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
+    def attend_positions(self, q_nope, q_pe, keys, positions, key_tile: int,
+                         query_tile: int = CHUNK_QUERY_TILE):
+        """keys [B, W, latent] with position k's entry at index k (positional_keys; W a multiple of key_tile), each
+        query attending the keys at positions up to its own. Naive per key tile (kv_b_proj expands the tile's c_kv:
+        a prefill's many queries make that cheaper than the absorbed form), one softmax per query row under the row's
+        max over every tile, summed tile by tile from position 0, in float32: the keys after a query's position add
+        exact zeros, so its result depends neither on W nor on where the call starts (a prefill after cached blocks
+        gives the cold prefill's numbers, given matmuls whose rows do not depend on their neighbours). Queries in
+        tiles of query_tile bound the float32 scores at query_tile x W per head."""
+        b, _, s, _ = q_nope.shape
+        if keys.shape[1] % key_tile:
+            raise ValueError(f"{keys.shape[1]} keys: not a whole number of {key_tile}-key tiles")
+        low = torch.finfo(torch.float32).min
+        tiles = []  # per key tile: k_nope [B, h, T, nope], k_pe [B, 1, T, rope], v [B, h, T, v_dim], positions [T]
+        for start in range(0, keys.shape[1], key_tile):
+            c_kv, k_pe = keys[:, start:start + key_tile].to(q_nope.dtype).split([self.rank, self.rope], dim=-1)
+            kv = self.kv_b_proj(c_kv).view(b, key_tile, self.n_heads, -1).transpose(1, 2)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            tiles.append((k_nope, k_pe[:, None], v, torch.arange(start, start + key_tile, device=keys.device)))
+        out = []
+        for i in range(0, s, query_tile):
+            qn, qp, pos = q_nope[:, :, i:i + query_tile], q_pe[:, :, i:i + query_tile], positions[:, i:i + query_tile]
+            masks = [(kpos[None, None, :] <= pos[:, :, None])[:, None] for *_, kpos in tiles]  # [B, 1, q, T]
+            scores = [(qn @ k_nope.transpose(-1, -2) + qp @ k_pe.transpose(-1, -2)).to(torch.float32, copy=True)
+                      .mul_(self.scale).masked_fill_(~m, low) for (k_nope, k_pe, _, _), m in zip(tiles, masks)]
+            top = torch.stack([sc.amax(-1) for sc in scores]).amax(0)[..., None]
+            total = context = None
+            for sc, m, (_, _, v, _) in zip(scores, masks, tiles):
+                p = sc.sub_(top).exp_().mul_(m)
+                part = p.sum(-1, keepdim=True), (p.to(v.dtype) @ v).float()
+                total, context = part if total is None else (total.add_(part[0]), context.add_(part[1]))
+            out.append((context / total).to(q_nope.dtype))
+        o = _cat_queries(out)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
     def chunk_group(self, slots: int, queries: int) -> int:
         return chunk_group_for(self.ctx.layout, self.dims, slots, queries)
 
@@ -266,6 +310,21 @@ def chunk_collectives(dims: HeadDims, group: int, chunk_group: int, slots: int, 
                 ("[W_UV context | sum] reduce-scatter (chunk group), fp32", 1, gc,
                  rows * hg * queries * (v_dim + 1) * 4)]
     return out
+
+
+def positional_keys(prefix: torch.Tensor, entries: torch.Tensor, start: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width, latent]: position k's entry at index k, for attend_positions: prefix[:, k] (the positions read from
+    cached blocks) where k < start, a call's entries[:, k - start] from there, zeros after them. prefix [B, P, latent]
+    (P may be 0), entries [B, S, latent] of the positions start .. start + S - 1 (padding after the real ones),
+    start [B, 1]; width >= P and >= the call's last position + 1."""
+    b, s, d = entries.shape
+    k = torch.arange(width, device=entries.device)[None, :]
+    index = (k - start).clamp(0, s - 1)
+    keys = torch.gather(entries, 1, index[..., None].expand(b, width, d))
+    if prefix.shape[1]:
+        prefix = torch.nn.functional.pad(prefix.to(keys.dtype), (0, 0, 0, width - prefix.shape[1]))
+        keys = torch.where((k < start)[..., None], prefix, keys)
+    return keys.masked_fill((k >= start + s)[..., None], 0)
 
 
 def _shared_kv_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

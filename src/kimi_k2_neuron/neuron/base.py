@@ -1,6 +1,7 @@
 """Kimi-K2 as an NxDI model, without its optional parts: the parallel context over NxD's layers, the decoder layer
 (the core's, its attention path chosen when it is built), NeuronBaseModel's Kimi and the base application. The parts
-a run may add (chunked_prefill.py, fused_spec.py) are mixins that modeling.py composes with these."""
+a run may add (chunked_prefill.py, prefix_caching.py, fused_spec.py) are mixins that modeling.py composes with
+these."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.parallel import ParallelContext, stripe  # noqa: E402
 from kimi_k2_neuron.placement import chunk_meshes  # noqa: E402
 
-from . import contract  # noqa: E402
+from . import contract, prefix_caching  # noqa: E402
 from .inference_config import KimiK2InferenceConfig, KimiK2ServingRequest  # noqa: E402
 from .latent_cache import LatentKVCacheManager  # noqa: E402
 from .loader import load_neuron_state_dict, model_state_dict, rank_passes  # noqa: E402
@@ -164,8 +165,10 @@ def decode_masks(prior_mask: torch.Tensor, s: int):
 
 
 # The decoder layer's attention, one per kind of submodel: a prefill (CTE) over its own tokens, a prefill chunk over
-# the cache and itself (chunked_prefill.py), a decode step over the replicated cache, or over the sequence-sharded one
+# the cache and itself (chunked_prefill.py), a prefill over cached blocks and itself (prefix_caching.py), a decode step
+# over the replicated cache, or over the sequence-sharded one
 PREFILL, CHUNK, DECODE, SHARDED_DECODE = "prefill", "chunk", "decode", "sharded-decode"
+BLOCK_PREFILL = prefix_caching.BLOCK_PREFILL
 
 
 class KimiK2DecoderLayer(DecoderLayer):
@@ -181,8 +184,8 @@ class KimiK2DecoderLayer(DecoderLayer):
         super().__init__(cfg, layer_idx, dtype, ctx)
         self.rotary = rotary
         self.flash_decoding = bool(ctx.config.neuron_config.flash_decoding_enabled)
-        self.attend = {PREFILL: self._prefill, CHUNK: self._chunk, DECODE: self._decode,
-                       SHARDED_DECODE: self._sharded_decode}[attention]
+        self.attend = {PREFILL: self._prefill, CHUNK: self._chunk, BLOCK_PREFILL: self._block_prefill,
+                       DECODE: self._decode, SHARDED_DECODE: self._sharded_decode}[attention]
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, **kwargs):
         """NxDI passes the rest by keyword (NXDI_CONTRACT.md: decoder-layer-call): active_mask, cos_cache, sin_cache,
@@ -190,7 +193,8 @@ class KimiK2DecoderLayer(DecoderLayer):
         cos_cache, sin_cache = kwargs.get("cos_cache"), kwargs.get("sin_cache")
         if cos_cache is None:
             cos_cache, sin_cache = self.rotary(position_ids)
-        q_nope, q_pe, entries = self.self_attn.project(self.input_layernorm(hidden_states), (cos_cache, sin_cache))
+        attn_in, hidden_states = self.attention_input(hidden_states)  # an EAGLE3 draft's layer reads two (eagle3.py)
+        q_nope, q_pe, entries = self.self_attn.project(attn_in, (cos_cache, sin_cache))
         out, entries = self.attend(q_nope, q_pe, entries, attention_mask, past_key_value, position_ids,
                                    kwargs.get("active_mask"))
         hidden_states = hidden_states + out
@@ -212,6 +216,11 @@ class KimiK2DecoderLayer(DecoderLayer):
         fit planner counts them; sequence-sharded, this rank writes the chunk entries it owns."""
         out = self.self_attn.attend_chunk(q_nope, q_pe, past[0][:, 0], entries, position_ids, CHUNK_QUERY_TILE)
         return out, self._owned(entries) if self.flash_decoding else entries
+
+    def _block_prefill(self, q_nope, q_pe, entries, mask, past, position_ids, active_mask):
+        """The positions before the call read through the block table (none in a prefix bucket of 0) and the call's
+        own, by position in fixed key tiles (prefix_caching.prefill_attention)."""
+        return prefix_caching.prefill_attention(self.self_attn, q_nope, q_pe, entries, past, position_ids), entries
 
     def _sharded_decode(self, q_nope, q_pe, entries, mask, past, position_ids, active_mask):
         """The rank's slots and the step's entry, each under mask_util's masks."""
@@ -270,7 +279,11 @@ class KimiK2Model(NeuronBaseModel):
         # As the base but with the latent cache manager (NXDI_CONTRACT.md: model-init).
         if self.on_device_sampling:
             self.sampler = create_sampler(config.neuron_config, self.lm_head.tensor_parallel_group.size())
-        self.kv_mgr = LatentKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
+        self.kv_mgr = self.cache_manager(config)
+
+    def cache_manager(self, config: KimiK2InferenceConfig):
+        """The latent cache in NxDI's contiguous layout (prefix_caching.PrefixCachingModel's in blocks)."""
+        return LatentKVCacheManager(config, num_kv_head=self.num_key_value_heads, global_rank=self.rank_util)
 
 
 # == the application ==============================================================================================

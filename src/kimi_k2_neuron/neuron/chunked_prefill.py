@@ -175,8 +175,8 @@ def chunk_forward(model, input_ids, attention_mask, position_ids, seq_ids, sampl
 
 def takes(app, input_ids, position_ids) -> bool:
     """A prefill wider than the chunk; anything else is NxDI's own dispatch (NXDI_CONTRACT.md: private-members)."""
-    chunk = run_spec(app.config).layout.prefill_chunk
-    return bool(chunk) and input_ids.shape[-1] > chunk and app._is_prefill(position_ids)
+    spec = run_spec(app.config)
+    return spec.chunk_submodel and input_ids.shape[-1] > spec.layout.prefill_chunk and app._is_prefill(position_ids)
 
 
 def prefill(app, input_ids, attention_mask, position_ids, seq_ids, sampling_params):
@@ -233,12 +233,12 @@ class ChunkedPrefillModel:
 
 
 class ChunkedPrefill:
-    """The application's part, with --prefill-chunk: the chunk submodel beside the token-generation one, and a
-    prefill wider than the chunk sent to the driver."""
+    """The application's part, with --prefill-chunk (without prefix caching): the chunk submodel beside the
+    token-generation one, and a prefill wider than the chunk sent to the driver."""
 
     def enable_token_generation(self, enable_wlt_optimization: bool = True, **model_init_kwargs):
         super().enable_token_generation(enable_wlt_optimization, **model_init_kwargs)
-        if run_spec(self.config).layout.prefill_chunk:
+        if run_spec(self.config).chunk_submodel:
             enable_chunked_prefill(self, **model_init_kwargs)
 
     def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args, **kwargs):

@@ -19,7 +19,7 @@ from kimi_k2_neuron.formats.scheme import NXD_DTYPE
 from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules
-from .spec import RUN_SPEC_KEY, RunSpec
+from .spec import RUN_SPEC_KEY, RunSpec, prefix_caching_buckets
 
 # Dropless, GLU = silu(gate) * up, combine weights as the core router gives them; set on every construction
 # (NXDI_CONTRACT.md: moe-settings, normalize-reload).
@@ -100,6 +100,14 @@ def derived_fields(cfg: KimiK2Config, spec: RunSpec) -> dict[str, Any]:
     )
     if s.one_row_prefill:  # each prefill into its row's line (a chunked prefill's chunk 0 too), one row a call
         kw["is_continuous_batching"] = True
+    # the latent cache in blocks for vLLM's prefix caching only, else contiguous (named either way: a reload that
+    # holds the other is refused); pa_num_blocks counts vLLM's null block (NXDI_CONTRACT.md: prefix-buckets,
+    # vllm-block-pool)
+    kw.update(is_block_kv_layout=s.prefix_caching, is_prefix_caching=s.prefix_caching)
+    if s.prefix_caching:
+        prefill, prefix = prefix_caching_buckets(s)
+        kw.update(pa_block_size=s.block_size, pa_num_blocks=s.pool_blocks + 1, enable_bucketing=True,
+                  context_encoding_buckets=prefill, prefix_buckets=prefix, token_generation_buckets=[s.seq_len])
     # NxDI's cache sizing, masks and KV group; G: the run spec's layout (NXDI_CONTRACT.md: fd-config)
     if s.layout.sequence_sharded:
         kw["flash_decoding_enabled"] = True
@@ -136,9 +144,7 @@ UNSUPPORTED = (
     ("sequence_parallel_enabled", (False,), "MLA attention here has no sequence-parallel path"),
     ("attention_dp_degree", (1,), "attention data parallel needs DataParallelKVCacheManager"),
     ("cp_degree", (1,), "context parallel attention is not implemented for MLA"),
-    ("is_block_kv_layout", (False,), "the latent cache uses the contiguous layout"),
-    ("is_prefix_caching", (False,), "prefix caching needs the block layout"),
-    ("is_chunked_prefill", (False,), "chunked prefill needs the block layout"),
+    ("is_chunked_prefill", (False,), "NxDI's application raises NotImplementedError for it"),  # nxdi-chunked-prefill
     ("enable_token_tree", (False,), "EAGLE token trees are not implemented"),
     ("is_medusa", (False,), "Medusa is not implemented"),
     # NXDI_CONTRACT.md: layer-boundary-markers

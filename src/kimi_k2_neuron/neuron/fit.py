@@ -15,14 +15,15 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE
 from kimi_k2_neuron.placement import Layout
+from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
 from . import moe_paths, rules, timing
 from .hbm import (BF16, FP32, GiB, RUNTIME_RESERVED_BYTES, TRN2_HBM_BW_PER_CHIP, TRN2_HBM_PER_CHIP,
-                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, chunk_attention_row, div, logical_cores,
-                  moe_runs, moe_temporaries, weight_rows)
-from .spec import FD_RESERVED_SLOTS, RunSpec
-from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, experts_read,
-                     layout_collectives, moe_prefill_work, prefill_time)
+                  TRN2_PHYSICAL_CORES_PER_CHIP, Part, Row, allowance_rows, block_attention_row, block_bytes,
+                  block_pool_row, chunk_attention_row, div, logical_cores, moe_runs, moe_temporaries, weight_rows)
+from .spec import FD_RESERVED_SLOTS, RunSpec, prefix_caching_buckets, prefix_caching_calls
+from .timing import (THIS_PORT, Collective, Port, PrefillWork, Timing, chunk_merge, decode_time, decode_traffic,
+                     experts_read, layout_collectives, moe_prefill_work, prefill_time)
 
 
 
@@ -40,7 +41,7 @@ class Plan:
     moe_prefill: str  # moe_paths.MODES
     prefill_path: str  # what NxD runs for that prefill: prefill_path()
     prefill_blocks: int | None  # blocks per MoE layer on the blockwise paths (the torch path unrolls them)
-    decode_path: str  # "all-experts" or "selective" (decodes_all_experts)
+    decode_path: str  # the token-generation MoE path run (RunSpec.decode_path: --moe-decode or the time model's)
     port: Port  # the build modelled: this port's, or a published one's (kv_slots, router dtype, ...)
     layout: Layout
     cache_slots_per_rank: int  # latent cache positions one rank holds per sequence (RunSpec.cache_slots)
@@ -66,6 +67,7 @@ class Plan:
     chunk: Timing | None = None  # the modelled last prefill chunk (the chunk submodel's call); None unchunked
     # what one chunk's attention moves per layer and rank (timing.chunk_merge); None unchunked or unsharded
     chunk_merge_bytes: int | None = None
+    prefix: "PrefixTurn | None" = None  # with --prefix-caching: the block pool and a turn reusing a prefix
 
     @property
     def kv_slots(self) -> int:
@@ -100,8 +102,13 @@ class Plan:
         if self.speculation is not None:
             d["speculation"] = {**{k: v for k, v in d["speculation"].items() if k != "verify"},
                                 "verify": _timing_dict(self.speculation.verify),
-                                "effective_tpot_ms": {str(a): self.speculation.tpot_s(a) * 1e3
-                                                      for a in ACCEPT_LENGTHS}}
+                                "effective_tpot_ms": self.speculation.effective_tpot_ms()}
+        if self.prefix is not None:
+            x = self.prefix
+            d["prefix"] = {**{k: v for k, v in d["prefix"].items() if k not in ("warm", "cold")},
+                           "pool_tokens": x.pool_tokens, "more_tokens": x.more_blocks * x.block_size,
+                           "warm_ms": x.warm_s * 1e3, "cold_ms": x.cold_s * 1e3, "warm_over_cold": x.warm_s / x.cold_s,
+                           "warm": [_timing_dict(t) for t in x.warm], "cold": [_timing_dict(t) for t in x.cold]}
         d.update(tpot_ms=self.decode.total_s * 1e3, ttft_ms=self.ttft_s * 1e3, weight_bytes=self.weight_bytes,
                  headroom_bytes=self.headroom_bytes,
                  presharded_bytes=self.presharded_bytes, presharded_gib=self.presharded_bytes / GiB,
@@ -116,7 +123,15 @@ def _timing_dict(t: Timing) -> dict:
     return {"total_ms": t.total_s * 1e3, "bytes": t.bytes, "bytes_ms": t.bytes_s * 1e3, "flops_ms": t.flops_s * 1e3,
             "collectives_ms": t.collectives_s * 1e3, "fixed_ms": t.fixed_s * 1e3, "batch_ms": t.batch_s * 1e3,
             "collective_count": t.collective_count,
-            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives]}
+            "collectives": [{**asdict(c), "ms": c.seconds() * 1e3} for c in t.collectives],
+            **({"compute": _compute_dict(t.compute)} if t.compute is not None else {})}
+
+
+def _compute_dict(c) -> dict:
+    """A decode step's compute (engines.Compute) by matmul, in ms."""
+    return {"moe_path": c.moe_path, "tensor_engine_ms": c.tensor_s * 1e3, "vector_engine_ms": c.vector_s * 1e3,
+            "routed_experts_ms": c.routed_s() * 1e3, "flops": c.flops,
+            "matmuls": [{**asdict(m), "ms": m.seconds() * 1e3} for m in c.matmuls]}
 
 
 
@@ -139,16 +154,17 @@ def _check(cfg: KimiK2Config, spec: RunSpec, port: Port) -> None:
 
 
 def bytes_per_token(cfg: KimiK2Config, spec: RunSpec, weights: list[Row]) -> tuple[int, int]:
-    """(routed experts read per MoE layer, bytes one decode step reads per rank); the duplicate V slot is not
-    read."""
-    read = experts_read(cfg, spec)
+    """(routed experts read per MoE layer, bytes one decode step moves per rank: the weights and cache it reads, the
+    all-experts outputs it writes and reads back); the duplicate V slot is not read."""
+    path = spec.decode_path(cfg)
+    read = experts_read(cfg, spec, path)
     e_local = cfg.n_routed_experts // spec.ep
     routed = (Part.ROUTED_EXPERTS, Part.EXPERT_SCALES)
     experts = sum(r.bytes for r in weights if r.part in routed)  # weights and scales, every MoE layer
     non_expert = sum(r.bytes for r in weights if r.part not in (*routed, Part.EMBEDDING))
     embed_rows = spec.batch * div(cfg.hidden_size, spec.tp) * BF16
     kv_read = cfg.num_hidden_layers * spec.batch * spec.cache_slots * cfg.latent_dim * BF16
-    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read)
+    return read, int(non_expert + embed_rows + experts * read / e_local + kv_read + decode_traffic(cfg, spec, path))
 
 
 def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, prior: int) -> PrefillWork:
@@ -161,22 +177,48 @@ def _prefill_work(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: st
                        moe_prefill_work(cfg, spec, path, spec.scheme.quantized))
 
 
-def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row],
-          path: str) -> tuple[Timing, float, Timing | None]:
+def prefill_call(cfg: KimiK2Config, spec: RunSpec, prior: int = 0, port: Port = THIS_PORT,
+                 c: timing.Constants = timing.TRN2) -> Timing:
+    """One prefill call of spec.prefill_tokens tokens after `prior` positions already in the cache (a chunk's, or a
+    turn's cached prefix), on the MoE path NxD takes for that many tokens (an estimate: timing.prefill_time)."""
+    weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, port.router_dtype, spec.layout)
+    path = moe_paths.prefill_path(cfg, spec.prefill_tokens, spec.prefill_mode(cfg))
+    return prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, prior), CHUNK_QUERY_TILE, c)
+
+
+def _ttft(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], path: str, c: timing.Constants,
+          longest: bool = True) -> tuple[Timing, float, Timing | None]:
     """(the first prefill call, the prefill of the longest prompt, its last chunk): one bucket, or with chunks a
-    prompt of seq_len tokens, chunk k attending the k x N positions before it."""
-    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE)
+    prompt of seq_len tokens, chunk k attending the k x N positions before it (not longest: the first call's); with
+    prefix caching, its calls with nothing cached (turn_calls)."""
+    if spec.prefix_caching:
+        calls = turn_calls(cfg, spec, weights, 0, spec.seq_len, c)
+        return calls[0], sum(t.total_s for t in calls), calls[-1] if len(calls) > 1 and longest else None
+    first = prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, 0), CHUNK_QUERY_TILE, c)
     n = spec.layout.prefill_chunk
-    if n is None or spec.seq_len <= n:
+    if n is None or spec.seq_len <= n or not longest:
         return first, first.total_s, None
-    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE)
+    later = [prefill_time(cfg, spec, _prefill_work(cfg, spec, weights, path, k * n), CHUNK_QUERY_TILE, c)
              for k in range(1, spec.seq_len // n)]
     return first, first.total_s + sum(t.total_s for t in later), later[-1]
 
 
-def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
+def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT, c: timing.Constants = timing.TRN2,
+         longest_prompt: bool = True, turn: tuple[int, int] | None = None) -> Plan:
     """The spec's HBM, byte roofline and modelled decode and prefill time per logical core. `port` models another
-    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port)."""
+    build (NxDI's stock KV cache, a bf16 router, ...: timing.Port), `c` other constants. Without --moe-decode,
+    planned at the path the spec decides (RunSpec.decode_path), else at the one the time model says is fastest: the
+    lowest modelled decode step among those that fit, NxD's own on a tie. longest_prompt False: ttft_s is the first
+    prefill call's alone (for searches that time their own prompts: workload.py). With prefix caching, `turn`
+    (cached, new positions; default TURN) is the turn whose warm and cold prefill it models."""
+    if spec.moe_decode is None:
+        given = spec.decode_path(cfg)
+        if given is not None:
+            return plan(cfg, replace(spec, moe_decode=given), port, c, longest_prompt, turn)
+        plans = [plan(cfg, replace(spec, moe_decode=path), port, c, longest_prompt, turn)
+                 for path in moe_paths.decode_candidates(spec.ep)]
+        nxd = moe_paths.nxd_decode_path(cfg, spec.batch)
+        return min(plans, key=lambda p: (not p.fits, round(p.decode.total_s, 9), p.decode_path != nxd))
     _check(cfg, spec, port)
     tp, ep, lnc, batch, layout = spec.tp, spec.ep, spec.lnc, spec.batch, spec.layout
     capacity = TRN2_HBM_PER_CHIP * lnc // TRN2_PHYSICAL_CORES_PER_CHIP
@@ -189,26 +231,101 @@ def plan(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> Plan:
              cfg.num_hidden_layers * kv_slots * batch * slots * cfg.latent_dim * BF16)
     moe = moe_runs(cfg, spec)
     chunk = chunk_attention_row(cfg, tp, slots, layout)
+    if spec.prefix_caching:  # the pool for the cache; no chunk submodel, the prefill attends over blocks
+        kv, chunk = block_pool_row(cfg, spec), block_attention_row(cfg, spec)
     allowance = allowance_rows(cfg, spec.prefill_tokens, moe, chunked=chunk is not None) + ([chunk] if chunk else [])
     speculation = _speculation(cfg, spec, weights, port)
     total = sum(r.bytes for r in (*weights, kv, *allowance, *(speculation.rows if speculation else ())))
     read, per_token = bytes_per_token(cfg, spec, weights)
-    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"])
+    first, ttft, last_chunk = _ttft(cfg, spec, weights, moe["prefill_path"], c, longest_prompt)
     usable = capacity - RUNTIME_RESERVED_BYTES
     return Plan(
         model=f"{cfg.source} ({cfg.model_type})", tp=tp, ep=ep, lnc=lnc, seq_len=spec.seq_len, batch=batch,
         experts=spec.scheme.name, context_len=spec.context_length, prefill_rows=spec.prefill_batch,
         moe_prefill=spec.prefill_mode(cfg), prefill_path=moe["prefill_path"], prefill_blocks=moe["prefill_blocks"],
-        decode_path=moe["decode_path"], port=port, layout=layout, cache_slots_per_rank=slots,
+        decode_path=spec.moe_decode, port=port, layout=layout, cache_slots_per_rank=slots,
         logical_cores=logical_cores(lnc), capacity_bytes=capacity, usable_bytes=usable,
         weights=tuple(weights), kv_cache=kv, allowance=tuple(allowance), total_bytes=total,
         collectives=tuple(layout_collectives(cfg, spec, rows=batch, queries=1, query_tile=1)),
         fits=total <= usable, unfused_fp32_bytes=moe["unfused_fp32_bytes"], experts_read_per_layer=read,
         bytes_per_token=per_token, hbm_bytes_per_s=bandwidth, tpot_lower_bound_s=per_token / bandwidth,
-        decode=decode_time(cfg, spec, per_token, port), prefill=first, ttft_s=ttft,
-        assumptions=_assumptions(port, layout), speculation=speculation, chunk=last_chunk,
+        decode=decode_time(cfg, spec, per_token, port, c), prefill=first, ttft_s=ttft,
+        assumptions=_assumptions(port, layout, spec), speculation=speculation, chunk=last_chunk,
         chunk_merge_bytes=(sum(c.count * c.bytes for c in chunk_merge(cfg, spec, 1))
-                           if last_chunk and layout.sequence_sharded else None))
+                           if last_chunk and layout.sequence_sharded else None),
+        prefix=(prefix_caching(cfg, spec, weights, usable - total, turn or TURN, c) if spec.prefix_caching else None))
+
+
+# -- prefix caching: the pool, and a turn that reuses a cached prefix -------------------------------------------------
+
+# the agentic turn plan prints (issue 37): a long shared history cached, a tool result and a question added
+TURN = (65536, 2048)
+
+
+@dataclass(frozen=True)
+class PrefixTurn:
+    """The block pool per rank and a turn's modelled prefill with and without its prefix cached (estimates)."""
+
+    block_size: int
+    pool_blocks: int  # vLLM's blocks (--num-gpu-blocks-override)
+    block_bytes: int  # one block of every layer on one rank
+    more_blocks: int  # blocks the HBM headroom would hold beyond the pool (0 when it does not fit)
+    cached: int  # the turn: positions in cached blocks
+    new: int  # and positions to prefill
+    warm_calls: tuple[tuple[int, int], ...]  # (prefill bucket, prefix bucket) of each call, as NxDI picks them
+    warm: tuple[Timing, ...]
+    cold_calls: tuple[tuple[int, int], ...]  # the same prompt with nothing cached
+    cold: tuple[Timing, ...]
+
+    @property
+    def pool_tokens(self) -> int:
+        """Positions the pool holds: every row's running sequence and whatever history stays cached beside them."""
+        return self.pool_blocks * self.block_size
+
+    @property
+    def warm_s(self) -> float:
+        return sum(t.total_s for t in self.warm)
+
+    @property
+    def cold_s(self) -> float:
+        return sum(t.total_s for t in self.cold)
+
+
+def turn_calls(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], cached: int, new: int,
+               c: timing.Constants = timing.TRN2) -> list[Timing]:
+    """Each context-encoding call prefilling `new` positions after `cached` ones in blocks (spec.prefix_caching_calls:
+    NxDI's bucket choice, the chunks), timed as prefill_time counts a call: its prefill bucket's tokens through the
+    dense layers and the MoE path NxD takes for them, every key tile of its positions (prefix bucket + prefill
+    bucket) scored after kv_b expands each key (MLAttention.attend_positions)."""
+    tile, mode = key_tile_for(spec.seq_len), spec.prefill_mode(cfg)
+    out = []
+    for a, pfx in prefix_caching_calls(spec, cached, new):
+        call = replace(spec, max_context_length=a, layout=replace(spec.layout, prefill_chunk=None))
+        keys = key_width(pfx + a, tile)
+        work = replace(_prefill_work(cfg, call, weights, moe_paths.prefill_path(cfg, a, mode), pfx), keys=keys,
+                       expanded_keys=keys)
+        out.append(prefill_time(cfg, call, work, CHUNK_QUERY_TILE, c))
+    return out
+
+
+def turn_seconds(cfg: KimiK2Config, spec: RunSpec, cached: int, new: int) -> float:
+    """The modelled prefill (TTFT less the first token's sampling) of a turn of `new` positions after `cached` ones in
+    blocks: the planner's serving view reads a warm turn from here (an estimate)."""
+    weights = weight_rows(cfg, spec.tp, spec.ep, spec.scheme, THIS_PORT.router_dtype, spec.layout)
+    return sum(t.total_s for t in turn_calls(cfg, spec, weights, cached, new))
+
+
+def prefix_caching(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], headroom: int,
+                   turn: tuple[int, int] = TURN, c: timing.Constants = timing.TRN2) -> PrefixTurn:
+    """The pool, what the headroom would add to it, and `turn` (cached, new) warm and cold, shortened to seq_len."""
+    cached, new = turn
+    new = min(new, spec.seq_len)
+    cached = min(cached, spec.seq_len - new) // spec.block_size * spec.block_size  # vLLM hits whole blocks
+    per_block = block_bytes(cfg, spec.block_size)
+    warm, cold = prefix_caching_calls(spec, cached, new), prefix_caching_calls(spec, 0, cached + new)
+    return PrefixTurn(spec.block_size, spec.pool_blocks, per_block, max(0, headroom) // per_block, cached, new,
+                         tuple(warm), tuple(turn_calls(cfg, spec, weights, cached, new, c)), tuple(cold),
+                         tuple(turn_calls(cfg, spec, weights, 0, cached + new, c)))
 
 
 def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
@@ -219,12 +336,13 @@ def modelled(cfg: KimiK2Config, spec: RunSpec, port: Port = THIS_PORT) -> dict:
             "tpot_ms": p.decode.total_s * 1e3, "prefill_call_ms": p.prefill.total_s * 1e3,
             "ttft_longest_prompt_ms": p.ttft_s * 1e3, "decode": _timing_dict(p.decode),
             "prefill": _timing_dict(p.prefill),
-            **({"speculation": {"fused_step_ms": p.speculation.step_s * 1e3, "effective_tpot_ms": {
-                str(a): p.speculation.tpot_s(a) * 1e3 for a in ACCEPT_LENGTHS}}} if p.speculation else {})}
+            **({"speculation": {"fused_step_ms": p.speculation.step_s * 1e3,
+                                "effective_tpot_ms": p.speculation.effective_tpot_ms()}} if p.speculation else {})}
 
 
 
-def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
+def _assumptions(port: Port, layout: Layout, spec: RunSpec | None = None) -> tuple[str, ...]:
+    c = timing.TRN2
     kv = ("2 KV slots: the stock NxDI KVCacheManager allocates a V slot as wide as K, holding a dead copy of the "
           "latent (what a port on the stock manager pays)" if port.kv_slots == 2 else
           "1 KV slot: our LatentKVCacheManager keeps the latent in K and shrinks V to width 1 (--kv-slots 2 "
@@ -237,7 +355,14 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
                   f"seq_len / G + {FD_RESERVED_SLOTS} slots per rank (NxDI's get_cache_size); its merge adds 3 "
                   f"collectives per layer to a decode step, up to 5 to a prefill chunk (model/mla.py attend_chunk, "
                   f"over the cheaper chunk group)")
-    if layout.prefill_chunk:
+    if spec is not None and spec.prefix_caching:
+        prefill, prefix = prefix_caching_buckets(spec)
+        lc.append(f"prefix caching: the latent cache in NxDI's block layout, one pool on every rank; "
+                  f"{len(prefill)} x {len(prefix) + 1} context-encoding graphs (prefill buckets {prefill[0]}.."
+                  f"{prefill[-1]} by prefix buckets 0, {prefix[0]}..{prefix[-1]}; their NEFF code not counted); a call "
+                  f"scores every key tile of its positions, no causal halving, after kv_b expands each key "
+                  f"(neuron/prefix_caching.py); a turn's cached positions are whole blocks (vLLM's hits)")
+    elif layout.prefill_chunk:
         lc.append(f"chunked prefill: one row of {layout.prefill_chunk} tokens per call through one graph (batch 1); "
                   "the calibrated scratchpad is scaled to the chunk, plus its attention temporaries as the shell "
                   "tiles them; the chunk graph's own NEFF code is not counted")
@@ -253,14 +378,16 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
         "bf16 first, for both FP8 schemes; the torch and all-experts paths hold the bf16 "
         "copy of each expert they run and their matmul outputs; one MoE layer at a time; the fp32 products of "
         "dequantization are assumed fused into their bf16 results and are not counted",
-        "TPOT bound: bytes read per decode step / per-core HBM bandwidth; every local expert when batch x top_k >= "
-        "n_routed_experts or EP > 1 (NxD's all-experts decode), else batch x top_k experts per MoE layer, a repeat "
-        "read again (NxD's selective loading loops over the tokens); ignores compute, collectives and launch "
-        "overheads",
-        "modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
-        "collective at 24 us + bytes / 100 GB/s, 214 us per layer and 46 us per further token per MoE layer fitted on "
-        "the AWS DeepSeek-V3 contrib's published TPOT, prefill scaled by a factor fitted on its TTFT; checked against "
-        "the community Kimi ports in docs/planner.md",
+        "TPOT bound: bytes moved per decode step / per-core HBM bandwidth; every local expert on the all-experts "
+        "decode path (and its [experts, batch, hidden] output written and read back), else batch x top_k experts per "
+        "MoE layer, a repeat read again (NxD's selective loading loops over the tokens); ignores compute, collectives "
+        "and launch overheads",
+        f"modelled TPOT and TTFT (timing.py, estimates, not trn2 measurements): bytes over HBM bandwidth, each "
+        f"collective at {c.alpha_s * 1e6:.0f} us + bytes / {c.beta_bytes_per_s / 1e9:.0f} GB/s, each decode matmul as "
+        f"TensorEngine instructions of max(tokens, 64) cycles per 128 x 128 weight tile (engines.py), "
+        f"{c.layer_s * 1e6:.0f} us per layer and {c.token_moe_s * 1e6:.1f} us per further token per MoE layer on the "
+        f"selective path fitted on the AWS DeepSeek-V3 contrib's published TPOT and vLLM ITLs, prefill scaled by a "
+        f"factor fitted on its TTFT; checked against the community Kimi ports in docs/planner.md",
     )
 
 
@@ -270,9 +397,40 @@ def _assumptions(port: Port, layout: Layout) -> tuple[str, ...]:
 # One fused step: the draft's speculation_length calls (K - 1 proposals of one token a row, then one call over the K
 # candidates that rewrites its cache with the target's hidden states) and one target call verifying K tokens a row
 # (NXDI_CONTRACT.md: fused-spec). A step emits 1..K tokens a row; the effective TPOT is the step over the accept
-# length. The accept lengths printed: 2.3, the low end of lightseekorg/kimi-k2.5-eagle3's model card (2.3-3.8, K2.5,
-# 3 draft steps), and 3.2, inside that range (README: speculative decoding).
-ACCEPT_LENGTHS = (2.3, 3.2)
+# length. The accept lengths the planner prints are a low and a high one of the public drafts of the draft's family,
+# each measured with 3 draft tokens a step (K = 4) on its model card (docs/speculative.md: expected accept lengths):
+PUBLISHED_K = 4
+ACCEPT_LENGTHS = {
+    # lightseekorg/kimi-k2.5-eagle3 (2.3-3.8); AQ-MedAI/Kimi-K26-eagle3 (GSM8K 3.172, HumanEval 3.217)
+    "eagle3": (2.3, 3.2),
+    # lightseekorg/kimi-k2.6-eagle3-mla, vLLM 0.20 (CEval 2.494 .. MATH500 3.245)
+    "eagle3-mla": (2.5, 3.2),
+    # lightseekorg/kimi-k2.6-eagle3.1-mla (MTBench 2.611, GSM8K 3.195)
+    "eagle3.1-mla": (2.6, 3.2),
+}
+
+
+def draft_family(draft) -> str:
+    """ACCEPT_LENGTHS' key of a draft's facts (checkpoint/draft.py's Eagle3Draft)."""
+    if draft.kind == "eagle3-mla":
+        return "eagle3.1-mla" if draft.eagle31 else "eagle3-mla"
+    return "eagle3"
+
+
+def accept_lengths(family: str, k: int) -> tuple[float, ...]:
+    """The family's published accept lengths at speculation length k: as measured at PUBLISHED_K, else each scaled
+    by the constant per-draft acceptance rate a that gives it there (1 + a + ... + a^(K0 - 1) = L) to 1 + a + ... +
+    a^(k - 1), which a step of k tokens can emit (an estimate: real acceptance falls along the draft)."""
+    if k == PUBLISHED_K:
+        return ACCEPT_LENGTHS[family]
+    out = []
+    for length in ACCEPT_LENGTHS[family]:
+        lo, hi = 0.0, 1.0
+        for _ in range(60):  # bisection: the sum grows with a
+            a = (lo + hi) / 2
+            lo, hi = (a, hi) if sum(a ** i for i in range(PUBLISHED_K)) < length else (lo, a)
+        out.append(round(sum(lo ** i for i in range(k)), 2))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -284,10 +442,15 @@ class Speculation:
     verify: Timing  # the target's verify call (timing.decode_time at batch x K tokens, the cache read per row)
     draft_s: float  # the draft's K calls
     step_s: float  # one fused step
+    family: str = "eagle3"  # ACCEPT_LENGTHS' key
+    accept_lengths: tuple[float, ...] = ()  # accept_lengths(family, speculation_length)
 
     def tpot_s(self, accept_length: float) -> float:
         """The modelled time per token when a step emits accept_length tokens a row on average."""
         return self.step_s / accept_length
+
+    def effective_tpot_ms(self) -> dict[str, float]:
+        return {str(a): self.tpot_s(a) * 1e3 for a in self.accept_lengths}
 
 
 def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Port) -> Speculation | None:
@@ -298,25 +461,40 @@ def _speculation(cfg: KimiK2Config, spec: RunSpec, weights: list[Row], port: Por
         return None
     c, k, b, tp = d.checkpoint, d.speculation_length, spec.batch, spec.tp
     tokens = b * k
-    kv_heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
-    draft_kv = b * spec.seq_len * 2 * kv_heads * c.head_dim * BF16  # MHA, never sequence-sharded
+    if c.mla is None:
+        heads = max(1, c.num_key_value_heads // tp)  # NxDI's GQA replicates KV heads up to the TP degree
+        kv_what = f"{heads} KV head/rank"
+    else:  # one latent entry a position on every rank, V's slot 1 wide (eagle3_mla.py)
+        heads, kv_what = 1, "latent, every rank"
+    draft_kv = b * spec.seq_len * heads * c.kv_width * BF16  # never sequence-sharded
     path = moe_paths.verify_path(cfg, tokens)
-    norms = 4 * c.hidden_size * BF16  # replicated; the rest is split tp ways (NxDI's Llama, fc included)
-    rows = [Row(f"EAGLE3 draft weights (TP; {c.num_attention_heads} heads, vocab {c.vocab_size})", "bf16",
-                div(c.weight_bytes - norms, tp) + norms),
-            Row(f"EAGLE3 draft KV cache ({kv_heads} KV head/rank x {spec.seq_len})", "bf16", draft_kv),
+    # whole on every rank: the norms, and the MLA draft's q_a / kv_a projections (as the target's: NxDParallelContext)
+    whole = sum(_numel(shape) for name, shape in c.shapes().items()
+                if len(shape) == 1 or name.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight"))) * BF16
+    per_core = div(c.weight_bytes - whole, tp) + whole
+    rows = [Row(f"EAGLE3 draft weights (TP; {c.kind}, {c.num_attention_heads} heads, lm_head {c.lm_head_rows} rows)",
+                "bf16", per_core),
+            Row(f"EAGLE3 draft KV cache ({kv_what} x {spec.seq_len})", "bf16", draft_kv),
             # rows + a spare x 2 x K positions x 3 captured hiddens (NxDI's HiddenStateRollingBuffer)
             Row(f"EAGLE hidden-state buffer ({b}+1 x 2 x {k} x 3 hidden)", "bf16",
                 (b + 1) * 2 * k * 3 * c.hidden_size * BF16)]
     if path == "all-experts":
         rows.append(Row(f"verify MoE temporaries (all-experts, {tokens} tokens, 1 layer)", "bf16",
                         moe_temporaries(cfg, path, tokens, tp, spec.ep, spec.scheme)[0]))
-    verify_spec = replace(spec, batch=tokens)
+    verify_spec = replace(spec, batch=tokens, moe_decode=path)  # NxD's own forward: a verify is no token generation
     _, verify_bytes = bytes_per_token(cfg, verify_spec, weights)
     verify_bytes -= (tokens - b) * cfg.num_hidden_layers * spec.cache_slots * cfg.latent_dim * BF16  # per row
     verify = decode_time(cfg, verify_spec, verify_bytes, port)
-    call_bytes = div(c.weight_bytes - 2 * c.vocab_size * c.hidden_size, tp) + draft_kv  # the embedding: a gather
-    draft_s = k * timing.draft_call_time(call_bytes)
+    embedding = div(2 * c.vocab_size * c.hidden_size, tp)  # a gather: not read whole
+    draft_s = k * timing.draft_call_time(per_core - embedding + draft_kv)
+    family = draft_family(c)
     return Speculation(draft=str(d.path), speculation_length=k, rows=tuple(rows), verify_path=path, verify=verify,
-                       draft_s=draft_s, step_s=verify.total_s + draft_s)
+                       draft_s=draft_s, step_s=verify.total_s + draft_s, family=family,
+                       accept_lengths=accept_lengths(family, k))
 
+
+def _numel(shape) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n

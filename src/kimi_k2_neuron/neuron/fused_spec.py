@@ -1,14 +1,15 @@
 """Speculative decoding with an EAGLE3 draft through NxDI's fused speculation (NXDI_CONTRACT.md: fused-spec): the
 context encoding and one fused graph (draft steps, one target verify of speculation_length tokens, NxDI's acceptance),
 no plain token-generation graph. The target is Kimi's own model, unchanged but for the 4H-wide gather of its captured
-hidden states (NXDI_CONTRACT.md: eagle3-cte-gather); the draft and its configs are draft_config.py's, its weights read
-and checked by checkpoint/draft.py. Here: the parts the model and the application are built with (Eagle3Target,
-FusedSpeculation), the FusedSpecNeuronConfig completed before the submodels are built, the fused state dict and the
-per-step generation loop."""
+hidden states (NXDI_CONTRACT.md: eagle3-cte-gather); the draft and its configs are draft_config.py's (the MLA draft's
+model eagle3_mla.py's), its weights read and checked by checkpoint/draft.py. Here: the parts the model and the
+application are built with (Eagle3Target, FusedSpeculation), the FusedSpecNeuronConfig completed before the submodels
+are built, the fused state dict and the per-step generation loop."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from .sdk import require_neuron_sdk
 
@@ -18,12 +19,13 @@ import torch  # noqa: E402
 from neuronx_distributed_inference.models.llama.modeling_llama import NeuronLlamaForCausalLM  # noqa: E402
 from neuronx_distributed_inference.modules.generation.sampling import prepare_sampling_params  # noqa: E402
 
-from kimi_k2_neuron.checkpoint.draft import neuron_tensors, read_config, read_draft  # noqa: E402
+from kimi_k2_neuron.checkpoint.draft import MLA, neuron_tensors, read_config, read_draft  # noqa: E402
 from kimi_k2_neuron.errors import KimiInputError  # noqa: E402
 
 from .base import add_compiler_args  # noqa: E402
 from .contract import run_spec  # noqa: E402
-from .draft_config import Eagle3DraftForCausalLM, fused_spec_config  # noqa: E402
+from .draft_config import Eagle3DraftForCausalLM, fused_spec_config, is_mla, json_of  # noqa: E402
+from .eagle3_mla import Eagle3MlaDraftForCausalLM, neuron_state_dict  # noqa: E402
 from .spec import Sampling  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -45,12 +47,19 @@ def complete(app) -> None:
     if not path:
         raise KimiInputError("speculative decoding needs an EAGLE3 draft: --draft DIR (vLLM: --speculative-config "
                              "with \"model\")")
-    if fused is None or fused.draft_model_cls is not Eagle3DraftForCausalLM:
+    draft_cls = draft_class(path)
+    if fused is None or fused.draft_model_cls is not draft_cls:
         read_config(path, config.core_config())
         # the class's own model, not the fused one NxDI's __init__ put on the instance
-        config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, path, type(app)._model_cls)
+        config.fused_spec_config = app.fused_spec_config = fused_spec_config(nc, path, type(app)._model_cls,
+                                                                             draft_cls)
     # a reload's NeuronConfig sets it again with enable_eagle_speculation; the target fuses, not the draft
     config.fused_spec_config.draft_config.neuron_config.enable_fused_speculation = False
+
+
+def draft_class(path) -> type:
+    """The draft_model_cls of the draft folder `path`: NxDI's Llama draft, or the MLA draft (eagle3_mla.py)."""
+    return Eagle3MlaDraftForCausalLM if is_mla(json_of(Path(path) / "config.json")) else Eagle3DraftForCausalLM
 
 
 # -- the parts of the model and the application (modeling.py composes them) ----------------------------------------
@@ -97,15 +106,19 @@ def target_output(model, output, kwargs):
 
 def state_dict(app, target: dict) -> dict:
     """checkpoint_loader_fn's state dict: the target's, or fused, its tensors under target_model., the draft's (checked
-    again as read: names, shapes, dtypes, finite) under draft_model. in NxDI Llama's names. NxDI's own loader would
-    prefix through class attributes it never resets (NXDI_CONTRACT.md: fused-checkpoint-prefix)."""
+    again as read: names, shapes, dtypes, finite; its vocabulary map) under draft_model. in its class's names (NxDI
+    Llama's, or the MLA draft's). NxDI's own loader would prefix through class attributes it never resets
+    (NXDI_CONTRACT.md: fused-checkpoint-prefix)."""
     if not app.neuron_config.enable_fused_speculation:
         return target
     fused = app.config.fused_spec_config
     draft = read_draft(fused.draft_model_path, app.config.core_config())
     checkpoint = app.neuron_config.quantized_checkpoints_path or app.model_path
-    tensors = NeuronLlamaForCausalLM.convert_hf_to_neuron_state_dict(neuron_tensors(draft, checkpoint),
-                                                                     fused.draft_config)
+    tensors = neuron_tensors(draft, checkpoint)
+    if draft.kind == MLA:
+        tensors = neuron_state_dict(tensors, app.neuron_config.tp_degree)
+    else:
+        tensors = NeuronLlamaForCausalLM.convert_hf_to_neuron_state_dict(tensors, fused.draft_config)
     return {**{DRAFT_PREFIX + k: v for k, v in tensors.items()}, **{TARGET_PREFIX + k: v for k, v in target.items()}}
 
 

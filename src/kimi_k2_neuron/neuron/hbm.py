@@ -5,6 +5,7 @@ calibrated on the AWS DeepSeek-V3 contrib). The fit planner (fit.py) adds them u
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -13,9 +14,9 @@ from kimi_k2_neuron.formats.layout import converted_tensors
 from kimi_k2_neuron.formats.scheme import BF16_EXPERTS, ExpertScheme
 from kimi_k2_neuron.model.mla import CHUNK_QUERY_TILE, HeadDims, chunk_group_for
 from kimi_k2_neuron.placement import Layout
+from kimi_k2_neuron.runtime.block_cache import key_tile_for, key_width
 
 from . import moe_paths
-from .moe_paths import decodes_all_experts
 from .spec import RunSpec
 
 GiB = 2**30
@@ -143,9 +144,15 @@ def _part_of(key: str) -> Part:
 
 
 def weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str = "fp32",
-             layout: Layout = Layout()) -> list[Row]:
+                layout: Layout = Layout()) -> list[Row]:
     """Per rank: each tensor of the converted checkpoint, whole where replicated, else 1/tp of it (the routed
     experts too: E/ep experts of I/(tp/ep) each). MTP layers (num_nextn_predict_layers) are not loaded."""
+    return list(_weight_rows(cfg, tp, ep, scheme, router_dtype, layout))
+
+
+@functools.lru_cache(maxsize=512)  # every argument is frozen; the planner's searches ask for the same rows often
+def _weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, router_dtype: str,
+                 layout: Layout) -> tuple[Row, ...]:
     dtypes = {part: "bf16" for part in Part} | {Part.ROUTER: router_dtype, Part.EXPERT_SCALES: "fp32",
                                                 Part.ROUTED_EXPERTS: "fp8" if scheme.quantized else "bf16"}
     size = {"bf16": BF16, "fp32": FP32, "fp8": FP8}
@@ -155,8 +162,8 @@ def weight_rows(cfg: KimiK2Config, tp: int, ep: int, scheme: ExpertScheme, route
         total[part] += math.prod(shape) // (tp if _split(part, key, layout) else 1) * size[dtypes[part]]
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     total[Part.EXPERT_SCALES] = n_moe * expert_scale_bytes(cfg, tp, ep, scheme)
-    return [Row(_row_name(part, layout, scheme), dtypes[part], total[part], part) for part in Part
-            if part is not Part.EXPERT_SCALES or total[part]]
+    return tuple(Row(_row_name(part, layout, scheme), dtypes[part], total[part], part) for part in Part
+                 if part is not Part.EXPERT_SCALES or total[part])
 
 
 # -- what the MoE layers allocate while they run ---------------------------------------------------------------------
@@ -190,7 +197,7 @@ def moe_runs(cfg: KimiK2Config, spec: RunSpec) -> dict:
     """Selective-loading decode (~11 MB at TP=64) is in the calibrated runtime allowance; all-experts is counted."""
     tp, ep, batch, scheme, tokens = spec.tp, spec.ep, spec.batch, spec.scheme, spec.prefill_tokens
     path = moe_paths.prefill_path(cfg, tokens, spec.prefill_mode(cfg))
-    decode = "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
+    decode = spec.decode_path(cfg)
     prefill_bytes, prefill_fp32 = moe_temporaries(cfg, path, tokens, tp, ep, scheme)
     decode_bytes, decode_fp32 = (moe_temporaries(cfg, decode, batch, tp, ep, scheme) if decode == "all-experts"
                                  else (0, 0))
@@ -242,3 +249,28 @@ def chunk_attention_row(cfg: KimiK2Config, tp: int, slots: int, layout: Layout) 
     pooled = f", {pool} caches pooled" if pool > 1 else ""
     return Row(f"prefill chunk attention ({hg} heads, {tile}-query tiles{pooled})", "mixed",
                kv_b + cache + active + queries + scores + segment + merged)
+
+
+# -- prefix caching: the block pool and the prefill's attention over it ---------------------------------------------
+
+def block_bytes(cfg: KimiK2Config, block_size: int) -> int:
+    """One block of every layer on one rank: the latent in K, the 1-wide V (LatentBlockKVCacheManager)."""
+    return cfg.num_hidden_layers * block_size * (cfg.latent_dim + 1) * BF16
+
+
+def block_pool_row(cfg: KimiK2Config, spec: RunSpec) -> Row:
+    """vLLM's blocks, its null block 0 and NxDI's reserve for padded writes, whole on every rank."""
+    n = spec.pool_blocks
+    return Row(f"KV cache: block pool ({n} + 2 blocks x {spec.block_size}, latent + 1-wide V)", "bf16",
+               (n + 2) * block_bytes(cfg, spec.block_size))
+
+
+def block_attention_row(cfg: KimiK2Config, spec: RunSpec) -> Row:
+    """One layer's prefill attention over blocks as MLAttention.attend_positions builds it for the largest call: the
+    keys laid out by position (the prefix bucket padded, the call's entries gathered, their merge), every key's kv_b
+    expansion, and one query tile's float32 scores over all of them."""
+    dims, ctx = HeadDims.of(cfg, spec.tp), spec.context_length
+    w = key_width(spec.seq_len + ctx, key_tile_for(spec.seq_len))
+    q = min(CHUNK_QUERY_TILE, ctx)
+    total = 3 * w * cfg.latent_dim * BF16 + dims.heads * w * (dims.nope + dims.v_dim) * BF16 + dims.heads * q * w * FP32
+    return Row(f"prefill attention over blocks ({w} keys, {q}-query tiles)", "mixed", total)

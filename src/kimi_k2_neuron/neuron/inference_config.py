@@ -125,7 +125,10 @@ def _check_compiled(folder: str, request: RunSpec, config: KimiK2InferenceConfig
     except KimiInputError as e:
         raise KimiInputError(f"{where}: {e}") from None
     bad = vllm_request.compiled_mismatches(request, compiled)
-    flags = layout_flags(compiled.layout)  # compile_and_save.py refuses these flags with --for-vllm
+    layout = compiled.layout
+    if compiled.prefix_caching:  # chunks behind vLLM's whole-prompt prefill (prefix_caching.py)
+        layout = dataclasses.replace(layout, prefill_chunk=None)
+    flags = layout_flags(layout)  # compile_and_save.py refuses these flags with --for-vllm
     if flags:  # vllm-neuron drives the prefills itself and builds the model from its request
         bad.append(f"compiled with {' '.join(flags)}, a layout vllm-neuron's request cannot carry")
     if saved.get(CONVERSION_KEY) != getattr(config, CONVERSION_KEY, None):

@@ -12,7 +12,7 @@ from kimi_k2_neuron.placement import Layout
 
 from . import moe_paths, rules, timing
 from .fit import Plan, plan
-from .hbm import GiB, div
+from .hbm import GiB
 from .rules import check_counts
 from .spec import RunSpec
 from .timing import THIS_PORT, Port
@@ -24,12 +24,15 @@ SEARCHED_CHUNKS = (512, 1024, 2048, 4096)
 def layouts(cfg: KimiK2Config, spec: RunSpec, modes: tuple[str, ...] = tuple(moe_paths.MODES)) -> list[RunSpec]:
     """spec at every layout the search tries: each KV group NxD can lay out at its TP and LNC, each chunk size or none,
     each split of q_a/kv_a and the router, each of `modes` for the MoE prefill; the rules refuse the ones that cannot
-    run."""
+    run. A prefill bucket the spec gives (--max-context-length M) is kept: the one-shot prefill at M, or chunks of
+    M."""
     groups = [g for g in range(1, spec.tp + 1) if spec.tp % g == 0
               and rules.group_layout_supported(spec.tp, g, spec.lnc)]
-    chunks = [None, *(n for n in SEARCHED_CHUNKS if n < spec.seq_len)]
+    bucket = spec.max_context_length
+    sizes = SEARCHED_CHUNKS if bucket is None else (bucket,)
+    chunks = [None, *(n for n in sizes if n < spec.seq_len)]
     splits = [(a, r) for a in (False, True) for r in (False, True)] if spec.tp > 1 else [(False, False)]
-    return [replace(spec, max_context_length=None, moe_prefill=mode,
+    return [replace(spec, max_context_length=bucket if n is None else None, moe_prefill=mode,
                     layout=Layout(kv_group=g, prefill_chunk=n, shard_attn_a=a, shard_router=r))
             for g in groups for n in chunks for a, r in splits for mode in modes]
 
@@ -65,7 +68,9 @@ def published_spec(cfg: KimiK2Config, name: str) -> tuple[RunSpec, Port]:
     fields = dict(p.spec)
     scheme = scheme_for(fields.pop("experts"), "fp8")
     sampling = Sampling(on_device=fields.pop("on_device_sampling", True))
-    return RunSpec(**fields, scheme=scheme, sampling=sampling, checkpoint="(published port)"), p.port
+    # they ran stock NxD, whose token generation takes its threshold's path
+    decode = moe_paths.nxd_decode_path(cfg, fields["batch"])
+    return RunSpec(**fields, scheme=scheme, sampling=sampling, checkpoint="(published port)", moe_decode=decode), p.port
 
 
 def max_seq_len(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
@@ -128,15 +133,14 @@ def seq_len_step(p: Plan) -> int:
 
 def max_batch(cfg: KimiK2Config, spec: RunSpec, **kw) -> Plan:
     """The plan at the largest batch that fits (spec's own ignored), else at the smallest (`fits` False); the total
-    is non-decreasing in batch (all-experts decode only adds temporaries). `kw` as plan()."""
+    is non-decreasing in batch (all-experts decode only adds temporaries, and without --moe-decode a batch fits if
+    its selective-loading plan does). `kw` as plan()."""
     def at(batch: int) -> Plan:
         return plan(cfg, replace(spec, batch=batch), **kw)
 
     one_shot_tiles = (spec.moe_prefill or moe_paths.DEFAULT_MODE) == "shard-on-block" and not spec.layout.prefill_chunk
     step = 128 // math.gcd(spec.context_length, 128) if one_shot_tiles else 1
-    # with EP, NxD decodes only on all experts, which needs batch x top_k >= n_routed_experts (rules.check_ep)
-    least = div(cfg.n_routed_experts, cfg.num_experts_per_tok) if spec.ep > 1 else 1
-    lo = div(least, step) * step
+    lo = step
     first = at(lo)  # refuses bad arguments before the search
     # every row adds at least its KV cache, so past this many rows nothing fits
     hi = max(lo, first.usable_bytes // max(1, first.kv_cache.bytes // lo) // step * step)

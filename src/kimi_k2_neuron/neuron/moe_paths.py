@@ -73,7 +73,24 @@ def mode(name: str) -> PrefillMode:
 
 
 def decodes_all_experts(n_experts: int, top_k: int, batch: int) -> bool:
+    """NxD's own token-generation choice: all-experts once batch x top_k / E reaches its threshold."""
     return batch * top_k >= SELECTIVE_LOADING_THRESHOLD * n_experts
+
+
+# The token-generation paths the shell runs (--moe-decode), each one of ExpertMLPsV2's public methods: selective
+# loading (forward_selective_loading, EP 1 only), every local expert (forward_all_experts; forward_all_experts_EP with
+# EP) (NXDI_CONTRACT.md: moe-paths, moe-decode)
+DECODE_PATHS = ("selective", "all-experts")
+
+
+def decode_candidates(ep: int) -> tuple[str, ...]:
+    """The token-generation paths NxD can run at this EP: selective loading has no EP variant."""
+    return ("all-experts",) if ep > 1 else DECODE_PATHS
+
+
+def nxd_decode_path(cfg: KimiK2Config, batch: int) -> str:
+    """The path NxD's ExpertMLPsV2.forward takes for a decode of `batch` tokens by its threshold."""
+    return "all-experts" if decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch) else "selective"
 
 
 def local_intermediate(cfg: KimiK2Config, tp: int, ep: int) -> int:

@@ -1,7 +1,10 @@
 """The MoE layer the shell gives NxD: its router answering NxD's router contract with the core's noaux_tc selection,
-and NxD's MoE module around it (routed experts, shared expert inside, one all-reduce)."""
+its routed experts running the token-generation path the run spec names, and NxD's MoE module around them (shared
+expert inside, one all-reduce)."""
 
 from __future__ import annotations
+
+from functools import partial
 
 from .sdk import require_neuron_sdk
 
@@ -21,7 +24,7 @@ from kimi_k2_neuron.formats import layout as formats_layout  # noqa: E402
 from kimi_k2_neuron.model.router import NoAuxTcRouter  # noqa: E402
 from kimi_k2_neuron.parallel import SINGLE, ParallelContext  # noqa: E402
 
-from . import moe_paths  # noqa: E402
+from . import contract, moe_decode, moe_paths  # noqa: E402
 from .inference_config import KimiK2InferenceConfig  # noqa: E402
 
 
@@ -54,13 +57,31 @@ class NxDRouter(NoAuxTcRouter):
         return logits, affinities.scatter(1, ids, weights).to(hidden_states.dtype), ids
 
 
+class KimiExpertMLPs(ExpertMLPsV2):
+    """NxD's routed experts in a token-generation graph (one token a sequence), running the path the run spec names
+    through NxD's public methods, where NxD's own forward picks by a fixed threshold (NXDI_CONTRACT.md: moe-paths,
+    moe-decode): forward_selective_loading, or forward_all_experts (forward_all_experts_EP under EP). The method is
+    chosen when built; the graph is traced for one path."""
+
+    def __init__(self, *args, decode_path: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_path = decode_path
+        ep = self.moe_expert_model_parallel_group.size() > 1
+        self.decode_method = ("forward_selective_loading" if decode_path == "selective" else
+                              "forward_all_experts_EP" if ep else "forward_all_experts")
+
+    def forward(self, hidden_states, expert_affinities, expert_index, seq_len, padding_mask=None,
+                expert_affinities_masked_full=None):
+        return getattr(self, self.decode_method)(hidden_states, expert_affinities, expert_index)
+
+
 def build_moe(cfg: KimiK2Config, dtype: torch.dtype, config: KimiK2InferenceConfig,
               ctx: ParallelContext) -> NxDMoE:
     """initialize_moe_module minus RouterTopK (NXDI_CONTRACT.md: moe-module); shared expert inside, one all-reduce
     (NXDI_CONTRACT.md: moe-shared-expert); no fused TKG (NXDI_CONTRACT.md: fused-tkg-bias)."""
     nc = config.neuron_config
     tkg_tp, tkg_ep, cte_tp, cte_ep = initialize_moe_process_group(config, False)
-    experts = ExpertMLPsV2(
+    experts = _experts_class(cfg, config)(
         routed_experts_mlp_config=RoutedExpertsMLPOpsConfig(
             num_experts=cfg.n_routed_experts,
             hidden_size=cfg.hidden_size,
@@ -106,3 +127,12 @@ def _blockwise_config(nc):
         return bmm
     return BlockwiseMatmulConfig.from_kwargs(logical_nc_config=bmm.logical_nc_config,
                                              **moe_paths.MODES[moe_paths.VERIFY_MODE].blockwise)
+
+
+def _experts_class(cfg: KimiK2Config, config: KimiK2InferenceConfig):
+    """The token-generation graph's experts run the spec's decode path (KimiExpertMLPs); a prefill's, a chunk's and a
+    fused graph's verify of several tokens a sequence are NxD's own forward."""
+    nc = config.neuron_config
+    if nc.is_prefill_stage or nc.speculation_length:
+        return ExpertMLPsV2
+    return partial(KimiExpertMLPs, decode_path=moe_decode.choose(cfg, contract.run_spec(config)))

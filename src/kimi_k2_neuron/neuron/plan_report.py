@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .fit import ACCEPT_LENGTHS, Plan
+from .fit import PUBLISHED_K, Plan
 from .hbm import GiB, Row
 
 
@@ -42,6 +42,7 @@ def format_plan(p: Plan) -> str:
               f"token per core ({p.experts_read_per_layer} routed experts per MoE layer) / "
               f"{p.hbm_bytes_per_s / 1e9:.1f} GB/s = TPOT >= {p.tpot_lower_bound_s * 1e3:.2f} ms",
               *_timing_lines(p),
+              *_prefix_lines(p),
               *_speculation_lines(p),
               "assumptions:"]
     lines += [f"  - {a}" for a in p.assumptions]
@@ -52,8 +53,10 @@ def _timing_lines(p: Plan) -> list[str]:
     """The modelled decode step by component and collective, and the prefill it implies."""
     d, w = p.decode, 52
     lines = ["", f"modelled TPOT, an estimate (timing.py): {d.total_s * 1e3:.2f} ms = bytes {d.bytes_s * 1e3:.2f} + "
-                 f"{d.collective_count} collectives {d.collectives_s * 1e3:.2f} + per-layer {d.fixed_s * 1e3:.2f}"
-                 + (f" + batch loop {d.batch_s * 1e3:.2f}" if d.batch_s else "") + " ms",
+                 f"{d.collective_count} collectives {d.collectives_s * 1e3:.2f} + compute {d.flops_s * 1e3:.2f} + "
+                 f"per-layer {d.fixed_s * 1e3:.2f}"
+                 + (f" + selective-loading loop {d.batch_s * 1e3:.2f}" if d.batch_s else "") + " ms",
+             *_compute_lines(p),
              f"  {'collectives per decode step':<{w - 2}}{'count':>6}{'group':>6}{'bytes':>10}{'ms':>8}"]
     lines += [f"  {c.what:<{w - 2}}{c.count:>6}{c.group:>6}{c.bytes:>10}{c.seconds() * 1e3:>8.2f}"
               for c in d.collectives]
@@ -70,6 +73,17 @@ def _timing_lines(p: Plan) -> list[str]:
                      f"{c.collectives_s * 1e3:.0f} ms" + (f"; its attention moves {p.chunk_merge_bytes / 1e6:.1f} MB "
                                                            "per layer and rank" if p.chunk_merge_bytes else ""))
     return lines
+
+
+def _compute_lines(p: Plan) -> list[str]:
+    """The decode step's compute (engines.py): the routed experts on the decode path, the rest, the combine."""
+    c = p.decode.compute
+    if c is None:
+        return []
+    routed = c.routed_s()
+    return [f"  compute (TensorEngine instructions, engines.py): routed experts on the {c.moe_path} path "
+            f"{routed * 1e3:.2f} ms, the other matmuls {(c.tensor_s - routed) * 1e3:.2f} ms, the experts' combine "
+            f"on the VectorEngine {c.vector_s * 1e3:.2f} ms ({c.flops / 1e12:.3f} TFLOP a step)"]
 
 
 def _layout_line(p: Plan) -> str:
@@ -105,6 +119,26 @@ def _speculation_lines(p: Plan) -> list[str]:
              f"  fused step {s.step_s * 1e3:.2f} ms = target verify of {p.batch} x {s.speculation_length} tokens "
              f"(MoE {s.verify_path}) {s.verify.total_s * 1e3:.2f} + {s.speculation_length} draft calls "
              f"{s.draft_s * 1e3:.2f} ms"]
+    how = f"{s.family}'s published accept lengths" + ("" if s.speculation_length == PUBLISHED_K else
+                                                      f", scaled from --speculation-length {PUBLISHED_K}")
     lines += [f"  effective TPOT at accept length {a}: {s.tpot_s(a) * 1e3:.2f} ms (without the draft: "
-              f"{p.decode.total_s * 1e3:.2f} ms)" for a in ACCEPT_LENGTHS]
+              f"{p.decode.total_s * 1e3:.2f} ms)" for a in s.accept_lengths]
+    lines.append(f"  (accept lengths: {how}; docs/speculative.md)")
     return lines
+
+
+def _prefix_lines(p: Plan) -> list[str]:
+    """The block pool, what the headroom would add, and a turn's prefill warm against cold."""
+    x = p.prefix
+    if x is None:
+        return []
+
+    def calls(c):
+        return ", ".join(f"[{a}, {b}]" for a, b in c[:3]) + (f", ... ({len(c)} calls)" if len(c) > 3 else "")
+    pool = x.pool_blocks * x.block_bytes / GiB
+    return ["", f"prefix caching (vLLM --enable-prefix-caching), an estimate: a pool of {x.pool_blocks} blocks x "
+                f"{x.block_size} = {x.pool_tokens:,} positions ({pool:.2f} GiB per core, the KV row above), for the running rows' sequences and the history kept for later turns; the "
+                f"headroom would hold {x.more_blocks} blocks ({x.more_blocks * x.block_size:,} positions) more",
+            f"  a turn of {x.new:,} new tokens after {x.cached:,} cached: warm TTFT {x.warm_s:.2f} s in "
+            f"{len(x.warm)} call(s) ({calls(x.warm_calls)} as [prefill bucket, prefix bucket]) vs cold "
+            f"{x.cold_s:.2f} s ({calls(x.cold_calls)}): {x.warm_s / x.cold_s * 100:.1f} % of cold"]

@@ -12,7 +12,6 @@ from kimi_k2_neuron.parallel import check_tp_divides, check_weight_sharding
 from kimi_k2_neuron.placement import check_kv_group
 
 from . import moe_paths
-from .moe_paths import decodes_all_experts
 from .spec import RUN_SPEC_KEY, RunSpec, Sampling
 
 # Group sizes by (tp, lnc) that NxD's trn2 replica-group logic supports for groups of adjacent ranks: 8 x 8 is
@@ -56,6 +55,8 @@ def check_shapes(cfg: KimiK2Config, spec: RunSpec) -> None:
         raise KimiInputError(f"{flag} {context!r}: expected 1..--seq-len {s.seq_len}")
     check_tp_divides(cfg, s.tp, split_embedding_dim=True)  # NxD's embedding shards the embedding dim
     check_layout(cfg, s)
+    check_moe_decode(s)
+    check_prefix_caching(s)
     check_ep(cfg, s)
     check_draft(cfg, s)
     moe_paths.check_prefill_mode(cfg, s.prefill_mode(cfg), s.tp, s.ep, s.lnc, s.prefill_tokens)
@@ -103,6 +104,40 @@ def check_layout(cfg: KimiK2Config, spec: RunSpec) -> None:
     check_weight_sharding(cfg, spec.tp, spec.layout.shard_attn_a, spec.layout.shard_router)
 
 
+def check_prefix_caching(spec: RunSpec) -> None:
+    """NxDI's block KV layout under vLLM's prefix caching (neuron/prefix_caching.py)."""
+    s = spec
+    if not s.prefix_caching:
+        for flag, value, default in (("--block-size", s.block_size, RunSpec.block_size),
+                                     ("--num-blocks", s.num_blocks, RunSpec.num_blocks)):
+            if value != default:
+                raise KimiInputError(f"{flag} {value}: only with --prefix-caching (the contiguous cache has no blocks)")
+        return
+    check_counts(("--block-size", s.block_size), *((("--num-blocks", s.num_blocks),) if s.num_blocks is not None
+                                                   else ()))
+    if s.seq_len % s.block_size:
+        raise KimiInputError(f"--seq-len {s.seq_len}: with --prefix-caching must be a multiple of --block-size "
+                             f"{s.block_size} (vllm-neuron gives a sequence seq_len / block_size blocks)")
+    if s.layout.prefill_chunk and s.layout.prefill_chunk % s.block_size:
+        raise KimiInputError(f"--prefill-chunk {s.layout.prefill_chunk}: with --prefix-caching must be a multiple of "
+                             f"--block-size {s.block_size} (each chunk starts on a block)")
+    if s.pool_blocks < s.min_blocks:
+        raise KimiInputError(f"--num-blocks {s.num_blocks}: at least --batch {s.batch} x --seq-len {s.seq_len} / "
+                             f"--block-size {s.block_size} = {s.min_blocks} (vllm-neuron's minimum: every row's "
+                             f"full sequence)")
+    for flag, given, why in (
+            (f"--kv-shard sequence --kv-group {s.layout.kv_group}", s.layout.sequence_sharded,
+             "NxDI's BlockKVCacheManager keeps whole blocks on every rank; the block layout has no flash-decoding "
+             "slot map"),
+            (f"--max-context-length {s.max_context_length}",
+             not s.layout.prefill_chunk and s.context_length != s.seq_len,
+             "a prompt with nothing cached is prefilled in one call of up to --seq-len tokens; --prefill-chunk N "
+             "prefills it N tokens a call"),
+            ("--draft", s.draft, "NxDI's EAGLE speculation asserts it is not run with prefix caching")):
+        if given:
+            raise KimiInputError(f"{flag}: not with --prefix-caching ({why})")
+
+
 def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:
     """Groups of `size` adjacent ranks of `tp` at this LNC; sizes 1 and (off the table: CPU, other TPs) any."""
     return size == 1 or (tp, lnc) not in GROUP_LAYOUTS or size in GROUP_LAYOUTS[(tp, lnc)]
@@ -110,7 +145,7 @@ def group_layout_supported(tp: int, size: int, lnc: int | None) -> bool:
 
 def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
     """lnc None skips the layout rule."""
-    tp, ep, lnc, batch = spec.tp, spec.ep, spec.lnc, spec.batch
+    tp, ep, lnc = spec.tp, spec.ep, spec.lnc
     if tp % ep or cfg.n_routed_experts % ep:
         raise KimiInputError(f"--ep {ep}: must divide --tp {tp} and n_routed_experts={cfg.n_routed_experts}")
     if ep == 1:
@@ -118,10 +153,14 @@ def check_ep(cfg: KimiK2Config, spec: RunSpec) -> None:
     if lnc is not None and (ep not in GROUP_LAYOUTS.get((tp, lnc), ())):
         raise KimiInputError(f"--ep {ep} at --tp {tp} --lnc {lnc}: not an expert layout NxD's replica groups "
                              f"support; use --ep in {list(GROUP_LAYOUTS.get((tp, lnc), (1,)))}")
-    if not decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch):
-        need = -(-cfg.n_routed_experts // cfg.num_experts_per_tok)
-        raise KimiInputError(f"--ep {ep} with --batch {batch}: NxD decodes with EP > 1 only on the all-experts "
-                             f"path, which needs batch >= {need} (n_routed_experts / num_experts_per_tok)")
+    if spec.moe_decode == "selective":  # ExpertMLPsV2.forward raises NotImplementedError there
+        raise KimiInputError(f"--moe-decode selective with --ep {ep}: NxD's selective loading has no expert-parallel "
+                             f"variant; leave --moe-decode out (EP decodes on all experts) or use --ep 1")
+
+
+def check_moe_decode(spec: RunSpec) -> None:
+    if spec.moe_decode is not None and spec.moe_decode not in moe_paths.DECODE_PATHS:
+        raise KimiInputError(f"--moe-decode {spec.moe_decode!r}: expected one of {', '.join(moe_paths.DECODE_PATHS)}")
 
 
 def check_draft(cfg: KimiK2Config, spec: RunSpec) -> None:
@@ -177,10 +216,23 @@ def check_experts(cfg: KimiK2Config, spec: RunSpec) -> None:
 
 
 def check_top_k(sampling: Sampling) -> None:
-    """NxDI's on-device sampler draws from at most the compiled global top-k."""
+    """NxDI's on-device sampler draws from at most the compiled global top-k, at a temperature it can divide by."""
     if not 1 <= sampling.top_k <= sampling.global_topk:
         raise KimiInputError(f"--top-k {sampling.top_k}: on-device sampling needs 1 <= top_k <= "
                              f"{sampling.global_topk}")
+    check_temperature(sampling)
+
+
+# NxDI's sampler divides the top-k logits by the temperature in float32 (sampling.py: _multinomial_sample): below
+# this, a logit of 3.4e8 (none comes near) would overflow float32 to inf (1e-46 and less are 0) and the draw see NaN
+MIN_TEMPERATURE = 1e-30
+
+
+def check_temperature(sampling: Sampling) -> None:
+    if sampling.do_sample and not sampling.temperature >= MIN_TEMPERATURE:
+        raise KimiInputError(f"--temperature {sampling.temperature:g}: below {MIN_TEMPERATURE:g}, the smallest NxDI's "
+                             f"sampler takes (it divides the logits by the temperature in float32, which overflows "
+                             f"to inf); give {MIN_TEMPERATURE:g} or more, or 0 for greedy decoding")
 
 
 def check_counts(*named) -> None:

@@ -25,7 +25,8 @@ from . import rules
 from .contract import run_spec
 from .modeling import KimiK2InferenceConfig, NeuronKimiK2ForCausalLM
 from .spec import GREEDY, RunSpec, Sampling, speculation_overrun
-from .vllm_request import COMPILED_ARTIFACTS_ENV
+from .vllm_request import (COMPILED_ARTIFACTS_ENV, HOST_SAMPLING_CONFIG, STRUCTURED_OUTPUTS_CONFIG, WORKER_CLS,
+                           cache_flags)
 
 logger = logging.getLogger(__name__)
 RECORD = "kimi_k2_neuron.json"
@@ -58,6 +59,9 @@ def load_compiled(compiled: str | Path, checkpoint: str | Path | None = None) ->
     record = read_compiled_record(compiled)  # also refuses a folder compile_and_save.py did not finish
     checkpoint = checkpoint or record["checkpoint"]
     config = KimiK2InferenceConfig.load(str(compiled))
+    if config.neuron_config.is_prefix_caching:  # NxDI's generation adapter passes no block tables
+        raise KimiInputError(f"--compiled {compiled}: compiled with --prefix-caching (the block KV layout), whose "
+                             f"block tables come from vLLM's scheduler; serve it with vllm serve (docs/vllm.md)")
     app = NeuronKimiK2ForCausalLM(str(checkpoint), config)
     t0 = time.monotonic()
     app.load(str(compiled))
@@ -74,13 +78,18 @@ def vllm_serve_command(checkpoint: str | Path, compiled: str | Path, spec: RunSp
 
     parsers = shlex.quote(str(Path(__file__).with_name("vllm_parsers.py")))
     flags = [f"--tensor-parallel-size {spec.tp} --max-num-seqs {spec.batch} --max-model-len {spec.seq_len}",
-             f"--dtype bfloat16 --no-enable-prefix-caching --num-gpu-blocks-override {spec.batch}",
+             "--dtype bfloat16 " + " ".join(cache_flags(spec)),
              "--trust-remote-code --enable-auto-tool-choice",
              f"--tool-parser-plugin {parsers} --tool-call-parser kimi_k2_neuron",
              # Kimi's API contract (docs/vllm.md); message content as strings, as Kimi's templates render it
-             "--middleware kimi_k2_neuron.neuron.vllm_api.KimiApi --chat-template-content-format string"]
+             "--middleware kimi_k2_neuron.neuron.vllm_api.KimiApi --chat-template-content-format string",
+             # replies held to a schema (docs/vllm.md, "Structured outputs"): the worker that applies the grammar
+             f"--worker-cls {WORKER_CLS} --structured-outputs-config "
+             f"{shlex.quote(json.dumps(STRUCTURED_OUTPUTS_CONFIG))}"]
     if "<think>" in (KimiTokenizer.from_dir(tokenizer_dir or checkpoint).chat_template or ""):
         flags.append(f"--reasoning-parser-plugin {parsers} --reasoning-parser kimi_k2_neuron")
+    if not spec.sampling.on_device:  # compiled to return logits: vLLM's sampler on the host
+        flags.append(f"--additional-config {shlex.quote(json.dumps(HOST_SAMPLING_CONFIG))}")
     if spec.draft:  # "eagle": vLLM 0.13 refuses "eagle3" for kimi_k2 (NXDI_CONTRACT.md: vllm-spec-config)
         config = {"method": "eagle", "model": str(Path(spec.draft.path).resolve()),
                   "num_speculative_tokens": spec.draft.speculation_length}

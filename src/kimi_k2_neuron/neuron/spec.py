@@ -93,6 +93,9 @@ class RunSpec:
     output_logits: bool = False  # also return logits under on-device sampling
     # moe_paths.MODES; None: the default where its kernel can run these shapes, else torch (moe_paths.default_mode)
     moe_prefill: str | None = moe_paths.DEFAULT_MODE
+    # the token-generation MoE path, moe_paths.DECODE_PATHS (one of NxD's public forward_* methods, nxd_moe.py); None:
+    # the fastest the time model gives at this batch and EP (moe_decode.py), NxD's own threshold on CPU (lnc None)
+    moe_decode: str | None = None
     # one sequence per prefill into its seq_id's line (NXDI_CONTRACT.md: continuous-batching)
     continuous_batching: bool = False
     # how the cache and the small layers lie over the ranks; its prefill_chunk is the CTE bucket, then the chunk
@@ -100,6 +103,12 @@ class RunSpec:
     layout: Layout = Layout()
     draft: DraftSpec | None = None  # speculative decoding with this EAGLE3 draft (NXDI_CONTRACT.md: fused-spec)
     dtype: str = "bfloat16"  # NxDI's torch_dtype: the device's; the CPU harness may run float32
+    # vLLM's prefix caching: the latent cache in NxDI's block layout, a pool of num_blocks blocks of block_size
+    # positions shared by every sequence, found through the block tables vLLM's scheduler keeps
+    # (neuron/prefix_caching.py)
+    prefix_caching: bool = False
+    block_size: int = 32  # vLLM's --block-size, NxDI's pa_block_size
+    num_blocks: int | None = None  # vLLM's --num-gpu-blocks-override; None: min_blocks, a full sequence per row
     # further NeuronConfig fields, JSON values: added beside the derived ones, never changing one (NxDI checks them)
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -118,8 +127,15 @@ class RunSpec:
     @property
     def one_row_prefill(self) -> bool:
         """Each prefill call writes one sequence into its own line: NxDI's continuous batching, which a chunked
-        prefill needs too (its CTE call writes chunk 0 into the row's line)."""
-        return self.continuous_batching or bool(self.layout.prefill_chunk)
+        prefill needs too (its CTE call writes chunk 0 into the row's line), and prefix caching (each sequence's
+        prefill into its own blocks)."""
+        return self.continuous_batching or bool(self.layout.prefill_chunk) or self.prefix_caching
+
+    @property
+    def chunk_submodel(self) -> bool:
+        """--prefill-chunk by the chunked-prefill submodel (neuron/chunked_prefill.py); with prefix caching each chunk
+        is a prefill over the blocks written before it instead (neuron/prefix_caching.py)."""
+        return bool(self.layout.prefill_chunk) and not self.prefix_caching
 
     @property
     def prefill_tokens(self) -> int:
@@ -132,9 +148,33 @@ class RunSpec:
         g = self.layout.kv_group
         return self.seq_len if g == 1 else slots_for(self.seq_len, g) + FD_RESERVED_SLOTS  # seq_len % G == 0 (rules)
 
+    @property
+    def min_blocks(self) -> int:
+        """Blocks for every row's full sequence at once: the fewest vllm-neuron accepts (its
+        _validate_neuron_config)."""
+        return self.batch * -(-self.seq_len // self.block_size)
+
+    @property
+    def pool_blocks(self) -> int:
+        """Blocks of the prefix-caching pool vLLM hands out (NxDI's pa_num_blocks is one more: vLLM's null block 0)."""
+        return self.num_blocks or self.min_blocks
+
     def prefill_mode(self, cfg: KimiK2Config) -> str:
         """--moe-prefill, else the default mode where its kernel can run these shapes."""
         return self.moe_prefill or moe_paths.default_mode(cfg, self.tp, self.ep, self.lnc, self.prefill_tokens)
+
+    def decode_path(self, cfg: KimiK2Config) -> str | None:
+        """The token-generation MoE path the spec itself decides: --moe-decode; else all-experts under EP (selective
+        loading has none); NxD's own threshold where no trn2 time model applies (NxD's CPU mode: lnc None, or NxDI's
+        on_cpu as vLLM's request on CPU sets it). None: the time model's to choose (the planner, fit.plan;
+        moe_decode.choose)."""
+        if self.moe_decode is not None:
+            return self.moe_decode
+        if self.ep > 1:
+            return "all-experts"
+        if self.lnc is None or self.scheme is None or self.extra.get("on_cpu"):
+            return moe_paths.nxd_decode_path(cfg, self.batch)
+        return None
 
     def to_json(self) -> dict:
         """Every field as JSON values (what RUN_SPEC_KEY holds); from_json reads it back equal."""
@@ -144,6 +184,51 @@ class RunSpec:
     def from_json(cls, value, where: str = RUN_SPEC_KEY) -> "RunSpec":
         """A saved spec, each value checked against its field's type; `where` names it in a one-line error."""
         return _from_json(cls, value, where)
+
+
+# The smallest prefill (active) and prefix bucket of a prefix-caching build, as NxDI's own default 2D buckets start
+# (modules/autobucketing.py generate_buckets_for_cte), unless a context of fewer than 8 of them asks for smaller ones
+PREFIX_BUCKET_MIN = 512
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi."""
+    out = []
+    while lo < hi:
+        out.append(lo)
+        lo *= 2
+    return out + [hi]
+
+
+def prefix_caching_buckets(spec: RunSpec) -> tuple[list[int], list[int]]:
+    """(prefill buckets, prefix buckets) of the context-encoding graphs: one graph per pair, and one per prefill
+    bucket with no prefix (NXDI_CONTRACT.md: prefix-buckets). A turn's new tokens pick the smallest prefill bucket
+    that holds them and NxDI fills the rest of it with cached positions recomputed, so the prefix bucket covers what
+    is left of the cached prefix."""
+    bs = spec.block_size
+    lo = -(-min(PREFIX_BUCKET_MIN, max(bs, spec.context_length // 8)) // bs) * bs  # whole blocks: NxDI reads a prefix
+    return powers_of_two(lo, spec.context_length), powers_of_two(lo, spec.seq_len)
+
+
+def prefix_caching_calls(spec: RunSpec, cached: int, new: int) -> list[tuple[int, int]]:
+    """(prefill bucket, prefix bucket) of each context-encoding call that prefills `new` tokens after `cached` ones in
+    blocks: chunks of --prefill-chunk (neuron/prefix_caching.py), each at the bucket NxDI's wrapper picks: the smallest
+    prefill bucket holding the call's tokens, the rest of it refilled with cached positions recomputed, the smallest
+    prefix bucket holding the cached positions left, or a 512-token bucket without a prefix for 257-512 positions in
+    all (NXDI_CONTRACT.md: prefix-buckets)."""
+    prefill, prefix = prefix_caching_buckets(spec)
+    calls, start, end = [], cached, cached + new
+    while start < end:
+        stop = min(start + (spec.layout.prefill_chunk or end), end)
+        n = stop - start
+        if 256 < stop <= 512 and 512 in prefill:
+            calls.append((512, 0))
+        else:
+            a = min(b for b in prefill if b >= n)
+            left = max(0, start - (a - n))
+            calls.append((a, min(b for b in prefix if b >= left) if left else 0))
+        start = stop
+    return calls
 
 
 def layout_flags(layout: Layout) -> list[str]:
@@ -228,9 +313,9 @@ class Flag:
 
     name: str  # "--tp"
     field: str | None  # the RunSpec field it sets, dotted into nested ones; None: with another flag (--kv-shard)
-    group: str  # parallel, shape, experts, moe, layout, sampler, draft: what a command asks for by name
+    group: str  # parallel, shape, experts, moe, layout, cache, sampler, draft: what a command asks for by name
     help: str
-    kind: str = "count"  # count (an integer >= `least`), switch (store_true), choice, text
+    kind: str = "count"  # count (an integer >= `least`), switch (store_true), choice, path (not empty)
     least: int = 1
     choices: tuple[str, ...] = ()
     metavar: str | None = None
@@ -272,7 +357,7 @@ FLAGS = (
     Flag("--tp", "tp", "parallel", "tensor-parallel degree (logical cores per model replica; on CPU: ranks, one "
          "process each)", metavar="N", taken=EVERYWHERE - {CORE}, why_not=_RANKS),
     Flag("--ep", "ep", "parallel", "expert parallelism inside the --tp ranks (NxDI moe_ep_degree): experts split ep "
-         "ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2, with batch >= n_routed_experts / top_k",
+         "ways, each tp/ep ways; 4, 16 or 64 at --tp 64 --lnc 2 (token generation then runs every local expert)",
          metavar="E", taken=NEURON | {CPU}, why_not="the core runner has no expert parallelism"),
     Flag("--lnc", "lnc", "parallel", "physical NeuronCores per logical core: 1 or 2 (trn2's default: 2)"),
     Flag("--seq-len", "seq_len", "shape", "KV cache length (prompt + generated tokens)", taken=NEURON | {TRACE}),
@@ -285,6 +370,13 @@ FLAGS = (
          why_not="the core runner reads any checkpoint as it is"),
     Flag("--moe-prefill", "moe_prefill", "moe", "how prefill runs the routed experts: " + moe_paths.modes_help(),
          kind="choice", choices=tuple(moe_paths.MODES)),
+    Flag("--moe-decode", "moe_decode", "moe", "how token generation runs the routed experts, through NxD's public "
+         "methods: selective = each token's top-k experts, one token at a time (forward_selective_loading; not with "
+         "--ep); all-experts = every local expert for the whole batch (forward_all_experts, its EP variant with --ep) "
+         "(default: the one kimi-k2-neuron plan's time model says is fastest at this --batch and --ep, where NxD picks "
+         "by a fixed threshold; on CPU, NxD's threshold: docs/planner.md, \"Serving many users\")", kind="choice",
+         choices=moe_paths.DECODE_PATHS, taken=NEURON | {CPU},
+         why_not="the core runner computes each token's chosen experts, with no NxD path to choose"),
     Flag("--kv-shard", None, "layout", "none: every rank holds the whole latent KV cache; sequence: the ranks of a KV "
          "group split every sequence, position p on rank p %% G (NxDI's flash-decoding layout), and decode merges "
          "their partial attention (default: none; compile_and_save.py: any layout flag given, even --kv-shard none, "
@@ -302,15 +394,24 @@ FLAGS = (
     Flag("--shard-router", "layout.shard_router", "layout", "split the float32 router across the ranks by experts "
          "and all-gather its logits (one collective per MoE layer); every rank still selects from the same float32 "
          "logits", kind="switch", taken=EVERYWHERE - {CORE, TRACE}, why_not=_RANKS),
+    Flag("--prefix-caching", "prefix_caching", "cache", "vLLM's prefix caching (--enable-prefix-caching): the latent "
+         "cache in NxDI's block layout, a pool of blocks shared by every sequence, so a request whose first blocks "
+         "another one prefilled reads them instead of computing them (docs/vllm.md)", kind="switch",
+         why_not="the block tables come from vLLM's scheduler"),
+    Flag("--block-size", "block_size", "cache", "with --prefix-caching: positions per block (vLLM's --block-size), "
+         "dividing --seq-len", metavar="N", why_not="the block tables come from vLLM's scheduler"),
+    Flag("--num-blocks", "num_blocks", "cache", "with --prefix-caching: blocks in the pool (vLLM's "
+         "--num-gpu-blocks-override), at least --batch x --seq-len / --block-size (default: that; more keeps more "
+         "history for later turns to reuse)", metavar="N", why_not="the block tables come from vLLM's scheduler"),
     Flag("--no-on-device-sampling", None, "sampler", "return logits to the host instead", kind="switch",
          taken=frozenset({COMPILE})),
     Flag("--output-logits", "output_logits", "sampler", "also return logits with on-device sampling (needed by the "
          "logit-parity test)", kind="switch", taken=frozenset({COMPILE})),
     Flag("--global-topk", "sampling.global_topk", "sampler", "on-device sampling's top-k pre-selection",
          taken=frozenset({COMPILE})),
-    Flag("--draft", "draft.path", "draft", "speculate with this EAGLE3 draft (the public Llama EAGLE3 layout: "
-         "config.json + safetensors; docs/speculative.md): NxDI's fused speculation, the target verifying "
-         "--speculation-length tokens a step (default: no speculation)", kind="text", metavar="DIR",
+    Flag("--draft", "draft.path", "draft", "speculate with this EAGLE3 draft as downloaded (the Llama or MLA "
+         "EAGLE3(.1) layout, config.json + safetensors; docs/speculative.md): NxDI's fused speculation, the target "
+         "verifying --speculation-length tokens a step (default: no speculation)", kind="path", metavar="DIR",
          taken=NEURON | {CPU}, why_not="speculative decoding is NxDI's fused speculation", unset=True),
     Flag("--speculation-length", "draft.speculation_length", "draft", "with --draft: tokens the target verifies per "
          "step, the most one step emits; the draft proposes K - 1 (vLLM's num_speculative_tokens)", least=2,

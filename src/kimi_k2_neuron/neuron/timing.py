@@ -2,13 +2,14 @@
 ran on trn2.
 
 A step is the bytes it reads over the core's HBM bandwidth, plus each collective at a latency and its bytes over a link
-bandwidth, plus a fixed cost per layer (everything per layer that is neither: vector and scalar ops, DMA setup,
-semaphores, stragglers), plus NxD's per-token loop of the selective-loading MoE at batch > 1. A prefill call adds its
-matmul FLOPs at the TensorEngine's rate and its MoE path's traffic, scaled by one overhead factor. Additive, not a
-maximum: the DeepSeek-V3 contrib's profile lists compute, collectives and exposed memory as separate slices of its step.
-The constants are one table (TRN2), each with its source; the two fitted ones come from the AWS DeepSeek-V3 contrib
-and are checked against the community Kimi ports (PUBLISHED; docs/planner.md). Pure: no SDK; the chunk's
-collectives are the model's own list (model/mla.py chunk_collectives).
+bandwidth, plus its matmuls as TensorEngine instructions and the all-experts combine on the VectorEngine (engines.py),
+plus a fixed cost per layer (everything per layer that is none of these: scalar ops, DMA setup, semaphores,
+stragglers), plus NxD's per-token loop of the selective-loading MoE at batch > 1 beyond its counted bytes and compute.
+A prefill call adds its matmul FLOPs at the TensorEngine's rate and its MoE path's traffic, scaled by one overhead
+factor. Additive, not a maximum: the DeepSeek-V3 contrib's profile lists compute, collectives and exposed memory as
+separate slices of its step. The constants are one table (TRN2), each with its source; the fitted ones come from the
+AWS DeepSeek-V3 contrib and are checked against the community Kimi ports (PUBLISHED; docs/planner.md). Pure: no SDK;
+the chunk's collectives are the model's own list (model/mla.py chunk_collectives).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kimi_k2_neuron.config import KimiK2Config
 from kimi_k2_neuron.model.mla import HeadDims, chunk_collectives, chunk_group_for
 
 from . import moe_paths
+from .engines import Compute, decode_compute
 from .spec import RunSpec
 
 BF16, FP8, FP32 = 2, 1, 4  # bytes per element
@@ -40,13 +42,18 @@ class Constants:
     # the same AWS page's transfer-rate example (100 GBps); only prefill chunks move enough bytes for it to matter
     beta_bytes_per_s: float = 100e9
     # fitted: the DeepSeek-V3 contrib's 20.5 ms p50 TPOT (README, NxDI benchmark_sampling, seq 512, batch 1) less its
-    # modelled bytes and collectives, over its 61 layers (test_timing refits it)
-    layer_s: float = 214e-6
-    # fitted: the same contrib's vLLM ITLs at batch 1 and 8 (22.2 and 47.6 ms): NxD's selective-loading MoE loops over
-    # the tokens, so each further token of a batch costs this per MoE layer beyond its bytes
-    token_moe_s: float = 46.2e-6
+    # modelled bytes, collectives and compute, over its 61 layers (test_timing refits it)
+    layer_s: float = 184e-6
+    # fitted, with vllm_step_s, by least squares on all four of the same contrib's vLLM sync ITLs at compiled batch 1,
+    # 2, 4 and 8 (22.2, 30.5, 37.1, 47.6 ms: README, "vLLM Serving + GuideLLM Sweep"), each less its modelled step: NxD's
+    # selective-loading MoE loops over the tokens, so each further token of a batch costs this per MoE layer beyond
+    # its counted bytes and compute (test_timing refits both and pins the residuals)
+    token_moe_s: float = 29.3e-6
+    # fitted with token_moe_s: what a step costs through vLLM and vllm-neuron beyond NxDI's own (the scheduler, the
+    # model runner's inputs, the detokenizer), per step whatever the batch
+    vllm_step_s: float = 4.55e-3
     # fitted: the same contrib's 1,667 ms TTFT (a 512-token bucket) over its counted on-core prefill time
-    prefill_factor: float = 2.83
+    prefill_factor: float = 2.84
 
 
 TRN2 = Constants()
@@ -93,10 +100,11 @@ class Timing:
     bytes_s: float
     collectives: tuple[Collective, ...]
     collectives_s: float
-    flops_s: float  # matmuls at the TensorEngine's rate (prefill)
+    flops_s: float  # matmuls: at the TensorEngine's rate (prefill); as instructions, with the combine (decode)
     fixed_s: float  # layers x the fitted per-layer cost
     batch_s: float  # the selective-loading MoE's per-token loop (decode at batch > 1)
     total_s: float
+    compute: Compute | None = None  # a decode step's matmuls and combine, one by one (engines.py)
 
     @property
     def collective_count(self) -> int:
@@ -127,10 +135,14 @@ def _sampler_collectives(cfg: KimiK2Config, spec: RunSpec, port: Port) -> list[C
         return [Collective("logits all-gather (TP), bf16", 1, tp, b * cfg.vocab_size * BF16)]
     if port.sampler == "argmax":  # values and indices of each rank's max
         return [Collective("argmax all-gathers (TP)", 2, tp, b * tp * FP32)]
-    # NxD's distributed top-k: three stages at TP=64 LNC=2, values and indices each (NXDI_CONTRACT.md:
-    # sampler-collectives)
+    # NxD's distributed top-k with NxDI's default rotated top-k kernel on trn2: each rank's top-k of its vocabulary
+    # shard, then one all-gather of the values (float32 logits) and one of the indices (int32) over the TP group
+    # (NXDI_CONTRACT.md: sampler-collectives)
     k = spec.sampling.global_topk
-    return [Collective("top-k all-gathers (sampler stages)", 6, 4, b * 4 * k * FP32)]
+    out = [Collective("top-k values and indices all-gathers (TP)", 2, tp, b * tp * k * FP32)]
+    if spec.output_logits:  # the logits too, for the host (a grammar's steps: neuron/vllm_worker.py)
+        out.append(Collective("output_logits all-gather (TP), fp32", 1, tp, b * cfg.vocab_size * FP32))
+    return out
 
 
 def layout_collectives(cfg: KimiK2Config, spec: RunSpec, rows: int, queries: int, query_tile: int,
@@ -175,26 +187,34 @@ def chunk_merge(cfg: KimiK2Config, spec: RunSpec, layers: int, queries: int | No
         dims, spec.layout.kv_group, c, spec.cache_slots, n, rows=rows)]
 
 
-def experts_read(cfg: KimiK2Config, spec: RunSpec) -> int:
-    """Routed experts one decode step reads per MoE layer: NxD's selective loading gathers each token's top-k, a
-    repeat read again, until batch x top_k reaches the experts and it runs every local expert once (as it must with
-    EP) (NXDI_CONTRACT.md: moe-paths)."""
-    e_local, pairs = cfg.n_routed_experts // spec.ep, spec.batch * cfg.num_experts_per_tok
-    if spec.ep > 1 or moe_paths.decodes_all_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, spec.batch):
-        return e_local
-    return pairs
+def experts_read(cfg: KimiK2Config, spec: RunSpec, path: str) -> int:
+    """Routed experts one decode step reads per MoE layer on `path`: selective loading gathers each token's top-k,
+    a repeat read again; all-experts reads every local expert once (NXDI_CONTRACT.md: moe-paths)."""
+    return cfg.n_routed_experts // spec.ep if path == "all-experts" else spec.batch * cfg.num_experts_per_tok
+
+
+def decode_traffic(cfg: KimiK2Config, spec: RunSpec, path: str) -> int:
+    """HBM bytes a decode step moves per core beyond the weights and the cache: the all-experts path writes every
+    local expert's [batch, H] bf16 output and reads it back to combine (forward_all_experts; hbm.moe_temporaries
+    counts the same tensor), every MoE layer."""
+    if path != "all-experts":
+        return 0
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return n_moe * 2 * (cfg.n_routed_experts // spec.ep) * spec.batch * cfg.hidden_size * BF16
 
 
 def decode_time(cfg: KimiK2Config, spec: RunSpec, step_bytes: int, port: Port = THIS_PORT,
                 c: Constants = TRN2) -> Timing:
-    """One decode step reading `step_bytes` per core (the planner counts them from the weights and the cache)."""
+    """One decode step reading `step_bytes` per core (the planner counts them from the weights, the cache and
+    decode_traffic) on the spec's MoE path."""
     colls = tuple(decode_collectives(cfg, spec, port))
     n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    selective = experts_read(cfg, spec) < cfg.n_routed_experts // spec.ep
-    batch_s = (spec.batch - 1) * n_moe * c.token_moe_s if selective else 0.0
+    path = spec.decode_path(cfg)
+    compute = decode_compute(cfg, spec, path, router_fp32=port.router_dtype == "fp32")
+    batch_s = (spec.batch - 1) * n_moe * c.token_moe_s if path == "selective" else 0.0
     parts = dict(bytes_s=step_bytes / c.hbm_bytes_per_s, collectives_s=sum(x.seconds(c) for x in colls),
-                 flops_s=0.0, fixed_s=cfg.num_hidden_layers * c.layer_s, batch_s=batch_s)
-    return Timing(bytes=step_bytes, collectives=colls, total_s=sum(parts.values()), **parts)
+                 flops_s=compute.total_s, fixed_s=cfg.num_hidden_layers * c.layer_s, batch_s=batch_s)
+    return Timing(bytes=step_bytes, collectives=colls, total_s=sum(parts.values()), compute=compute, **parts)
 
 
 # -- a prefill call ----------------------------------------------------------------------------------------------
@@ -208,6 +228,10 @@ class PrefillWork:
     dense_params: int  # per-core parameters of the non-expert matmuls every token goes through
     dense_bytes: int  # their bytes, read once per call
     moe: "MoeWork"
+    # keys each query's scores cover; None: the prior and half the call (causal). A prefill through a block table
+    # scores every key tile of its positions, after expanding each key's c_kv through kv_b (prefix_caching.py)
+    keys: int | None = None
+    expanded_keys: int = 0
 
 
 # a draft call's collectives in NxDI's Llama: the embedding's all-gather, fc's output gather, the o_proj and MLP
@@ -257,8 +281,9 @@ def prefill_time(cfg: KimiK2Config, spec: RunSpec, work: PrefillWork, query_tile
     t, layers, h = work.tokens, cfg.num_hidden_layers, cfg.hidden_size
     n_moe = sum(cfg.is_moe_layer(i) for i in range(layers))
     heads = cfg.num_attention_heads // spec.tp
-    keys = work.prior + t / 2  # causal within the call
+    keys = work.prior + t / 2 if work.keys is None else work.keys  # causal within the call, or every tile
     attention = 2 * heads * t * keys * (cfg.qk_head_dim + cfg.v_head_dim) * layers
+    attention += 2 * heads * work.expanded_keys * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim) * layers
     flops = 2 * t * work.dense_params + attention + n_moe * work.moe.flops
     chunk = spec.layout.prefill_chunk is not None and work.prior > 0  # the chunk submodel merges over the group
     rows, queries = (1, t) if spec.layout.prefill_chunk else (spec.prefill_batch, spec.context_length)

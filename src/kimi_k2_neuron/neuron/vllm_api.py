@@ -6,19 +6,24 @@ tests they answer). Nothing of vLLM is patched.
     vllm serve MODEL ... --middleware kimi_k2_neuron.neuron.vllm_api.KimiApi
 
 What the checkpoint's chat template does with thinking (runtime.chat_api.ChatFacts) is read once, from the tokenizer
-folder vLLM serves (app.state.vllm_config). The fixed sampling parameters apply where that template opens <think>
-(Kimi-K2.5 and later, for which Moonshot's API fixes them); KIMI_K2_CONTRACT=on|off says otherwise.
+folder vLLM serves (app.state.vllm_config), and so is whether the server holds replies to vLLM's grammars
+(vllm_request.grammar_refusal: the worker, the backend, the model's logits). The fixed sampling parameters apply where
+that template opens <think> (Kimi-K2.5 and later, for which Moonshot's API fixes them); KIMI_K2_CONTRACT=on|off says
+otherwise. A POST to /v1/completions is checked for structured outputs only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from pathlib import Path
 
 from kimi_k2_neuron.errors import KimiInputError
-from kimi_k2_neuron.runtime.chat_api import ApiError, ChatFacts, kimi_request
+from kimi_k2_neuron.runtime.chat_api import ApiError, ChatFacts, kimi_request, other_request
+
+from .vllm_request import grammar_refusal
 
 CONTRACT_ENV = "KIMI_K2_CONTRACT"
 logger = logging.getLogger(__name__)
@@ -57,15 +62,19 @@ class KimiApi:
     def facts(self, scope) -> ChatFacts:
         if self._facts is None:
             state = getattr(scope.get("app"), "state", None)
-            config = getattr(getattr(state, "vllm_config", None), "model_config", None)
-            self._facts = facts_of(getattr(config, "tokenizer", None))
+            vllm_config = getattr(state, "vllm_config", None)
+            facts = facts_of(getattr(getattr(vllm_config, "model_config", None), "tokenizer", None))
+            if vllm_config is not None:
+                facts = dataclasses.replace(facts, grammars=grammar_refusal(vllm_config))
+            self._facts = facts
             logger.info("kimi_k2_neuron: Kimi API contract: %s", self._facts)
         return self._facts
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST" or not scope.get("path", "").endswith(
-                "/chat/completions"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope.get("method") != "POST" or not path.endswith("/completions"):
             return await self.app(scope, receive, send)
+        chat = path.endswith("/chat/completions")
         chunks, more = [], True
         while more:
             message = await receive()
@@ -80,7 +89,10 @@ class KimiApi:
             request = None
         if isinstance(request, dict):
             try:
-                body = json.dumps(kimi_request(request, self.facts(scope))).encode()
+                if chat:
+                    body = json.dumps(kimi_request(request, self.facts(scope))).encode()
+                else:  # checked, passed as it came
+                    other_request(request, self.facts(scope))
             except ApiError as e:
                 return await _bad_request(send, str(e))
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]

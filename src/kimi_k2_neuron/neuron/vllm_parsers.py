@@ -100,7 +100,7 @@ class KimiK2NeuronToolParser(ToolParser):
         return no_special_token_spaces(super().adjust_request(request))
 
     def _new_stream(self, request) -> grammar.OutputStream:
-        stream = grammar.OutputStream(tools=request_tools(request), whole_markers=True)
+        stream = grammar.OutputStream(tools=request_tools(request))
         prefill = request_prefill(request)
         if prefill:
             stream.prefill(prefill)
@@ -180,7 +180,7 @@ class KimiK2NeuronReasoningParser(ReasoningParser):
         self._prompt_ends = {vocab[m] for m in (grammar.THINK_CLOSE, *TOOL_OPENERS) if m in vocab}
         self._turn_ends = _turn_end_ids(tokenizer, vocab)
         self._opened = _prompt_opens_thinking(tokenizer, kwargs.get("chat_template_kwargs"))
-        self._splitter = grammar.ReasoningSplitter(self._opened, whole_markers=True)
+        self._splitter = grammar.ReasoningSplitter(self._opened)
         self._streaming = False
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:

@@ -9,16 +9,17 @@ import os
 import torch
 from neuronx_distributed.parallel_layers import parallel_state
 from neuronx_distributed.trace.trace import get_sharded_checkpoint
+from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
 from torch import nn
 
-from kimi_k2_neuron.errors import KimiInputError, listing
+from kimi_k2_neuron.errors import KimiInputError, env_int, listing
 from kimi_k2_neuron.neuron.loader import read_presharded, unloaded_parameters
 from kimi_k2_neuron.neuron.contract import run_spec
 from kimi_k2_neuron.neuron.modeling import NeuronKimiK2ForCausalLM, NxDParallelContext
 from kimi_k2_neuron.runtime.ranks import free_port
 from kimi_k2_neuron.runtime.tp import chunk_process_groups
 
-from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group
+from .fused_spec_cpu import FusedSpecCpu, checked_names, init_draft_group, use_device_draft_sampler
 from .options import check_cpu_run
 
 
@@ -46,6 +47,7 @@ class CpuMode:
             if missing:
                 raise KimiInputError(f"{presharded or self.model_path}: {len(missing)} parameter(s) of the "
                                      f"{wrapper.tag} got no tensor: {listing(missing)}")
+            use_device_draft_sampler(model)
             wrapper.model = model
         self.eval()
         return self
@@ -59,6 +61,37 @@ class CpuMode:
             for dst, src in zip(chunk.model.kv_mgr.past_key_values,
                                 self.token_generation_model.model.kv_mgr.past_key_values):
                 dst.data = src.data
+
+    def get_model_wrapper_cls(self):
+        return CpuModelWrapper
+
+
+class CpuModelWrapper(ModelWrapper):
+    """NxDI's ModelWrapper, whose CPU branches of a batch other than the compiled one read a call's outputs as one
+    head and the caches, while on-device sampling with output_logits returns two heads, tokens and logits
+    (NXD_CPU_MODE.md: two-heads): in CPU mode the two travel through those branches as one tensor."""
+
+    def _two_heads(self) -> bool:
+        nc = self.neuron_config
+        return (not self.is_neuron() and nc.on_device_sampling_config is not None and nc.output_logits
+                and not nc.enable_fused_speculation)
+
+    def _forward(self, *args):
+        outputs = super()._forward(*args)
+        if not self._two_heads():
+            return outputs
+        tokens, logits, *rest = outputs
+        self._token_shape = tokens.shape[1:]
+        column = tokens.reshape(tokens.shape[0], 1, 1).to(logits.dtype).expand(-1, logits.shape[1], 1)
+        return [torch.cat([logits, column], dim=-1), *rest]  # ids below 2**24: exact in float32
+
+    def forward(self, *args, **kwargs):
+        outputs = super().forward(*args, **kwargs)
+        if not self._two_heads():
+            return outputs
+        both, *rest = outputs
+        tokens = both[:, 0, -1].round().to(torch.int32).reshape(both.shape[0], *self._token_shape)
+        return [tokens, both[..., :-1], *rest]
 
 
 class CpuKimiK2ForCausalLM(FusedSpecCpu, CpuMode, NeuronKimiK2ForCausalLM):
@@ -76,7 +109,21 @@ def _build_as_on_device(wrapper) -> nn.Module:
         parallel_state.set_aot_mode(False)
     # n_positions per bucket as the trace sets it; one bucket per submodel here (NXD_CPU_MODE.md: bucket-positions)
     instance.get(len(wrapper.neuron_config.buckets) - 1)
+    if wrapper.neuron_config.is_prefix_caching:  # several, each call's set as the trace sets it for its bucket
+        instance.module.register_forward_pre_hook(_prefix_caching_bucket)
     return instance.module
+
+
+def _prefix_caching_bucket(module, args) -> None:
+    """What DecoderModelInstance.get sets for the [prefill, prefix] bucket NxDI's wrapper padded this call to, read
+    from its shapes: the prefix bucket is the attention mask's width, or 0 where NxDI passes a 1-element mask
+    (NXD_CPU_MODE.md: prefix-caching-buckets)."""
+    input_ids, attention_mask = args[0], args[1]
+    nc = module.config.neuron_config
+    module.prefix_size = attention_mask.shape[-1] if attention_mask.dim() == 2 else 0
+    module.n_active_tokens = input_ids.shape[-1]
+    module.n_positions = (module.prefix_size if nc.n_active_tokens == 1 else
+                          min(module.prefix_size + module.n_active_tokens, nc.max_context_length))
 
 
 def _check_no_unexpected(model: nn.Module, state: dict, where) -> None:
@@ -91,7 +138,7 @@ def _init_cpu_process_groups(nc, kv_group: int) -> int:
     """gloo as NxDI's to_cpu sets it up, from a launcher's environment or one process, and the KV group as
     ModelBuilder makes it (NXDI_CONTRACT.md: kv-group); returns this rank."""
     if not torch.distributed.is_initialized():
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_int("WORLD_SIZE", 1)
         if world != nc.world_size:
             raise KimiInputError(f"WORLD_SIZE={world} processes, but the NeuronConfig needs {nc.world_size} ranks "
                                  f"(tp_degree={nc.tp_degree})")

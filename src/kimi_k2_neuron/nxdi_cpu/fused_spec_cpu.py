@@ -4,7 +4,10 @@ before CpuMode; nothing on trn2 runs it."""
 
 from __future__ import annotations
 
+import torch
+from neuronx_distributed.operators.argmax import argmax as nxd_argmax
 from neuronx_distributed.parallel_layers import parallel_state
+from torch import nn
 
 from kimi_k2_neuron.errors import KimiInputError
 from kimi_k2_neuron.neuron.fused_spec import DRAFT_PREFIX
@@ -33,6 +36,28 @@ class FusedSpecCpu:
                 dst.data = src
             model.hidden_state_rolling_buffer.hidden_states.data = buffer
 
+    def _get_model_outputs(self, input_ids, attention_mask, position_ids, seq_ids, sampling_params, *args,
+                           **kwargs):
+        """A fused prefill of more rows than the prefill submodel's batch (continuous batching: one) runs one call per
+        row group here, each group's state copied before the next, the heads concatenated: NxDI's wrapper would split
+        the rows itself, but its CPU branch of that split writes the state into a kv_mgr the fused model does not have
+        (NXD_CPU_MODE.md: fused-spec-cpu)."""
+        rows, step = seq_ids.shape[0], self.neuron_config.ctx_batch_size
+        if not (self.neuron_config.enable_fused_speculation and self._is_prefill(position_ids) and rows > step):
+            return super()._get_model_outputs(input_ids, attention_mask, position_ids, seq_ids, sampling_params,
+                                              *args, **kwargs)
+        head = HEAD_WITH_LOGITS if self.neuron_config.output_logits else HEAD
+        parts = []
+        for start in range(0, rows, step):
+            group = slice(start, start + step)
+            outputs, on_neuron = super()._get_model_outputs(input_ids[group], attention_mask[group],
+                                                            position_ids[group], seq_ids[group],
+                                                            None if sampling_params is None else
+                                                            sampling_params[group], *args, **kwargs)
+            self._copy_past_key_values(outputs)
+            parts.append(outputs)
+        return [torch.cat([p[i] for p in parts]) for i in range(head)] + list(parts[-1][head:]), on_neuron
+
     def _get_constructed_outputs(self, outputs, is_run_on_neuron):
         """NxDI's CPU branch keeps outputs[0] alone."""
         if self.neuron_config.enable_fused_speculation and not is_run_on_neuron:
@@ -41,11 +66,42 @@ class FusedSpecCpu:
         return super()._get_constructed_outputs(outputs, is_run_on_neuron)
 
 
+class DeviceDraftSampler(nn.Module):
+    """The fused step's draft sampler (greedy: NxDI forces it) as its device branch runs: NxD's argmax over the draft
+    lm_head's vocab-sharded logits, with probability 1 for the pick. NxDI's CPU branch returns the argmax alone, of
+    this rank's shard only, which the sampled acceptance unpacks as (tokens, probabilities) (NXD_CPU_MODE.md:
+    fused-spec-cpu)."""
+
+    def __init__(self, lm_head):
+        super().__init__()
+        self.group = None if getattr(lm_head, "gather_output", True) else lm_head.tensor_parallel_group
+
+    def forward(self, logits, sampling_params=None, return_values=False, rank_id=None):
+        dim = logits.dim() - 1
+        tokens = torch.argmax(logits, dim=dim) if self.group is None else \
+            nxd_argmax(logits, dim=dim, gather_dim=dim, keepdim=False, process_group=self.group)
+        return (tokens, torch.ones(tokens.shape, dtype=logits.dtype)) if return_values else tokens
+
+
+def use_device_draft_sampler(model) -> None:
+    """On a built NeuronFusedSpecModel (both fused submodels build one)."""
+    if hasattr(model, "draft_sampler") and hasattr(model, "draft_model"):
+        model.draft_sampler = DeviceDraftSampler(model.draft_model.lm_head)
+
+
 def init_draft_group(nc) -> None:
     """The draft's embedding, lm_head and sampler run on NxD's speculative draft group, which ModelBuilder makes on
     device (NxDI's init_custom_process_group_fn); the draft runs at the target's TP (NXDI_CONTRACT.md: draft-tp)."""
     if nc.enable_fused_speculation:
         parallel_state.initialize_speculative_draft_group(nc.tp_degree)
+
+
+def forget_draft_group() -> None:
+    """NxD keeps its speculative draft group for the process and allows one size, and destroy_model_parallel leaves
+    it; where the harness resets NxD's state between runs of other
+    TP degrees in one process, the draft group goes too (NXD_CPU_MODE.md: fused-spec-cpu)."""
+    for name in ("_SPECULATIVE_DRAFT_GROUP", "_SPECULATIVE_DRAFT_GROUP_SPMD", "_SPECULATIVE_DRAFT_GROUP_SIZE"):
+        setattr(parallel_state, name, None)
 
 
 def checked_names(state: dict) -> list[str]:

@@ -112,9 +112,10 @@ def check_request(o: CpuOptions, seq_len: int, batch: int, sampling: Sampling | 
 
 
 def padded_seq_len(o: CpuOptions, needed: int) -> int:
-    """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), else of
-    the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the group: rules.check_layout)."""
-    step = o.spec.layout.prefill_chunk or o.spec.layout.kv_group
+    """The cache length built for `needed` positions: a whole number of chunks (each chunk writes N slots), of blocks
+    (prefix caching), else of the KV group (the sequence-sharded cache splits it evenly; a chunk is a multiple of the
+    group: rules.check_layout)."""
+    step = o.spec.layout.prefill_chunk or (o.spec.block_size if o.spec.prefix_caching else o.spec.layout.kv_group)
     return -(-needed // step) * step
 
 

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from kimi_k2_neuron.errors import KimiInputError
+from kimi_k2_neuron.errors import KimiInputError, broken_link, special_file
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -60,24 +60,38 @@ class StopStrings:
 
 def generation_defaults(checkpoint) -> dict:
     """The sampling generation_config.json asks for when it sets do_sample (Kimi-K2.7-Code: temperature 1.0, top_p
-    0.95): {"temperature": T, "top_p": P, "top_k": K} with the keys it sets; {} when it asks for none."""
+    0.95): {"temperature": T, "top_p": P, "top_k": K} with the keys it sets; {} when it asks for none. Every field
+    read is honoured or refused in one line: a file that is no JSON object, a do_sample that is no boolean (the
+    string "true" too), a setting out of its range."""
     path = Path(checkpoint) / GENERATION_CONFIG
-    if not path.is_file():
+    broken = broken_link(path)
+    if broken or (path.exists() and not path.is_file()):
+        what = broken or ("a folder" if path.is_dir() else special_file(path) or "not a file")
+        raise KimiInputError(f"{path}: is {what}; expected a JSON file (or no file: greedy decoding)")
+    if not path.exists():
         return {}
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise KimiInputError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or raw.get("do_sample") is not True:
+    except OSError as e:
+        raise KimiInputError(f"{path}: cannot read ({e.strerror})") from None
+    if not isinstance(raw, dict):
+        raise KimiInputError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    do_sample = raw.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise KimiInputError(f"{path}: field do_sample={do_sample!r}, expected true or false")
+    if not do_sample:
         return {}
     out = {}
-    for key, lo, hi in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("top_k", 0, math.inf)):
+    for key, expected in (("temperature", "a finite number >= 0"), ("top_p", "a number > 0 and <= 1"),
+                          ("top_k", "an integer >= 0")):
         value = raw.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or (
-                key == "top_p" and value == 0) or (key == "top_k" and not isinstance(value, int)):
-            raise KimiInputError(f"{path}: field {key}={value!r}, expected a number in [{lo}, {hi}]")
+        number = not isinstance(value, bool) and isinstance(value, int if key == "top_k" else (int, float))
+        if not number or not (0 < value <= 1 if key == "top_p" else 0 <= value < math.inf):
+            raise KimiInputError(f"{path}: field {key}={value!r}, expected {expected}")
         out[key] = value
     return out
 

@@ -1,8 +1,8 @@
 """run_ranks(target, nprocs, args): `target(rank, *args)` in `nprocs` spawned processes with the torch.distributed
 environment set, and no rank left behind. A failing rank stops the others and raises KimiInputError with its message
 (so the CLI prints one `error:` line) or RankFailed; a rank that dies while exiting, after its target returned, is a
-note on stderr, not a failure. SIGTERM/SIGINT stop every rank and raise RanksInterrupted; if the parent dies anyhow,
-Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
+note on stderr, not a failure. SIGTERM/SIGINT/SIGHUP stop every rank and raise RanksInterrupted; if the parent dies
+anyhow, Linux sends each rank SIGTERM (PR_SET_PDEATHSIG). `target` and `args` must be picklable. No torch
 import: a rank pays only for what its target imports."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import wait
 
 from ..errors import KimiInputError
+from ..interrupts import STOPPING
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _GRACE_SECONDS = 5  # how long a terminated rank may take before it is killed
@@ -36,7 +37,7 @@ class RankFailed(RanksError):
 
 
 class RanksInterrupted(RanksError):
-    """The parent got SIGTERM or SIGINT; every rank was terminated."""
+    """The parent got SIGTERM, SIGINT or SIGHUP; every rank was terminated."""
 
     def __init__(self, signum: int):
         name = signal.Signals(signum).name
@@ -109,7 +110,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_STOPPING = (signal.SIGTERM, signal.SIGINT)
+_STOPPING = STOPPING  # SIGINT, SIGTERM and (unless ignored: nohup) SIGHUP
 
 
 @contextmanager
@@ -125,7 +126,7 @@ def _deferred(signums):
 
 @contextmanager
 def _signals(handler):
-    """SIGTERM and SIGINT go to `handler` inside the block, from the main thread only, where handlers can be set."""
+    """The stopping signals go to `handler` inside the block, from the main thread only, where handlers can be set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -188,7 +189,9 @@ def _rank_main(target, rank: int, env: dict, parent_pid: int, report, args: tupl
     # SIGTERM (from the parent, or PDEATHSIG) exits through the interpreter's shutdown, which releases what the rank
     # holds; killed outright, it would leave e.g. tqdm's multiprocessing lock for the resource tracker to warn about.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops the ranks
+    for s in _STOPPING:  # Ctrl-C and a hangup reach the whole group; the parent stops the ranks
+        if s != signal.SIGTERM:
+            signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPPING)  # blocked while the parent started this rank (_deferred)
     _die_with_parent(parent_pid)
     faulthandler.enable()  # a crash in native code (SIGABRT, SIGSEGV) prints the Python stack of every thread

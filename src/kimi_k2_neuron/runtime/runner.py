@@ -22,7 +22,7 @@ from ..errors import KimiInputError
 from ..model.model import KimiK2ForCausalLM
 from ..parallel import SINGLE, ParallelContext
 from ..progress import bar as progress_bar
-from ..weights import load_weights
+from ..weights import check_against_config, load_weights
 from . import DTYPE_NAMES
 from .kv_cache import LatentCache
 from .memory import prefill_chunk
@@ -61,6 +61,7 @@ class CpuRunner:
         self.source = WeightSource(model_dir, cfg)
         self.cfg, self.dtype, self.layer_streamed, self.progress = self.source.cfg, dtype, layer_streamed, progress
         self._bar = progress_bar(disable=True)  # the running request's bar (_passes); a no-op outside requests
+        check_against_config(self.source)  # before the model config.json describes is allocated
         if layer_streamed:
             self._check_streamable_names()
             with torch.device("meta"):

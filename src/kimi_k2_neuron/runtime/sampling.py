@@ -30,7 +30,10 @@ def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator |
     """logits [B, V] float -> token ids [B]."""
     if p.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / p.temperature
+    # Scaled as logits less their maximum, in float64: any positive temperature (1e-300 too) leaves the top token at 0
+    # and the rest finite or -inf, never the inf (and the NaN softmax) that logits / 1e-300 in float32 gives.
+    logits = logits.double()
+    logits = ((logits - logits.max(dim=-1, keepdim=True).values) / p.temperature).float()
     if p.top_k:
         kth = logits.topk(min(p.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -79,6 +79,28 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
+def _read_text(path: Path) -> str:
+    """A tokenizer file's UTF-8 text; bytes that are not UTF-8 are one line naming the file and where."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KimiInputError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); expected "
+                             f"the file in UTF-8, as Kimi's releases ship it") from None
+
+
+def _config_template(config: dict, path: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or HF's multi-template form [{"name": "default", "template":
+    ...}, ...] (its default one); None without one."""
+    given = template = config.get("chat_template")
+    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if template is not None and not isinstance(template, str):
+        raise KimiInputError(f"{path}: field chat_template: expected a string or a list of {{\"name\", \"template\"}} "
+                             f"objects, got {json.dumps(given)[:60]}")
+    return template
+
+
 def _token_content(value: object, field: str, path: Path) -> str:
     # HF writes special tokens either as a string or as a serialized AddedToken {"content": ...}.
     if isinstance(value, dict):
@@ -182,10 +204,11 @@ class KimiTokenizer:
         vocab_path, config_path = path / VOCAB_NAME, path / CONFIG_NAME
         for required in (vocab_path, config_path):
             if not required.is_file():
-                raise KimiInputError(f"{required}: file not found; expected Kimi's tokenizer files in {path}")
+                what = "is a folder" if required.is_dir() else "file not found"
+                raise KimiInputError(f"{required}: {what}; expected Kimi's tokenizer files in {path}")
         ranks = _read_ranks(vocab_path)
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = json.loads(_read_text(config_path))
         except json.JSONDecodeError as e:
             raise KimiInputError(f"{config_path}: invalid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
         if not isinstance(config, dict):
@@ -198,9 +221,10 @@ class KimiTokenizer:
         bos = _token_content(config.get("bos_token", "[BOS]"), "bos_token", config_path)
         eos = _token_content(config.get("eos_token", "[EOS]"), "eos_token", config_path)
         template_path = path / TEMPLATE_NAME
-        template = template_path.read_text(encoding="utf-8") if template_path.is_file() else config.get("chat_template")
-        if isinstance(template, list):  # HF's multi-template form: [{"name": "default", "template": ...}, ...]
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        if template_path.exists() and not template_path.is_file():
+            raise KimiInputError(f"{template_path}: is a folder; expected the chat template's text (or no such file: "
+                                 f"tokenizer_config.json's chat_template)")
+        template = _read_text(template_path) if template_path.is_file() else _config_template(config, config_path)
         tok = cls(encoding, len(ranks), not_special, bos, eos, template, str(path))
         tok._template_file = str(template_path if template_path.is_file() else path / CONFIG_NAME)
         return tok

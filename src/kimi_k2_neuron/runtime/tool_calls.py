@@ -5,10 +5,10 @@ puts vLLM's parser interfaces on top). What Kimi writes (its chat template write
         <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>  (once per call)
     <|tool_calls_section_end|>
 
-The markers are single special tokens. A caller that feeds whole tokens' text (vLLM's detokenizer does) says so
-(`whole_markers`), and nothing is held back: a '<' at the end of a delta is text. A text-level stream may cut a
-marker, so without that promise a delta's tail that could begin a marker waits for the next delta (at most 27
-characters); `finish()` releases it when the output ends.
+The markers are single special tokens, but a stream may still cut one: a model can write a marker as ordinary text
+tokens (`<|tool_call_` then `end|>`), a detokenizer can split it, a text-level stream cuts anywhere. So a delta's
+tail that could begin a marker waits for the next delta (at most 27 characters), whoever feeds it; `finish()`
+releases it when the output ends.
 
 Markers are never content, reasoning, id or arguments. A call is reported whole (`Call`), once it is closed: by its
 end marker, the next call, the section end, or the end of the output if its arguments are then complete JSON. Its
@@ -175,9 +175,8 @@ class ReasoningSplitter:
     Reasoning is there only when the output opens with <think> or `opened` (the prompt ended with it); it ends at
     </think> (dropped) or at a tool section or call begin marker (kept, for the tool parser)."""
 
-    def __init__(self, opened: bool = False, whole_markers: bool = False):
+    def __init__(self, opened: bool = False):
         self._state = "reasoning" if opened else "start"
-        self._whole = whole_markers
         self._buf = ""
 
     @property
@@ -192,14 +191,14 @@ class ReasoningSplitter:
             body = self._buf.lstrip()
             if body.startswith(THINK_OPEN):
                 self._state, self._buf = "reasoning", body[len(THINK_OPEN):]
-            elif not body or (not self._whole and THINK_OPEN.startswith(body)):
-                return out  # whitespace, or (text-level) a prefix of <think>: undecided
+            elif not body or THINK_OPEN.startswith(body):
+                return out  # whitespace, or a prefix of <think>: undecided
             else:
                 self._state = "rest"
         if self._state == "reasoning":
             at, marker = _first(self._buf, REASONING_ENDS)
             if marker is None:
-                at = len(self._buf) - (0 if self._whole else _held(self._buf, REASONING_ENDS))
+                at = len(self._buf) - _held(self._buf, REASONING_ENDS)
             if at:
                 out.append(Reasoning(self._buf[:at]))
             if marker is None:
@@ -224,9 +223,8 @@ class ToolCallStream:
     """Content and tool calls of an output (after its reasoning), as events, from successive text deltas. `tools`:
     the request's, for calls whose id names no function."""
 
-    def __init__(self, tools: Iterable | None = None, whole_markers: bool = False):
+    def __init__(self, tools: Iterable | None = None):
         self._tools = list(tools or ())
-        self._whole = whole_markers
         self._state = "content"  # content | section | id | arguments
         self._buf = ""
         self._id = ""
@@ -241,7 +239,7 @@ class ToolCallStream:
         while True:
             at, marker = _first(self._buf, TOOL_MARKERS)
             if marker is None:
-                at = len(self._buf) - (0 if self._whole else _held(self._buf, TOOL_MARKERS))
+                at = len(self._buf) - _held(self._buf, TOOL_MARKERS)
             self._text(self._buf[:at], out)
             if marker is None:
                 self._buf = self._buf[at:]
@@ -327,10 +325,9 @@ class ToolCallStream:
 class OutputStream:
     """Reasoning (when `thinking`), content and tool calls of an output from successive text deltas."""
 
-    def __init__(self, thinking: bool = False, opened: bool = False, tools: Iterable | None = None,
-                 whole_markers: bool = False):
-        self._reasoning = ReasoningSplitter(opened, whole_markers) if thinking else None
-        self._tools = ToolCallStream(tools, whole_markers)
+    def __init__(self, thinking: bool = False, opened: bool = False, tools: Iterable | None = None):
+        self._reasoning = ReasoningSplitter(opened) if thinking else None
+        self._tools = ToolCallStream(tools)
 
     def prefill(self, text: str) -> None:
         """The start of the assistant message, already in the prompt: it sets the state, its text is not output."""

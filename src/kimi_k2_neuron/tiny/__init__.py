@@ -6,3 +6,5 @@ without downloading a terabyte; the tests use them as fixtures."""
 
 # make-tiny's --layout names (torch-free, for the argument parser): the releases checkpoint.LAYOUTS describes.
 TINY_LAYOUTS = ("k2", "k2-thinking", "k2.5", "k2.6", "k2.7")
+# make-tiny --draft-for's --draft-layout names: the public EAGLE3 draft layouts tiny/draft_checkpoint.py writes.
+DRAFT_LAYOUTS = ("eagle3", "eagle3-d2t", "eagle3.1-mla")

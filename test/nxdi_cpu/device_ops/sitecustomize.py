@@ -1,5 +1,5 @@
 """Test infrastructure of the nxdi-cpu tier, not the product. The tier's torch stand-ins for torch_neuronx's Argmax and
-xla_hlo_call DynamicUpdateSlice live in scripts/nxdi_cpu_tier/device_ops.py, which the import shim that
+xla_hlo_call DynamicUpdateSlice and Rng live in scripts/nxdi_cpu_tier/device_ops.py, which the import shim that
 scripts/build_nxdi_cpu_tier.sh writes already serves. With this folder on PYTHONPATH, every Python process of a test
 (the CLI, its spawned ranks, vLLM's engine) gets them in a venv whose shim only raises there (one built by ../shared's
 setup.sh): installed when torch_neuronx.xla_impl.ops is first imported, so a process that never imports it pays
@@ -17,13 +17,18 @@ USERS = {"Argmax": ("neuronx_distributed.operators.argmax",),
          "xla_hlo_call": ("neuronx_distributed_inference.modules.kvcache.utils",)}
 
 
+# This repository's copy under a name of its own: a venv's shim imports the copy it was built with as
+# _nxdi_cpu_device_ops, which may predate an op the tests need (Rng)
+NAME = "_nxdi_cpu_device_ops_repo"
+
+
 def _ops():
-    if "_nxdi_cpu_device_ops" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_nxdi_cpu_device_ops", SOURCE)
+    if NAME not in sys.modules:
+        spec = importlib.util.spec_from_file_location(NAME, SOURCE)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules["_nxdi_cpu_device_ops"] = module
-    return sys.modules["_nxdi_cpu_device_ops"]
+        sys.modules[NAME] = module
+    return sys.modules[NAME]
 
 
 def _install(module) -> None:
