@@ -34,14 +34,7 @@ def full_shape(name: str, mod: nn.Module, param) -> tuple[int, ...]:
 def load_weights(model: nn.Module, source: WeightSource, prefix: str = "", progress: bool = False) -> None:
     params = owned_params(model, prefix)
     names = source.names(prefix)  # callers pass prefixes ending in "." so layer 1 never matches layer 10
-    unexpected = [n for n in names if n not in params]
-    if unexpected:
-        raise KimiInputError(f"{source.dir}: {len(unexpected)} tensor(s) the model has no place for: "
-                             f"{listing(unexpected)}")
-    missing = sorted(set(params) - set(names))
-    if missing:
-        raise KimiInputError(f"{source.dir}: {len(missing)} tensor(s) missing from the checkpoint: "
-                             f"{listing(missing)}")
+    _check_names(source, names, params)
     for name in progress_bar(names, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         mod, param = params[name]
         _check_shape(source, name, mod, param)
@@ -51,20 +44,24 @@ def load_weights(model: nn.Module, source: WeightSource, prefix: str = "", progr
         param.data.copy_(ctx.shard(full, shard_dim) if ctx is not None else full)
 
 
+def _check_names(source: WeightSource, names: list[str], expected) -> None:
+    """The checkpoint's tensor names against the ones `expected` holds: one line for the first kind of difference."""
+    unexpected = [n for n in names if n not in expected]
+    if unexpected:
+        raise KimiInputError(f"{source.dir}: {len(unexpected)} tensor(s) the model has no place for: "
+                             f"{listing(unexpected)}")
+    missing = sorted(set(expected) - set(names))
+    if missing:
+        raise KimiInputError(f"{source.dir}: {len(missing)} tensor(s) missing from the checkpoint: "
+                             f"{listing(missing)}")
+
+
 def check_against_config(source: WeightSource) -> None:
     """Every logical weight's name and stored shape against what config.json describes (formats.layout), before
     any model is built: a config whose sizes the checkpoint does not hold (hidden_size 10^12) is one line naming a
     tensor, not an allocation of the model it describes."""
     want = logical_shapes(source.cfg)
-    names = source.names()
-    unexpected = [n for n in names if n not in want]
-    if unexpected:
-        raise KimiInputError(f"{source.dir}: {len(unexpected)} tensor(s) the model has no place for: "
-                             f"{listing(unexpected)}")
-    missing = sorted(set(want) - set(names))
-    if missing:
-        raise KimiInputError(f"{source.dir}: {len(missing)} tensor(s) missing from the checkpoint: "
-                             f"{listing(missing)}")
+    _check_names(source, source.names(), want)
     for name, shape in want.items():
         _check_stored(source, name, shape)
 

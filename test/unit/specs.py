@@ -35,3 +35,14 @@ def chunk(n: int) -> Layout:
 def per_channel(**opts) -> RunSpec:
     """A run of a converted fp8-per-channel checkpoint."""
     return RunSpec(**{"scheme": PER_CHANNEL, "checkpoint": "/c", **opts})
+
+
+def doc_table(text: str, heading: str) -> list[list[str]]:
+    """The rows of the first markdown table at `heading` in a doc's text, cells stripped, header and rule aside."""
+    lines = []
+    for line in text[text.index(heading):].splitlines():
+        if line.startswith("|"):
+            lines.append([c.strip() for c in line.strip("|").split("|")])
+        elif lines:
+            break
+    return lines[2:]

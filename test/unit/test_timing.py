@@ -15,6 +15,8 @@ from kimi_k2_neuron.neuron.fit import plan
 from kimi_k2_neuron.neuron.layout_search import published_spec
 from kimi_k2_neuron.neuron.timing import PUBLISHED, PUBLISHED_BY_NAME, TRN2
 
+from specs import doc_table
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "test" / "data" / "configs"
 PLANNER_DOC = (REPO / "docs" / "planner.md").read_text()
@@ -89,15 +91,7 @@ def test_the_ports_not_fitted_on_are_predicted_within_25_percent(name):
 
 
 def _table(heading: str) -> list[list[str]]:
-    """The rows of the first markdown table after `heading` in docs/planner.md, cells stripped."""
-    text = PLANNER_DOC[PLANNER_DOC.index(heading):]
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("|"):
-            lines.append([c.strip() for c in line.strip("|").split("|")])
-        elif lines:
-            break
-    return [r for r in lines[2:]]  # header and rule aside
+    return doc_table(PLANNER_DOC, heading)
 
 
 def _number(cell: str) -> float:

@@ -23,6 +23,8 @@ from kimi_k2_neuron.neuron.spec import RunSpec
 from kimi_k2_neuron.neuron.timing import TRN2
 from kimi_k2_neuron.placement import Layout
 
+from specs import doc_table
+
 REPO = Path(__file__).resolve().parents[2]
 KIMI = REPO / "test/data/configs/kimi-k2-instruct-0905.json"
 DOC = (REPO / "docs/planner.md").read_text()
@@ -136,14 +138,7 @@ def test_the_agentic_session_resends_its_whole_history():
 # -- the search at the workload -------------------------------------------------------------------------------
 
 def _table(heading: str) -> list[list[str]]:
-    text = DOC[DOC.index(heading):]
-    lines = []
-    for line in text.splitlines():
-        if line.startswith("|"):
-            lines.append([c.strip() for c in line.strip("|").split("|")])
-        elif lines:
-            break
-    return lines[2:]
+    return doc_table(DOC, heading)
 
 
 def _number(cell: str) -> float:
