@@ -265,6 +265,12 @@ def load_converter():
 def cmd_convert(a) -> int:
     check_out_dir(a.dst, "DST")
     convert = load_converter()
+    from .runtime.tokenizer import CONFIG_NAME, VOCAB_NAME
+
+    missing = [n for n in (VOCAB_NAME, CONFIG_NAME) if not (Path(a.src) / n).is_file()]
+    if missing and (Path(a.src) / "config.json").is_file():  # told now, not after the hours a real convert takes
+        print(f"note: {a.src} has no {' or '.join(missing)}: generate and vLLM need Kimi's tokenizer files beside "
+              f"the converted weights; put them in {a.dst} (convert copies what {a.src} holds)", file=sys.stderr)
     try:
         res = convert(a.src, a.dst, experts=a.experts, workers=a.workers, verify=a.verify)
     except Interrupted as e:

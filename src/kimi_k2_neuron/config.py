@@ -114,16 +114,21 @@ class KimiK2Config:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "KimiK2Config":
-        path = Path(path)
+        raw_path, path = path, Path(path)
         for p in (path.parent, path, path / "config.json"):
             broken = broken_link(p)
             if broken:
                 raise KimiInputError(f"{p}: {broken}; expected a checkpoint folder or its config.json")
         folder = path.parent if path.name == "config.json" else path
-        if not folder.exists() and HUB_ID.fullmatch(str(folder)):
-            raise KimiInputError(f"{folder}: no such folder; it looks like a Hugging Face model id, which is not "
-                                 f"downloaded here: download it first (`hf download {folder} --local-dir DIR`) and "
-                                 f"give the folder DIR")
+        if not folder.exists():
+            # owner/name, not written as a path (./, /, ~) and whose owner is no folder here: a Hub id
+            if (HUB_ID.fullmatch(str(folder)) and not str(raw_path).startswith(("./", "../", "/", "~"))
+                    and not folder.parent.exists()):
+                raise KimiInputError(f"{folder}: no such folder; it looks like a Hugging Face model id, which is not "
+                                     f"downloaded here: download it first (`hf download {folder} --local-dir DIR`) "
+                                     f"and give the folder DIR")
+            if path.suffix != ".json" or path.name == "config.json":
+                raise KimiInputError(f"{folder}: config.json not found (no such folder)")
         if path.is_dir():
             path = path / "config.json"
         node = special_file(path)

@@ -128,9 +128,14 @@ def _flush(stream) -> None:
         pass
 
 
-class StdoutError(OSError):
+class StdoutError(Exception):
     """A write to the guarded stdout failed (a full disk, /dev/full, a descriptor not open for writing): run_command
-    ends with one line. A broken pipe stays a BrokenPipeError (its reader left: quiet)."""
+    ends with one line. A broken pipe stays a BrokenPipeError (its reader left: quiet). Not an OSError, which
+    argparse's help printing swallows (a long --help into /dev/full would exit 0)."""
+
+    def __init__(self, errno: int | None, strerror: str | None):
+        super().__init__(errno, strerror)
+        self.errno, self.strerror = errno, strerror
 
 
 class _StdoutFile(io.FileIO):

@@ -24,10 +24,13 @@ def cmd_plan(a) -> int:
     from .neuron.layout_search import max_batch, max_seq_len
     from .neuron.plan_report import format_plan, plan_json
     from .neuron.timing import Port
+    from .parallel import check_tp_divides
 
     _check_plan_modes(a)
     layout_options(a)  # the layout flags' own refusals, before config.json
     cfg = KimiK2Config.from_file(Path(a.model) / "config.json" if a.model else a.config)
+    if a.tp is not None and (a.serve or a.best):  # the searches drop what the rules refuse: this none would pass
+        check_tp_divides(cfg, a.tp, split_embedding_dim=True)
     if a.port:
         return _plan_published(a, cfg)
     if a.serve:

@@ -2,8 +2,9 @@
 Kimi's vocabulary: vLLM's bitmask unpacked and Kimi's rule applied (runtime/grammar_mask.apply), then vllm-neuron's
 own CPU sampling of the step (its runner's `_cpu_sample`, vLLM's Sampler inside, each row at temperature 1.0 and
 top_p 0.95, as Kimi's fixed sampling). Every row constrained, half inside a JSON string (nearly the whole vocabulary
-allowed, the special tokens dropped by the rule) and half at a structural position (a few tokens). Not a test; run in
-the tier's venv:
+allowed, the special tokens dropped by the rule) and half at a structural position (a few tokens); and, as the worker
+runs under on-device sampling, one row of the batch constrained and sampled alone (vllm_worker.host_rows). Not a
+test; run in the tier's venv:
 
     PYTHONPATH=src ~/.cache/kimi-k2-neuron/nxdi-cpu-venv/bin/python test/nxdi_cpu/grammar_host_cost.py
 """
@@ -26,6 +27,8 @@ from kimi_k2_neuron.runtime import grammar_mask
 
 nxdi_cpu_vllm.adapt()  # vllm-neuron 0.2.0's imports on vLLM 0.13, as the tier's platform plugin adapts them
 from vllm_neuron.worker.neuronx_distributed_model_runner import NeuronxDistributedModelRunner  # noqa: E402
+
+from kimi_k2_neuron.neuron.vllm_worker import host_rows  # noqa: E402
 
 VOCAB, NUM_BASE, EOS = 163_840, 163_584, 163_585  # Kimi-K2's config vocab_size, tiktoken ranks, [EOS]
 REPEATS = 20
@@ -96,8 +99,14 @@ def main() -> None:
         mask = median_ms(lambda: grammar_mask.apply(logits.clone(), list(range(rows)), words, stops, tokens))
         sample = median_ms(lambda: run._cpu_sample(logits.clone(), SimpleNamespace(request_ids=list(range(rows)))))
         sampler = median_ms(lambda: run.cpu_sampler(logits.clone(), run.input_batch.sampling_metadata))
+        # on-device sampling: one row of the step constrained, the host samples it alone (vllm_worker.host_rows)
+        device = torch.zeros(rows, dtype=torch.long)
+        one_mask = median_ms(lambda: grammar_mask.apply(logits.clone(), [0], words[:1], stops[:1], tokens))
+        one = median_ms(lambda: host_rows(run.cpu_sampler, logits.clone(), run.input_batch.sampling_metadata, [0],
+                                          device))
         print(f"batch {rows:3d}: mask {mask:7.2f} ms, vllm-neuron's CPU sampling {sample:7.2f} ms (vLLM's Sampler "
-              f"in it {sampler:7.2f} ms), together {mask + sample:7.2f} ms a constrained step")
+              f"in it {sampler:7.2f} ms), together {mask + sample:7.2f} ms a constrained step; on-device sampling "
+              f"with one row constrained: {one_mask + one:7.2f} ms")
 
 
 if __name__ == "__main__":

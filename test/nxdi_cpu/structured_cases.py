@@ -7,7 +7,9 @@ an enum, a range, a count of items), and a request's max_tokens is its schema's 
 (`longest`, with vLLM's one-line separators), so every reply ends within it whatever the model samples: then a reply
 that parses and validates shows the mask, not the model. (xgrammar 0.1.29 lets a minLength/maxLength string hold
 raw control characters, which a strict JSON parser refuses: its length-bounded string rule excludes only the quote,
-the backslash, CR and LF; patterns have no such hole, so the bounded strings here are patterns.)
+the backslash, CR and LF; patterns have no such hole, so the bounded strings here are patterns. Its `date` format is
+YYYY-MM-DD with any day 01-31 of any month, year 0000 too: `2023-02-30` passes it and no calendar, so a `date` is
+checked for that shape, what the mask can hold a reply to; the calendar is the model's.)
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ FLAG = {"type": "boolean"}
 NOTHING = {"type": "null"}
 DAY = {"type": "string", "format": "date"}
 LEAVES = [WORD, CODE, COLOR, SIZE, COUNT, DELTA, FLAG, NOTHING, DAY]
+# jsonschema's format checks, `date` as xgrammar 0.1.29 masks it (above)
+FORMATS = jsonschema.FormatChecker()
+FORMATS.checks("date")(lambda text: not isinstance(text, str)
+                       or re.fullmatch(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])", text) is not None)
 
 
 def obj(properties: dict, required=None) -> dict:
@@ -116,7 +122,7 @@ def longest(schema: dict) -> int:
 def check(text: str, schema: dict):
     """The reply's text parsed (strictly: no raw control characters) and validated; its value."""
     value = json.loads(text)
-    jsonschema.validate(value, schema, format_checker=jsonschema.FormatChecker())
+    jsonschema.validate(value, schema, format_checker=FORMATS)
     return value
 
 

@@ -105,6 +105,8 @@ def check_schemas(server: vs.Server, streamed: int, **fields) -> None:
         assert finish == "stop", (kind, schema, message, finish)
         try:
             cases.check(message["content"], schema)
+            # one line, as Kimi's API answers (KVV's test_response_format_with counts newlines and tabs)
+            assert "\n" not in message["content"] and "\t" not in message["content"], "not compact"
         except Exception as e:
             raise AssertionError(f"{kind} {'streamed' if jobs[k][1] else 'not streamed'}: {message['content']!r} "
                                  f"against {json.dumps(schema)}: {e}") from e

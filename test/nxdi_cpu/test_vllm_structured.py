@@ -144,8 +144,8 @@ def test_the_reasoning_is_free_and_the_answer_held(server, k26):
 
 
 def test_a_plain_reply_batched_with_a_constrained_one_keeps_its_tokens(server):
-    """A greedy reply alone (device-sampled every step) and the same beside a constrained request (its steps then
-    sampled on the host from the same logits): the same tokens."""
+    """A greedy reply alone and the same beside a constrained request (whose row alone is then sampled on the host, the
+    plain row keeping the device's token from the same call): the same tokens."""
     from concurrent.futures import ThreadPoolExecutor
 
     plain = ss.chat(temperature=0.0, max_tokens=24, ignore_eos=True, return_token_ids=True, **ss.NO_THINKING)
@@ -154,4 +154,20 @@ def test_a_plain_reply_batched_with_a_constrained_one_keeps_its_tokens(server):
     with ThreadPoolExecutor(2) as pool:
         beside = pool.submit(server.post, "/v1/chat/completions", plain)
         pool.submit(server.post, "/v1/chat/completions", held).result()
+        assert beside.result()["choices"][0]["token_ids"] == alone
+
+
+def test_a_greedy_reply_beside_a_sampled_one_keeps_its_tokens(server):
+    """vllm-neuron hands the device's sampler each row's parameters by the order its runner holds the requests, not by
+    the step's rows (NXDI_CONTRACT.md: vllm-ods-params); the worker hands them by row, so a greedy reply beside one
+    sampled at temperature 1.0, no grammar in either, gives the tokens it gives alone, whichever arrives first."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    greedy = ss.chat(temperature=0.0, max_tokens=24, ignore_eos=True, return_token_ids=True, **ss.NO_THINKING)
+    alone = server.post("/v1/chat/completions", greedy)["choices"][0]["token_ids"]
+    sampled = {**greedy, "temperature": 1.0}
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(server.post, "/v1/chat/completions", sampled)
+        beside = pool.submit(server.post, "/v1/chat/completions", greedy)
+        other.result()
         assert beside.result()["choices"][0]["token_ids"] == alone

@@ -315,6 +315,16 @@ def test_cli_convert(tiny, tmp_path, capsys):
                      "--workers", "0"]) == 2
 
 
+def test_convert_says_at_once_when_the_tokenizer_is_missing(tiny, tmp_path, capsys):
+    src = Path(shutil.copytree(tiny["fp8"], tmp_path / "src"))
+    assert cli.main(["convert", str(src), str(tmp_path / "o"), "--experts", "fp8-blockwise"]) == 0
+    assert capsys.readouterr().err == ""
+    (src / "tiktoken.model").unlink()
+    assert cli.main(["convert", str(src), str(tmp_path / "o2"), "--experts", "fp8-blockwise"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"note: {src} has no tiktoken.model: "), err
+
+
 def test_a_damaged_demo_cache_names_the_folder_and_the_fix(tiny, tmp_path, monkeypatch, capsys, one_line_error):
     monkeypatch.setenv("KIMI_K2_NEURON_CACHE", str(tmp_path))
     cached = Path(shutil.copytree(tiny["fp8"], tmp_path / "tiny-fp8"))
@@ -577,6 +587,16 @@ def test_a_hub_model_id_says_how_to_download_it(argv, tmp_path, monkeypatch, cap
     rc, _, err = run_cli([a.format(tmp=tmp_path) for a in argv], capsys)
     one_line_error.exit(rc, err, "moonshotai/Kimi-K2-Instruct: no such folder; it looks like a Hugging Face model id",
                         "`hf download moonshotai/Kimi-K2-Instruct --local-dir DIR`")
+
+
+def test_a_missing_local_folder_is_no_hub_id(tmp_path, monkeypatch, capsys, one_line_error):
+    """owner/name whose owner is a folder here is a typo of a local path, not a Hub id; an absolute one too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conv").mkdir()
+    for model in ("conv/k2x", str(tmp_path / "data" / "Kimi-K2-Instruct")):
+        rc, _, err = run_cli(["plan", "--model", model, "--tp", "2", "--seq-len", "64"], capsys)
+        one_line_error.exit(rc, err, f"{model}: config.json not found (no such folder)")
+        assert "Hugging Face" not in err
 
 
 # -- plain words first: NxD's names only after them, in parentheses ----------------------------------------------------

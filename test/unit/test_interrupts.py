@@ -412,12 +412,13 @@ def _command(*argv: str, stdout, env=None) -> subprocess.CompletedProcess:
     ["plan", "--tp", "64", "--seq-len", "1024"],  # the table, written past the buffer mid-run
     ["plan", "--tp", "64", "--seq-len", "1024", "--json"],  # buffered whole: fails at the last flush
     ["--version"],
-], ids=["plan", "plan --json", "--version"])
+    ["plan", "--help"],  # longer than the buffer: written inside argparse, which swallows an OSError
+], ids=["plan", "plan --json", "--version", "plan --help"])
 def test_a_full_stdout_is_one_line_and_exit_2(argv):
     """`plan > /dev/full`: one `error: stdout: cannot write (disk full)` line and exit 2 (as a full --out), no
     traceback and no `Exception ignored` (before: a traceback and exit 1, plan's 'does not fit')."""
     config = REPO / "test" / "data" / "configs" / "kimi-k2-instruct-0905.json"
-    argv = [*argv[:1], "--config", str(config), *argv[1:]] if argv[0] == "plan" else argv
+    argv = [*argv[:1], "--config", str(config), *argv[1:]] if argv[:1] == ["plan"] and "--help" not in argv else argv
     with open("/dev/full", "w") as full:
         r = _command(*argv, stdout=full)
     assert r.returncode == 2 and r.stderr.decode() == "error: stdout: cannot write (disk full)\n", r.stderr[-2000:]

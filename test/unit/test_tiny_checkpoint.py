@@ -31,6 +31,14 @@ def test_fp8_tiny_layout(tiny):
     assert len(shards) == 2  # one layer's experts span two files
 
 
+def test_one_layer_is_dense_and_still_split_into_the_files_asked(tmp_path):
+    """--layers 1: Kimi's first layer is dense (first_k_dense_replace 1), so there are no experts to cut in."""
+    d = make_tiny(tmp_path / "one", config_overrides={"num_hidden_layers": 1})
+    ck = ShardedCheckpoint(d)
+    assert len(ck.shard_names()) == 3 and not any(".experts." in k for k in ck.keys())
+    assert "model.layers.0.mlp.gate_proj.weight" in ck
+
+
 def test_int4_tiny_layout(tiny):
     ck = ShardedCheckpoint(tiny["int4"])
     p = "model.layers.2.mlp.experts.5.down_proj."

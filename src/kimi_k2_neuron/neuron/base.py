@@ -241,6 +241,18 @@ class KimiK2DecoderLayer(DecoderLayer):
         return torch.index_select(entries, 1, owned)
 
 
+def set_model_attrs(model, config) -> None:
+    """What NxDI's NeuronBaseModel reads of a model (its setup_attr_for_model), for the target and the MLA draft."""
+    nc = config.neuron_config
+    model.on_device_sampling = nc.on_device_sampling_config is not None
+    model.tp_degree = nc.tp_degree
+    model.hidden_size = config.hidden_size
+    model.num_attention_heads = config.num_attention_heads
+    model.num_key_value_heads = 1  # this, not the config, sizes the cache (NXDI_CONTRACT.md: latent-kv-head)
+    model.max_batch_size = nc.max_batch_size
+    model.buckets = nc.buckets
+
+
 class KimiK2Model(NeuronBaseModel):
     """NxDI's model of one submodel; its decoder layers attend as attention_kind says."""
 
@@ -251,15 +263,7 @@ class KimiK2Model(NeuronBaseModel):
         return SHARDED_DECODE if config.neuron_config.flash_decoding_enabled else DECODE
 
     def setup_attr_for_model(self, config: KimiK2InferenceConfig):
-        nc = config.neuron_config
-        self.on_device_sampling = nc.on_device_sampling_config is not None
-        self.tp_degree = nc.tp_degree
-        self.hidden_size = config.hidden_size
-        self.num_attention_heads = config.num_attention_heads
-        # This, not the config, sizes the cache (NXDI_CONTRACT.md: latent-kv-head).
-        self.num_key_value_heads = 1
-        self.max_batch_size = nc.max_batch_size
-        self.buckets = nc.buckets
+        set_model_attrs(self, config)
 
     def init_model(self, config: KimiK2InferenceConfig):
         cfg, dtype = config.core_config(), config.neuron_config.torch_dtype

@@ -27,7 +27,7 @@ from kimi_k2_neuron.model.rope import RotaryTable  # noqa: E402
 from kimi_k2_neuron.placement import Layout  # noqa: E402
 
 from .draft_vocab import DraftVocabMap, draft_lm_head  # noqa: E402
-from .base import DECODE, PREFILL, KimiK2DecoderLayer, NxDParallelContext  # noqa: E402
+from .base import DECODE, PREFILL, KimiK2DecoderLayer, NxDParallelContext, set_model_attrs  # noqa: E402
 from .draft_config import Eagle3MlaInferenceConfig  # noqa: E402
 from .latent_cache import LatentKVCacheManager  # noqa: E402
 
@@ -40,14 +40,7 @@ class Eagle3MlaDecoderLayer(Eagle3Layer, KimiK2DecoderLayer):
 
 class Eagle3MlaDraftModel(DraftVocabMap, NeuronBaseModel):
     def setup_attr_for_model(self, config: Eagle3MlaInferenceConfig):
-        nc = config.neuron_config
-        self.on_device_sampling = nc.on_device_sampling_config is not None
-        self.tp_degree = nc.tp_degree
-        self.hidden_size = config.hidden_size
-        self.num_attention_heads = config.num_attention_heads
-        self.num_key_value_heads = 1  # this, not the config, sizes the cache (NXDI_CONTRACT.md: latent-kv-head)
-        self.max_batch_size = nc.max_batch_size
-        self.buckets = nc.buckets
+        set_model_attrs(self, config)
 
     def init_model(self, config: Eagle3MlaInferenceConfig):
         cfg, nc = config.core_config(), config.neuron_config

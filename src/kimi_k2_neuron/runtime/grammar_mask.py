@@ -105,11 +105,14 @@ def allowed(row: torch.Tensor, tokens: SpecialTokens, stops: Iterable[int]) -> t
 
 
 def apply(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, stops: list[Iterable[int]],
-          tokens: SpecialTokens) -> None:
+          tokens: SpecialTokens) -> list[int]:
     """Masks logits[rows[k]] in place by bitmask row k (vLLM's GrammarOutput, rows in its order) and the request's
-    stop tokens stops[k]: what a row may not sample gets -inf."""
+    stop tokens stops[k]: what a row may not sample gets -inf. Returns the rows masked (not those left open)."""
     masks = unpack(bitmask, logits.shape[-1])
+    masked = []
     for k, r in enumerate(rows):
         keep = allowed(masks[k], tokens, stops[k])
         if keep is not None:
             logits[r].masked_fill_(~keep.to(logits.device), float("-inf"))
+            masked.append(r)
+    return masked

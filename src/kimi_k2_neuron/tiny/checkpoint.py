@@ -162,6 +162,12 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
     if n_shards == 1:
         return [names]
     experts = [i for i, n in enumerate(names) if is_routed_expert(n)]
+    if not experts:  # one layer, dense as Kimi's first: no expert to cut in, so files of even sizes
+        if n_shards > len(names):
+            raise KimiInputError(f"--shards {n_shards}: expected 1..{len(names)} (every file holds a tensor at least)")
+        size, extra = divmod(len(names), n_shards)
+        bounds = [k * size + min(k, extra) for k in range(n_shards + 1)]
+        return [names[a:b] for a, b in zip(bounds, bounds[1:])]
     first_layer = names[experts[0]].split(".mlp.")[0]
     first_layer_experts = [i for i in experts if names[i].startswith(first_layer + ".")]
     cut = first_layer_experts[len(first_layer_experts) // 2]
