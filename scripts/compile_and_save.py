@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             raise KimiInputError("this configuration does not fit (see above); pass --force to compile anyway")
         if not args.force:
             check_host_resources(p, args.out)
-        advice = fallback_advice(prefill_fallbacks(cfg, spec), args.moe_prefill)
+        advice = fallback_advice(prefill_fallbacks(cfg, spec), spec.moe_prefill)
     except KimiInputError as e:
         return fail(e)
 

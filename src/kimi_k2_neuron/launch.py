@@ -95,7 +95,10 @@ def run_spec(args: argparse.Namespace, cfg=None, record=None, one_rank_group: bo
         kw["scheme"] = expert_scheme(cfg, record, args.experts)
     if "draft" not in fixed:
         kw["draft"] = draft_spec(args, cfg)
-    return RunSpec(**{**kw, **fixed})
+    kw = {**kw, **fixed}
+    if cfg is not None and "moe_prefill" not in kw:  # no --moe-prefill: the kernel's mode where it runs these shapes
+        kw["moe_prefill"] = RunSpec(**kw, moe_prefill=None).prefill_mode(cfg)
+    return RunSpec(**kw)
 
 
 def layout_options(args: argparse.Namespace, one_rank_group: bool = False) -> Layout:

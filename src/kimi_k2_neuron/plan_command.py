@@ -14,7 +14,6 @@ from .arguments import add_spec_args, checkpoint_folder, integer, integers, numb
 from .errors import KimiInputError
 from .formats import DEFAULT_SCHEME, EXPERT_FORMATS
 from .launch import draft_spec, layout_flags_given, layout_options, run_spec
-from .neuron.moe_paths import DEFAULT_MODE
 
 
 def cmd_plan(a) -> int:
@@ -163,7 +162,7 @@ def _plan_best(a, cfg, spec, port) -> int:
     from .neuron.plan_report import format_plan, plan_json
     from .neuron.spec import layout_flags
 
-    replaced = layout_flags_given(a) + ([f"--moe-prefill {a.moe_prefill}"] if a.moe_prefill != DEFAULT_MODE else [])
+    replaced = layout_flags_given(a) + ([f"--moe-prefill {a.moe_prefill}"] if a.moe_prefill else [])
     if replaced:
         print(f"note: --best searches the layout and the MoE prefill itself: {', '.join(replaced)} given, not used "
               f"(--max-context-length, --seq-len and --batch are kept)", file=sys.stderr)

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -89,11 +90,24 @@ def test_each_flag_sets_a_spec_field_and_defaults_to_the_specs_own():
     p = argparse.ArgumentParser()
     arguments.add_spec_args(p)
     a = p.parse_args([])
-    assert (a.tp, a.seq_len, a.batch, a.moe_prefill, a.global_topk) == (1, 1024, 1, "shard-on-block", 256)
+    assert (a.tp, a.seq_len, a.batch, a.moe_prefill, a.global_topk) == (1, 1024, 1, None, 256)
     assert run_spec(a) == RunSpec()  # nothing given: the spec's own defaults
     # the defaults the parser shows without holding them (not given differs from given as the default)
     helps = {action.dest: action.help for action in p._actions}
     assert helps["speculation_length"].endswith("(default: 4)") and a.speculation_length is None
+
+
+def test_no_moe_prefill_is_the_kernels_mode_where_it_runs_the_shapes(tiny):
+    """Without --moe-prefill a flag build takes RunSpec.prefill_mode's choice: the kernel's at Kimi's shapes, torch
+    at a tiny model's (whose hidden size no kernel takes), never a refusal of a flag the user did not give."""
+    from kimi_k2_neuron.config import KimiK2Config
+
+    p = argparse.ArgumentParser()
+    arguments.add_spec_args(p)
+    kimi = KimiK2Config.from_file(Path(__file__).parents[1] / "data" / "configs" / "kimi-k2-instruct-0905.json")
+    assert run_spec(p.parse_args(["--tp", "64"]), kimi).moe_prefill == "shard-on-block"
+    assert run_spec(p.parse_args(["--tp", "2"]), KimiK2Config.from_file(tiny["fp8"])).moe_prefill == "torch"
+    assert run_spec(p.parse_args(["--tp", "64", "--moe-prefill", "torch"]), kimi).moe_prefill == "torch"
 
 
 def test_a_new_field_is_one_flag_entry_and_its_use(monkeypatch):

@@ -368,8 +368,9 @@ FLAGS = (
          f"holds; {DEFAULT_SCHEME}, exact from FP8 and INT4 sources, for a raw one, converted first into "
          f"$KIMI_K2_NEURON_CACHE/converted)", kind="choice", choices=SCHEMES, taken=NEURON | {TRACE, CPU},
          why_not="the core runner reads any checkpoint as it is"),
-    Flag("--moe-prefill", "moe_prefill", "moe", "how prefill runs the routed experts: " + moe_paths.modes_help(),
-         kind="choice", choices=tuple(moe_paths.MODES)),
+    Flag("--moe-prefill", "moe_prefill", "moe", "how prefill runs the routed experts: " + moe_paths.modes_help()
+         + f" (default: {moe_paths.DEFAULT_MODE} where its kernel runs the model's shapes, else torch: tiny models)",
+         kind="choice", choices=tuple(moe_paths.MODES), unset=True),
     Flag("--moe-decode", "moe_decode", "moe", "how token generation runs the routed experts, through NxD's public "
          "methods: selective = each token's top-k experts, one token at a time (forward_selective_loading; not with "
          "--ep); all-experts = every local expert for the whole batch (forward_all_experts, its EP variant with --ep) "
