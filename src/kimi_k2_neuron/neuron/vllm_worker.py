@@ -75,11 +75,11 @@ class KimiModelRunner(NeuronxDistributedModelRunner):
         vllm-neuron's."""
         cap = min(self.model.neuron_config.on_device_sampling_config.global_topk, self._MAX_NEURON_SAMPLING_TOP_K)
         rows = model_input.sampling_params.clone()
-        for i, req_id in enumerate(model_input.request_ids[:rows.shape[0]]):
-            p = self.requests[req_id].sampling_params
-            greedy = p.temperature == 0.0
-            top_k = 1 if greedy else (p.top_k if 0 < p.top_k < cap else cap)
-            rows[i] = prepare_sampling_params(1, [top_k], [p.top_p], [1.0 if greedy else p.temperature])[0]
+        params = [self.requests[r].sampling_params for r in model_input.request_ids[:rows.shape[0]]]
+        greedy = [p.temperature == 0.0 for p in params]
+        rows[:len(params)] = prepare_sampling_params(
+            len(params), [1 if g else (p.top_k if 0 < p.top_k < cap else cap) for g, p in zip(greedy, params)],
+            [p.top_p for p in params], [1.0 if g else p.temperature for g, p in zip(greedy, params)])
         return rows
 
     @property

@@ -162,24 +162,25 @@ def shard_plan(names: list[str], n_shards: int) -> list[list[str]]:
     if n_shards == 1:
         return [names]
     experts = [i for i, n in enumerate(names) if is_routed_expert(n)]
-    if not experts:  # one layer, dense as Kimi's first: no expert to cut in, so files of even sizes
-        if n_shards > len(names):
-            raise KimiInputError(f"--shards {n_shards}: expected 1..{len(names)} (every file holds a tensor at least)")
-        size, extra = divmod(len(names), n_shards)
-        bounds = [k * size + min(k, extra) for k in range(n_shards + 1)]
-        return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+    if not experts:  # one layer, dense as Kimi's first: no expert to cut in
+        return _even_files(names, n_shards)
     first_layer = names[experts[0]].split(".mlp.")[0]
     first_layer_experts = [i for i in experts if names[i].startswith(first_layer + ".")]
     cut = first_layer_experts[len(first_layer_experts) // 2]
     while ".experts.0." not in names[cut] and not names[cut].endswith("gate_proj.weight"):
         cut -= 1  # start the second shard at an expert boundary
-    rest = names[cut:]
-    if n_shards > 1 + len(rest):
-        raise KimiInputError(f"--shards {n_shards}: expected 1..{1 + len(rest)} (every file holds a tensor at least)")
-    # exactly n_shards - 1 files after the first, their sizes differing by one tensor at most
-    size, extra = divmod(len(rest), n_shards - 1)
-    bounds = [k * size + min(k, extra) for k in range(n_shards)]
-    return [names[:cut]] + [rest[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [names[:cut]] + _even_files(names[cut:], n_shards - 1, before=1)
+
+
+def _even_files(names: list[str], n: int, before: int = 0) -> list[list[str]]:
+    """names (in order) in exactly n files, their sizes differing by one tensor at most; `before` files come ahead
+    of them (for --shards' range in the refusal)."""
+    if n > len(names):
+        raise KimiInputError(f"--shards {n + before}: expected 1..{len(names) + before} (every file holds a tensor "
+                             f"at least)")
+    size, extra = divmod(len(names), n)
+    bounds = [k * size + min(k, extra) for k in range(n + 1)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def make_tiny(out: str | Path, quant: str | None = None, shards: int = 3, seed: int = 0,
